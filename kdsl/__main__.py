@@ -1,0 +1,5 @@
+import sys
+
+from kdsl.cli import main
+
+sys.exit(main())

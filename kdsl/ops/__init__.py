@@ -1,0 +1,4 @@
+"""The tensor API. Every op checks its arguments, then launches the kernel the registry picks."""
+from kdsl.ops.block_fp8 import act_quant, fp8_gemm, weight_dequant, weight_quant
+
+__all__ = ["act_quant", "weight_quant", "weight_dequant", "fp8_gemm"]

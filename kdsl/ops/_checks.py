@@ -1,0 +1,67 @@
+"""Argument checks shared by the ops: each error names the argument, what was expected and what came."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+_DTYPE_NAMES = {
+    torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+    torch.float8_e4m3fn: "float8_e4m3fn", torch.int32: "int32",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def tensor(name: str, value, dtypes: tuple[torch.dtype, ...], ndim: int | None = None, min_ndim: int | None = None):
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if value.dtype not in dtypes:
+        wanted = " or ".join(dtype_name(d) for d in dtypes)
+        raise TypeError(f"{name}: expected dtype {wanted}, got {dtype_name(value.dtype)}")
+    if ndim is not None and value.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(value.shape)}")
+    if min_ndim is not None and value.dim() < min_ndim:
+        raise ValueError(f"{name}: expected at least {min_ndim} dimension(s), got shape {tuple(value.shape)}")
+    return value
+
+
+def shape(name: str, value: torch.Tensor, expected: tuple, what: str = "") -> None:
+    if tuple(value.shape) != tuple(expected):
+        note = f" ({what})" if what else ""
+        raise ValueError(f"{name}: expected shape {tuple(expected)}{note}, got {tuple(value.shape)}")
+
+
+def same_device(**tensors: torch.Tensor) -> torch.device:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    first_name, first = next(iter(devices.items()))
+    for name, device in devices.items():
+        if device != first:
+            raise ValueError(f"{name}: expected device {first} (like {first_name}), got {device}")
+    return first
+
+
+def positive_power_of_two(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value & (value - 1):
+        raise ValueError(f"{name}: expected a positive power of two, got {value!r}")
+    return value
+
+
+def out_dtype(name: str, value, allowed: tuple[torch.dtype, ...]) -> torch.dtype:
+    if value not in allowed:
+        wanted = ", ".join(dtype_name(d) for d in allowed)
+        raise TypeError(f"{name}: expected one of {wanted}, got {value!r}")
+    return value
+
+
+def rows(value: torch.Tensor, last: int) -> torch.Tensor:
+    """[..., last] as a 2-D view with unit stride along the last dim (copies only if it must)."""
+    flat = value.reshape(-1, last)
+    return flat if flat.stride(-1) == 1 or flat.numel() == 0 else flat.contiguous()
+
+
+def use_kernels(device: torch.device) -> bool:
+    """CUDA tensors always run generated kernels; CPU tensors only under Triton's interpreter."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"

@@ -1,0 +1,128 @@
+"""Block-FP8 tensor ops (DeepSeek-V3 layout): check arguments, then launch the registry's kernel."""
+from __future__ import annotations
+
+import torch
+
+from kdsl.naming import block_fp8_scheme_name
+from kdsl.ops import _checks as check
+from kdsl.ops import fallback
+from kdsl.runtime import registry
+
+FP8 = torch.float8_e4m3fn
+FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
+DEFAULT_BLOCK = (128, 128)
+
+
+def _scheme(block_n: int, block_k: int, act_group: int) -> str:
+    return block_fp8_scheme_name("e4m3", block_n, block_k, act_group, "f32")
+
+
+def act_quant(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize activations per token in groups along K: s = amax(|group|) / 448, q = e4m3(x / s).
+
+    x [..., K] bf16/fp16/fp32 with K % group_size == 0. Returns q float8_e4m3fn [..., K]
+    and s float32 [..., K // group_size]. An all-zero group gets a tiny finite scale and zeros.
+    """
+    check.tensor("x", x, FLOAT_INPUTS, min_ndim=1)
+    check.positive_power_of_two("group_size", group_size)
+    k = x.shape[-1]
+    if k % group_size:
+        raise ValueError(f"x: last dimension K = {k} must be a multiple of group_size = {group_size}")
+    q = torch.empty(x.shape, dtype=FP8, device=x.device)
+    s = torch.empty((*x.shape[:-1], k // group_size), dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return q, s
+    if not check.use_kernels(x.device):
+        return fallback.act_quant(x, group_size)
+    x2 = check.rows(x, k)
+    entry = registry.dispatch("act_quant", _scheme(*DEFAULT_BLOCK, group_size), x.device)
+    entry.launch(x2, q.view(-1, k), s.view(-1, k // group_size), entry.tile_for(x2.shape[0]))
+    return q, s
+
+
+def weight_quant(w: torch.Tensor, block_size: tuple[int, int] = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a weight [N, K] in (n, k) blocks: one float32 scale per block = block amax / 448.
+
+    Returns q float8_e4m3fn [N, K] and s float32 [ceil(N / n), ceil(K / k)]; N and K need not
+    be multiples of the block.
+    """
+    check.tensor("w", w, FLOAT_INPUTS, ndim=2)
+    block_n, block_k = _block("block_size", block_size)
+    n, k = w.shape
+    q = torch.empty((n, k), dtype=FP8, device=w.device)
+    s = torch.empty((-(-n // block_n), -(-k // block_k)), dtype=torch.float32, device=w.device)
+    if w.numel() == 0:
+        return q, s
+    if not check.use_kernels(w.device):
+        return fallback.weight_quant(w, block_n, block_k)
+    entry = registry.dispatch("weight_quant", _scheme(block_n, block_k, block_k), w.device)
+    entry.launch(check.rows(w, k), q, s, entry.tile_for(n))
+    return q, s
+
+
+def weight_dequant(
+    q: torch.Tensor, s: torch.Tensor, block_size: tuple[int, int] = DEFAULT_BLOCK,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """w [N, K] = q * s expanded over (n, k) blocks, in out_dtype (bf16, fp16 or fp32)."""
+    check.tensor("q", q, (FP8,), ndim=2)
+    check.tensor("s", s, (torch.float32,), ndim=2)
+    block_n, block_k = _block("block_size", block_size)
+    check.out_dtype("out_dtype", out_dtype, FLOAT_INPUTS)
+    n, k = q.shape
+    check.shape("s", s, (-(-n // block_n), -(-k // block_k)), f"one scale per {block_n}x{block_k} block of q")
+    check.same_device(q=q, s=s)
+    w = torch.empty((n, k), dtype=out_dtype, device=q.device)
+    if q.numel() == 0:
+        return w
+    if not check.use_kernels(q.device):
+        return fallback.weight_dequant(q, s, block_n, block_k, out_dtype)
+    entry = registry.dispatch("weight_dequant", _scheme(block_n, block_k, block_k), q.device)
+    entry.launch(check.rows(q, k), s, w, entry.tile_for(n))
+    return w
+
+
+def fp8_gemm(
+    a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """C [..., N] = (a * a_s) @ (b * b_s)^T with DeepSeek-V3 block scaling, accumulated in fp32.
+
+    a [..., K] float8_e4m3fn with a_s float32 [..., K / 128] (per token, per 128 along K);
+    b [N, K] float8_e4m3fn with b_s float32 [ceil(N / 128), K / 128] (per 128x128 block, e.g. a
+    checkpoint's weight_scale_inv). K must be a multiple of 128 and N of 16; any M, including 0.
+    """
+    group = DEFAULT_BLOCK[1]
+    check.tensor("a", a, (FP8,), min_ndim=1)
+    check.tensor("a_s", a_s, (torch.float32,), min_ndim=1)
+    check.tensor("b", b, (FP8,), ndim=2)
+    check.tensor("b_s", b_s, (torch.float32,), ndim=2)
+    check.out_dtype("out_dtype", out_dtype, FLOAT_INPUTS)
+    k = a.shape[-1]
+    n = b.shape[0]
+    if k % group:
+        raise ValueError(f"a: last dimension K = {k} must be a multiple of {group}")
+    if b.shape[1] != k:
+        raise ValueError(f"b: expected shape (N, {k}) to match a's K = {k}, got {tuple(b.shape)}")
+    if n % 16:
+        raise ValueError(f"b: N = {n} must be a multiple of 16")
+    check.shape("a_s", a_s, (*a.shape[:-1], k // group), "one scale per token per 128 of K")
+    check.shape("b_s", b_s, (-(-n // DEFAULT_BLOCK[0]), k // group), "one scale per 128x128 block of b")
+    device = check.same_device(a=a, a_s=a_s, b=b, b_s=b_s)
+    c = torch.empty((*a.shape[:-1], n), dtype=out_dtype, device=device)
+    if c.numel() == 0:
+        return c
+    a2, a_s2 = a.reshape(-1, k), a_s.reshape(-1, k // group)
+    if not check.use_kernels(device):
+        return fallback.fp8_gemm(a2, a_s2, b, b_s, group, *DEFAULT_BLOCK, out_dtype).view(c.shape)
+    # TMA wants contiguous, 16-byte aligned operands; the portable kernel is happy with them too.
+    a2, a_s2, b, b_s = a2.contiguous(), a_s2.contiguous(), b.contiguous(), b_s.contiguous()
+    entry = registry.dispatch("fp8_gemm", _scheme(*DEFAULT_BLOCK, group), device)
+    entry.launch(a2, a_s2, b, b_s, c.view(-1, n), entry.tile_for(a2.shape[0]))
+    return c
+
+
+def _block(name: str, block) -> tuple[int, int]:
+    if not (isinstance(block, (tuple, list)) and len(block) == 2):
+        raise ValueError(f"{name}: expected (n, k), got {block!r}")
+    return check.positive_power_of_two(f"{name}[0]", block[0]), check.positive_power_of_two(f"{name}[1]", block[1])

@@ -1,0 +1,49 @@
+"""Plain-torch implementations the ops run on CPU tensors when Triton's interpreter is off.
+
+They compute what the generated kernels compute, in the same precision, and are
+not the references the tests compare against (those live in tests/).
+"""
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-10  # same floor as the kernels: an all-zero group keeps a finite scale
+
+
+def act_quant(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    groups = x.float().unflatten(-1, (-1, group_size))
+    scale = groups.abs().amax(dim=-1).clamp_min(AMAX_FLOOR) / FP8_MAX
+    q = (groups / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).flatten(-2)
+    return q, scale
+
+
+def _expand_blocks(s: torch.Tensor, block_n: int, block_k: int, n: int, k: int) -> torch.Tensor:
+    return s.repeat_interleave(block_n, 0).repeat_interleave(block_k, 1)[:n, :k]
+
+
+def weight_quant(w: torch.Tensor, block_n: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = w.shape
+    padded = torch.nn.functional.pad(w.float(), (0, -k % block_k, 0, -n % block_n))
+    blocks = padded.unflatten(0, (-1, block_n)).unflatten(2, (-1, block_k))  # [nb, bn, kb, bk]
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(AMAX_FLOOR) / FP8_MAX
+    q = (w.float() / _expand_blocks(scale, block_n, block_k, n, k)).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def weight_dequant(q: torch.Tensor, s: torch.Tensor, block_n: int, block_k: int, out_dtype: torch.dtype) -> torch.Tensor:
+    n, k = q.shape
+    return (q.float() * _expand_blocks(s, block_n, block_k, n, k)).to(out_dtype)
+
+
+def fp8_gemm(a, a_s, b, b_s, act_group: int, block_n: int, block_k: int, out_dtype: torch.dtype) -> torch.Tensor:
+    # Same order of operations as the kernel: per K step, dot then both scales, in fp32.
+    m, k = a.shape
+    n = b.shape[0]
+    acc = torch.zeros(m, n, dtype=torch.float32, device=a.device)
+    b_scale_rows = b_s.repeat_interleave(block_n, 0)[:n]  # [n, k / block_k]
+    step = min(act_group, block_k)
+    for start in range(0, k, step):
+        partial = a[:, start:start + step].float() @ b[:, start:start + step].float().T
+        acc += partial * a_s[:, start // act_group, None] * b_scale_rows[None, :, start // block_k]
+    return acc.to(out_dtype)

@@ -1,0 +1,1 @@
+"""Runtime: the manifest of generated kernels and the registry that picks among them."""

@@ -1,0 +1,110 @@
+"""Read generated/manifest.json into plain, immutable entries; import their modules on demand."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+GENERATED_ENV = "KDSL_GENERATED"
+SUPPORTED_FORMAT = 1
+
+
+def generated_dir() -> Path:
+    """$KDSL_GENERATED, else the generated/ folder beside the kdsl package."""
+    override = os.environ.get(GENERATED_ENV)
+    return Path(override) if override else Path(__file__).resolve().parents[2] / "generated"
+
+
+@dataclass(frozen=True)
+class TileBucket:
+    m_max: int | None
+    params: dict = field(hash=False, compare=False)
+
+
+@dataclass(frozen=True, eq=False)
+class KernelEntry:
+    """One generated kernel: where it may run, how it is tiled, and its module (imported lazily)."""
+
+    name: str
+    op: str
+    impl: str
+    scheme: str
+    min_arch: int
+    max_arch: int | None
+    tiles: tuple[TileBucket, ...]
+    module_path: Path
+    function: str
+    source: str
+
+    def tile_for(self, m: int) -> dict:
+        for bucket in self.tiles:
+            if bucket.m_max is None or m <= bucket.m_max:
+                return bucket.params
+        return self.tiles[-1].params
+
+    def bucket_index(self, m: int | None) -> int:
+        if m is None:
+            return len(self.tiles) - 1
+        for index, bucket in enumerate(self.tiles):
+            if bucket.m_max is None or m <= bucket.m_max:
+                return index
+        return len(self.tiles) - 1
+
+    def load(self) -> ModuleType:
+        module = _MODULES.get(self.module_path)
+        if module is None:
+            module = _import_file(f"kdsl_generated.{self.name}", self.module_path)
+            _MODULES[self.module_path] = module
+        return module
+
+    @property
+    def launch(self):
+        return getattr(self.load(), self.function)
+
+    def arch_range(self) -> str:
+        return f"sm_{self.min_arch}..sm_{self.max_arch}" if self.max_arch else f"sm_{self.min_arch}+"
+
+
+_MODULES: dict[Path, ModuleType] = {}
+
+
+def _import_file(module_name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import generated module {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # Triton's JIT looks functions up through their module
+    spec.loader.exec_module(module)
+    return module
+
+
+class ManifestError(RuntimeError):
+    """generated/ is missing, unreadable or from another kdsl."""
+
+
+def load_manifest(folder: Path | None = None) -> tuple[KernelEntry, ...]:
+    folder = folder or generated_dir()
+    path = folder / "manifest.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ManifestError(f"{path} does not exist: run `python -m kdsl generate` first") from None
+    except (OSError, json.JSONDecodeError) as error:
+        raise ManifestError(f"{path} is unreadable ({error}): run `python -m kdsl generate`") from None
+    if data.get("format") != SUPPORTED_FORMAT:
+        raise ManifestError(f"{path} has format {data.get('format')!r}, this kdsl reads {SUPPORTED_FORMAT}")
+    entries = []
+    for raw in data["kernels"]:
+        tiles = tuple(
+            TileBucket(t["m_max"], {k: v for k, v in t.items() if k != "m_max"}) for t in raw["tiles"]
+        )
+        entries.append(KernelEntry(
+            name=raw["name"], op=raw["op"], impl=raw["impl"], scheme=raw["scheme"],
+            min_arch=raw["min_arch"], max_arch=raw["max_arch"], tiles=tiles,
+            module_path=folder / raw["module"], function=raw["function"], source=raw["source"],
+        ))
+    return tuple(entries)

@@ -1,0 +1,16 @@
+"""Definition models: schemes, tiles, variants, definition files."""
+from kdsl.schema.definition import (
+    DefinitionError,
+    DefinitionGroupError,
+    KernelDefinition,
+    LoadedDefinition,
+    load_definition,
+    load_definitions,
+)
+from kdsl.schema.scheme import GPTQ, BlockFP8, Scheme, scheme_from_hf
+from kdsl.schema.tiling import Tile, Variant
+
+__all__ = [
+    "BlockFP8", "GPTQ", "Scheme", "scheme_from_hf", "Tile", "Variant", "KernelDefinition",
+    "LoadedDefinition", "DefinitionError", "DefinitionGroupError", "load_definition", "load_definitions",
+]

@@ -1,0 +1,159 @@
+"""A definition file: schemes plus the variants to generate for each of them."""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import Field, ValidationError, model_validator
+
+from kdsl.naming import format_arch
+from kdsl.schema._base import StrictModel
+from kdsl.schema.arch import archs_in_range
+from kdsl.schema.catalogue import BASE_KNOBS, find_impl, ops_of_family
+from kdsl.schema.scheme import BlockFP8, Scheme
+from kdsl.schema.tiling import Variant
+
+
+class KernelDefinition(StrictModel):
+    """Every variant is generated for every scheme of the file."""
+
+    description: str = ""
+    schemes: list[Scheme] = Field(min_length=1)
+    variants: list[Variant] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _variants_fit_schemes_and_hardware(self) -> "KernelDefinition":
+        problems: list[str] = []
+        seen_names: dict[str, int] = {}
+        for s_index, scheme in enumerate(self.schemes):
+            if scheme.name in seen_names:
+                problems.append(f"schemes[{s_index}]: same kernels as schemes[{seen_names[scheme.name]}] ({scheme.name})")
+            seen_names.setdefault(scheme.name, s_index)
+        seen_variants: dict[tuple[str, str], int] = {}
+        for v_index, variant in enumerate(self.variants):
+            where = f"variants[{v_index}]"
+            key = (variant.op, variant.impl)
+            if key in seen_variants:
+                problems.append(f"{where}: duplicates variants[{seen_variants[key]}] (op {variant.op!r}, impl {variant.impl!r})")
+            seen_variants.setdefault(key, v_index)
+            for scheme in self.schemes:
+                problems.extend(_check_variant(where, variant, scheme))
+        if problems:
+            raise ValueError("\n".join(dict.fromkeys(problems)))
+        return self
+
+
+def _check_variant(where: str, variant: Variant, scheme) -> list[str]:
+    impl = find_impl(variant.op, variant.impl)
+    if impl is None or impl.family != scheme.kind:
+        known = ", ".join(ops_of_family(scheme.kind))
+        if impl is None and variant.op in ops_of_family(scheme.kind):
+            return [f"{where}.impl: no implementation {variant.impl!r} of op {variant.op!r}"]
+        return [f"{where}.op: {variant.op!r} is not an op of the {scheme.kind} family (ops: {known})"]
+    problems = []
+    if variant.min_cc < impl.min_arch:
+        need = "FP8 tensor cores" if scheme.kind == "block_fp8" else "its instructions"
+        problems.append(
+            f"{where}.min_arch: {variant.min_arch} is below {format_arch(impl.min_arch)}, "
+            f"which {variant.op}/{variant.impl} needs for {need}"
+        )
+    if impl.max_arch is not None and (variant.max_cc is None or variant.max_cc > impl.max_arch):
+        problems.append(
+            f"{where}.max_arch: {variant.op}/{variant.impl} uses instructions that exist only up to "
+            f"{format_arch(impl.max_arch)}; set max_arch to at most {format_arch(impl.max_arch)}"
+        )
+    archs = archs_in_range(variant.min_cc, variant.max_cc)
+    for t_index, tile in enumerate(variant.tiles):
+        tile_where = f"{where}.tiles[{t_index}]"
+        for knob in sorted(tile.model_fields_set - BASE_KNOBS - impl.knobs):
+            problems.append(f"{tile_where}.{knob}: {variant.op}/{variant.impl} does not implement this knob")
+        if "block_k" in impl.knobs and isinstance(scheme, BlockFP8):
+            group = scheme.quant_group_k
+            if group % tile.block_k:
+                problems.append(
+                    f"{tile_where}.block_k: {tile.block_k} does not divide the quantization group along K ({group})"
+                )
+        if impl.op == "gptq_gemm" and tile.block_k < scheme.pack_factor:
+            problems.append(f"{tile_where}.block_k: {tile.block_k} is smaller than one packed int32 ({scheme.pack_factor} rows)")
+        need = impl.shared_bytes(scheme, tile)
+        for facts in archs:
+            if need > facts.max_shared_bytes:
+                problems.append(
+                    f"{tile_where}: needs about {need // 1024} KB of shared memory, over the "
+                    f"{facts.max_shared_bytes // 1024} KB of {format_arch(facts.cc)} (in this variant's arch range); "
+                    "lower num_stages or the block sizes, or narrow the range"
+                )
+                break
+    return problems
+
+
+class DefinitionError(Exception):
+    """A definition file is unreadable or invalid. str() names the file, the field path and the reason."""
+
+    def __init__(self, path: Path | str, problems: list[str]):
+        self.path = str(path)
+        self.problems = problems
+        super().__init__("\n".join(f"{self.path}: {p}" for p in problems))
+
+
+@dataclass(frozen=True)
+class LoadedDefinition:
+    path: Path  # as given (relative paths stay relative so headers are machine-independent)
+    source_text: str
+    definition: KernelDefinition
+
+
+def load_definition(path: Path) -> LoadedDefinition:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise DefinitionError(path, [f"cannot read: {error.strerror or error}"]) from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise DefinitionError(path, [f"TOML syntax: {error}"]) from None
+    try:
+        definition = KernelDefinition.model_validate(data)
+    except ValidationError as error:
+        raise DefinitionError(path, [_describe(e) for e in error.errors()]) from None
+    return LoadedDefinition(path, text, definition)
+
+
+def _describe(error: dict) -> str:
+    path = ""
+    for part in error["loc"]:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in ("block_fp8", "gptq") and path.endswith("]"):
+            continue  # the discriminator's own level adds nothing for a reader
+        else:
+            path += f".{part}" if path else str(part)
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        message = "unknown field (a typo, or a field this version of kdsl does not have)"
+    return f"{path}: {message}" if path else message
+
+
+def load_definitions(folder: Path) -> list[LoadedDefinition]:
+    """Every *.toml under folder, sorted by name; all errors from all files in one DefinitionError list."""
+    if not folder.is_dir():
+        raise DefinitionError(folder, ["is not a folder of kernel definitions"])
+    files = sorted(folder.glob("*.toml"))
+    if not files:
+        raise DefinitionError(folder, ["holds no *.toml definition"])
+    loaded, errors = [], []
+    for path in files:
+        try:
+            loaded.append(load_definition(path))
+        except DefinitionError as error:
+            errors.append(error)
+    if errors:
+        raise DefinitionGroupError(errors)
+    return loaded
+
+
+class DefinitionGroupError(Exception):
+    def __init__(self, errors: list[DefinitionError]):
+        self.errors = errors
+        super().__init__("\n".join(str(e) for e in errors))

@@ -1,0 +1,159 @@
+"""Quantization schemes: what the numbers in a checkpoint mean.
+
+A scheme says nothing about tiling or architectures; it fixes the constants a
+kernel bakes in (block sizes, group size, pack factor, fp8 format).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BeforeValidator, Field, PositiveInt, field_validator
+
+from kdsl.naming import block_fp8_scheme_name, gptq_scheme_name
+from kdsl.schema._base import StrictModel
+
+
+def _list_to_tuple(value: Any) -> Any:
+    # TOML and JSON have no tuples; accept a list of the right length.
+    return tuple(value) if isinstance(value, list) else value
+
+
+PositivePair = Annotated[tuple[PositiveInt, PositiveInt], BeforeValidator(_list_to_tuple)]
+
+
+class BlockFP8(StrictModel):
+    """DeepSeek-V3 block FP8: 128x128 weight blocks, per-token activation groups along K."""
+
+    kind: Literal["block_fp8"] = "block_fp8"
+    fmt: Literal["e4m3"] = Field("e4m3", description="fp8 format of weights and activations (e5m2: later)")
+    weight_block: PositivePair = Field((128, 128), description="(n, k) size of a weight block sharing one scale")
+    act_group: PositiveInt = Field(128, description="activation elements along K sharing one per-token scale")
+    act_scaling: Literal["dynamic"] = Field("dynamic", description="activation scales are computed per call")
+    scale_fmt: Literal["float32"] = Field("float32", description="scale storage (ue8m0: later)")
+    out_dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="GEMM output dtype")
+
+    @field_validator("weight_block")
+    @classmethod
+    def _k_block_matches_power_of_two(cls, value: tuple[int, int]) -> tuple[int, int]:
+        for side, size in zip("nk", value):
+            if size & (size - 1):
+                raise ValueError(f"weight_block {side} = {size} is not a power of two")
+        return value
+
+    @field_validator("act_group")
+    @classmethod
+    def _group_power_of_two(cls, value: int) -> int:
+        if value & (value - 1) or value < 16:
+            raise ValueError(f"act_group = {value} must be a power of two >= 16")
+        return value
+
+    @property
+    def name(self) -> str:
+        n, k = self.weight_block
+        return block_fp8_scheme_name(self.fmt, n, k, self.act_group, "f32")
+
+    @property
+    def quant_group_k(self) -> int:
+        """The K extent every GEMM K-step must stay inside (one scale per step)."""
+        return min(self.weight_block[1], self.act_group)
+
+
+SUPPORTED_GPTQ_BITS = (4,)
+
+
+class GPTQ(StrictModel):
+    """GPTQ weight-only integer quantization with per-group scales and zeros (W4A16)."""
+
+    kind: Literal["gptq"] = "gptq"
+    bits: int = Field(4, description="bits per weight; 4 today")
+    group_size: int = Field(128, description="rows of K sharing a scale/zero; a power of two >= 16, or -1 for all of K")
+    sym: bool = Field(True, description="symmetric quantization (qzeros still stored and used)")
+    desc_act: bool = Field(False, description="act-order: rows permuted, group of each row in g_idx")
+    checkpoint_format: Literal["gptq", "gptq_v2"] = Field(
+        "gptq", description="'gptq' stores zero - 1 (as GPTQ checkpoints ship), 'gptq_v2' stores the zero"
+    )
+    act_dtype: Literal["float16", "bfloat16"] = Field("float16", description="activation and output dtype")
+
+    @field_validator("bits")
+    @classmethod
+    def _supported_bits(cls, value: int) -> int:
+        if value not in SUPPORTED_GPTQ_BITS:
+            raise ValueError(f"bits = {value} is not supported; supported: {list(SUPPORTED_GPTQ_BITS)}")
+        return value
+
+    @field_validator("group_size")
+    @classmethod
+    def _group_size(cls, value: int) -> int:
+        if value != -1 and (value < 16 or value & (value - 1)):
+            raise ValueError(f"group_size = {value} must be a power of two >= 16, or -1 for one group over K")
+        return value
+
+    @property
+    def name(self) -> str:
+        return gptq_scheme_name(self.bits, self.group_size, self.checkpoint_format)
+
+    @property
+    def pack_factor(self) -> int:
+        return 32 // self.bits
+
+
+Scheme = Annotated[Union[BlockFP8, GPTQ], Field(discriminator="kind")]
+
+def scheme_from_hf(config: dict) -> BlockFP8 | GPTQ:
+    """Map a Hugging Face ``quantization_config`` dict to a kdsl scheme.
+
+    Keys that do not affect kernels are ignored; anything kdsl cannot serve
+    raises ValueError naming the key.
+    """
+    if not isinstance(config, dict):
+        raise TypeError(f"quantization_config must be a dict, got {type(config).__name__}")
+    method = config.get("quant_method")
+    if method == "fp8":
+        return _block_fp8_from_hf(config)
+    if method == "gptq":
+        return _gptq_from_hf(config)
+    raise ValueError(f"quantization_config.quant_method = {method!r} is not supported; supported: 'fp8', 'gptq'")
+
+
+def _block_fp8_from_hf(config: dict) -> BlockFP8:
+    fmt = config.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"quantization_config.fmt = {fmt!r} is not supported; supported: 'e4m3'")
+    scheme_kw = config.get("activation_scheme", "dynamic")
+    if scheme_kw != "dynamic":
+        raise ValueError(
+            f"quantization_config.activation_scheme = {scheme_kw!r} is not supported; block FP8 needs 'dynamic'"
+        )
+    block = config.get("weight_block_size")
+    if block is None:
+        raise ValueError("quantization_config.weight_block_size is missing: per-tensor FP8 is not a block-FP8 scheme")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2):
+        raise ValueError(f"quantization_config.weight_block_size must be [n, k], got {block!r}")
+    # DeepSeek-V3 quantizes activations in groups as wide as the weight block's K side.
+    return BlockFP8(weight_block=tuple(block), act_group=block[1])
+
+
+def _gptq_from_hf(config: dict) -> GPTQ:
+    fmt = config.get("checkpoint_format", "gptq")
+    fields = {
+        "bits": config.get("bits", 4),
+        "group_size": config.get("group_size", 128),
+        "sym": config.get("sym", True),
+        "desc_act": config.get("desc_act", False),
+        "checkpoint_format": fmt,
+    }
+    for key, value in fields.items():
+        expected = bool if key in ("sym", "desc_act") else (str if key == "checkpoint_format" else int)
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise ValueError(f"quantization_config.{key} must be {expected.__name__}, got {value!r}")
+    if fields["checkpoint_format"] not in ("gptq", "gptq_v2"):
+        raise ValueError(
+            f"quantization_config.checkpoint_format = {fmt!r} is not supported; supported: 'gptq', 'gptq_v2'"
+        )
+    if fields["bits"] not in SUPPORTED_GPTQ_BITS:
+        raise ValueError(f"quantization_config.bits = {fields['bits']} is not supported; supported: 4")
+    if fields["group_size"] != -1 and (fields["group_size"] < 16 or fields["group_size"] & (fields["group_size"] - 1)):
+        raise ValueError(
+            f"quantization_config.group_size = {fields['group_size']} must be a power of two >= 16 or -1"
+        )
+    return GPTQ(**fields)

@@ -1,0 +1,86 @@
+"""How a kernel is tiled: per M bucket, inside an arch range."""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field, PositiveInt, field_validator, model_validator
+
+from kdsl.naming import parse_arch
+from kdsl.schema._base import StrictModel
+
+
+def _power_of_two(value: int) -> int:
+    if value <= 0 or value & (value - 1):
+        raise ValueError(f"{value} is not a power of two")
+    return value
+
+
+def _arch_name(value: str) -> str:
+    parse_arch(value)  # raises ValueError with the expected form
+    return value
+
+
+PowerOfTwo = Annotated[int, AfterValidator(_power_of_two)]
+ArchName = Annotated[str, AfterValidator(_arch_name)]
+
+
+class Tile(StrictModel):
+    """Launch parameters for one M bucket. Fields an implementation ignores must stay unset."""
+
+    m_max: PositiveInt | None = Field(None, description="serves M up to this (inclusive); omit on the last bucket")
+    block_m: PowerOfTwo = 64
+    block_n: PowerOfTwo = 128
+    block_k: PowerOfTwo = 128
+    group_m: PositiveInt = Field(8, description="rows of tiles walked together for L2 reuse")
+    split_k: PositiveInt = Field(1, description="programs sharing one output tile along K (clamped to K's blocks)")
+    num_warps: Literal[1, 2, 4, 8, 16] = 4
+    num_stages: int = Field(3, ge=1, le=8)
+    persistent: bool = Field(False, description="one program per SM looping over tiles")
+    tile_order: Literal["m_major", "n_major"] = Field(
+        "m_major", description="m_major walks down M inside a group (reuses B); n_major walks along N (reuses A)"
+    )
+    swap_ab: bool = Field(False, description="compute C^T = B A^T so wide N fills the MMA's M side")
+    warp_specialize: bool = Field(False, description="producer/consumer warps in the K loop (Hopper)")
+
+
+class Variant(StrictModel):
+    """One implementation of one op, with the arch range it may be picked on and its tiles."""
+
+    op: str
+    impl: str
+    min_arch: ArchName
+    max_arch: ArchName | None = None
+    tiles: list[Tile] = Field(min_length=1)
+
+    @field_validator("tiles")
+    @classmethod
+    def _buckets_cover_m_once(cls, tiles: list[Tile]) -> list[Tile]:
+        previous = 0
+        for index, tile in enumerate(tiles):
+            last = index == len(tiles) - 1
+            if tile.m_max is None and not last:
+                raise ValueError(f"tiles[{index}] has no m_max but is not the last bucket")
+            if tile.m_max is not None:
+                if last:
+                    raise ValueError(f"tiles[{index}] is the last bucket and must omit m_max so every M is served")
+                if tile.m_max <= previous:
+                    raise ValueError(
+                        f"tiles[{index}].m_max = {tile.m_max} overlaps the previous bucket (m_max = {previous}); "
+                        "buckets must be listed with strictly increasing m_max"
+                    )
+                previous = tile.m_max
+        return tiles
+
+    @model_validator(mode="after")
+    def _range_is_ordered(self) -> "Variant":
+        if self.max_arch is not None and parse_arch(self.max_arch) < parse_arch(self.min_arch):
+            raise ValueError(f"max_arch {self.max_arch} is below min_arch {self.min_arch}")
+        return self
+
+    @property
+    def min_cc(self) -> int:
+        return parse_arch(self.min_arch)
+
+    @property
+    def max_cc(self) -> int | None:
+        return None if self.max_arch is None else parse_arch(self.max_arch)
