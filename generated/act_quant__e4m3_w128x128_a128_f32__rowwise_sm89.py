@@ -3,15 +3,15 @@
 # kernel: act_quant__e4m3_w128x128_a128_f32__rowwise_sm89 (act_quant/rowwise: per-token, per-group amax scaling to e4m3)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: c6c51a41528595ba (sha256 of the definition file and the templates)
+# digest: 8499e9dfe0652f07 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
 
-GROUP = 128
-FP8_MAX = 448.0
+GROUP = tl.constexpr(128)
+FP8_MAX = tl.constexpr(448.0)
 # An all-zero group would give scale 0 and 0/0 = NaN; this floor keeps the scale finite.
-AMAX_FLOOR = 1e-10
+AMAX_FLOOR = tl.constexpr(1e-10)
 
 
 @triton.jit
@@ -56,5 +56,5 @@ TILES = (
 def launch(x, q, s, tile):
     """x [M, K] (unit stride along K), q [M, K] fp8 and s [M, K // GROUP] float32, both contiguous."""
     M, K = x.shape
-    grid = (triton.cdiv(M, tile["BLOCK_M"]), K // GROUP)
+    grid = (triton.cdiv(M, tile["BLOCK_M"]), K // GROUP.value)
     act_quant__e4m3_w128x128_a128_f32__rowwise_sm89[grid](x, q, s, M, K, x.stride(0), BLOCK_M=tile["BLOCK_M"], num_warps=tile["num_warps"])

@@ -3,15 +3,15 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_gemm/tma_persistent: TMA tensor descriptors, persistent grid over SMs, wgmma through Triton)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: f7508129d8ccf5a4 (sha256 of the definition file and the templates)
+# digest: 0e0656543ddbd0a7 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-ACT_GROUP = 128
-W_BLOCK_N = 128
-W_BLOCK_K = 128
+ACT_GROUP = tl.constexpr(128)
+W_BLOCK_N = tl.constexpr(128)
+W_BLOCK_K = tl.constexpr(128)
 
 
 @triton.jit

@@ -3,13 +3,13 @@
 # kernel: weight_dequant__e4m3_w128x128_a128_f32__blockwise_sm89 (weight_dequant/blockwise: one program per weight block, fp8 x scale)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 5311af78968a4ad3 (sha256 of the definition file and the templates)
+# digest: f601a0e43121e51d (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 128
-BLOCK_K = 128
+BLOCK_N = tl.constexpr(128)
+BLOCK_K = tl.constexpr(128)
 
 
 @triton.jit
@@ -36,5 +36,5 @@ TILES = (
 def launch(q, s, w, tile):
     """q [N, K] fp8 (unit stride along K), s [cdiv(N, BLOCK_N), cdiv(K, BLOCK_K)] float32, w [N, K] contiguous."""
     N, K = q.shape
-    grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(K, BLOCK_K))
+    grid = (triton.cdiv(N, BLOCK_N.value), triton.cdiv(K, BLOCK_K.value))
     weight_dequant__e4m3_w128x128_a128_f32__blockwise_sm89[grid](q, s, w, N, K, q.stride(0), s.stride(0), s.stride(1), num_warps=tile["num_warps"])

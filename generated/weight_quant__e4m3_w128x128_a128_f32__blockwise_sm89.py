@@ -3,16 +3,16 @@
 # kernel: weight_quant__e4m3_w128x128_a128_f32__blockwise_sm89 (weight_quant/blockwise: one program per weight block, amax scaling to e4m3)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 94c7ad4c8ef4914b (sha256 of the definition file and the templates)
+# digest: bc57cca8b486da89 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 128
-BLOCK_K = 128
-FP8_MAX = 448.0
+BLOCK_N = tl.constexpr(128)
+BLOCK_K = tl.constexpr(128)
+FP8_MAX = tl.constexpr(448.0)
 # An all-zero block would give scale 0 and 0/0 = NaN; this floor keeps the scale finite.
-AMAX_FLOOR = 1e-10
+AMAX_FLOOR = tl.constexpr(1e-10)
 
 
 @triton.jit
@@ -56,5 +56,5 @@ TILES = (
 def launch(w, q, s, tile):
     """w [N, K] (unit stride along K), q [N, K] fp8 contiguous, s [cdiv(N, BLOCK_N), cdiv(K, BLOCK_K)] float32."""
     N, K = w.shape
-    grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(K, BLOCK_K))
+    grid = (triton.cdiv(N, BLOCK_N.value), triton.cdiv(K, BLOCK_K.value))
     weight_quant__e4m3_w128x128_a128_f32__blockwise_sm89[grid](w, q, s, N, K, w.stride(0), s.stride(0), num_warps=tile["num_warps"])

@@ -1,4 +1,5 @@
 """The tensor API. Every op checks its arguments, then launches the kernel the registry picks."""
 from kdsl.ops.block_fp8 import act_quant, fp8_gemm, weight_dequant, weight_quant
+from kdsl.ops.gptq import gptq_dequant, gptq_gemm, gptq_quantize
 
-__all__ = ["act_quant", "weight_quant", "weight_dequant", "fp8_gemm"]
+__all__ = ["act_quant", "weight_quant", "weight_dequant", "fp8_gemm", "gptq_quantize", "gptq_dequant", "gptq_gemm"]

@@ -47,3 +47,25 @@ def fp8_gemm(a, a_s, b, b_s, act_group: int, block_n: int, block_k: int, out_dty
         partial = a[:, start:start + step].float() @ b[:, start:start + step].float().T
         acc += partial * a_s[:, start // act_group, None] * b_scale_rows[None, :, start // block_k]
     return acc.to(out_dtype)
+
+
+def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [R, C] holding 32 // bits values per word along R -> int32 [R * pack, C]."""
+    pack = 32 // bits
+    shifts = torch.arange(pack, device=packed.device, dtype=torch.int32) * bits
+    values = (packed.unsqueeze(1) >> shifts[None, :, None]) & (2**bits - 1)
+    return values.reshape(-1, packed.shape[1])
+
+
+def gptq_dequant(qweight, qzeros, scales, g_idx, bits: int, zero_offset: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """w [N, K] in out_dtype from checkpoint tensors (g_idx [K] always given here)."""
+    q = unpack_rows(qweight, bits)  # [K, N]
+    zeros = unpack_rows(qzeros.T.contiguous(), bits).T + zero_offset  # [G, N]
+    groups = g_idx.long()
+    w = (q - zeros[groups]).float() * scales[groups].float()
+    return w.T.to(out_dtype)
+
+
+def gptq_gemm(x, qweight, qzeros, scales, g_idx, bits: int, zero_offset: int) -> torch.Tensor:
+    w = gptq_dequant(qweight, qzeros, scales, g_idx, bits, zero_offset, x.dtype)
+    return (x.float() @ w.float().T).to(x.dtype)
