@@ -90,7 +90,8 @@ def fp8_gemm(
 
     a [..., K] float8_e4m3fn with a_s float32 [..., K / 128] (per token, per 128 along K);
     b [N, K] float8_e4m3fn with b_s float32 [ceil(N / 128), K / 128] (per 128x128 block, e.g. a
-    checkpoint's weight_scale_inv). K must be a multiple of 128 and N of 16; any M, including 0.
+    checkpoint's weight_scale_inv). K must be a multiple of 128 and N of 8 (2112, 576, 72);
+    any M, including 0.
     """
     group = DEFAULT_BLOCK[1]
     check.tensor("a", a, (FP8,), min_ndim=1)
@@ -104,8 +105,9 @@ def fp8_gemm(
         raise ValueError(f"a: last dimension K = {k} must be a multiple of {group}")
     if b.shape[1] != k:
         raise ValueError(f"b: expected shape (N, {k}) to match a's K = {k}, got {tuple(b.shape)}")
-    if n % 16:
-        raise ValueError(f"b: N = {n} must be a multiple of 16")
+    if n % 8:
+        # TMA stores need 16-byte rows: N * 2 bytes of bf16 output.
+        raise ValueError(f"b: N = {n} must be a multiple of 8")
     check.shape("a_s", a_s, (*a.shape[:-1], k // group), "one scale per token per 128 of K")
     check.shape("b_s", b_s, (-(-n // DEFAULT_BLOCK[0]), k // group), "one scale per 128x128 block of b")
     device = check.same_device(a=a, a_s=a_s, b=b, b_s=b_s)

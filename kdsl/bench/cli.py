@@ -1,0 +1,134 @@
+"""The `kdsl bench` subcommand: argument parsing and the run loop (exit 0 ok, 1 wrong, 2 unusable)."""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from kdsl.bench.report import build_document, format_table, matplotlib_available, plot_ratios, write_json
+from kdsl.bench.results import OK, Result
+from kdsl.bench.shapes import OPS, PRESETS, ShapeFileError, resolve_shapes, select_ops
+
+DESCRIPTION = """\
+Time kdsl's kernels against their baselines on a CUDA GPU, in one process on the same inputs,
+and check every kdsl result against an fp32 reference on fresh random data.
+
+  fp8_gemm        vs torch._scaled_mm with DeepSeek block scales (cuBLAS) and bf16 torch.matmul
+  act_quant       vs a device copy of the same bytes (bandwidth ceiling) and the torch expression
+  weight_dequant  vs a device copy of the same bytes and the torch expression
+  gptq_gemm       vs fp16 torch.matmul (INT4, group size 128; also gptq_gemm[prepared]
+                  when kdsl.ops has gptq_prepare)
+
+Times are medians of triton.testing.do_bench (L2 flushed), plus do_bench_cudagraph for M <= 128.
+Ratios are baseline time / kdsl time (> 1: kdsl faster). A result outside tolerance is marked
+WRONG and the command exits 1.
+
+shape presets:
+  deepseek-v3  fp8_gemm (N,K) = (2112,7168) (24576,1536) (7168,16384) (4096,7168) (7168,2048)
+               at M = 1 16 64 128 512 4096; act_quant [M,K] = [4096,7168] [16384,7168];
+               weight_dequant (N,K) = (7168,16384) (24576,1536); gptq_gemm KxN = 4096x4096
+               4096x14336 14336x4096 8192x28672 at M = 1 16 64 256
+  llama        Llama-3-8B and 70B linears, (N,K) = qkv (6144,4096) o (4096,4096)
+               gate_up (28672,4096) down (4096,14336); qkv (10240,8192) o (8192,8192)
+               gate_up (57344,8192) down (8192,28672). fp8_gemm: all eight at M = 1 16 64 128
+               512 4096; gptq_gemm: 8B's four and 70B's qkv, gate_up, down at M = 1 16 64 256;
+               act_quant [4096,4096] [4096,14336] [16384,8192]; weight_dequant (28672,4096)
+               (8192,28672)
+
+shape file (JSON), keyed by op; "m" may be an integer or a list, K a multiple of 128:
+  {"fp8_gemm": [{"m": [1, 16], "n": 2112, "k": 7168}], "act_quant": [{"m": 4096, "k": 7168}],
+   "weight_dequant": [{"n": 7168, "k": 16384}], "gptq_gemm": [{"m": [1], "k": 4096, "n": 4096}]}
+
+exit status: 0 all correct, 1 some result WRONG or failing, 2 cannot run (no GPU, bad arguments).
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="time kdsl kernels against cuBLAS/torch baselines on a CUDA GPU and check them",
+        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--op", action="extend", nargs="+", choices=OPS, metavar="OP",
+                        help=f"ops to run (default: all): {', '.join(OPS)}")
+    parser.add_argument("--shapes", default="deepseek-v3", metavar="{" + ",".join(PRESETS) + "}|FILE",
+                        help="a shape preset or a JSON shape file (default: deepseek-v3)")
+    parser.add_argument("--json", metavar="PATH", help="write every figure, the GPU and versions to PATH")
+    parser.add_argument("--plot", metavar="PATH", help="draw a PNG of ratios vs baselines (needs matplotlib)")
+    parser.set_defaults(func=run)
+
+
+def _fail(message: str) -> int:
+    print(f"kdsl bench: error: {message}", file=sys.stderr)
+    return 2
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    argv = sys.argv if argv is None else argv
+    if argv and Path(argv[0]).name == "__main__.py" and Path(argv[0]).parent.name == "kdsl":
+        return shlex.join(["python", "-m", "kdsl", *argv[1:]])
+    return shlex.join(argv)
+
+
+def _progress(results: list[Result]) -> str:
+    parts = []
+    for r in results:
+        if r.status != OK or r.kdsl.eager_ms is None:
+            parts.append(f"{r.impl}: {r.status}" + (f" ({r.detail})" if r.detail else ""))
+            continue
+        ratios = ", ".join(f"{ratio:.2f}x {name}" for name in r.baselines if (ratio := r.ratio(name)) is not None)
+        parts.append(f"{r.impl}: {r.kdsl.eager_ms:.4f} ms" + (f" ({ratios})" if ratios else ""))
+    return "; ".join(parts)
+
+
+def _writable(path: str | None) -> bool:
+    return path is None or Path(path).resolve().parent.is_dir()
+
+
+def run(args: argparse.Namespace) -> int:
+    # Everything that can be refused without a GPU is checked first, so a long run never
+    # ends in an unwritable path or a missing optional dependency.
+    try:
+        cases = select_ops(resolve_shapes(args.shapes), args.op)
+    except ShapeFileError as exc:
+        return _fail(str(exc))
+    if not cases:
+        return _fail(f"--shapes {args.shapes} has no shapes for --op {' '.join(args.op or OPS)}")
+    for flag in ("json", "plot"):
+        if not _writable(getattr(args, flag)):
+            return _fail(f"--{flag} {getattr(args, flag)}: directory does not exist")
+    if args.plot and not matplotlib_available():
+        return _fail("--plot needs matplotlib, an optional extra: pip install matplotlib")
+    import torch
+
+    if not torch.cuda.is_available():
+        return _fail("needs a CUDA GPU, but torch.cuda.is_available() is False "
+                     f"(torch {torch.__version__}); run it on a machine with an NVIDIA GPU")
+
+    from kdsl.bench import timing  # torch + triton + GPU only from here on
+
+    results: list[Result] = []
+    for i, case in enumerate(cases, 1):
+        print(f"[{i}/{len(cases)}] {case.op} {case.label()} ...", end="", file=sys.stderr, flush=True)
+        case_results = timing.run_case(case)
+        print(" " + _progress(case_results), file=sys.stderr, flush=True)
+        results += case_results
+
+    print(format_table(results))
+    if args.json:
+        ops = list(dict.fromkeys(c.op for c in cases))
+        write_json(build_document(results, shapes=args.shapes, ops=ops, command=command_line(),
+                                  environment=timing.environment()), args.json)
+        print(f"kdsl bench: wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        plot_ratios(results, args.plot)
+        print(f"kdsl bench: wrote {args.plot}", file=sys.stderr)
+
+    failed = [r for r in results if r.failed]
+    if failed:
+        print(f"kdsl bench: {len(failed)} of {len(results)} results WRONG or failing: "
+              + "; ".join(f"{r.case.op} {r.case.label()} {r.impl}: {r.status}" for r in failed), file=sys.stderr)
+        return 1
+    unavailable = sum(r.status != OK for r in results)
+    print(f"kdsl bench: all {len(results) - unavailable} results correct"
+          + (f" ({unavailable} not available)" if unavailable else ""), file=sys.stderr)
+    return 0

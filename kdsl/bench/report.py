@@ -1,0 +1,186 @@
+"""Presenting results: the stdout table, the JSON document and the optional ratio plot.
+
+JSON document (SCHEMA_VERSION 1); non-finite numbers are written as null:
+
+    {"schema_version": 1,
+     "tool": "kdsl bench",
+     "command": "python -m kdsl bench --op fp8_gemm",
+     "date": "2025-01-01T12:00:00+00:00",             # UTC, ISO 8601
+     "environment": {"gpu": str, "arch": "sm_90", "torch": str, "triton": str, "cuda": str|null},
+     "shapes": "deepseek-v3",                          # the --shapes argument
+     "ops": ["fp8_gemm", ...],                         # ops selected
+     "timing": {"eager": "...", "graph": "..."},       # how times were taken
+     "summary": {"results": int, "ok": int, "wrong": int, "errors": int, "not_available": int},
+     "results": [{
+        "op": "fp8_gemm", "impl": "fp8_gemm",          # impl may be e.g. "gptq_gemm[prepared]"
+        "shape": {"m": 16, "n": 2112, "k": 7168},      # only the dims the op has
+        "status": "ok" | "WRONG" | "ERROR" | "not available",
+        "detail": str|null,                            # why it is not ok
+        "flops": int|null, "bytes": int|null,          # per call; bytes = read + written
+        "rel_err": float|null, "tolerance": float|null,
+        "ceiling_fraction": float|null,                # see Result.ceiling_fraction
+        "kdsl": TIMING,
+        "baselines": {"cublas_blockwise": TIMING + {"ratio_eager", "ratio_graph"}, ...}}]}
+
+    TIMING = {"eager_ms": float|null, "graph_ms": float|null, "tflops": float|null,
+              "tbps": float|null, "error": str|null, "rel_err": float|null}
+
+ratio_* = baseline time / kdsl time (> 1: kdsl faster), null where either side has no time.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+from kdsl.bench.results import ERROR, OK, UNAVAILABLE, WRONG, Result, Timing
+
+SCHEMA_VERSION = 1
+TIMING_NOTE = {
+    "eager": "triton.testing.do_bench(return_mode='median'), L2 flushed before each call",
+    "graph": "triton.testing.do_bench_cudagraph(return_mode='median'), only for M <= 128",
+}
+_STATUS_CELL = {OK: "ok", WRONG: "WRONG", ERROR: "ERROR", UNAVAILABLE: "n/a"}
+
+
+def group_by_op(results: list[Result]) -> dict[str, list[Result]]:
+    groups: dict[str, list[Result]] = {}
+    for r in results:
+        groups.setdefault(r.case.op, []).append(r)
+    return groups
+
+
+def baseline_names(results: list[Result]) -> list[str]:
+    return list(dict.fromkeys(name for r in results for name in r.baselines))
+
+
+def _num(value: float | None, fmt: str, suffix: str = "") -> str:
+    return "-" if value is None or not math.isfinite(value) else format(value, fmt) + suffix
+
+
+def _ratio_cell(r: Result, name: str) -> str:
+    base = r.baselines.get(name)
+    if base is None or r.kdsl.eager_ms is None:
+        return "-"
+    if base.error:
+        return "n/a"
+    eager, graph = r.ratio(name), r.ratio(name, "graph")
+    return _num(eager, ".2f", "x") + (f" / {graph:.2f}x" if graph is not None else "")
+
+
+def _ceiling_cell(r: Result) -> str:
+    fraction = r.ceiling_fraction()
+    if r.memory_bound:
+        return _num(None if fraction is None else 100 * fraction, ".0f", "%")
+    return _num(fraction, ".2f", "x")
+
+
+def _render(header: list[str], rows: list[list[str]], left: int) -> list[str]:
+    """Columns before `left` are left-aligned (labels), the rest right-aligned (numbers)."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return ["  ".join(cell.ljust(w) if i < left else cell.rjust(w)
+                      for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in [header, *rows]]
+
+
+def format_op_table(op: str, results: list[Result]) -> str:
+    names = baseline_names(results)
+    memory_bound = results[0].memory_bound
+    unit = "TB/s" if memory_bound else "TFLOP/s"
+    # Memory-bound ops have a measured ceiling (copy); GEMMs are held against their fastest baseline.
+    ceiling = "of copy BW" if memory_bound else "vs best"
+    header = ["shape", "impl", "kdsl ms", "graph ms", unit, ceiling, *(f"vs {n}" for n in names), "rel err", "status"]
+    rows = []
+    for r in results:
+        rows.append([r.case.label(), r.impl, _num(r.kdsl.eager_ms, ".4f"), _num(r.kdsl.graph_ms, ".4f"),
+                     _num(r.rate(r.kdsl.eager_ms), ".2f" if memory_bound else ".1f"),
+                     _ceiling_cell(r),
+                     *(_ratio_cell(r, n) for n in names), _num(r.rel_err, ".2e"), _STATUS_CELL[r.status]])
+    title = f"== {op} ==  ratios = baseline time / kdsl time (>1: kdsl faster), eager / cuda-graph"
+    notes = [f"  {r.case.label()} {r.impl}: {r.status}: {r.detail}" for r in results if r.status != OK]
+    seen: dict[tuple[str, str], list[str]] = {}
+    for r in results:
+        for name, t in r.baselines.items():
+            if t.error:
+                seen.setdefault((name, t.error), []).append(r.case.label())
+    notes += [f"  baseline {name} unavailable for {labels[0]}" + (f" (+{len(labels) - 1} more)" if len(labels) > 1 else "")
+              + f": {err}" for (name, err), labels in seen.items()]
+    return "\n".join([title, *_render(header, rows, left=2), *notes])
+
+
+def format_table(results: list[Result]) -> str:
+    return "\n\n".join(format_op_table(op, rs) for op, rs in group_by_op(results).items())
+
+
+def summarize(results: list[Result]) -> dict[str, int]:
+    count = lambda status: sum(r.status == status for r in results)  # noqa: E731
+    return {"results": len(results), "ok": count(OK), "wrong": count(WRONG), "errors": count(ERROR),
+            "not_available": count(UNAVAILABLE)}
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _timing_doc(r: Result, t: Timing) -> dict[str, object]:
+    return {"eager_ms": _finite(t.eager_ms), "graph_ms": _finite(t.graph_ms), "tflops": _finite(r.tflops(t.eager_ms)),
+            "tbps": _finite(r.tbps(t.eager_ms)), "error": t.error, "rel_err": _finite(t.rel_err)}
+
+
+def result_doc(r: Result) -> dict[str, object]:
+    return {
+        "op": r.case.op, "impl": r.impl, "shape": r.case.dims(), "status": r.status, "detail": r.detail,
+        "flops": r.flops, "bytes": r.bytes_moved, "rel_err": _finite(r.rel_err), "tolerance": r.tolerance,
+        "ceiling_fraction": _finite(r.ceiling_fraction()), "kdsl": _timing_doc(r, r.kdsl),
+        "baselines": {name: {**_timing_doc(r, t), "ratio_eager": _finite(r.ratio(name)),
+                             "ratio_graph": _finite(r.ratio(name, "graph"))} for name, t in r.baselines.items()},
+    }
+
+
+def build_document(results: list[Result], *, shapes: str, ops: list[str], command: str,
+                   environment: dict[str, str | None], date: str | None = None) -> dict[str, object]:
+    return {
+        "schema_version": SCHEMA_VERSION, "tool": "kdsl bench", "command": command,
+        "date": date or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "environment": environment, "shapes": shapes, "ops": list(ops), "timing": TIMING_NOTE,
+        "summary": summarize(results), "results": [result_doc(r) for r in results],
+    }
+
+
+def write_json(document: dict[str, object], path: str | Path) -> None:
+    Path(path).write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
+
+
+def matplotlib_available() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def plot_ratios(results: list[Result], path: str | Path) -> None:
+    """One bar chart per op: eager baseline/kdsl time ratio per case and baseline, line at 1."""
+    import matplotlib  # optional extra, imported only when --plot is given
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [(op, [r for r in rs if r.kdsl.eager_ms]) for op, rs in group_by_op(results).items()]
+    groups = [(op, rs) for op, rs in groups if rs]
+    widest = max((len(rs) for _, rs in groups), default=1)
+    fig, axes = plt.subplots(max(len(groups), 1), 1, squeeze=False,
+                             figsize=(max(8.0, 0.45 * widest + 3), 3.5 * max(len(groups), 1)))
+    for ax, (op, rs) in zip(axes[:, 0], groups):
+        names = baseline_names(rs)
+        width = 0.8 / max(len(names), 1)
+        for j, name in enumerate(names):
+            ratios = [r.ratio(name) or 0.0 for r in rs]
+            ax.bar([i + (j - (len(names) - 1) / 2) * width for i in range(len(rs))], ratios, width, label=name)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(rs)))
+        ax.set_xticklabels([r.case.label() + ("" if r.impl == op else f" {r.impl}") for r in rs],
+                           rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel("baseline time / kdsl time")
+        ax.set_title(f"{op} (>1: kdsl faster)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,72 @@
+"""What one benchmark case produced: timings of kdsl and its baselines, and the correctness check.
+
+Kept free of torch so the report can be built and tested from hand-made results on any machine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kdsl.bench.shapes import Case
+
+OK, WRONG, ERROR, UNAVAILABLE = "ok", "WRONG", "ERROR", "not available"
+FAILED = (WRONG, ERROR)  # statuses that make `kdsl bench` exit 1
+MEMORY_BOUND_OPS = ("act_quant", "weight_dequant")  # rated in TB/s against the copy baseline
+COPY = "copy"
+
+
+@dataclass
+class Timing:
+    """Median times of one implementation; `error` says why it has none."""
+
+    eager_ms: float | None = None
+    graph_ms: float | None = None  # CUDA-graph replay, only measured for M <= 128
+    error: str | None = None
+    rel_err: float | None = None  # baselines computing the same quantized product report theirs
+
+
+@dataclass
+class Result:
+    case: Case
+    impl: str  # the kdsl function timed, e.g. "gptq_gemm" or "gptq_gemm[prepared]"
+    kdsl: Timing
+    baselines: dict[str, Timing] = field(default_factory=dict)
+    flops: int | None = None  # 2*M*N*K for GEMMs
+    bytes_moved: int | None = None  # bytes read + written by the op
+    rel_err: float | None = None  # ||out - ref|| / ||ref|| against the fp32 reference
+    tolerance: float | None = None
+    detail: str | None = None  # why WRONG / ERROR / not available
+    status: str = OK
+
+    @property
+    def memory_bound(self) -> bool:
+        return self.case.op in MEMORY_BOUND_OPS
+
+    def tflops(self, ms: float | None) -> float | None:
+        return self.flops / (ms * 1e-3) / 1e12 if self.flops and ms else None
+
+    def tbps(self, ms: float | None) -> float | None:
+        return self.bytes_moved / (ms * 1e-3) / 1e12 if self.bytes_moved and ms else None
+
+    def rate(self, ms: float | None) -> float | None:
+        """The headline rate: TB/s for memory-bound ops, TFLOP/s for GEMMs."""
+        return self.tbps(ms) if self.memory_bound else self.tflops(ms)
+
+    def ratio(self, baseline: str, mode: str = "eager") -> float | None:
+        """baseline time / kdsl time: > 1 means kdsl is faster."""
+        base = self.baselines.get(baseline)
+        attr = f"{mode}_ms"
+        mine = getattr(self.kdsl, attr)
+        theirs = getattr(base, attr) if base else None
+        return theirs / mine if mine and theirs else None
+
+    def ceiling_fraction(self) -> float | None:
+        """Memory-bound ops: share of the copy bandwidth measured for the same bytes.
+        GEMMs: time of the fastest baseline / kdsl time (no roofline is measured for them)."""
+        if self.memory_bound:
+            return self.ratio(COPY)
+        ratios = [r for name in self.baselines if (r := self.ratio(name)) is not None]
+        return min(ratios) if ratios else None
+
+    @property
+    def failed(self) -> bool:
+        return self.status in FAILED

@@ -1,0 +1,157 @@
+"""What to benchmark: shape presets and the JSON shape-file format, turned into a list of cases.
+
+A shape file is a JSON object whose keys are op names; each maps to a list of entries:
+
+    {"fp8_gemm":       [{"m": [1, 16], "n": 2112, "k": 7168}],
+     "act_quant":      [{"m": 4096, "k": 7168}],
+     "weight_dequant": [{"n": 7168, "k": 16384}],
+     "gptq_gemm":      [{"m": [1], "k": 4096, "n": 4096}]}
+
+Entry keys per op are OP_DIMS[op]; "m" (tokens) may be an integer or a list of integers, the
+others are integers. K must be a multiple of 128 (the quantization group) except for
+weight_dequant, whose scale grid is ceil(N/128) x ceil(K/128); GPTQ N must be a multiple of 8.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+OPS = ("fp8_gemm", "act_quant", "weight_dequant", "gptq_gemm")
+OP_DIMS: dict[str, tuple[str, ...]] = {
+    "fp8_gemm": ("m", "n", "k"),
+    "act_quant": ("m", "k"),
+    "weight_dequant": ("n", "k"),
+    "gptq_gemm": ("m", "n", "k"),
+}
+GROUP = 128  # block-FP8 group / block edge and the GPTQ group size used by the bench
+
+
+@dataclass(frozen=True)
+class Case:
+    """One op at one problem shape; dims an op does not have are None."""
+
+    op: str
+    m: int | None = None
+    n: int | None = None
+    k: int | None = None
+
+    def dims(self) -> dict[str, int]:
+        return {d: getattr(self, d) for d in OP_DIMS[self.op]}
+
+    def label(self) -> str:
+        return " ".join(f"{d.upper()}={v}" for d, v in self.dims().items())
+
+
+class ShapeFileError(ValueError):
+    """A shape file or preset name that cannot be used; the message names the file and key."""
+
+
+def _gemms(op: str, pairs: list[tuple[int, int]], ms: list[int]) -> list[Case]:
+    return [Case(op, m=m, n=n, k=k) for n, k in pairs for m in ms]
+
+
+def _deepseek_v3() -> list[Case]:
+    # DeepSeek-V3 projections (N, K): fused q_a/kv_a, q_b, MoE down-like, attention out, experts.
+    fp8 = _gemms("fp8_gemm", [(2112, 7168), (24576, 1536), (7168, 16384), (4096, 7168), (7168, 2048)],
+                 [1, 16, 64, 128, 512, 4096])
+    act = [Case("act_quant", m=m, k=7168) for m in (4096, 16384)]
+    deq = [Case("weight_dequant", n=n, k=k) for n, k in ((7168, 16384), (24576, 1536))]
+    # GPTQ shapes are given as K x N (Llama-like linear layers).
+    gptq = _gemms("gptq_gemm", [(n, k) for k, n in ((4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672))],
+                  [1, 16, 64, 256])
+    return fp8 + act + deq + gptq
+
+
+def _llama() -> list[Case]:
+    # Llama-3-8B (hidden 4096, MLP 14336, 8 KV heads) and 70B (hidden 8192, MLP 28672) linears as
+    # (N, K): fused qkv, o_proj, fused gate_up, down_proj.
+    llama8b = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+    llama70b = [(10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672)]
+    fp8 = _gemms("fp8_gemm", llama8b + llama70b, [1, 16, 64, 128, 512, 4096])
+    act = [Case("act_quant", m=m, k=k) for m, k in ((4096, 4096), (4096, 14336), (16384, 8192))]
+    deq = [Case("weight_dequant", n=n, k=k) for n, k in ((28672, 4096), (8192, 28672))]
+    gptq = _gemms("gptq_gemm", llama8b + [(10240, 8192), (57344, 8192), (8192, 28672)], [1, 16, 64, 256])
+    return fp8 + act + deq + gptq
+
+
+PRESETS = {"deepseek-v3": _deepseek_v3, "llama": _llama}
+
+
+def preset_cases(name: str) -> list[Case]:
+    return PRESETS[name]()
+
+
+def _positive_int(value: object, where: str) -> int:
+    # bool is an int subclass; `true` is never a dimension.
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ShapeFileError(f"{where}: expected a positive integer, got {value!r}")
+    return value
+
+
+def _check_divisibility(op: str, n: int | None, k: int, where: str) -> None:
+    if op != "weight_dequant" and k % GROUP:
+        raise ShapeFileError(f"{where}.k: {k} is not a multiple of the group size {GROUP}")
+    if op == "gptq_gemm" and n is not None and n % 8:
+        raise ShapeFileError(f"{where}.n: {n} is not a multiple of 8 (int4 packing of qzeros)")
+
+
+def parse_shape_entries(doc: object, source: str) -> list[Case]:
+    """Validate a decoded shape document; `source` (the file name) prefixes every error."""
+    if not isinstance(doc, dict):
+        raise ShapeFileError(f"{source}: expected a JSON object keyed by op name, got {type(doc).__name__}")
+    cases: list[Case] = []
+    for op, entries in doc.items():
+        if op not in OP_DIMS:
+            raise ShapeFileError(f"{source}: unknown op {op!r} (expected one of {', '.join(OPS)})")
+        if not isinstance(entries, list):
+            raise ShapeFileError(f"{source}: {op}: expected a list of entries, got {type(entries).__name__}")
+        for i, entry in enumerate(entries):
+            where = f"{source}: {op}[{i}]"
+            if not isinstance(entry, dict):
+                raise ShapeFileError(f"{where}: expected an object, got {type(entry).__name__}")
+            wanted = OP_DIMS[op]
+            unknown = sorted(set(entry) - set(wanted))
+            if unknown:
+                raise ShapeFileError(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(wanted)})")
+            missing = [d for d in wanted if d not in entry]
+            if missing:
+                raise ShapeFileError(f"{where}: missing key {missing[0]!r}")
+            n = _positive_int(entry["n"], f"{where}.n") if "n" in wanted else None
+            k = _positive_int(entry["k"], f"{where}.k")
+            _check_divisibility(op, n, k, where)
+            if "m" not in wanted:
+                cases.append(Case(op, n=n, k=k))
+                continue
+            raw_m = entry["m"]
+            ms = raw_m if isinstance(raw_m, list) else [raw_m]
+            if not ms:
+                raise ShapeFileError(f"{where}.m: empty list")
+            cases += [Case(op, m=_positive_int(m, f"{where}.m"), n=n, k=k) for m in ms]
+    return cases
+
+
+def load_shape_file(path: str | Path) -> list[Case]:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ShapeFileError(f"{path}: cannot read shape file ({exc.strerror or exc})") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ShapeFileError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    return parse_shape_entries(doc, str(path))
+
+
+def resolve_shapes(spec: str) -> list[Case]:
+    """A preset name, or else the path of a shape file."""
+    if spec in PRESETS:
+        return preset_cases(spec)
+    if not Path(spec).exists():
+        raise ShapeFileError(f"{spec}: not a preset ({', '.join(PRESETS)}) and no such shape file")
+    return load_shape_file(spec)
+
+
+def select_ops(cases: list[Case], ops: list[str] | None) -> list[Case]:
+    return cases if not ops else [c for c in cases if c.op in ops]

@@ -1,0 +1,425 @@
+"""`kdsl bench`: shapes, shape files, report, JSON document and exit codes on CPU; one GPU run."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+from kdsl.bench import add_parser, cli, report
+from kdsl.bench.results import ERROR, OK, UNAVAILABLE, WRONG, Result, Timing
+from kdsl.bench.shapes import OPS, Case, ShapeFileError, load_shape_file, preset_cases, resolve_shapes
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kdsl")
+    add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", *argv])
+
+
+def write(tmp_path, doc: object, name: str = "shapes.json") -> str:
+    path = tmp_path / name
+    path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    return str(path)
+
+
+# ---- shapes ----
+
+def test_deepseek_v3_preset_is_the_default_and_has_the_issue_shapes():
+    assert parse().shapes == "deepseek-v3"
+    cases = preset_cases("deepseek-v3")
+    fp8 = {(c.n, c.k) for c in cases if c.op == "fp8_gemm"}
+    assert fp8 == {(2112, 7168), (24576, 1536), (7168, 16384), (4096, 7168), (7168, 2048)}
+    assert sorted({c.m for c in cases if c.op == "fp8_gemm"}) == [1, 16, 64, 128, 512, 4096]
+    assert len([c for c in cases if c.op == "fp8_gemm"]) == 30
+    assert [(c.m, c.k) for c in cases if c.op == "act_quant"] == [(4096, 7168), (16384, 7168)]
+    assert [(c.n, c.k) for c in cases if c.op == "weight_dequant"] == [(7168, 16384), (24576, 1536)]
+    gptq = [c for c in cases if c.op == "gptq_gemm"]
+    assert {(c.k, c.n) for c in gptq} == {(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)}
+    assert sorted({c.m for c in gptq}) == [1, 16, 64, 256] and len(gptq) == 16
+
+
+def test_llama_preset_covers_every_op_with_valid_shapes():
+    cases = preset_cases("llama")
+    assert {c.op for c in cases} == set(OPS)
+    assert (6144, 4096) in {(c.n, c.k) for c in cases if c.op == "fp8_gemm"}
+    for c in cases:
+        assert c.op == "weight_dequant" or c.k % 128 == 0
+        assert c.op != "gptq_gemm" or c.n % 8 == 0
+
+
+def test_case_label_names_only_the_dims_of_its_op():
+    assert Case("fp8_gemm", m=16, n=2112, k=7168).label() == "M=16 N=2112 K=7168"
+    assert Case("act_quant", m=4096, k=7168).label() == "M=4096 K=7168"
+    assert Case("weight_dequant", n=7168, k=16384).dims() == {"n": 7168, "k": 16384}
+
+
+def test_shape_file_with_every_op(tmp_path):
+    path = write(tmp_path, {"fp8_gemm": [{"m": [1, 16], "n": 2112, "k": 7168}],
+                            "act_quant": [{"m": 4096, "k": 7168}],
+                            "weight_dequant": [{"n": 7168, "k": 16384}],
+                            "gptq_gemm": [{"m": [1], "k": 4096, "n": 4096}]})
+    assert resolve_shapes(path) == [
+        Case("fp8_gemm", m=1, n=2112, k=7168), Case("fp8_gemm", m=16, n=2112, k=7168),
+        Case("act_quant", m=4096, k=7168), Case("weight_dequant", n=7168, k=16384),
+        Case("gptq_gemm", m=1, n=4096, k=4096)]
+
+
+@pytest.mark.parametrize("doc, expected", [
+    ("{not json", "invalid JSON at line 1"),
+    ([{"m": 1}], "expected a JSON object"),
+    ({"fp8_gemm_v2": []}, "unknown op 'fp8_gemm_v2'"),
+    ({"fp8_gemm": {"m": 1}}, "fp8_gemm: expected a list"),
+    ({"fp8_gemm": [{"m": 1, "k": 7168}]}, "fp8_gemm[0]: missing key 'n'"),
+    ({"act_quant": [{"m": 1, "k": 7168, "n": 5}]}, "act_quant[0]: unknown key 'n'"),
+    ({"gptq_gemm": [{"m": [1, 0], "n": 4096, "k": 4096}]}, "gptq_gemm[0].m: expected a positive integer, got 0"),
+    ({"gptq_gemm": [{"m": 1, "n": "4096", "k": 4096}]}, "gptq_gemm[0].n: expected a positive integer"),
+    ({"fp8_gemm": [{"m": True, "n": 256, "k": 256}]}, "fp8_gemm[0].m: expected a positive integer, got True"),
+    ({"fp8_gemm": [{"m": [], "n": 256, "k": 256}]}, "fp8_gemm[0].m: empty list"),
+    ({"fp8_gemm": [{"m": 1, "n": 256, "k": 100}]}, "fp8_gemm[0].k: 100 is not a multiple"),
+    ({"gptq_gemm": [{"m": 1, "n": 4100, "k": 4096}]}, "gptq_gemm[0].n: 4100 is not a multiple of 8"),
+    ({"weight_dequant": ["7168x16384"]}, "weight_dequant[0]: expected an object"),
+])
+def test_bad_shape_file_names_file_and_key(tmp_path, doc, expected):
+    path = write(tmp_path, doc, name="bad.json")
+    with pytest.raises(ShapeFileError) as info:
+        load_shape_file(path)
+    assert isinstance(info.value, ValueError)
+    assert str(info.value).startswith(path) and expected in str(info.value)
+
+
+def test_unknown_preset_or_missing_file():
+    with pytest.raises(ShapeFileError, match="not a preset .*deepseek-v3.* and no such shape file"):
+        resolve_shapes("deepseek-v4")
+
+
+def test_run_reports_a_bad_shape_file_and_exits_2(tmp_path, capsys):
+    path = write(tmp_path, {"fp8_gemm": [{"m": 1, "k": 7168}]})
+    assert cli.run(parse("--shapes", path)) == 2
+    err = capsys.readouterr().err
+    assert path in err and "missing key 'n'" in err and "Traceback" not in err
+
+
+def test_op_choices_are_checked_by_argparse(capsys):
+    assert parse("--op", "fp8_gemm", "act_quant", "--op", "gptq_gemm").op == ["fp8_gemm", "act_quant", "gptq_gemm"]
+    with pytest.raises(SystemExit) as info:
+        parse("--op", "int8_gemm")
+    assert info.value.code == 2 and "invalid choice: 'int8_gemm'" in capsys.readouterr().err
+
+
+# ---- exit codes before any GPU work ----
+
+def test_run_without_cuda_exits_2_with_a_clear_message(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.run(parse("--op", "act_quant")) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and "torch.cuda.is_available() is False" in err
+
+
+def test_plot_without_matplotlib_exits_2_naming_the_extra(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cli, "matplotlib_available", lambda: False)
+    assert cli.run(parse("--plot", str(tmp_path / "r.png"))) == 2
+    assert "pip install matplotlib" in capsys.readouterr().err
+
+
+def test_json_path_in_a_missing_directory_is_refused_before_running(tmp_path, capsys):
+    assert cli.run(parse("--json", str(tmp_path / "nope" / "r.json"))) == 2
+    assert "directory does not exist" in capsys.readouterr().err
+
+
+def test_command_line_is_recorded_as_typed():
+    assert cli.command_line(["/x/kdsl/__main__.py", "bench", "--op", "fp8_gemm"]) == "python -m kdsl bench --op fp8_gemm"
+
+
+# ---- report ----
+
+def hand_made_results() -> list[Result]:
+    gemm = Case("fp8_gemm", m=16, n=2112, k=7168)
+    flops = 2 * 16 * 2112 * 7168
+    fast = Result(gemm, "fp8_gemm", Timing(eager_ms=0.010, graph_ms=0.008),
+                  {"cublas_blockwise": Timing(eager_ms=0.020, graph_ms=0.012, rel_err=3e-3),
+                   "bf16_matmul": Timing(eager_ms=0.030)}, flops=flops, bytes_moved=10**7, rel_err=4e-3, tolerance=2e-2)
+    no_cublas = Result(Case("fp8_gemm", m=1, n=2112, k=7168), "fp8_gemm", Timing(eager_ms=0.010),
+                       {"cublas_blockwise": Timing(error="RuntimeError: Invalid scaling configuration"),
+                        "bf16_matmul": Timing(eager_ms=0.015)}, flops=flops // 16, bytes_moved=10**7,
+                       rel_err=5e-3, tolerance=2e-2)
+    wrong = Result(Case("gptq_gemm", m=64, n=4096, k=4096), "gptq_gemm", Timing(eager_ms=0.05),
+                   {"fp16_matmul": Timing(eager_ms=0.04)}, flops=2 * 64 * 4096 * 4096, bytes_moved=10**7,
+                   rel_err=0.5, tolerance=2e-2, status=WRONG, detail="rel err 0.5 > 0.02")
+    crashed = Result(Case("gptq_gemm", m=64, n=4096, k=4096), "gptq_gemm[prepared]", Timing(error="TypeError: x"),
+                     {"fp16_matmul": Timing(eager_ms=0.04)}, status=ERROR, detail="TypeError: x", rel_err=math.nan)
+    missing = Result(Case("act_quant", m=4096, k=7168), "act_quant", Timing(error="kdsl.ops has no act_quant"),
+                     status=UNAVAILABLE, detail="kdsl.ops has no act_quant")
+    quant = Result(Case("act_quant", m=16384, k=7168), "act_quant", Timing(eager_ms=0.2),
+                   {"copy": Timing(eager_ms=0.1), "torch": Timing(eager_ms=1.0)}, bytes_moved=3 * 10**8,
+                   rel_err=0.03, tolerance=5e-2)
+    return [fast, no_cublas, wrong, crashed, missing, quant]
+
+
+def test_result_rates_ratios_and_ceiling():
+    fast, no_cublas, *_, quant = hand_made_results()
+    assert fast.ratio("cublas_blockwise") == pytest.approx(2.0)
+    assert fast.ratio("cublas_blockwise", "graph") == pytest.approx(1.5)
+    assert fast.ratio("bf16_matmul", "graph") is None
+    assert fast.ceiling_fraction() == pytest.approx(2.0)  # the fastest baseline decides
+    assert no_cublas.ceiling_fraction() == pytest.approx(1.5)
+    assert fast.tflops(0.010) == pytest.approx(2 * 16 * 2112 * 7168 / 1e-5 / 1e12)
+    assert quant.memory_bound and quant.rate(0.2) == pytest.approx(1.5)  # 3e8 B in 0.2 ms
+    assert quant.ceiling_fraction() == pytest.approx(0.5)  # half the copy bandwidth
+
+
+def test_table_marks_wrong_missing_baselines_and_unavailable_ops():
+    table = report.format_table(hand_made_results())
+    lines = table.splitlines()
+    assert [line.split()[1] for line in lines if line.startswith("==")] == ["fp8_gemm", "gptq_gemm", "act_quant"]
+    header = next(line for line in lines if line.startswith("shape"))
+    assert "TFLOP/s" in header and "vs cublas_blockwise" in header and "vs bf16_matmul" in header
+    row = next(line for line in lines if line.startswith("M=16 N=2112"))
+    assert "2.00x / 1.50x" in row and "3.00x" in row and "vs best" in header and row.endswith("ok")
+    row = next(line for line in lines if line.startswith("M=1 N=2112"))
+    assert "n/a" in row and "1.50x" in row
+    assert "baseline cublas_blockwise unavailable for M=1 N=2112 K=7168: RuntimeError" in table
+    assert next(line for line in lines if "gptq_gemm  " in line and "M=64" in line).endswith("WRONG")
+    assert "M=64 N=4096 K=4096 gptq_gemm: WRONG: rel err 0.5 > 0.02" in table
+    assert next(line for line in lines if "gptq_gemm[prepared]" in line).endswith("ERROR")
+    assert next(line for line in lines if line.startswith("M=4096 K=7168")).endswith("n/a")
+    row = next(line for line in lines if line.startswith("M=16384 K=7168"))
+    assert "of copy BW" in table and "TB/s" in table and " 50% " in row
+
+
+def test_json_document_structure(tmp_path):
+    results = hand_made_results()
+    env = {"gpu": "NVIDIA H100 80GB HBM3", "arch": "sm_90", "torch": "2.11.0", "triton": "3.6.0", "cuda": "12.8"}
+    doc = report.build_document(results, shapes="deepseek-v3", ops=["fp8_gemm", "gptq_gemm", "act_quant"],
+                                command="python -m kdsl bench", environment=env)
+    report.write_json(doc, tmp_path / "r.json")
+    doc = json.loads((tmp_path / "r.json").read_text())  # strict JSON: NaN became null
+    assert doc["schema_version"] == report.SCHEMA_VERSION == 1
+    assert set(doc) == {"schema_version", "tool", "command", "date", "environment", "shapes", "ops", "timing",
+                        "summary", "results"}
+    assert doc["environment"] == env and doc["command"] == "python -m kdsl bench" and "T" in doc["date"]
+    assert doc["summary"] == {"results": 6, "ok": 3, "wrong": 1, "errors": 1, "not_available": 1}
+    first = doc["results"][0]
+    assert set(first) == {"op", "impl", "shape", "status", "detail", "flops", "bytes", "rel_err", "tolerance",
+                          "ceiling_fraction", "kdsl", "baselines"}
+    assert first["shape"] == {"m": 16, "n": 2112, "k": 7168} and first["status"] == "ok"
+    assert isinstance(first["flops"], int) and isinstance(first["kdsl"]["tflops"], float)
+    assert set(first["kdsl"]) == {"eager_ms", "graph_ms", "tflops", "tbps", "error", "rel_err"}
+    cublas = first["baselines"]["cublas_blockwise"]
+    assert cublas["ratio_eager"] == pytest.approx(2.0) and cublas["ratio_graph"] == pytest.approx(1.5)
+    assert cublas["rel_err"] == pytest.approx(3e-3)
+    assert doc["results"][1]["baselines"]["cublas_blockwise"]["error"].startswith("RuntimeError")
+    assert doc["results"][1]["baselines"]["cublas_blockwise"]["ratio_eager"] is None
+    assert doc["results"][3]["rel_err"] is None and doc["results"][3]["impl"] == "gptq_gemm[prepared]"
+    assert doc["results"][4]["status"] == "not available" and doc["results"][4]["baselines"] == {}
+    assert doc["results"][5]["shape"] == {"m": 16384, "k": 7168}
+    assert doc["results"][5]["ceiling_fraction"] == pytest.approx(0.5)
+
+
+# ---- references the GPU run checks kdsl against (device-agnostic) ----
+
+def test_gptq_reference_unpacks_int4_along_k_and_n():
+    from kdsl.bench.timing import gptq_reference_weight, unpack_int4
+
+    q = torch.tensor([[3, 0, 15, 7, 1, 2, 9, 4]], dtype=torch.int64)  # eight values along K, one column
+    packed = sum(int(v) << (4 * i) for i, v in enumerate(q[0]))
+    qweight = torch.tensor([[packed - (1 << 32) if packed >= 1 << 31 else packed]], dtype=torch.int32)
+    assert unpack_int4(qweight, dim=0)[:, 0].tolist() == q[0].tolist()  # survives the int32 sign bit
+    qzeros = torch.tensor([[0x76543210]], dtype=torch.int32)  # column n stores zero n
+    assert unpack_int4(qzeros, dim=1).tolist() == [list(range(8))]
+    scales = torch.full((1, 1), 0.5, dtype=torch.float16)
+    zero_as_stored = torch.tensor([[6]], dtype=torch.int32)  # "gptq" stores zero - 1: the real zero is 7
+    w = gptq_reference_weight(qweight, zero_as_stored, scales, torch.zeros(8, dtype=torch.int32))
+    assert w[:, 0].tolist() == [(v - 7) * 0.5 for v in q[0].tolist()]
+
+
+def test_act_quant_check_flags_scales_that_are_not_amax_over_448():
+    from kdsl.bench.timing import check_act_quant, torch_act_quant
+
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    q, s = torch_act_quant(x)
+    ref_s = x.float().view(4, 2, 128).abs().amax(-1) / 448
+    err, why = check_act_quant((q, s), x, ref_s)
+    assert err < 5e-2 and why is None
+    _, why = check_act_quant((q, s * 1.001), x, ref_s)
+    assert "scales differ" in why
+    _, why = check_act_quant((q, s[:, :1]), x, ref_s)
+    assert "shapes" in why
+
+
+def test_gemm_check_flags_wrong_values_and_shapes():
+    from kdsl.bench.timing import check_close
+
+    ref = torch.randn(8, 256)
+    assert check_close(ref.bfloat16(), ref, 2e-2)[1] is None
+    assert "rel err" in check_close(ref * 1.1, ref, 2e-2)[1]
+    assert "shape" in check_close(ref[:4], ref, 2e-2)[1]
+    assert "rel err nan" in check_close(ref * math.nan, ref, 2e-2)[1]
+
+
+def test_fp8_references_agree_with_unquantized_math():
+    from kdsl.bench.timing import fp8_gemm_reference, torch_act_quant, torch_weight_quant
+
+    x, w = torch.randn(8, 256, dtype=torch.bfloat16), torch.randn(200, 256, dtype=torch.bfloat16)  # ragged N
+    (a, a_s), (b, b_s) = torch_act_quant(x), torch_weight_quant(w)
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and b_s.shape == (2, 2)
+    ref = fp8_gemm_reference(a, a_s, b, b_s)
+    exact = x.float() @ w.float().T
+    assert ref.shape == (8, 200) and ((ref - exact).norm() / exact.norm()).item() < 0.06
+
+
+# ---- the whole run path on CPU, with stand-in kdsl ops and timers ----
+
+def pack_int4(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of unpack_int4: eight 4-bit values per int32 along `dim`, wrapped to int32."""
+    v = values.to(torch.int64)
+    v = v.view(-1, 8, v.shape[1]) if dim == 0 else v.view(v.shape[0], -1, 8).transpose(1, 2)
+    packed = sum(v[:, i] << (4 * i) for i in range(8))
+    packed = (packed + 2**31) % 2**32 - 2**31
+    return packed.to(torch.int32)
+
+
+def fake_ops(wrong_dequant: bool):
+    """kdsl.ops stand-ins built from the bench's own references; weight_dequant can be made wrong."""
+    import types
+
+    from kdsl.bench import timing
+
+    def gptq_quantize(w, *, bits=4, group_size=128, sym=True):
+        n, k = w.shape
+        groups = w.float().t().reshape(k // group_size, group_size, n)
+        scales = (groups.abs().amax(1) / 7).half()
+        q = (torch.round(groups / scales.float()[:, None]) + 8).clamp(0, 15).reshape(k, n)
+        zeros = torch.full((k // group_size, n), 7)  # "gptq" format: zero 8 stored as 7
+        return {"qweight": pack_int4(q, 0), "qzeros": pack_int4(zeros, 1), "scales": scales,
+                "g_idx": torch.arange(k, dtype=torch.int32) // group_size}
+
+    def gptq_gemm(x, qweight, qzeros, scales, g_idx=None, *, bits=4, group_size=128, checkpoint_format="gptq"):
+        g = torch.arange(qweight.shape[0] * 8) // group_size
+        return (x.float() @ timing.gptq_reference_weight(qweight, qzeros, scales, g)).half()
+
+    def weight_dequant(q, s, block_size=(128, 128), out_dtype=torch.bfloat16):
+        w = timing.fp8_weight_reference(q, s)
+        return (w * 1.5 if wrong_dequant else w).to(out_dtype)
+
+    return types.SimpleNamespace(
+        act_quant=lambda x, group_size=128: timing.torch_act_quant(x),
+        fp8_gemm=lambda a, a_s, b, b_s, out_dtype=torch.bfloat16: timing.fp8_gemm_reference(a, a_s, b, b_s).to(out_dtype),
+        weight_dequant=weight_dequant, gptq_quantize=gptq_quantize, gptq_gemm=gptq_gemm)
+
+
+@pytest.fixture
+def cpu_bench(monkeypatch):
+    """Drive timing.run_case on CPU: fake timers, no CUDA sync, kdsl.ops replaced by `install`."""
+    import sys
+
+    import triton.testing
+
+    import kdsl
+    from kdsl.bench import timing
+
+    def cudagraph(fn, return_mode):
+        raise RuntimeError("no graphs on CPU")
+
+    monkeypatch.setattr(timing, "DEVICE", "cpu")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, return_mode: (fn(), 0.25)[1])
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", cudagraph)
+    monkeypatch.setattr(timing, "environment", lambda: {"gpu": "cpu stand-in", "torch": torch.__version__})
+
+    def install(ops) -> None:
+        monkeypatch.setitem(sys.modules, "kdsl.ops", ops)
+        monkeypatch.setattr(kdsl, "ops", ops, raising=False)
+
+    return install
+
+
+def test_run_case_checks_times_and_flags_on_cpu_stand_ins(cpu_bench):
+    from kdsl.bench.timing import run_case
+
+    cpu_bench(fake_ops(wrong_dequant=True))
+    (gemm,) = run_case(Case("fp8_gemm", m=3, n=200, k=256))
+    assert gemm.status == OK and gemm.rel_err < 1e-2 and gemm.kdsl.eager_ms == 0.25
+    assert gemm.kdsl.graph_ms is None  # a failing CUDA-graph capture is recorded as None
+    assert gemm.baselines["bf16_matmul"].eager_ms == 0.25
+    assert gemm.baselines["cublas_blockwise"].error or gemm.baselines["cublas_blockwise"].eager_ms
+    (quant,) = run_case(Case("act_quant", m=4, k=256))
+    assert quant.status == OK and quant.bytes_moved == 4 * 256 * 3 + 4 * 4 * 2 and quant.ratio("copy") == 1.0
+    (dequant,) = run_case(Case("weight_dequant", n=130, k=200))
+    assert dequant.status == WRONG and "rel err" in dequant.detail and dequant.kdsl.eager_ms == 0.25
+    (gptq,) = run_case(Case("gptq_gemm", m=2, n=16, k=256))
+    assert gptq.status == OK and gptq.rel_err < 1e-2 and set(gptq.baselines) == {"fp16_matmul"}
+
+
+def test_gptq_prepared_row_appears_with_gptq_prepare(cpu_bench):
+    from kdsl.bench.timing import run_case
+
+    ops = fake_ops(wrong_dequant=False)
+    plain_gemm = ops.gptq_gemm
+    ops.gptq_prepare = lambda qweight, qzeros, scales, g_idx=None, **kw: (qweight, qzeros, scales)
+    ops.gptq_gemm = lambda x, w, *args, **kw: plain_gemm(x, *w) if isinstance(w, tuple) else plain_gemm(x, w, *args, **kw)
+    cpu_bench(ops)
+    results = run_case(Case("gptq_gemm", m=1, n=16, k=128))
+    assert [(r.impl, r.status) for r in results] == [("gptq_gemm", OK), ("gptq_gemm[prepared]", OK)]
+    assert results[0].baselines is results[1].baselines  # timed once, shared
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("no repacking yet")
+
+    ops.gptq_prepare = refuse
+    plain, prepared = run_case(Case("gptq_gemm", m=1, n=16, k=128))
+    assert plain.status == OK and prepared.status == ERROR and "no repacking yet" in prepared.detail
+
+
+def test_missing_ops_are_not_available_and_kdsl_errors_are_failures(cpu_bench):
+    import types
+
+    from kdsl.bench.timing import run_case
+
+    def broken(x, group_size=128):
+        raise ValueError("x: expected bf16")
+
+    cpu_bench(types.SimpleNamespace(act_quant=broken))
+    (missing,) = run_case(Case("fp8_gemm", m=1, n=128, k=128))
+    assert missing.status == UNAVAILABLE and "kdsl.ops has no fp8_gemm" in missing.detail and not missing.failed
+    (error,) = run_case(Case("act_quant", m=1, k=128))
+    assert error.status == ERROR and error.failed and "ValueError: x: expected bf16" in error.detail
+
+
+def test_run_end_to_end_on_cpu_stand_ins(cpu_bench, tmp_path, capsys):
+    cpu_bench(fake_ops(wrong_dequant=True))
+    shapes = write(tmp_path, {"fp8_gemm": [{"m": [1, 4], "n": 256, "k": 256}], "weight_dequant": [{"n": 128, "k": 128}]})
+    out = tmp_path / "bench.json"
+    assert cli.run(parse("--shapes", shapes, "--json", str(out))) == 1  # weight_dequant is wrong
+    captured = capsys.readouterr()
+    assert "[1/3] fp8_gemm M=1 N=256 K=256 ..." in captured.err and "[3/3] weight_dequant N=128 K=128" in captured.err
+    assert "1 of 3 results WRONG or failing: weight_dequant N=128 K=128 weight_dequant: WRONG" in captured.err
+    assert "== fp8_gemm" in captured.out and "WRONG" in captured.out
+    doc = json.loads(out.read_text())
+    assert doc["ops"] == ["fp8_gemm", "weight_dequant"] and doc["environment"]["gpu"] == "cpu stand-in"
+    assert [r["status"] for r in doc["results"]] == ["ok", "ok", "WRONG"]
+    assert cli.run(parse("--shapes", shapes, "--op", "fp8_gemm")) == 0
+    assert "all 2 results correct" in capsys.readouterr().err
+
+
+# ---- end to end on a GPU ----
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tiny_fp8_gemm_bench_end_to_end(tmp_path, capsys):
+    shapes = write(tmp_path, {"fp8_gemm": [{"m": [16], "n": 256, "k": 512}]})
+    out = tmp_path / "bench.json"
+    assert cli.run(parse("--shapes", shapes, "--json", str(out))) == 0
+    captured = capsys.readouterr()
+    assert "[1/1] fp8_gemm M=16 N=256 K=512" in captured.err and "== fp8_gemm" in captured.out
+    doc = json.loads(out.read_text())
+    assert doc["schema_version"] == 1 and doc["ops"] == ["fp8_gemm"]
+    assert doc["environment"]["gpu"] == torch.cuda.get_device_name()
+    (result,) = doc["results"]
+    assert result["status"] == "ok" and result["rel_err"] < 2e-2
+    assert result["kdsl"]["eager_ms"] > 0 and result["flops"] == 2 * 16 * 256 * 512
+    assert set(result["baselines"]) == {"cublas_blockwise", "bf16_matmul"}
+    assert result["baselines"]["bf16_matmul"]["ratio_eager"] > 0
