@@ -3,7 +3,7 @@
 # kernel: gptq_dequant__int4_g32_gptq__blockwise_sm80 (gptq_dequant/blockwise: unpack int4 checkpoint tensors to [N, K])
 # scheme: gptq.int4.g32.gptq
 # arch: sm_80 and up
-# digest: a302e3707f491e05 (sha256 of the definition file and the templates)
+# digest: c0598443841da2d3 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -17,24 +17,34 @@ ZERO_OFFSET = tl.constexpr(1)
 
 
 @triton.jit
-def _dequant_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, offs_k, cols, k_ok,
-                  stride_qwk, stride_qzg, stride_sg, HAS_G_IDX: tl.constexpr):
-    """w[k, n] = (q[k, n] - zero[g(k), n]) * scale[g(k), n] for a [BLOCK_K, BLOCK_N] tile, in fp32."""
+def _dequant_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k_start, offs_k, cols, k_ok,
+                  stride_qwk, stride_qzg, stride_sg, dtype: tl.constexpr,
+                  HAS_G_IDX: tl.constexpr, UNIFORM_GROUP: tl.constexpr):
+    """w[k, n] = (q[k, n] - zero[g(k), n]) * scale[g(k), n] for a [BLOCK_K, BLOCK_N] tile, in dtype.
+
+    UNIFORM_GROUP: the whole tile lies in one group (no g_idx, BLOCK_K divides the group),
+    so one row of scales and zeros serves it instead of a gather per element.
+    """
     # Each int32 of qweight holds PACK rows of K: row k sits at bits BITS * (k % PACK).
     packed = tl.load(qw_ptr + (offs_k[:, None] // PACK).to(tl.int64) * stride_qwk + cols[None, :],
                      mask=k_ok[:, None], other=0)
     q = (packed >> ((offs_k[:, None] % PACK) * BITS)) & MAX_Q
-    if HAS_G_IDX:
-        group = tl.load(g_ptr + offs_k, mask=k_ok, other=0)
+    if UNIFORM_GROUP:
+        group = k_start // GROUP_SIZE
+        scale = tl.load(s_ptr + group * stride_sg + cols)[None, :]
+        packed_zero = tl.load(qz_ptr + group * stride_qzg + cols // PACK)[None, :]
     else:
-        group = offs_k // GROUP_SIZE
-    group = group.to(tl.int64)
-    scale = tl.load(s_ptr + group[:, None] * stride_sg + cols[None, :], mask=k_ok[:, None], other=0.0)
+        if HAS_G_IDX:
+            group = tl.load(g_ptr + offs_k, mask=k_ok, other=0).to(tl.int64)
+        else:
+            group = (offs_k // GROUP_SIZE).to(tl.int64)
+        scale = tl.load(s_ptr + group[:, None] * stride_sg + cols[None, :], mask=k_ok[:, None], other=0.0)
+        packed_zero = tl.load(qz_ptr + group[:, None] * stride_qzg + (cols[None, :] // PACK),
+                              mask=k_ok[:, None], other=0)
     # qzeros packs along N the same way: column n at bits BITS * (n % PACK).
-    packed_zero = tl.load(qz_ptr + group[:, None] * stride_qzg + (cols[None, :] // PACK),
-                          mask=k_ok[:, None], other=0)
     zero = ((packed_zero >> ((cols[None, :] % PACK) * BITS)) & MAX_Q) + ZERO_OFFSET
-    return (q - zero).to(tl.float32) * scale.to(tl.float32)
+    # (q - zero) is a small integer, exact in fp16/bf16: one rounding, as in fp32 then cast.
+    return (q - zero).to(dtype) * scale.to(dtype)
 
 
 @triton.jit
@@ -42,17 +52,17 @@ def gptq_dequant__int4_g32_gptq__blockwise_sm80(
     qw_ptr, qz_ptr, s_ptr, g_ptr, w_ptr,
     N, K,
     stride_qwk, stride_qzg, stride_sg,
-    HAS_G_IDX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_G_IDX: tl.constexpr, UNIFORM_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """w[N, K] (nn.Linear layout) from the checkpoint's [K, N]-oriented tensors, one tile per program."""
     offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_ok = offs_k < K
     cols = offs_n % N
-    w = _dequant_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, offs_k, cols, k_ok,
-                      stride_qwk, stride_qzg, stride_sg, HAS_G_IDX)
+    w = _dequant_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, tl.program_id(0) * BLOCK_K, offs_k, cols, k_ok,
+                      stride_qwk, stride_qzg, stride_sg, w_ptr.dtype.element_ty, HAS_G_IDX, UNIFORM_GROUP)
     out_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]
-    tl.store(out_ptrs, w.to(w_ptr.dtype.element_ty), mask=k_ok[:, None] & (offs_n[None, :] < N))
+    tl.store(out_ptrs, w, mask=k_ok[:, None] & (offs_n[None, :] < N))
 
 
 # Tiles per M bucket, from the definition: (largest M served or None for the rest, launch parameters).
@@ -69,5 +79,5 @@ def launch(qweight, qzeros, scales, g_idx, w, tile):
     gptq_dequant__int4_g32_gptq__blockwise_sm80[grid](
         qweight, qzeros, scales, qweight if g_idx is None else g_idx, w,
         N, K, qweight.stride(0), qzeros.stride(0), scales.stride(0),
-        HAS_G_IDX=g_idx is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=tile["num_warps"],
+        HAS_G_IDX=g_idx is not None, UNIFORM_GROUP=g_idx is None and GROUP_SIZE.value % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=tile["num_warps"],
     )

@@ -3,7 +3,7 @@
 # kernel: gptq_gemm__int4_g64_gptq__splitk_sm80 (gptq_gemm/splitk: W4A16: unpack int4 in registers, fp16/bf16 tensor-core dot, optional split-K with atomics)
 # scheme: gptq.int4.g64.gptq
 # arch: sm_80 and up
-# digest: 3b60198b1d3b9d52 (sha256 of the definition file and the templates)
+# digest: 33e804be189072cc (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -36,24 +36,34 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr, N_MAJOR: 
 
 
 @triton.jit
-def _dequant_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, offs_k, cols, k_ok,
-                  stride_qwk, stride_qzg, stride_sg, HAS_G_IDX: tl.constexpr):
-    """w[k, n] = (q[k, n] - zero[g(k), n]) * scale[g(k), n] for a [BLOCK_K, BLOCK_N] tile, in fp32."""
+def _dequant_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k_start, offs_k, cols, k_ok,
+                  stride_qwk, stride_qzg, stride_sg, dtype: tl.constexpr,
+                  HAS_G_IDX: tl.constexpr, UNIFORM_GROUP: tl.constexpr):
+    """w[k, n] = (q[k, n] - zero[g(k), n]) * scale[g(k), n] for a [BLOCK_K, BLOCK_N] tile, in dtype.
+
+    UNIFORM_GROUP: the whole tile lies in one group (no g_idx, BLOCK_K divides the group),
+    so one row of scales and zeros serves it instead of a gather per element.
+    """
     # Each int32 of qweight holds PACK rows of K: row k sits at bits BITS * (k % PACK).
     packed = tl.load(qw_ptr + (offs_k[:, None] // PACK).to(tl.int64) * stride_qwk + cols[None, :],
                      mask=k_ok[:, None], other=0)
     q = (packed >> ((offs_k[:, None] % PACK) * BITS)) & MAX_Q
-    if HAS_G_IDX:
-        group = tl.load(g_ptr + offs_k, mask=k_ok, other=0)
+    if UNIFORM_GROUP:
+        group = k_start // GROUP_SIZE
+        scale = tl.load(s_ptr + group * stride_sg + cols)[None, :]
+        packed_zero = tl.load(qz_ptr + group * stride_qzg + cols // PACK)[None, :]
     else:
-        group = offs_k // GROUP_SIZE
-    group = group.to(tl.int64)
-    scale = tl.load(s_ptr + group[:, None] * stride_sg + cols[None, :], mask=k_ok[:, None], other=0.0)
+        if HAS_G_IDX:
+            group = tl.load(g_ptr + offs_k, mask=k_ok, other=0).to(tl.int64)
+        else:
+            group = (offs_k // GROUP_SIZE).to(tl.int64)
+        scale = tl.load(s_ptr + group[:, None] * stride_sg + cols[None, :], mask=k_ok[:, None], other=0.0)
+        packed_zero = tl.load(qz_ptr + group[:, None] * stride_qzg + (cols[None, :] // PACK),
+                              mask=k_ok[:, None], other=0)
     # qzeros packs along N the same way: column n at bits BITS * (n % PACK).
-    packed_zero = tl.load(qz_ptr + group[:, None] * stride_qzg + (cols[None, :] // PACK),
-                          mask=k_ok[:, None], other=0)
     zero = ((packed_zero >> ((cols[None, :] % PACK) * BITS)) & MAX_Q) + ZERO_OFFSET
-    return (q - zero).to(tl.float32) * scale.to(tl.float32)
+    # (q - zero) is a small integer, exact in fp16/bf16: one rounding, as in fp32 then cast.
+    return (q - zero).to(dtype) * scale.to(dtype)
 
 
 @triton.jit
@@ -61,7 +71,7 @@ def gptq_gemm__int4_g64_gptq__splitk_sm80(
     x_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, y_ptr,
     M, N, K,
     stride_xm, stride_qwk, stride_qzg, stride_sg, stride_ym,
-    HAS_G_IDX: tl.constexpr,
+    HAS_G_IDX: tl.constexpr, UNIFORM_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
@@ -82,9 +92,9 @@ def gptq_gemm__int4_g64_gptq__splitk_sm80(
         offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-        w = _dequant_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, offs_k, cols, k_ok,
-                          stride_qwk, stride_qzg, stride_sg, HAS_G_IDX)
-        acc += tl.dot(x, w.to(x.dtype))
+        w = _dequant_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k_block * BLOCK_K, offs_k, cols, k_ok,
+                          stride_qwk, stride_qzg, stride_sg, x.dtype, HAS_G_IDX, UNIFORM_GROUP)
+        acc += tl.dot(x, w)
 
     out_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -97,8 +107,8 @@ def gptq_gemm__int4_g64_gptq__splitk_sm80(
 # Tiles per M bucket, from the definition: (largest M served or None for the rest, launch parameters).
 TILES = (
     (16, {'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
-    (64, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 2, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
-    (None, {'BLOCK_M': 128, 'BLOCK_N': 128, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 8, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
+    (64, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 2, 'num_warps': 8, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
+    (None, {'BLOCK_M': 128, 'BLOCK_N': 64, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
 )
 
 
@@ -118,7 +128,7 @@ def launch(x, qweight, qzeros, scales, g_idx, y, tile):
     gptq_gemm__int4_g64_gptq__splitk_sm80[grid](
         x, qweight, qzeros, scales, qweight if g_idx is None else g_idx, out,
         M, N, K, x.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0),
-        HAS_G_IDX=g_idx is not None,
+        HAS_G_IDX=g_idx is not None, UNIFORM_GROUP=g_idx is None and GROUP_SIZE.value % bk == 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tile["GROUP_M"], SPLIT_K=split_k,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"],
     )

@@ -1,0 +1,97 @@
+"""Time candidate tiles for the kernels the registry picks on this GPU (a manual `tune`).
+
+Launches the generated modules directly with each candidate tile, so no definition
+has to change to try one; winners are copied into kernel_defs/ by hand, reviewed
+like code, then regenerated. Prints the best tile per (op, M bucket, shape).
+"""
+import itertools
+import sys
+
+import torch
+import triton
+from triton.testing import do_bench, do_bench_cudagraph
+
+import kdsl
+from kdsl import ops, registry
+
+
+def tile(bm, bn, bk, warps, stages, group_m=8, split_k=1, persistent=False, order="m_major"):
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "SPLIT_K": split_k,
+            "num_warps": warps, "num_stages": stages, "persistent": persistent, "tile_order": order,
+            "swap_ab": False, "warp_specialize": False}
+
+
+def best(label, run, candidates, graph):
+    results = []
+    for cand in candidates:
+        try:
+            run(cand)
+            ms = (do_bench_cudagraph if graph else do_bench)(lambda: run(cand), return_mode="median")
+        except Exception as error:  # out of resources etc.
+            print(f"  {label} {cand}: {type(error).__name__}", file=sys.stderr)
+            continue
+        results.append((ms, cand))
+    results.sort(key=lambda r: r[0])
+    for ms, cand in results[:3]:
+        c = cand
+        print(f"{label}: {ms * 1e3:8.1f} us  {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} "
+              f"s{c['num_stages']} g{c['GROUP_M']} sk{c['SPLIT_K']} p{int(c['persistent'])} {c['tile_order']}")
+    return results
+
+
+def sweep_fp8(which):
+    entry = registry.select("fp8_gemm", kdsl.BlockFP8())
+    for n, k in [(2112, 7168), (24576, 1536), (7168, 16384), (4096, 7168), (7168, 2048)]:
+        b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+        b_s = torch.rand(triton.cdiv(n, 128), k // 128, device="cuda") + 0.5
+        for m in which:
+            a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+            a_s = torch.rand(m, k // 128, device="cuda") + 0.5
+            c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            if m >= 512:
+                cands = [tile(128, bn, 128, w, s, persistent=True, order=o)
+                         for bn, w, s, o in itertools.product([128, 256], [8], [3, 4], ["m_major", "n_major"])]
+                cands.append(tile(128, 128, 128, 4, 4, persistent=True))
+            else:
+                cands = [tile(64, bn, 128, 4, s, persistent=p)  # wgmma wants 64 rows per warpgroup
+                         for bn, s, p in itertools.product([32, 64, 128], [4, 6], [False, True])]
+            best(f"fp8_gemm m={m} n={n} k={k}", lambda t: entry.launch(a, a_s, b, b_s, c, t), cands, graph=m <= 128)
+
+
+def sweep_gptq():
+    entry = registry.select("gptq_gemm", kdsl.GPTQ())
+    for k, n in [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]:
+        w = torch.randn(n, k, device="cuda", dtype=torch.float16)
+        ck = ops.gptq_quantize(w)
+        for m in [1, 16, 64, 256]:
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            y = torch.empty(m, n, device="cuda", dtype=torch.float16)
+            if m <= 16:
+                cands = [tile(16, bn, 128, 4, 3, split_k=sk) for bn, sk in itertools.product([32, 64, 128], [1, 4, 8])]
+            else:
+                cands = [tile(bm, bn, 64, w_, 3, split_k=sk) for bm, bn, w_, sk in
+                         itertools.product([64, 128], [64, 128], [4, 8], [1, 2])]
+            best(f"gptq_gemm m={m} k={k} n={n}",
+                 lambda t: entry.launch(x, ck["qweight"], ck["qzeros"], ck["scales"], None, y, t), cands, graph=m <= 128)
+
+
+def sweep_act_quant():
+    entry = registry.select("act_quant", kdsl.BlockFP8())
+    for m, k in [(4096, 7168), (16384, 7168)]:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        q = torch.empty(m, k, device="cuda", dtype=torch.float8_e4m3fn)
+        s = torch.empty(m, k // 128, device="cuda")
+        cands = [tile(bm, 128, 128, w, 1) for bm, w in itertools.product([4, 8, 16, 32, 64], [1, 2, 4, 8])]
+        best(f"act_quant m={m} k={k}", lambda t: entry.launch(x, q, s, t), cands, graph=False)
+
+
+if __name__ == "__main__":
+    what = sys.argv[1:] or ["act_quant", "gptq", "fp8_small", "fp8_large"]
+    if "act_quant" in what:
+        sweep_act_quant()
+    if "gptq" in what:
+        sweep_gptq()
+    if "fp8_small" in what:
+        sweep_fp8([16, 128])
+    if "fp8_large" in what:
+        sweep_fp8([4096])
