@@ -3,7 +3,7 @@
 # kernel: act_quant__e4m3_w128x128_a128_f32__rowwise_sm89 (act_quant/rowwise: per-token, per-group amax scaling to e4m3)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 03493a0988d8b645 (sha256 of the definition file and the templates)
+# digest: 41b3d84840d2d629 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -23,9 +23,11 @@ def _round_to_e4m3_grid(x):
     lsb = (bits >> 20) & 1
     normal = ((bits + 0x7FFFF + lsb) & 0xFFF00000).to(tl.float32, bitcast=True)
     # Below e4m3's smallest normal (2^-6) the spacing is a fixed 2^-9: adding and
-    # removing 2^14 rounds to it with fp32's own round-to-nearest-even.
-    subnormal = (x + 16384.0) - 16384.0
-    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+    # removing 2^14 rounds |x| to it with fp32's own round-to-nearest-even (on |x|:
+    # just below 2^14 fp32's spacing halves, which would skew negative inputs).
+    magnitude = tl.abs(x)
+    subnormal = (magnitude + 16384.0) - 16384.0
+    return tl.where(magnitude < 0.015625, tl.where(x < 0, -subnormal, subnormal), normal)
 
 
 @triton.jit

@@ -3,7 +3,7 @@
 # kernel: weight_quant__e4m3_w128x128_a128_f32__blockwise_sm89 (weight_quant/blockwise: one program per weight block, amax scaling to e4m3)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: f75252d8dccf36f7 (sha256 of the definition file and the templates)
+# digest: 4d490765f3b51e58 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -24,9 +24,11 @@ def _round_to_e4m3_grid(x):
     lsb = (bits >> 20) & 1
     normal = ((bits + 0x7FFFF + lsb) & 0xFFF00000).to(tl.float32, bitcast=True)
     # Below e4m3's smallest normal (2^-6) the spacing is a fixed 2^-9: adding and
-    # removing 2^14 rounds to it with fp32's own round-to-nearest-even.
-    subnormal = (x + 16384.0) - 16384.0
-    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+    # removing 2^14 rounds |x| to it with fp32's own round-to-nearest-even (on |x|:
+    # just below 2^14 fp32's spacing halves, which would skew negative inputs).
+    magnitude = tl.abs(x)
+    subnormal = (magnitude + 16384.0) - 16384.0
+    return tl.where(magnitude < 0.015625, tl.where(x < 0, -subnormal, subnormal), normal)
 
 
 @triton.jit
