@@ -3,7 +3,7 @@
 # kernel: gptq_dequant__int4_gall_gptq__blockwise_sm80 (gptq_dequant/blockwise: unpack int4 checkpoint tensors to [N, K])
 # scheme: gptq.int4.gall.gptq
 # arch: sm_80 and up
-# digest: c0598443841da2d3 (sha256 of the definition file and the templates)
+# digest: 6d30f069fd9bf78a (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -43,8 +43,9 @@ def _dequant_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k_start, offs_k, cols, k_ok,
                               mask=k_ok[:, None], other=0)
     # qzeros packs along N the same way: column n at bits BITS * (n % PACK).
     zero = ((packed_zero >> ((cols[None, :] % PACK) * BITS)) & MAX_Q) + ZERO_OFFSET
-    # (q - zero) is a small integer, exact in fp16/bf16: one rounding, as in fp32 then cast.
-    return (q - zero).to(dtype) * scale.to(dtype)
+    # fp32 product, one rounding to dtype. (Multiplying in fp16/bf16 directly rounds the
+    # same way on GPUs, but Triton's interpreter mangles int -> bf16 conversions.)
+    return ((q - zero).to(tl.float32) * scale.to(tl.float32)).to(dtype)
 
 
 @triton.jit

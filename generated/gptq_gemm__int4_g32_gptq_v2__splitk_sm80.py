@@ -3,7 +3,7 @@
 # kernel: gptq_gemm__int4_g32_gptq_v2__splitk_sm80 (gptq_gemm/splitk: W4A16: unpack int4 in registers, fp16/bf16 tensor-core dot, optional split-K with atomics)
 # scheme: gptq.int4.g32.gptq_v2
 # arch: sm_80 and up
-# digest: 33e804be189072cc (sha256 of the definition file and the templates)
+# digest: 4df5d07dff5d1f33 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -62,8 +62,9 @@ def _dequant_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k_start, offs_k, cols, k_ok,
                               mask=k_ok[:, None], other=0)
     # qzeros packs along N the same way: column n at bits BITS * (n % PACK).
     zero = ((packed_zero >> ((cols[None, :] % PACK) * BITS)) & MAX_Q) + ZERO_OFFSET
-    # (q - zero) is a small integer, exact in fp16/bf16: one rounding, as in fp32 then cast.
-    return (q - zero).to(dtype) * scale.to(dtype)
+    # fp32 product, one rounding to dtype. (Multiplying in fp16/bf16 directly rounds the
+    # same way on GPUs, but Triton's interpreter mangles int -> bf16 conversions.)
+    return ((q - zero).to(tl.float32) * scale.to(tl.float32)).to(dtype)
 
 
 @triton.jit
@@ -73,7 +74,7 @@ def gptq_gemm__int4_g32_gptq_v2__splitk_sm80(
     stride_xm, stride_qwk, stride_qzg, stride_sg, stride_ym,
     HAS_G_IDX: tl.constexpr, UNIFORM_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
+    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     """y[M, N] = x[M, K] @ dequant(qweight)[K, N]; with SPLIT_K > 1 each program adds its K share atomically."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -94,7 +95,12 @@ def gptq_gemm__int4_g32_gptq_v2__splitk_sm80(
         x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=k_ok[None, :], other=0.0)
         w = _dequant_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k_block * BLOCK_K, offs_k, cols, k_ok,
                           stride_qwk, stride_qzg, stride_sg, x.dtype, HAS_G_IDX, UNIFORM_GROUP)
-        acc += tl.dot(x, w)
+        if UPCAST_DOT:
+            # Triton's CPU interpreter multiplies bf16 tensors as raw bit patterns; the same
+            # bf16 values widened to fp32 multiply correctly there.
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32))
+        else:
+            acc += tl.dot(x, w)
 
     out_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -130,6 +136,7 @@ def launch(x, qweight, qzeros, scales, g_idx, y, tile):
         M, N, K, x.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0),
         HAS_G_IDX=g_idx is not None, UNIFORM_GROUP=g_idx is None and GROUP_SIZE.value % bk == 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tile["GROUP_M"], SPLIT_K=split_k,
+        UPCAST_DOT=x.device.type == "cpu" and x.dtype == torch.bfloat16,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"],
     )
     if out is not y:

@@ -79,9 +79,9 @@ def gptq_gemm(
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=device)
     if y.numel() == 0:
         return y
-    x2 = check.rows(x, k)
     if k == 0:
         return y.zero_()
+    x2 = check.rows(x, k)
     if not check.use_kernels(device):
         groups = g_idx if g_idx is not None else _default_g_idx(k, group_size, device)
         return fallback.gptq_gemm(x2, qweight, qzeros, scales, groups, bits, ZERO_OFFSET[checkpoint_format]).view(y.shape)
