@@ -126,7 +126,12 @@ def _judge(op: str, scheme: str | None, arch: int) -> tuple[KernelEntry | None, 
             fitting.append(entry)
     chosen = max(fitting, key=_specificity) if fitting else None
     for entry in fitting:
-        if entry is not chosen:
+        if entry is chosen:
+            continue
+        if entry.scheme != chosen.scheme:
+            # No scheme was named: kernels of other schemes are not ranked against each other.
+            verdicts.append((entry.name, f"fits {entry.arch_range()} for scheme {entry.scheme}; name a scheme to pick it"))
+        else:
             verdicts.append((entry.name, f"fits {entry.arch_range()}, but {chosen.name} is more specific"))
     return chosen, verdicts
 

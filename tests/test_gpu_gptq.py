@@ -1,0 +1,144 @@
+"""GPTQ INT4 ops on a CUDA GPU (real kernels, no interpreter) against tests/reference_gptq.py.
+
+    KDSL_TEST_GPU=1 python -m pytest tests/test_gpu_gptq.py -m gpu -q
+
+Checkpoints are built by hand on the GPU from random integers (reference_gptq.make_checkpoint,
+not kdsl.ops.gptq_quantize), once per (shape, scheme, g_idx, dtype) for the whole module; the
+fp32 reference weight of each is cached beside it.
+"""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import kdsl
+import reference_gptq as ref
+
+pytestmark = pytest.mark.gpu
+
+TOL = 1e-2
+# (K, N): Llama-3-8B-like projections and a 70B-like MLP up projection.
+SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]
+MS = [1, 16, 64, 256]
+
+
+def _shape_id(shape):
+    return f"K{shape[0]}xN{shape[1]}"
+
+
+@pytest.fixture(scope="module")
+def checkpoints():
+    """Module-wide cache: build each checkpoint (and its fp32 reference weight [K, N]) once."""
+    cache: dict = {}
+
+    def get(k, n, *, group_size=128, fmt="gptq", g_idx="default", scale_dtype=torch.float16):
+        key = (k, n, group_size, fmt, g_idx, scale_dtype)
+        if key not in cache:
+            gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr(key).encode()))
+            ck = ref.make_checkpoint(k, n, group_size=group_size, checkpoint_format=fmt, g_idx=g_idx,
+                                     scale_dtype=scale_dtype, device="cuda", generator=gen)
+            tensors = {name: ck[name] for name in ("qweight", "qzeros", "scales", "g_idx")}
+            del ck  # the int64 integers are large; keep only the checkpoint tensors
+            tensors["w"] = ref.dequant_ref(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors["g_idx"],
+                                           group_size=group_size, checkpoint_format=fmt)
+            cache[key] = tensors
+        return cache[key]
+
+    yield get
+    cache.clear()
+    torch.cuda.empty_cache()
+
+
+def _x(m, k, dtype=torch.float16):
+    gen = torch.Generator(device="cuda").manual_seed(1000 * m + k)
+    return torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+
+
+def _check(ck, m, *, group_size=128, fmt="gptq", dtype=torch.float16, g_idx="ckpt"):
+    k, n = ck["w"].shape
+    x = _x(m, k, dtype)
+    groups = ck["g_idx"] if g_idx == "ckpt" else g_idx
+    y = kdsl.ops.gptq_gemm(x, ck["qweight"], ck["qzeros"], ck["scales"], groups,
+                           group_size=group_size, checkpoint_format=fmt)
+    assert y.shape == (m, n) and y.dtype == dtype and y.is_cuda
+    expected = x.float() @ ck["w"]
+    err = ref.rel_fro_error(y, expected)
+    assert err < TOL, f"M={m} K={k} N={n} group_size={group_size} {fmt}: rel err {err:.3g}"
+    return y
+
+
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
+def test_gemm_shapes(checkpoints, shape, m):
+    _check(checkpoints(*shape), m)
+
+
+@pytest.mark.parametrize("m", [1, 64, 256])
+@pytest.mark.parametrize("g_idx", ["perm", "random"])
+def test_gemm_act_order(checkpoints, g_idx, m):
+    ck = checkpoints(4096, 4096, g_idx=g_idx)
+    _check(ck, m)
+
+
+@pytest.mark.parametrize("m", [1, 64, 256])
+@pytest.mark.parametrize("group_size", [32, 64, -1])
+def test_gemm_group_sizes(checkpoints, group_size, m):
+    _check(checkpoints(4096, 4096, group_size=group_size), m, group_size=group_size)
+
+
+@pytest.mark.parametrize("m", [1, 16, 256])
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
+def test_gemm_formats(checkpoints, fmt, m):
+    _check(checkpoints(4096, 14336, fmt=fmt), m, fmt=fmt)
+
+
+@pytest.mark.parametrize("m", [1, 16, 256])
+def test_gemm_bf16(checkpoints, m):
+    ck = checkpoints(4096, 4096, scale_dtype=torch.bfloat16, fmt="gptq_v2", g_idx="perm")
+    _check(ck, m, dtype=torch.bfloat16, fmt="gptq_v2")
+
+
+@pytest.mark.parametrize("m", [1, 64])
+def test_gemm_explicit_default_g_idx(checkpoints, m):
+    ck = checkpoints(4096, 4096, g_idx="none")
+    _check(ck, m, g_idx=ref.default_g_idx(4096, 128, "cuda"))
+
+
+def test_gemm_leading_batch_dims(checkpoints):
+    ck = checkpoints(4096, 4096)
+    x = _x(6, 4096).view(2, 3, 4096)
+    y = kdsl.ops.gptq_gemm(x, ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"], group_size=128)
+    assert y.shape == (2, 3, 4096)
+    assert ref.rel_fro_error(y, x.float() @ ck["w"]) < TOL
+
+
+@pytest.mark.parametrize("shape, fmt, g_idx, dtype", [
+    ((8192, 28672), "gptq", "default", torch.float16),
+    ((4096, 14336), "gptq_v2", "perm", torch.float16),
+    ((4096, 4096), "gptq_v2", "perm", torch.bfloat16),
+], ids=["K8192xN28672-gptq", "K4096xN14336-gptq_v2-act_order", "K4096xN4096-gptq_v2-act_order-bf16"])
+def test_dequant_large(checkpoints, shape, fmt, g_idx, dtype):
+    ck = checkpoints(*shape, fmt=fmt, g_idx=g_idx, scale_dtype=dtype)
+    w = kdsl.ops.gptq_dequant(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"],
+                              group_size=128, checkpoint_format=fmt)
+    k, n = ck["w"].shape
+    assert w.shape == (n, k) and w.dtype == dtype and w.is_cuda
+    assert ref.rel_fro_error(w.T, ck["w"]) < TOL
+    # (q - z) * s is exact in fp32: one rounding to the output dtype gives the reference rounded.
+    assert torch.equal(w.T, ck["w"].to(dtype))
+
+
+def test_dequant_then_matmul_matches_gemm(checkpoints):
+    ck = checkpoints(4096, 4096)
+    w = kdsl.ops.gptq_dequant(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"], group_size=128)
+    x = _x(64, 4096)
+    y = kdsl.ops.gptq_gemm(x, ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"], group_size=128)
+    assert ref.rel_fro_error(y, x @ w.T) < TOL
+
+
+def test_gemm_runs_the_scheme_kernel(checkpoints, launched):
+    ck = checkpoints(4096, 4096, group_size=64)
+    _check(ck, 1, group_size=64)
+    assert launched == ["gptq_gemm__int4_g64_gptq__splitk_sm80"]
