@@ -114,14 +114,22 @@ def fp8_gemm(
     c = torch.empty((*a.shape[:-1], n), dtype=out_dtype, device=device)
     if c.numel() == 0:
         return c
+    if k == 0:
+        return c.zero_()
     a2, a_s2 = a.reshape(-1, k), a_s.reshape(-1, k // group)
     if not check.use_kernels(device):
         return fallback.fp8_gemm(a2, a_s2, b, b_s, group, *DEFAULT_BLOCK, out_dtype).view(c.shape)
     # TMA wants contiguous, 16-byte aligned operands; the portable kernel is happy with them too.
-    a2, a_s2, b, b_s = a2.contiguous(), a_s2.contiguous(), b.contiguous(), b_s.contiguous()
+    a2, a_s2, b, b_s = (_aligned(t) for t in (a2, a_s2, b, b_s))
     entry = registry.dispatch("fp8_gemm", _scheme(*DEFAULT_BLOCK, group), device)
     entry.launch(a2, a_s2, b, b_s, c.view(-1, n), entry.tile_for(a2.shape[0]))
     return c
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous and starting on a 16-byte boundary (TMA descriptors need both); copies only if not."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def _block(name: str, block) -> tuple[int, int]:

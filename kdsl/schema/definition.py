@@ -116,7 +116,9 @@ def load_definition(path: Path) -> LoadedDefinition:
     try:
         definition = KernelDefinition.model_validate(data)
     except ValidationError as error:
-        raise DefinitionError(path, [_describe(e) for e in error.errors()]) from None
+        # A cross-field check reports several problems in one message, one per line.
+        problems = [line for e in error.errors() for line in _describe(e).splitlines()]
+        raise DefinitionError(path, problems) from None
     return LoadedDefinition(path, text, definition)
 
 

@@ -1,0 +1,75 @@
+"""Test configuration: Triton's interpreter on the CPU, GPU tests only where there is a GPU.
+
+The environment is set here, at the very top, before anything imports triton or kdsl:
+Triton decides between JIT and interpreter when a kernel is defined (that is, when a
+generated module is imported), and warns on every compile unless TRITON_DEFAULT_FP_FUSION
+is set.
+
+    python -m pytest tests                      CPU: generated kernels run in the interpreter
+    KDSL_TEST_GPU=1 python -m pytest tests -m gpu    GPU machine: real kernels, no interpreter
+"""
+import os
+
+GPU_RUN = os.environ.get("KDSL_TEST_GPU") == "1"
+if not GPU_RUN:
+    os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import kdsl  # noqa: E402
+
+# tests/ is not a package; let test modules `import reference`.
+sys.path.insert(0, str(Path(__file__).parent))
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def interpreting() -> bool:
+    """True when CPU tensors go through the generated kernels (Triton's interpreter)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _clean_registry(monkeypatch):
+    """Each test starts from a fresh registry, no arch override, nothing disabled, a fixed seed."""
+    monkeypatch.delenv(kdsl.registry.FORCE_ARCH_ENV, raising=False)
+    monkeypatch.delenv(kdsl.registry.DISABLE_ENV, raising=False)
+    kdsl.registry.reset()
+    torch.manual_seed(0)
+    yield
+    kdsl.registry.reset()
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """Record the name of every generated kernel the ops launch (wraps each module's launch)."""
+    names: list[str] = []
+    for entry in kdsl.registry.entries():
+        module = entry.load()
+        original = getattr(module, entry.function)
+
+        def spy(*args, _original=original, _name=entry.name, **kwargs):
+            names.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, entry.function, spy)
+    return names

@@ -1,0 +1,354 @@
+"""Every generated kernel compiles, ahead of time and on the CPU, for every arch it claims.
+
+For each manifest entry, each arch in {sm_80, sm_86, sm_89, sm_90} inside the entry's
+[min_arch, max_arch], and each of its tile buckets, build the Triton signature the entry's
+launch() would produce and run
+
+    triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", cc, 32))
+
+No GPU is needed: Triton lowers to PTX and runs its bundled ptxas.
+
+The compiles run in worker subprocesses (this file run as a script), not in the pytest process:
+conftest sets TRITON_INTERPRET=1 before triton is imported, which turns every @triton.jit function,
+triton.language's own helpers included, into an interpreted one that cannot be compiled. A
+module-scoped fixture sends the selected compile jobs to two workers (one per core), which write
+each kernel's PTX to a folder; the tests then assert on the results.
+
+The signatures are data (SIGNATURES below): one row per (op, impl), naming every runtime argument
+with its Triton type and every constexpr with where launch() takes it from. A row that no longer
+matches the kernel's parameters fails loudly, so a template change cannot silently skip this test.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from kdsl.runtime.manifest import KernelEntry, load_manifest
+
+pytestmark = pytest.mark.slow
+
+COMPILE_ARCHS = (80, 86, 89, 90)
+FULL_GPTQ_SCHEME = "gptq.int4.g128.gptq"
+
+# ---------------------------------------------------------------------------------------------
+# Signatures, as launch() in each generated module calls the kernel.
+#
+# args:       runtime argument -> Triton type; "{KEY}" is filled from the tile's launch parameters
+#             and "{out}" with the output element type, e.g. "tensordesc<fp8e4nv[{BLOCK_M}, {BLOCK_K}]>".
+# constexprs: constexpr parameter -> the tile key launch() passes to it, or a function of the tile.
+# options:    tile keys launch() passes as compile options (num_warps, num_stages).
+
+TileFn = Callable[[dict], object]
+
+
+@dataclass(frozen=True)
+class KernelSignature:
+    args: dict[str, str]
+    constexprs: dict[str, str | TileFn] = field(default_factory=dict)
+    options: tuple[str, ...] = ("num_warps",)
+    out_types: tuple[str, ...] = ("bf16",)  # "{out}" values that launch() may be given
+
+    def build(self, tile: dict, out: str) -> tuple[dict, dict, dict]:
+        """(signature, constexprs, compile options) for one tile and output type."""
+        signature = {name: kind.format(out=out, **tile) for name, kind in self.args.items()}
+        constexprs = {name: (tile[src] if isinstance(src, str) else src(tile)) for name, src in self.constexprs.items()}
+        signature.update({name: "constexpr" for name in constexprs})
+        options = {key: tile[key] for key in self.options}
+        return signature, constexprs, options
+
+
+FP8 = "*fp8e4nv"
+F32 = "*fp32"
+I32 = "i32"
+GEMM_BLOCKS = {"BLOCK_M": "BLOCK_M", "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K", "GROUP_M": "GROUP_M",
+               "N_MAJOR": lambda tile: tile["tile_order"] == "n_major"}
+
+SIGNATURES: dict[tuple[str, str], KernelSignature] = {
+    ("act_quant", "rowwise"): KernelSignature(
+        args={"x_ptr": "*bf16", "q_ptr": FP8, "s_ptr": F32, "M": I32, "K": I32, "stride_xm": I32},
+        constexprs={"BLOCK_M": "BLOCK_M"},
+    ),
+    ("weight_quant", "blockwise"): KernelSignature(
+        args={"w_ptr": "*bf16", "q_ptr": FP8, "s_ptr": F32, "N": I32, "K": I32, "stride_wn": I32, "stride_sn": I32},
+    ),
+    ("weight_dequant", "blockwise"): KernelSignature(
+        args={"q_ptr": FP8, "s_ptr": F32, "w_ptr": "*{out}", "N": I32, "K": I32,
+              "stride_qn": I32, "stride_sn": I32, "stride_sk": I32},
+        out_types=("bf16", "fp16", "fp32"),
+    ),
+    ("fp8_gemm", "portable"): KernelSignature(
+        args={"a_ptr": FP8, "b_ptr": FP8, "c_ptr": "*{out}", "as_ptr": F32, "bs_ptr": F32,
+              "M": I32, "N": I32, "K": I32,
+              "stride_am": I32, "stride_bn": I32, "stride_cm": I32, "stride_asm": I32, "stride_bsn": I32},
+        constexprs=GEMM_BLOCKS,
+        options=("num_warps", "num_stages"),
+        out_types=("bf16", "fp16", "fp32"),
+    ),
+    ("fp8_gemm", "tma_persistent"): KernelSignature(
+        args={"a_desc": "tensordesc<fp8e4nv[{BLOCK_M}, {BLOCK_K}]>",
+              "b_desc": "tensordesc<fp8e4nv[{BLOCK_N}, {BLOCK_K}]>",
+              "c_desc": "tensordesc<{out}[{BLOCK_M}, {BLOCK_N}]>",
+              "as_ptr": F32, "bs_ptr": F32, "M": I32, "N": I32, "K": I32,
+              "stride_asm": I32, "stride_bsn": I32, "num_programs": I32},
+        constexprs={**GEMM_BLOCKS, "NUM_STAGES": "num_stages", "WARP_SPECIALIZE": "warp_specialize"},
+        options=("num_warps",),
+        out_types=("bf16", "fp16", "fp32"),
+    ),
+    # GPTQ: "{out}" is the activation dtype (x, scales and y share it); g_idx is taken
+    # (HAS_G_IDX) so the act-order path compiles too; split-K atomics land in fp32.
+    ("gptq_gemm", "splitk"): KernelSignature(
+        args={"x_ptr": "*{out}", "qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*{out}", "g_ptr": "*i32",
+              "y_ptr": "*fp32", "M": I32, "N": I32, "K": I32,
+              "stride_xm": I32, "stride_qwk": I32, "stride_qzg": I32, "stride_sg": I32, "stride_ym": I32},
+        constexprs={"HAS_G_IDX": lambda tile: True, "UNIFORM_GROUP": lambda tile: False,
+                    "BLOCK_M": "BLOCK_M", "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K", "GROUP_M": "GROUP_M",
+                    "SPLIT_K": lambda tile: max(tile["SPLIT_K"], 2), "UPCAST_DOT": lambda tile: False},
+        options=("num_warps", "num_stages"),
+        out_types=("fp16", "bf16"),
+    ),
+    ("gptq_dequant", "blockwise"): KernelSignature(
+        args={"qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*{out}", "g_ptr": "*i32", "w_ptr": "*{out}",
+              "N": I32, "K": I32, "stride_qwk": I32, "stride_qzg": I32, "stride_sg": I32},
+        constexprs={"HAS_G_IDX": lambda tile: False, "UNIFORM_GROUP": lambda tile: True,
+                    "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K"},
+        out_types=("fp16", "bf16"),
+    ),
+}
+
+
+def pointer_attrs(signature: dict, arg_names: list[str]) -> dict:
+    """The launcher passes freshly allocated (16-byte aligned) tensors: mark pointers divisible by 16,
+    as Triton's JIT would specialize them."""
+    return {(arg_names.index(name),): [["tt.divisibility", 16]]
+            for name, kind in signature.items() if kind.startswith("*")}
+
+
+# ---------------------------------------------------------------------------------------------
+# Compile jobs and the worker that runs them (in a subprocess without the interpreter)
+
+ENTRIES = {entry.name: entry for entry in load_manifest()}
+
+
+@dataclass(frozen=True)
+class Job:
+    entry: str
+    cc: int
+    tile: int  # index into the entry's tile buckets
+    out: str = "bf16"
+
+    @property
+    def key(self) -> str:
+        return f"{self.entry}-sm{self.cc}-tile{self.tile}-{self.out}"
+
+
+def jit_kernel(entry: KernelEntry):
+    """The entry's @triton.jit kernel, from a fresh import of its module (worker process only)."""
+    import triton
+
+    name = f"kdsl_compile_matrix.{entry.name}"
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, entry.module_path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    kernel = getattr(module, entry.name)
+    assert isinstance(kernel, triton.runtime.JITFunction), f"{entry.name} is not a JIT function: {type(kernel)}"
+    return kernel
+
+
+def compile_job(job: Job):
+    """triton.compile the job's kernel for its arch; the worker's whole purpose."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    entry = ENTRIES[job.entry]
+    spec = SIGNATURES[(entry.op, entry.impl)]
+    kernel = jit_kernel(entry)
+    signature, constexprs, options = spec.build(entry.tiles[job.tile].params, job.out)
+    params = list(kernel.arg_names)
+    missing = [p for p in params if p not in signature]
+    extra = [p for p in signature if p not in params]
+    if missing or extra:
+        raise AssertionError(
+            f"SIGNATURES[{(entry.op, entry.impl)!r}] is out of date with {entry.module_path.name}: "
+            f"kernel parameters not described {missing}, described but not parameters {extra}"
+        )
+    signature = {p: signature[p] for p in params}  # in parameter order
+    source = ASTSource(kernel, signature, constexprs, pointer_attrs(signature, params))
+    return triton.compile(source, target=GPUTarget("cuda", job.cc, 32), options=options)
+
+
+def worker(out_dir: Path, jobs: list[Job]) -> None:
+    """Compile each job; write <key>.ptx and one results file. Never raises for a failed compile."""
+    assert os.environ.get("TRITON_INTERPRET") != "1", "the compile worker must run without the interpreter"
+    results = {}
+    for job in jobs:
+        start = time.perf_counter()
+        try:
+            compiled = compile_job(job)
+        except Exception as error:  # reported by the test that owns the job
+            results[job.key] = {"ok": False, "error": f"{type(error).__name__}: {error}"}
+            continue
+        (out_dir / f"{job.key}.ptx").write_text(compiled.asm["ptx"], encoding="utf-8")
+        results[job.key] = {
+            "ok": True,
+            "seconds": time.perf_counter() - start,
+            "cubin_bytes": len(compiled.asm.get("cubin") or b""),
+            "num_warps": compiled.metadata.num_warps,
+        }
+    (out_dir / f"results-{os.getpid()}.json").write_text(json.dumps(results), encoding="utf-8")
+
+
+def run_workers(jobs: list[Job], out_dir: Path, processes: int = 2) -> dict:
+    """Deal jobs round robin to `processes` worker subprocesses running in parallel; merge their results."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    shares = [jobs[i::processes] for i in range(processes)]
+    workers = []
+    for share in shares:
+        if not share:
+            continue
+        proc = subprocess.Popen([sys.executable, __file__, "--worker", str(out_dir)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        workers.append((proc, json.dumps([asdict(job) for job in share])))
+    failures = []
+    for proc, payload in workers:
+        stdout, stderr = proc.communicate(payload, timeout=900)
+        if proc.returncode != 0:
+            failures.append(f"compile worker exited {proc.returncode}:\n{stderr[-4000:]}")
+    assert not failures, "\n".join(failures)
+    results = {}
+    for path in out_dir.glob("results-*.json"):
+        results.update(json.loads(path.read_text(encoding="utf-8")))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# The jobs the tests ask for
+
+
+def archs_of(entry: KernelEntry) -> list[int]:
+    return [cc for cc in COMPILE_ARCHS if cc >= entry.min_arch and (entry.max_arch is None or cc <= entry.max_arch)]
+
+
+def _matrix():
+    """Every entry x every arch it claims x every tile bucket (one skipped param per entry without a signature)."""
+    for entry in ENTRIES.values():
+        if (entry.op, entry.impl) not in SIGNATURES:
+            reason = f"no signature for {entry.op}/{entry.impl}: add a row to SIGNATURES in tests/test_compile_matrix.py"
+            yield pytest.param(Job(entry.name, 0, 0), id=f"{entry.name}-no-signature", marks=pytest.mark.skip(reason=reason))
+            continue
+        if entry.scheme.startswith("gptq.") and entry.scheme != FULL_GPTQ_SCHEME:
+            # The GPTQ schemes differ only in baked constants: one scheme gets the whole
+            # matrix, the others one compile each (newest arch, prefill tile) to keep CI short.
+            cc, index = archs_of(entry)[-1], len(entry.tiles) - 1
+            yield pytest.param(Job(entry.name, cc, index), id=f"{entry.name}-sm{cc}-tile{index}")
+            continue
+        for cc in archs_of(entry):
+            for index in range(len(entry.tiles)):
+                yield pytest.param(Job(entry.name, cc, index), id=f"{entry.name}-sm{cc}-tile{index}")
+
+
+def _fp8_entry(op: str, impl: str) -> KernelEntry:
+    matches = [e for e in ENTRIES.values() if e.op == op and e.impl == impl and e.scheme.startswith("block_fp8.")]
+    assert matches, f"no generated {op}/{impl} kernel"
+    return matches[0]
+
+
+TMA = _fp8_entry("fp8_gemm", "tma_persistent")
+PORTABLE = _fp8_entry("fp8_gemm", "portable")
+DEQUANT = _fp8_entry("weight_dequant", "blockwise")
+
+
+def last(entry: KernelEntry) -> int:
+    """Index of the prefill bucket (explicit, so the job matches the matrix's and compiles once)."""
+    return len(entry.tiles) - 1
+
+
+@pytest.fixture(scope="module")
+def compiled(request, tmp_path_factory):
+    """Compile every job of the selected tests of this module, once, in worker subprocesses.
+
+    Returns (results by job key, folder of <key>.ptx files)."""
+    jobs = {}
+    for item in request.session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        job = params.get("job")
+        if isinstance(job, Job) and item.module is request.module and not item.get_closest_marker("skip"):
+            jobs[job.key] = job
+    out_dir = tmp_path_factory.mktemp("compile_matrix")
+    start = time.perf_counter()
+    results = run_workers(sorted(jobs.values(), key=lambda j: j.key), out_dir)
+    wall = time.perf_counter() - start
+    seconds = [r["seconds"] for r in results.values() if r.get("ok")]
+    print(f"\ncompile matrix: {len(jobs)} compiles in {wall:.1f} s wall "
+          f"({sum(seconds):.1f} s of compiling, slowest {max(seconds, default=0):.1f} s)")
+    return results, out_dir
+
+
+def ptx_of(compiled, job: Job) -> str:
+    results, out_dir = compiled
+    result = results.get(job.key)
+    assert result is not None, f"{job.key} was not compiled"
+    assert result["ok"], f"{job.key} does not compile:\n{result['error']}"
+    return (out_dir / f"{job.key}.ptx").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("job", list(_matrix()))
+def test_compiles(job, compiled):
+    ptx = ptx_of(compiled, job)
+    result = compiled[0][job.key]
+    assert f".target sm_{job.cc}" in ptx
+    assert result["cubin_bytes"] > 0, "ptxas produced no cubin"
+    assert result["num_warps"] == ENTRIES[job.entry].tiles[job.tile].params["num_warps"]
+
+
+def test_every_block_fp8_entry_has_a_signature():
+    fp8 = [e for e in ENTRIES.values() if e.scheme.startswith("block_fp8.")]
+    missing = sorted({(e.op, e.impl) for e in fp8} - set(SIGNATURES))
+    assert not missing, f"add rows to SIGNATURES for {missing}"
+    for entry in fp8:
+        assert archs_of(entry), f"{entry.name} claims no arch the matrix compiles for"
+
+
+@pytest.mark.parametrize("job", [Job(TMA.name, 90, 0), Job(TMA.name, 90, last(TMA))], ids=["decode", "prefill"])
+def test_hopper_gemm_uses_wgmma(job, compiled):
+    ptx = ptx_of(compiled, job)
+    assert "wgmma" in ptx
+    assert re.search(r"wgmma\.mma_async\S*e4m3\.e4m3", ptx), "wgmma does not take e4m3 operands"
+    assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
+
+
+@pytest.mark.parametrize("job", [Job(PORTABLE.name, 89, 0), Job(PORTABLE.name, 89, last(PORTABLE))], ids=["decode", "prefill"])
+def test_portable_gemm_uses_fp8_mma_on_ada(job, compiled):
+    ptx = ptx_of(compiled, job)
+    assert re.search(r"mma\.sync\.aligned\.\S*\.e4m3\.e4m3", ptx), "no e4m3 tensor-core mma in the PTX"
+    assert "wgmma" not in ptx
+
+
+@pytest.mark.parametrize("job", [
+    Job(PORTABLE.name, 89, last(PORTABLE), "fp16"), Job(PORTABLE.name, 89, last(PORTABLE), "fp32"),
+    Job(TMA.name, 90, last(TMA), "fp16"), Job(TMA.name, 90, last(TMA), "fp32"),
+    Job(DEQUANT.name, 89, last(DEQUANT), "fp16"), Job(DEQUANT.name, 89, last(DEQUANT), "fp32"),
+], ids=lambda job: f"{ENTRIES[job.entry].op}-{ENTRIES[job.entry].impl}-{job.out}")
+def test_other_output_dtypes_compile(job, compiled):
+    entry = ENTRIES[job.entry]
+    assert job.out in SIGNATURES[(entry.op, entry.impl)].out_types
+    ptx = ptx_of(compiled, job)
+    assert f".target sm_{job.cc}" in ptx
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    worker(Path(sys.argv[2]), [Job(**raw) for raw in json.loads(sys.stdin.read())])

@@ -1,0 +1,242 @@
+"""Registry: which generated kernel runs where, and why the others were refused."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kdsl
+from kdsl import registry
+
+FP8_SCHEME = kdsl.BlockFP8()
+TMA = "fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90"
+PORTABLE = "fp8_gemm__e4m3_w128x128_a128_f32__portable_sm89"
+
+
+def test_sm90_picks_the_tma_kernel():
+    entry = registry.select("fp8_gemm", FP8_SCHEME, arch="sm_90")
+    assert entry.name == TMA
+    assert entry.op == "fp8_gemm"
+    assert entry.impl == "tma_persistent"
+    assert (entry.min_arch, entry.max_arch) == (90, 90)
+
+
+@pytest.mark.parametrize("arch", ["sm_89", "sm_100", "sm_120", 89, 100])
+def test_portable_elsewhere(arch):
+    entry = registry.select("fp8_gemm", FP8_SCHEME, arch=arch)
+    assert entry.name == PORTABLE
+    assert entry.impl == "portable"
+    assert entry.min_arch == 89 and entry.max_arch is None
+
+
+def test_scheme_may_be_given_by_name():
+    assert registry.select("fp8_gemm", FP8_SCHEME.name, arch="sm_90").name == TMA
+    # No scheme: any scheme's kernel for the op.
+    assert registry.select("fp8_gemm", None, arch="sm_90").name == TMA
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86"])
+def test_no_fp8_gemm_before_ada(arch):
+    with pytest.raises(kdsl.NoKernelError) as info:
+        registry.select("fp8_gemm", FP8_SCHEME, arch=arch)
+    error = info.value
+    assert isinstance(error, LookupError)
+    message = str(error)
+    assert arch in message
+    assert PORTABLE in message and TMA in message
+    assert "needs sm_89 or newer" in message
+    assert "needs sm_90 or newer" in message
+    assert {name for name, _ in error.refusals} == {PORTABLE, TMA}
+
+
+@pytest.mark.parametrize("op", ["act_quant", "weight_quant", "weight_dequant"])
+@pytest.mark.parametrize("arch", ["sm_89", "sm_90", "sm_100"])
+def test_quant_ops_everywhere_from_ada(op, arch):
+    entry = registry.select(op, FP8_SCHEME, arch=arch)
+    assert entry.op == op and entry.min_arch == 89 and entry.max_arch is None
+
+
+@pytest.mark.parametrize("op", ["act_quant", "weight_quant", "weight_dequant"])
+def test_quant_ops_refused_on_ampere(op):
+    with pytest.raises(kdsl.NoKernelError, match="needs sm_89 or newer"):
+        registry.select(op, FP8_SCHEME, arch="sm_86")
+
+
+def test_explain_sm90():
+    text = registry.explain("fp8_gemm", FP8_SCHEME, arch="sm_90", m=1)
+    assert "CHOSEN" in text
+    chosen_line = next(line for line in text.splitlines() if "CHOSEN" in line)
+    assert TMA in chosen_line
+    assert "tile bucket 0" in chosen_line
+    portable_line = next(line for line in text.splitlines() if PORTABLE in line)
+    assert "more specific" in portable_line
+
+
+def test_explain_sm100_gives_the_refusal_reason():
+    text = registry.explain("fp8_gemm", FP8_SCHEME, arch="sm_100", m=4096)
+    chosen_line = next(line for line in text.splitlines() if "CHOSEN" in line)
+    assert PORTABLE in chosen_line and "tile bucket 2" in chosen_line
+    tma_line = next(line for line in text.splitlines() if TMA in line)
+    assert "refused" in tma_line and "sm_90" in tma_line
+
+
+def test_explain_when_nothing_fits_does_not_raise():
+    text = registry.explain("fp8_gemm", FP8_SCHEME, arch="sm_80")
+    assert "CHOSEN" not in text
+    assert "needs sm_89 or newer" in text and "needs sm_90 or newer" in text
+
+
+@pytest.mark.parametrize("m, bucket", [(1, 0), (16, 0), (17, 1), (128, 1), (129, 2), (100_000, 2)])
+def test_tile_bucket_for_m(m, bucket):
+    entry = registry.select("fp8_gemm", FP8_SCHEME, arch="sm_90", m=m)
+    assert entry.bucket_index(m) == bucket
+    tile = entry.tile_for(m)
+    assert tile == entry.tiles[bucket].params
+    bound = entry.tiles[bucket].m_max
+    assert bound is None or m <= bound
+    assert {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"} <= set(tile)
+
+
+def test_decode_and_prefill_tiles_differ():
+    entry = registry.select("fp8_gemm", FP8_SCHEME, arch="sm_89")
+    assert entry.tile_for(1)["BLOCK_M"] < entry.tile_for(4096)["BLOCK_M"]
+
+
+def test_kdsl_arch_env_forces_the_arch(monkeypatch):
+    monkeypatch.setenv("KDSL_ARCH", "sm_90")
+    registry.reset()
+    assert registry.device_arch() == 90
+    assert registry.select("fp8_gemm", FP8_SCHEME).name == TMA
+    assert registry.dispatch("fp8_gemm", FP8_SCHEME.name, torch.device("cpu")).name == TMA
+
+    monkeypatch.setenv("KDSL_ARCH", "sm_89")
+    registry.reset()
+    assert registry.select("fp8_gemm", FP8_SCHEME).name == PORTABLE
+
+
+def test_env_is_read_once_until_reset(monkeypatch):
+    monkeypatch.setenv("KDSL_ARCH", "sm_90")
+    registry.reset()
+    assert registry.select("fp8_gemm", FP8_SCHEME).name == TMA
+    monkeypatch.setenv("KDSL_ARCH", "sm_89")
+    assert registry.select("fp8_gemm", FP8_SCHEME).name == TMA  # cached settings
+    registry.reset()
+    assert registry.select("fp8_gemm", FP8_SCHEME).name == PORTABLE
+
+
+def test_bad_kdsl_arch(monkeypatch):
+    monkeypatch.setenv("KDSL_ARCH", "hopper")
+    registry.reset()
+    with pytest.raises(ValueError, match="KDSL_ARCH"):
+        registry.select("fp8_gemm", FP8_SCHEME)
+
+
+def test_cpu_tensors_select_the_interpreter_tier():
+    assert registry.device_arch(torch.device("cpu")) == 89
+    assert registry.dispatch("fp8_gemm", FP8_SCHEME.name, torch.device("cpu")).name == PORTABLE
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_no_device_and_no_arch_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="KDSL_ARCH"):
+        registry.select("fp8_gemm", FP8_SCHEME)
+
+
+@pytest.mark.parametrize("pattern", [TMA, "*tma_persistent*", "fp8_gemm__*_sm90"])
+def test_kdsl_disable_falls_back_to_portable(monkeypatch, pattern):
+    monkeypatch.setenv("KDSL_DISABLE", f"something_else, {pattern}")
+    registry.reset()
+    assert registry.select("fp8_gemm", FP8_SCHEME, arch="sm_90").name == PORTABLE
+    text = registry.explain("fp8_gemm", FP8_SCHEME, arch="sm_90")
+    tma_line = next(line for line in text.splitlines() if TMA in line)
+    assert "disabled by KDSL_DISABLE" in tma_line
+
+
+def test_kdsl_disable_everything(monkeypatch):
+    monkeypatch.setenv("KDSL_DISABLE", "fp8_gemm__*")
+    registry.reset()
+    with pytest.raises(kdsl.NoKernelError, match="disabled by KDSL_DISABLE"):
+        registry.select("fp8_gemm", FP8_SCHEME, arch="sm_90")
+
+
+def test_unknown_scheme_lists_scheme_refusals():
+    wanted = "block_fp8.e4m3.w64x64.a64.f32"
+    with pytest.raises(kdsl.NoKernelError) as info:
+        registry.select("fp8_gemm", wanted, arch="sm_90")
+    message = str(info.value)
+    assert wanted in message
+    assert PORTABLE in message and TMA in message
+    assert "refused: scheme block_fp8.e4m3.w128x128.a128.f32" in message
+
+
+def test_other_block_fp8_scheme_object_is_refused():
+    with pytest.raises(kdsl.NoKernelError, match="refused: scheme"):
+        registry.select("fp8_gemm", kdsl.BlockFP8(weight_block=(64, 64), act_group=64), arch="sm_90")
+
+
+def test_unknown_op():
+    with pytest.raises(kdsl.NoKernelError, match="fp4_gemm") as info:
+        registry.select("fp4_gemm", FP8_SCHEME, arch="sm_90")
+    assert info.value.refusals == []
+
+
+def test_bad_scheme_type():
+    with pytest.raises(TypeError, match="scheme"):
+        registry.select("fp8_gemm", 42, arch="sm_90")
+
+
+def test_dispatch_caches_the_entry():
+    cpu = torch.device("cpu")
+    first = registry.dispatch("fp8_gemm", FP8_SCHEME.name, cpu)
+    second = registry.dispatch("fp8_gemm", FP8_SCHEME.name, cpu)
+    assert first is second
+    assert first is registry.select("fp8_gemm", FP8_SCHEME, arch=89)
+    registry.reset()
+    third = registry.dispatch("fp8_gemm", FP8_SCHEME.name, cpu)
+    assert third.name == first.name
+
+
+def test_entries_cover_the_manifest():
+    names = {e.name for e in registry.entries()}
+    assert {TMA, PORTABLE} <= names
+    for entry in registry.entries():
+        assert entry.module_path.is_file(), entry.name
+
+
+def test_entry_loads_its_module_lazily_and_once():
+    entry = registry.select("weight_dequant", FP8_SCHEME, arch="sm_89")
+    module = entry.load()
+    assert entry.load() is module
+    assert callable(entry.launch)
+
+
+def _cli(repo_root, *args):
+    return subprocess.run([sys.executable, "-m", "kdsl", *args], cwd=repo_root,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_list(repo_root):
+    result = _cli(repo_root, "list")
+    assert result.returncode == 0, result.stderr
+    for entry in registry.entries():
+        assert entry.name in result.stdout
+    result = _cli(repo_root, "list", "--op", "fp8_gemm")
+    assert result.returncode == 0, result.stderr
+    assert TMA in result.stdout and PORTABLE in result.stdout
+    assert "act_quant__" not in result.stdout
+
+
+def test_cli_explain(repo_root):
+    result = _cli(repo_root, "explain", "fp8_gemm", "--arch", "sm_90", "--m", "1")
+    assert result.returncode == 0, result.stderr
+    chosen_line = next(line for line in result.stdout.splitlines() if "CHOSEN" in line)
+    assert TMA in chosen_line and "tile bucket 0" in chosen_line
+    assert PORTABLE in result.stdout
+
+
+def test_cli_explain_bad_arch(repo_root):
+    result = _cli(repo_root, "explain", "fp8_gemm", "--arch", "hopper")
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,450 @@
+"""Definition models: schemes, tiles, variants, definition files and their error messages."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from pydantic import ValidationError
+
+import kdsl
+from kdsl.schema import DefinitionError, KernelDefinition, Tile, Variant, load_definition
+
+# ---------------------------------------------------------------------------------------------
+# BlockFP8
+
+
+def test_block_fp8_defaults():
+    scheme = kdsl.BlockFP8()
+    assert scheme.kind == "block_fp8"
+    assert scheme.fmt == "e4m3"
+    assert tuple(scheme.weight_block) == (128, 128)
+    assert scheme.act_group == 128
+    assert scheme.act_scaling == "dynamic"
+    assert scheme.scale_fmt == "float32"
+    assert scheme.out_dtype == "bfloat16"
+    assert scheme.name == "block_fp8.e4m3.w128x128.a128.f32"
+
+
+def test_block_fp8_accepts_a_list_for_weight_block():
+    assert kdsl.BlockFP8(weight_block=[128, 128]) == kdsl.BlockFP8()
+
+
+@pytest.mark.parametrize("block", [(96, 128), (128, 100), (3, 3)])
+def test_block_fp8_weight_block_must_be_power_of_two(block):
+    with pytest.raises(ValidationError, match="power of two"):
+        kdsl.BlockFP8(weight_block=block)
+
+
+@pytest.mark.parametrize("block", [(0, 128), (128, -128)])
+def test_block_fp8_weight_block_must_be_positive(block):
+    with pytest.raises(ValidationError, match="weight_block"):
+        kdsl.BlockFP8(weight_block=block)
+
+
+@pytest.mark.parametrize("group", [0, 8, 96])
+def test_block_fp8_act_group_validated(group):
+    with pytest.raises(ValidationError, match="act_group"):
+        kdsl.BlockFP8(act_group=group)
+
+
+def test_block_fp8_rejects_unknown_field():
+    with pytest.raises(ValidationError, match="weight_blocks"):
+        kdsl.BlockFP8(weight_blocks=(128, 128))
+
+
+def test_block_fp8_rejects_unsupported_values():
+    with pytest.raises(ValidationError, match="fmt"):
+        kdsl.BlockFP8(fmt="e5m3")
+    with pytest.raises(ValidationError, match="act_scaling"):
+        kdsl.BlockFP8(act_scaling="static")
+
+
+def test_block_fp8_is_frozen_and_hashable():
+    scheme = kdsl.BlockFP8()
+    with pytest.raises((ValidationError, TypeError, AttributeError)):
+        scheme.act_group = 64
+    assert scheme.act_group == 128
+    assert hash(scheme) == hash(kdsl.BlockFP8())
+
+
+# ---------------------------------------------------------------------------------------------
+# scheme_from_hf
+
+DEEPSEEK_V3 = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
+
+
+def test_scheme_from_hf_deepseek_v3():
+    scheme = kdsl.scheme_from_hf(dict(DEEPSEEK_V3))
+    assert isinstance(scheme, kdsl.BlockFP8)
+    assert scheme == kdsl.BlockFP8()
+    assert scheme.name == "block_fp8.e4m3.w128x128.a128.f32"
+
+
+def test_scheme_from_hf_does_not_mutate_its_input():
+    config = dict(DEEPSEEK_V3)
+    kdsl.scheme_from_hf(config)
+    assert config == DEEPSEEK_V3
+
+
+def test_scheme_from_hf_static_activation_refused():
+    with pytest.raises(ValueError, match="activation_scheme"):
+        kdsl.scheme_from_hf({**DEEPSEEK_V3, "activation_scheme": "static"})
+
+
+@pytest.mark.parametrize("method", ["awq", "bitsandbytes", None])
+def test_scheme_from_hf_unknown_quant_method(method):
+    config = {**DEEPSEEK_V3, "quant_method": method}
+    with pytest.raises(ValueError, match="quant_method"):
+        kdsl.scheme_from_hf(config)
+
+
+def test_scheme_from_hf_missing_weight_block_size():
+    config = {k: v for k, v in DEEPSEEK_V3.items() if k != "weight_block_size"}
+    with pytest.raises(ValueError, match="weight_block_size"):
+        kdsl.scheme_from_hf(config)
+
+
+def test_scheme_from_hf_unsupported_fmt():
+    with pytest.raises(ValueError, match="fmt"):
+        kdsl.scheme_from_hf({**DEEPSEEK_V3, "fmt": "e5m2"})
+
+
+def test_scheme_from_hf_not_a_dict():
+    with pytest.raises((TypeError, ValueError)):
+        kdsl.scheme_from_hf([("quant_method", "fp8")])
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile and Variant
+
+
+def test_tile_defaults_are_powers_of_two():
+    tile = Tile()
+    for size in (tile.block_m, tile.block_n, tile.block_k):
+        assert size > 0 and size & (size - 1) == 0
+
+
+@pytest.mark.parametrize("field", ["block_m", "block_n", "block_k"])
+@pytest.mark.parametrize("value", [48, 0, -64])
+def test_tile_block_must_be_power_of_two(field, value):
+    with pytest.raises(ValidationError, match=field):
+        Tile(**{field: value})
+
+
+def test_tile_rejects_unknown_field():
+    with pytest.raises(ValidationError, match="blok_m"):
+        Tile(blok_m=64)
+
+
+def _variant(tiles, **overrides):
+    fields = {"op": "fp8_gemm", "impl": "portable", "min_arch": "sm_89", "tiles": tiles}
+    fields.update(overrides)
+    return Variant(**fields)
+
+
+def test_variant_buckets_ok():
+    variant = _variant([Tile(m_max=16), Tile(m_max=128), Tile()])
+    assert [t.m_max for t in variant.tiles] == [16, 128, None]
+    assert variant.min_cc == 89 and variant.max_cc is None
+
+
+def test_variant_buckets_unsorted():
+    with pytest.raises(ValidationError, match="m_max"):
+        _variant([Tile(m_max=128), Tile(m_max=16), Tile()])
+
+
+def test_variant_buckets_overlapping():
+    with pytest.raises(ValidationError, match="m_max"):
+        _variant([Tile(m_max=16), Tile(m_max=16), Tile()])
+
+
+def test_variant_last_bucket_must_not_have_m_max():
+    with pytest.raises(ValidationError, match="last bucket"):
+        _variant([Tile(m_max=16), Tile(m_max=128)])
+
+
+def test_variant_middle_bucket_needs_m_max():
+    with pytest.raises(ValidationError, match="m_max"):
+        _variant([Tile(m_max=16), Tile(), Tile()])
+
+
+def test_variant_max_arch_below_min_arch():
+    with pytest.raises(ValidationError, match="max_arch"):
+        _variant([Tile()], min_arch="sm_90", max_arch="sm_89")
+
+
+@pytest.mark.parametrize("arch", ["90", "sm90", "sm_9", "hopper"])
+def test_variant_arch_names(arch):
+    with pytest.raises(ValidationError, match="sm_90"):
+        _variant([Tile()], min_arch=arch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Definition files: load_definition and its messages (file name + field path)
+
+SCHEME = """
+[[schemes]]
+kind = "block_fp8"
+"""
+
+
+def _write(tmp_path, text, name="my_defs.toml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+def _load_error(path) -> str:
+    with pytest.raises(DefinitionError) as info:
+        load_definition(path)
+    message = str(info.value)
+    assert path.name in message, f"error does not name the file: {message}"
+    assert "Traceback" not in message
+    return message
+
+
+def test_load_good_definition(tmp_path):
+    path = _write(tmp_path, SCHEME + """
+        [[variants]]
+        op = "fp8_gemm"
+        impl = "portable"
+        min_arch = "sm_89"
+        tiles = [{ m_max = 16, block_m = 16, block_n = 64 }, { block_m = 64 }]
+    """)
+    loaded = load_definition(path)
+    definition = loaded.definition
+    assert isinstance(definition, KernelDefinition)
+    assert definition.schemes == [kdsl.BlockFP8()]
+    assert definition.variants[0].tiles[0].block_n == 64
+    assert definition.variants[0].tiles[1].block_k == 128  # default filled in
+
+
+def test_load_shipped_definitions(repo_root):
+    loaded = load_definition(repo_root / "kernel_defs" / "block_fp8.toml")
+    ops = {(v.op, v.impl) for v in loaded.definition.variants}
+    assert ("fp8_gemm", "tma_persistent") in ops and ("fp8_gemm", "portable") in ops
+    assert {"act_quant", "weight_quant", "weight_dequant"} <= {op for op, _ in ops}
+
+
+def test_fp8_variant_on_sm80_rejected(tmp_path):
+    path = _write(tmp_path, SCHEME + """
+        [[variants]]
+        op = "fp8_gemm"
+        impl = "portable"
+        min_arch = "sm_80"
+        tiles = [{ block_m = 64 }]
+    """)
+    message = _load_error(path)
+    assert "variants[0].min_arch" in message
+    assert "sm_89" in message
+
+
+def test_block_k_not_dividing_group_rejected(tmp_path):
+    path = _write(tmp_path, SCHEME + """
+        [[variants]]
+        op = "fp8_gemm"
+        impl = "portable"
+        min_arch = "sm_89"
+        tiles = [{ block_m = 16, block_n = 16, block_k = 256, num_stages = 1 }]
+    """)
+    message = _load_error(path)
+    assert "variants[0].tiles[0].block_k" in message
+    assert "256" in message
+
+
+def test_block_k_error_names_the_right_bucket(tmp_path):
+    path = _write(tmp_path, SCHEME + """
+        [[variants]]
+        op = "fp8_gemm"
+        impl = "portable"
+        min_arch = "sm_89"
+        [[variants.tiles]]
+        m_max = 16
+        block_m = 16
+        [[variants.tiles]]
+        block_m = 16
+        block_n = 16
+        block_k = 256
+        num_stages = 1
+    """)
+    message = _load_error(path)
+    assert "variants[0].tiles[1].block_k" in message
+    assert "tiles[0]" not in message
+
+
+def test_shared_memory_over_limit_rejected(tmp_path):
+    path = _write(tmp_path, SCHEME + """
+        [[variants]]
+        op = "fp8_gemm"
+        impl = "portable"
+        min_arch = "sm_89"
+        tiles = [{ block_m = 256, block_n = 256, block_k = 128, num_stages = 8 }]
+    """)
+    message = _load_error(path)
+    assert "variants[0].tiles[0]" in message
+    assert "shared memory" in message
+
+
+def test_shared_memory_checked_against_the_smallest_arch_in_range(tmp_path):
+    # 4 * (128 + 128) * 128 = 128 KB: fits sm_90's 227 KB, not sm_89's 99 KB (nor sm_120's,
+    # so the sm_90 variant must close its range to be accepted).
+    tiles = "tiles = [{ block_m = 128, block_n = 128, block_k = 128, num_stages = 4 }]"
+    ok = _write(tmp_path, SCHEME + f"""
+        [[variants]]
+        op = "fp8_gemm"
+        impl = "portable"
+        min_arch = "sm_90"
+        max_arch = "sm_90"
+        {tiles}
+    """, name="ok.toml")
+    load_definition(ok)
+    bad = _write(tmp_path, SCHEME + f"""
+        [[variants]]
+        op = "fp8_gemm"
+        impl = "portable"
+        min_arch = "sm_89"
+        {tiles}
+    """, name="bad.toml")
+    message = _load_error(bad)
+    assert "shared memory" in message and "sm_89" in message
+
+
+def test_tma_persistent_without_max_arch_rejected(tmp_path):
+    path = _write(tmp_path, SCHEME + """
+        [[variants]]
+        op = "fp8_gemm"
+        impl = "tma_persistent"
+        min_arch = "sm_90"
+        tiles = [{ block_m = 64, block_n = 64 }]
+    """)
+    message = _load_error(path)
+    assert "variants[0].max_arch" in message
+    assert "sm_90" in message
+
+
+def test_tma_persistent_below_sm90_rejected(tmp_path):
+    path = _write(tmp_path, SCHEME + """
+        [[variants]]
+        op = "fp8_gemm"
+        impl = "tma_persistent"
+        min_arch = "sm_89"
+        max_arch = "sm_90"
+        tiles = [{ block_m = 64, block_n = 64 }]
+    """)
+    assert "variants[0].min_arch" in _load_error(path)
+
+
+def test_unknown_knob_rejected(tmp_path):
+    path = _write(tmp_path, SCHEME + """
+        [[variants]]
+        op = "fp8_gemm"
+        impl = "portable"
+        min_arch = "sm_89"
+        tiles = [{ block_m = 64, swap_ab = true }]
+    """)
+    message = _load_error(path)
+    assert "variants[0].tiles[0].swap_ab" in message
+
+
+def test_unknown_field_in_tile_rejected(tmp_path):
+    path = _write(tmp_path, SCHEME + """
+        [[variants]]
+        op = "fp8_gemm"
+        impl = "portable"
+        min_arch = "sm_89"
+        tiles = [{ blok_m = 64 }]
+    """)
+    message = _load_error(path)
+    assert "variants[0].tiles[0].blok_m" in message
+    assert "unknown field" in message
+
+
+def test_unknown_top_level_field_rejected(tmp_path):
+    path = _write(tmp_path, 'colour = "blue"\n' + SCHEME + """
+        [[variants]]
+        op = "act_quant"
+        impl = "rowwise"
+        min_arch = "sm_89"
+        tiles = [{ block_m = 16 }]
+    """)
+    message = _load_error(path)
+    assert "colour" in message and "unknown field" in message
+
+
+def test_unknown_scheme_field_rejected(tmp_path):
+    path = _write(tmp_path, """
+        [[schemes]]
+        kind = "block_fp8"
+        weight_blok = [128, 128]
+
+        [[variants]]
+        op = "act_quant"
+        impl = "rowwise"
+        min_arch = "sm_89"
+        tiles = [{ block_m = 16 }]
+    """)
+    message = _load_error(path)
+    assert "schemes[0].weight_blok" in message
+
+
+def test_unknown_op_and_impl_rejected(tmp_path):
+    path = _write(tmp_path, SCHEME + """
+        [[variants]]
+        op = "fp8_gemm"
+        impl = "magic"
+        min_arch = "sm_89"
+        tiles = [{ block_m = 64 }]
+
+        [[variants]]
+        op = "fp4_gemm"
+        impl = "portable"
+        min_arch = "sm_89"
+        tiles = [{ block_m = 64 }]
+    """)
+    message = _load_error(path)
+    assert "variants[0].impl" in message
+    assert "variants[1].op" in message
+
+
+def test_non_power_of_two_block_in_file_rejected(tmp_path):
+    path = _write(tmp_path, SCHEME + """
+        [[variants]]
+        op = "fp8_gemm"
+        impl = "portable"
+        min_arch = "sm_89"
+        tiles = [{ block_n = 96 }]
+    """)
+    message = _load_error(path)
+    assert "variants[0].tiles[0].block_n" in message
+
+
+def test_toml_syntax_error(tmp_path):
+    path = _write(tmp_path, SCHEME + """
+        [[variants]]
+        op = "fp8_gemm
+    """)
+    message = _load_error(path)
+    assert "TOML" in message
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nowhere.toml"
+    message = _load_error(path)
+    assert "nowhere.toml" in message
+
+
+def test_schema_cli_prints_json_schema(repo_root):
+    result = subprocess.run([sys.executable, "-m", "kdsl", "schema"], cwd=repo_root,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    schema = json.loads(result.stdout)
+    assert {"schemes", "variants"} <= set(schema["properties"])
+    assert schema == KernelDefinition.model_json_schema()
