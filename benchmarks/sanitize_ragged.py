@@ -1,0 +1,22 @@
+"""Ragged shapes for compute-sanitizer memcheck: M=1, N=2112, K=7168 and friends."""
+import torch
+
+import kdsl
+from kdsl import ops
+
+torch.manual_seed(0)
+for m, n, k in [(1, 2112, 7168), (3, 72, 256), (1, 576, 7168)]:
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    wq, ws = ops.weight_quant(w)
+    xq, xs = ops.act_quant(x)
+    ops.fp8_gemm(xq, xs, wq, ws)
+    ops.weight_dequant(wq, ws)
+for m, k, n in [(1, 4096, 4104), (5, 256, 40)]:
+    ck = ops.gptq_quantize(torch.randn(n, k, device="cuda", dtype=torch.float16), group_size=128)
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    ops.gptq_gemm(x, ck["qweight"], ck["qzeros"], ck["scales"])
+    ops.gptq_gemm(x, ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"].flip(0).contiguous())
+    ops.gptq_dequant(ck["qweight"], ck["qzeros"], ck["scales"])
+torch.cuda.synchronize()
+print("ragged shapes ran on", torch.cuda.get_device_name(), "via", kdsl.registry.select("fp8_gemm", kdsl.BlockFP8()).name)
