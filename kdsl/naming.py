@@ -43,3 +43,10 @@ def kernel_name(op: str, scheme_name: str, variant: str, min_arch: int) -> str:
     """CUTLASS-style procedural name: op, scheme, variant and the lowest arch it runs on."""
     scheme_part = scheme_name.split(".", 1)[1].replace(".", "_")
     return f"{op}__{scheme_part}__{variant}_sm{min_arch}"
+
+
+def is_gptq_group_size(value) -> bool:
+    """A power of two >= 16, or -1 for one group over all of K."""
+    return isinstance(value, int) and not isinstance(value, bool) and (
+        value == -1 or (value >= 16 and not value & (value - 1))
+    )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kdsl.naming import gptq_scheme_name
+from kdsl.naming import gptq_scheme_name, is_gptq_group_size
 from kdsl.ops import _checks as check
 from kdsl.ops import fallback
 from kdsl.runtime import registry
@@ -22,9 +22,7 @@ ZERO_OFFSET = {"gptq": 1, "gptq_v2": 0}
 def _scheme_args(bits, group_size, checkpoint_format) -> None:
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits: expected one of {list(SUPPORTED_BITS)}, got {bits!r}")
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or (
-        group_size != -1 and (group_size < 16 or group_size & (group_size - 1))
-    ):
+    if not is_gptq_group_size(group_size):
         raise ValueError(f"group_size: expected a power of two >= 16 or -1, got {group_size!r}")
     if checkpoint_format not in ZERO_OFFSET:
         raise ValueError(f"checkpoint_format: expected 'gptq' or 'gptq_v2', got {checkpoint_format!r}")

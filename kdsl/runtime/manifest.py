@@ -41,10 +41,7 @@ class KernelEntry:
     source: str
 
     def tile_for(self, m: int) -> dict:
-        for bucket in self.tiles:
-            if bucket.m_max is None or m <= bucket.m_max:
-                return bucket.params
-        return self.tiles[-1].params
+        return self.tiles[self.bucket_index(m)].params
 
     def bucket_index(self, m: int | None) -> int:
         if m is None:

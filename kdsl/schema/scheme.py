@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BeforeValidator, Field, PositiveInt, field_validator
 
-from kdsl.naming import block_fp8_scheme_name, gptq_scheme_name
+from kdsl.naming import block_fp8_scheme_name, gptq_scheme_name, is_gptq_group_size
 from kdsl.schema._base import StrictModel
 
 
@@ -84,7 +84,7 @@ class GPTQ(StrictModel):
     @field_validator("group_size")
     @classmethod
     def _group_size(cls, value: int) -> int:
-        if value != -1 and (value < 16 or value & (value - 1)):
+        if not is_gptq_group_size(value):
             raise ValueError(f"group_size = {value} must be a power of two >= 16, or -1 for one group over K")
         return value
 
@@ -152,7 +152,7 @@ def _gptq_from_hf(config: dict) -> GPTQ:
         )
     if fields["bits"] not in SUPPORTED_GPTQ_BITS:
         raise ValueError(f"quantization_config.bits = {fields['bits']} is not supported; supported: 4")
-    if fields["group_size"] != -1 and (fields["group_size"] < 16 or fields["group_size"] & (fields["group_size"] - 1)):
+    if not is_gptq_group_size(fields["group_size"]):
         raise ValueError(
             f"quantization_config.group_size = {fields['group_size']} must be a power of two >= 16 or -1"
         )
