@@ -24,6 +24,15 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def divide_by_fp8_max(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448, correctly rounded.
+
+    On CUDA, torch divides a tensor by a Python scalar as a multiply by its reciprocal,
+    which is off by one ulp for some amax; dividing by a tensor is a true division.
+    """
+    return amax / torch.full_like(amax, FP8_MAX)
+
+
 def to_e4m3(values: torch.Tensor) -> torch.Tensor:
     """fp32 -> float8_e4m3fn with torch's own round-to-nearest-even cast."""
     return values.float().to(FP8)
@@ -39,7 +48,7 @@ def act_quant_ref(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, to
     for g in range(k // group):
         chunk = xf[..., g * group:(g + 1) * group]
         amax = torch.clamp(chunk.abs().amax(dim=-1), min=AMAX_FLOOR)
-        scale = amax / FP8_MAX
+        scale = divide_by_fp8_max(amax)
         s[..., g] = scale
         q[..., g * group:(g + 1) * group] = to_e4m3(chunk / scale.unsqueeze(-1))
     return q, s
@@ -55,7 +64,7 @@ def weight_quant_ref(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[t
     for i in range(s.shape[0]):
         for j in range(s.shape[1]):
             blk = wf[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
-            scale = torch.clamp(blk.abs().max(), min=AMAX_FLOOR) / FP8_MAX
+            scale = divide_by_fp8_max(torch.clamp(blk.abs().max(), min=AMAX_FLOOR))
             s[i, j] = scale
             q[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = to_e4m3(blk / scale)
     return q, s
