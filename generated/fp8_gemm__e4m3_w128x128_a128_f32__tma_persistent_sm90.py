@@ -3,7 +3,7 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_gemm/tma_persistent: TMA tensor descriptors, persistent grid over SMs, wgmma through Triton)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: b552d2a809c55bba (sha256 of the definition file and the templates)
+# digest: a87797c673e0373f (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -34,22 +34,74 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr, N_MAJOR: 
 
 
 @triton.jit
+def _splitk_store(acc, out_ptrs, out_mask, ws_ptr, count_ptr, tile_id, pid_k,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Store a split-K partial; the last of the SPLIT_K programs of a tile sums them and writes out.
+
+    No zero-filled buffer and no second kernel: each partial goes to its own workspace slot,
+    a per-tile counter says who came last, and the last one resets it for the next launch.
+    """
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=out_mask)
+    else:
+        tile_elems = BLOCK_M * BLOCK_N
+        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        slots = ws_ptr + tile_id.to(tl.int64) * SPLIT_K * tile_elems
+        tl.store(slots + pid_k * tile_elems + offs, acc, cache_modifier=".cg")
+        # Every thread's partial must be written before the counter says so.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tile_id, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k in range(SPLIT_K):
+                total += tl.load(slots + k * tile_elems + offs, cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(count_ptr + tile_id, 0)
+
+
+_SPLITK_SCRATCH: dict = {}
+
+
+def _splitk_scratch(device, tiles: int, split_k: int, tile_elems: int):
+    """(fp32 workspace, int32 counters) for `tiles` output tiles, kept per device and grown on demand.
+
+    Counters start at zero and every launch leaves them at zero, so no memset per call.
+    Launches that share a device must not run concurrently on different streams.
+    """
+    need = tiles * split_k * tile_elems
+    workspace, counters = _SPLITK_SCRATCH.get(device, (None, None))
+    if workspace is None or workspace.numel() < need:
+        workspace = torch.empty(need, dtype=torch.float32, device=device)
+    if counters is None or counters.numel() < tiles:
+        counters = torch.zeros(tiles, dtype=torch.int32, device=device)
+    _SPLITK_SCRATCH[device] = (workspace, counters)
+    return workspace, counters
+
+
+@triton.jit
 def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90(
-    a_desc, b_desc, c_desc, as_ptr, bs_ptr,
+    a_desc, b_desc, c_desc, as_ptr, bs_ptr, c_ptr, ws_ptr, count_ptr,
     M, N, K,
-    stride_asm, stride_bsn,
+    stride_asm, stride_bsn, stride_cm,
     num_programs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, N_MAJOR: tl.constexpr, NUM_STAGES: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    SPLIT_K: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
-    """Persistent block-FP8 GEMM: each program loops over output tiles; A, B and C move through TMA."""
+    """Persistent block-FP8 GEMM: each program loops over (output tile, K split) pairs; A, B, C move through TMA.
+
+    With SPLIT_K > 1 (few rows, few tiles) several programs share a tile's K range so
+    every SM streams weights; their partials are summed in-kernel (_splitk_store).
+    """
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
-    k_steps = tl.cdiv(K, BLOCK_K)
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_blocks, SPLIT_K)
 
-    for tile_id in tl.range(tl.program_id(0), num_tiles, num_programs, warp_specialize=WARP_SPECIALIZE):
+    for work_id in tl.range(tl.program_id(0), num_tiles * SPLIT_K, num_programs, warp_specialize=WARP_SPECIALIZE):
+        tile_id = work_id // SPLIT_K
+        pid_k = work_id % SPLIT_K
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M, N_MAJOR)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -60,7 +112,8 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90(
         b_scale_ptrs = bs_ptr + (cols // W_BLOCK_N) * stride_bsn
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in tl.range(0, k_steps, num_stages=NUM_STAGES):
+        first = pid_k * per_split
+        for k in tl.range(first, tl.minimum(first + per_split, k_blocks), num_stages=NUM_STAGES):
             off_k = k * BLOCK_K
             a = a_desc.load([off_m, off_k])
             b = b_desc.load([off_n, off_k])
@@ -68,27 +121,36 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90(
             b_scale = tl.load(b_scale_ptrs + off_k // W_BLOCK_K)
             acc += tl.dot(a, b.T) * a_scale[:, None] * b_scale[None, :]
 
-        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+        if SPLIT_K == 1:
+            c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+        else:
+            offs_m = off_m + tl.arange(0, BLOCK_M)
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            out_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+            out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+            _splitk_store(acc, out_ptrs, out_mask, ws_ptr, count_ptr, tile_id, pid_k, BLOCK_M, BLOCK_N, SPLIT_K)
 
 
 # Tiles per M bucket, from the definition: (largest M served or None for the rest, launch parameters).
 TILES = (
-    (16, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
-    (128, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 4, 'persistent': True, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
-    (None, {'BLOCK_M': 128, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 8, 'num_stages': 3, 'persistent': True, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
+    (16, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
+    (128, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
+    (None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 5, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
 )
 
 _SM_COUNT: dict = {}
 
 
-def _programs(device, tiles: int, persistent: bool) -> int:
-    if not persistent:
-        return tiles
+def _sm_count(device) -> int:
     if device.type != "cuda":
-        return min(tiles, 4)  # Triton's CPU interpreter: a few programs still exercise the loop
+        return 4  # Triton's CPU interpreter: a few programs still exercise the loops
     if device.index not in _SM_COUNT:
         _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return min(tiles, _SM_COUNT[device.index])
+    return _SM_COUNT[device.index]
+
+
+def _programs(device, tiles: int, persistent: bool) -> int:
+    return min(tiles, _sm_count(device)) if persistent else tiles
 
 
 def launch(a, a_s, b, b_s, c, tile):
@@ -102,11 +164,17 @@ def launch(a, a_s, b, b_s, c, tile):
     a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [bm, bk])
     b_desc = TensorDescriptor(b, [N, K], [b.stride(0), 1], [bn, bk])
     c_desc = TensorDescriptor(c, [M, N], [c.stride(0), 1], [bm, bn])
-    programs = _programs(a.device, triton.cdiv(M, bm) * triton.cdiv(N, bn), tile["persistent"])
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    # Split K only while the output tiles leave SMs idle (about two programs per SM).
+    fill = max(1, 2 * _sm_count(a.device) // tiles)
+    split_k = max(1, min(tile["SPLIT_K"], triton.cdiv(K, bk), fill))
+    workspace, counters = (c, c) if split_k == 1 else _splitk_scratch(c.device, tiles, split_k, bm * bn)
+    programs = _programs(a.device, tiles * split_k, tile["persistent"])
     fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90[(programs,)](
-        a_desc, b_desc, c_desc, a_s, b_s, M, N, K, a_s.stride(0), b_s.stride(0), programs,
+        a_desc, b_desc, c_desc, a_s, b_s, c, workspace, counters,
+        M, N, K, a_s.stride(0), b_s.stride(0), c.stride(0), programs,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         GROUP_M=tile["GROUP_M"], N_MAJOR=tile["tile_order"] == "n_major", NUM_STAGES=tile["num_stages"],
-        WARP_SPECIALIZE=tile["warp_specialize"],
+        SPLIT_K=split_k, WARP_SPECIALIZE=tile["warp_specialize"],
         num_warps=tile["num_warps"],
     )

@@ -142,3 +142,40 @@ def test_gemm_runs_the_scheme_kernel(checkpoints, launched):
     ck = checkpoints(4096, 4096, group_size=64)
     _check(ck, 1, group_size=64)
     assert launched == ["gptq_gemm__int4_g64_gptq__splitk_sm80"]
+
+
+# ---------------------------------------------------------------------------------------------
+# prepared weights (kdsl.ops.gptq_prepare): the fast path
+
+
+def _check_prepared(ck, m, *, group_size=128, fmt="gptq", dtype=torch.float16):
+    k, n = ck["w"].shape
+    prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"],
+                                     group_size=group_size, checkpoint_format=fmt)
+    x = _x(m, k, dtype)
+    expected = x.float() @ ck["w"]
+    for attempt in range(2):  # twice: the split-K counters must be left clean for the next launch
+        y = kdsl.ops.gptq_gemm(x, prepared)
+        assert y.shape == (m, n) and y.dtype == dtype and y.is_cuda
+        err = ref.rel_fro_error(y, expected)
+        assert err < TOL, f"prepared M={m} K={k} N={n} group_size={group_size} {fmt} call {attempt}: rel err {err:.3g}"
+
+
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
+def test_prepared_gemm_shapes(checkpoints, shape, m):
+    _check_prepared(checkpoints(*shape), m)
+
+
+@pytest.mark.parametrize("m", [1, 64, 256])
+@pytest.mark.parametrize("group_size, g_idx, fmt", [(128, "perm", "gptq"), (-1, "perm", "gptq_v2"),
+                                                    (32, "random", "gptq"), (64, "default", "gptq_v2")])
+def test_prepared_act_order_and_groups(checkpoints, group_size, g_idx, fmt, m):
+    ck = checkpoints(4096, 4096, group_size=group_size, fmt=fmt, g_idx=g_idx)
+    _check_prepared(ck, m, group_size=group_size, fmt=fmt)
+
+
+@pytest.mark.parametrize("m", [1, 64, 256])
+def test_prepared_bf16(checkpoints, m):
+    ck = checkpoints(4096, 14336, scale_dtype=torch.bfloat16, g_idx="perm")
+    _check_prepared(ck, m, dtype=torch.bfloat16)

@@ -448,3 +448,47 @@ def test_schema_cli_prints_json_schema(repo_root):
     schema = json.loads(result.stdout)
     assert {"schemes", "variants"} <= set(schema["properties"])
     assert schema == KernelDefinition.model_json_schema()
+
+
+GPTQ_SCHEME = """
+[[schemes]]
+kind = "gptq"
+group_size = 128
+"""
+
+
+def test_prepared_gptq_variant_needs_a_layout(tmp_path):
+    path = _write(tmp_path, GPTQ_SCHEME + """
+        [[variants]]
+        op = "gptq_gemm_prepared"
+        impl = "splitk"
+        min_arch = "sm_80"
+        tiles = [{ block_m = 16 }]
+    """)
+    message = _load_error(path)
+    assert "variants[0].layout" in message and "declare their layout" in message
+
+
+def test_layout_refused_on_checkpoint_kernels(tmp_path):
+    path = _write(tmp_path, GPTQ_SCHEME + """
+        [[variants]]
+        op = "gptq_gemm"
+        impl = "splitk"
+        min_arch = "sm_80"
+        layout = { zeros = "biased" }
+        tiles = [{ block_m = 16 }]
+    """)
+    assert "takes no layout" in _load_error(path)
+
+
+def test_layout_values_are_checked(tmp_path):
+    path = _write(tmp_path, GPTQ_SCHEME + """
+        [[variants]]
+        op = "gptq_gemm_prepared"
+        impl = "splitk"
+        min_arch = "sm_80"
+        layout = { zeros = "interleaved" }
+        tiles = [{ block_m = 16 }]
+    """)
+    message = _load_error(path)
+    assert "layout.zeros" in message and "biased" in message

@@ -23,6 +23,7 @@ class PlannedKernel:
     min_arch: int
     max_arch: int | None
     tiles: tuple[Tile, ...]
+    layout: object | None  # a GPTQLayout for kernels that read prepared weights
     source: str  # definition file, as a path relative to where generate ran
     definition_digest: str  # sha256 of the definition file's text
 
@@ -45,7 +46,7 @@ def plan_kernels(definitions: list[LoadedDefinition]) -> list[PlannedKernel]:
                     name=kernel_name(variant.op, scheme.name, variant.impl, variant.min_cc),
                     op=variant.op, impl=impl, scheme=scheme,
                     min_arch=variant.min_cc, max_arch=variant.max_cc,
-                    tiles=tuple(variant.tiles), source=source, definition_digest=digest,
+                    tiles=tuple(variant.tiles), layout=variant.layout, source=source, definition_digest=digest,
                 ))
     _refuse_name_clashes(planned)
     return sorted(planned, key=lambda k: k.name)

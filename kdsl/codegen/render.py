@@ -75,6 +75,8 @@ def render_module(kernel: PlannedKernel) -> str:
         digest=kernel_digest(kernel),
         arch_range=f"sm_{kernel.min_arch}" + (f" .. sm_{kernel.max_arch}" if kernel.max_arch else " and up"),
         tiles=[(tile.m_max, tile_params(tile)) for tile in kernel.tiles],
+        layout=kernel.layout,
+        layout_dict=None if kernel.layout is None else kernel.layout.model_dump(mode="json"),
     )
 
 
@@ -88,6 +90,7 @@ def manifest_entry(kernel: PlannedKernel) -> dict:
         "min_arch": kernel.min_arch,
         "max_arch": kernel.max_arch,
         "tiles": [{"m_max": tile.m_max, **tile_params(tile)} for tile in kernel.tiles],
+        "layout": None if kernel.layout is None else kernel.layout.model_dump(mode="json"),
         "module": f"{kernel.module}.py",
         "function": "launch",
         "source": kernel.source,

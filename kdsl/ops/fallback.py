@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from kdsl.ops.gptq_checkpoint import unpack_rows
+
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-10  # same floor as the kernels: an all-zero group keeps a finite scale
 
@@ -47,14 +49,6 @@ def fp8_gemm(a, a_s, b, b_s, act_group: int, block_n: int, block_k: int, out_dty
         partial = a[:, start:start + step].float() @ b[:, start:start + step].float().T
         acc += partial * a_s[:, start // act_group, None] * b_scale_rows[None, :, start // block_k]
     return acc.to(out_dtype)
-
-
-def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 [R, C] holding 32 // bits values per word along R -> int32 [R * pack, C]."""
-    pack = 32 // bits
-    shifts = torch.arange(pack, device=packed.device, dtype=torch.int32) * bits
-    values = (packed.unsqueeze(1) >> shifts[None, :, None]) & (2**bits - 1)
-    return values.reshape(-1, packed.shape[1])
 
 
 def gptq_dequant(qweight, qzeros, scales, g_idx, bits: int, zero_offset: int, out_dtype: torch.dtype) -> torch.Tensor:

@@ -39,6 +39,7 @@ class KernelEntry:
     module_path: Path
     function: str
     source: str
+    layout: dict | None = field(default=None, hash=False, compare=False)  # prepared-weight layout, if any
 
     def tile_for(self, m: int) -> dict:
         return self.tiles[self.bucket_index(m)].params
@@ -103,5 +104,6 @@ def load_manifest(folder: Path | None = None) -> tuple[KernelEntry, ...]:
             name=raw["name"], op=raw["op"], impl=raw["impl"], scheme=raw["scheme"],
             min_arch=raw["min_arch"], max_arch=raw["max_arch"], tiles=tiles,
             module_path=folder / raw["module"], function=raw["function"], source=raw["source"],
+            layout=raw.get("layout"),
         ))
     return tuple(entries)

@@ -24,6 +24,7 @@ class KernelImpl:
     knobs: frozenset[str]
     shared_bytes: Callable[[object, object], int]  # (scheme, tile) -> estimated bytes per program
     summary: str
+    reads_prepared_weights: bool = False  # its variants must declare a `layout`
 
 
 def _no_shared(scheme, tile) -> int:
@@ -58,11 +59,15 @@ CATALOGUE: tuple[KernelImpl, ...] = (
                GEMM_KNOBS | {"tile_order"}, _fp8_gemm_shared,
                "pointer loads, grouped tile order, fp32 accumulation with per-step scales"),
     KernelImpl("block_fp8", "fp8_gemm", "tma_persistent", "block_fp8/fp8_gemm_tma.py.j2", 90, 90,
-               GEMM_KNOBS | {"tile_order", "persistent", "warp_specialize"}, _fp8_gemm_tma_shared,
+               GEMM_KNOBS | {"tile_order", "persistent", "warp_specialize", "split_k"}, _fp8_gemm_tma_shared,
                "TMA tensor descriptors, persistent grid over SMs, wgmma through Triton"),
     KernelImpl("gptq", "gptq_gemm", "splitk", "gptq/gptq_gemm.py.j2", 80, None,
                GEMM_KNOBS | {"split_k"}, _w4a16_gemm_shared,
                "W4A16: unpack int4 in registers, fp16/bf16 tensor-core dot, optional split-K with atomics"),
+    KernelImpl("gptq", "gptq_gemm_prepared", "splitk", "gptq/gptq_gemm_prepared.py.j2", 80, None,
+               GEMM_KNOBS | {"split_k"}, _w4a16_gemm_shared,
+               "W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel",
+               reads_prepared_weights=True),
     KernelImpl("gptq", "gptq_dequant", "blockwise", "gptq/gptq_dequant.py.j2", 80, None,
                frozenset({"block_n", "block_k"}), _no_shared, "unpack int4 checkpoint tensors to [N, K]"),
 )

@@ -63,6 +63,10 @@ def _check_variant(where: str, variant: Variant, scheme) -> list[str]:
             f"{where}.max_arch: {variant.op}/{variant.impl} uses instructions that exist only up to "
             f"{format_arch(impl.max_arch)}; set max_arch to at most {format_arch(impl.max_arch)}"
         )
+    if impl.reads_prepared_weights and variant.layout is None:
+        problems.append(f"{where}.layout: {variant.op}/{variant.impl} reads prepared weights; declare their layout")
+    if not impl.reads_prepared_weights and variant.layout is not None:
+        problems.append(f"{where}.layout: {variant.op}/{variant.impl} reads checkpoint tensors and takes no layout")
     archs = archs_in_range(variant.min_cc, variant.max_cc)
     for t_index, tile in enumerate(variant.tiles):
         tile_where = f"{where}.tiles[{t_index}]"
@@ -74,7 +78,7 @@ def _check_variant(where: str, variant: Variant, scheme) -> list[str]:
                 problems.append(
                     f"{tile_where}.block_k: {tile.block_k} does not divide the quantization group along K ({group})"
                 )
-        if impl.op == "gptq_gemm" and tile.block_k < scheme.pack_factor:
+        if impl.family == "gptq" and "block_k" in impl.knobs and tile.block_k < scheme.pack_factor:
             problems.append(f"{tile_where}.block_k: {tile.block_k} is smaller than one packed int32 ({scheme.pack_factor} rows)")
         need = impl.shared_bytes(scheme, tile)
         for facts in archs:

@@ -7,6 +7,7 @@ from pydantic import AfterValidator, Field, PositiveInt, field_validator, model_
 
 from kdsl.naming import parse_arch
 from kdsl.schema._base import StrictModel
+from kdsl.schema.layout import GPTQLayout
 
 
 def _power_of_two(value: int) -> int:
@@ -51,6 +52,7 @@ class Variant(StrictModel):
     min_arch: ArchName
     max_arch: ArchName | None = None
     tiles: list[Tile] = Field(min_length=1)
+    layout: GPTQLayout | None = Field(None, description="weight layout, for ops that read prepared weights")
 
     @field_validator("tiles")
     @classmethod

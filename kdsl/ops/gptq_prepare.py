@@ -1,0 +1,139 @@
+"""GPTQ weights prepared once for the fast W4A16 kernel, in the layout its definition declares.
+
+`gptq_prepare` takes the checkpoint tensors (layout: kdsl.ops.gptq_checkpoint), asks the
+registry which prepared kernel serves the device, and writes the weights the way that
+kernel's `layout` (kdsl.schema.layout.GPTQLayout) says: K sorted by group, so act-order
+costs a gather of x's columns instead of a gather of scales per element; zeros either
+unpacked and biased for the kernel's dequant, or left packed. Validation that needs the
+tensors' values (g_idx's range) happens here, once, not on every call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kdsl.naming import gptq_scheme_name
+from kdsl.ops import _checks as check
+from kdsl.ops.gptq_checkpoint import (
+    ACTIVATIONS,
+    ZERO_OFFSET,
+    checkpoint_shapes,
+    default_g_idx,
+    pack_rows,
+    scheme_args,
+    unpack_rows,
+)
+from kdsl.runtime import registry
+
+PREPARED_OP = "gptq_gemm_prepared"
+
+
+@dataclass(frozen=True, eq=False)
+class GPTQPrepared:
+    """Weights of one GPTQ linear layer, ready for `kdsl.ops.gptq_gemm(x, prepared)`.
+
+    qweight int32 [K / 8, N], rows in prepared order (row k holds input column perm[k]);
+    zeros [G, N] in `dtype` (layout zeros="biased": zero + the kernel's magic bias) or int32
+    [G, N / 8] (zeros="packed", as the checkpoint stores them); scales [G, N] in `dtype`;
+    groups int32 [K], the group of each prepared row; perm int32 [K] or None when the
+    checkpoint's order is already sorted.
+    """
+
+    scheme: str
+    bits: int
+    zero_offset: int  # added to stored zeros by the checkpoint format ("gptq": 1)
+    layout: dict
+    dtype: torch.dtype
+    k: int
+    n: int
+    qweight: torch.Tensor
+    zeros: torch.Tensor
+    scales: torch.Tensor
+    groups: torch.Tensor
+    perm: torch.Tensor | None
+    contiguous_groups: bool  # prepared row k is in group k // group_size
+    zero_bias: int  # added to the zeros in the "biased" layout
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+
+def gptq_prepare(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None = None, *,
+    bits: int = 4, group_size: int = 128, checkpoint_format: str = "gptq",
+) -> GPTQPrepared:
+    """Prepare a GPTQ checkpoint's tensors once; activations must then come in scales' dtype."""
+    scheme_args(bits, group_size, checkpoint_format)
+    k, n, groups = checkpoint_shapes(qweight, qzeros, scales, g_idx, None, bits, group_size)
+    device = check.same_device(qweight=qweight, qzeros=qzeros, scales=scales, g_idx=g_idx)
+    scheme = gptq_scheme_name(bits, group_size, checkpoint_format)
+    entry = registry.dispatch(PREPARED_OP, scheme, device)
+    layout = dict(entry.layout)
+
+    row_groups = default_g_idx(k, group_size, device) if g_idx is None else g_idx.to(torch.int32)
+    perm = None
+    q = unpack_rows(qweight.contiguous(), bits)  # [K, N]
+    if g_idx is not None and k:
+        order = torch.argsort(row_groups, stable=True)
+        if not torch.equal(order, torch.arange(k, device=device)):
+            perm = order.to(torch.int32)
+            row_groups = row_groups[order]
+            q = q[order]
+    contiguous = torch.equal(row_groups, default_g_idx(k, group_size, device))
+
+    zero_bias = 0
+    if layout["zeros"] == "biased":
+        # The kernel makes (bias + q) from q's bits and subtracts (bias + zero): both exact.
+        zero_bias = entry.load().MAGIC[scales.dtype][1]
+        unpacked = unpack_rows(qzeros.T.contiguous(), bits).T  # [G, N]
+        zeros = (unpacked + ZERO_OFFSET[checkpoint_format] + zero_bias).to(scales.dtype).contiguous()
+    else:
+        zeros = qzeros.contiguous()
+    return GPTQPrepared(
+        scheme=scheme, bits=bits, zero_offset=ZERO_OFFSET[checkpoint_format], layout=layout, dtype=scales.dtype, k=k, n=n,
+        qweight=pack_rows(q.to(torch.int64), bits) if perm is not None else qweight.contiguous(),
+        zeros=zeros, scales=scales.contiguous(), groups=row_groups.contiguous(), perm=perm,
+        contiguous_groups=contiguous, zero_bias=zero_bias,
+    )
+
+
+def gemm_prepared(x: torch.Tensor, prepared: GPTQPrepared) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ w, w from prepared weights, in x's dtype."""
+    check.tensor("x", x, ACTIVATIONS, min_ndim=1)
+    if x.dtype != prepared.dtype:
+        raise TypeError(f"x: expected dtype {check.dtype_name(prepared.dtype)} (the weights were prepared "
+                        f"with scales in that dtype), got {check.dtype_name(x.dtype)}")
+    if x.shape[-1] != prepared.k:
+        raise ValueError(f"x: expected K = {prepared.k} in the last dimension (the prepared weights), got shape {tuple(x.shape)}")
+    device = check.same_device(x=x, prepared=prepared.qweight)
+    k, n = prepared.k, prepared.n
+    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=device)
+    if y.numel() == 0:
+        return y
+    if k == 0:
+        return y.zero_()
+    x2 = check.rows(x, k)
+    if not check.use_kernels(device):
+        return _gemm_prepared_torch(x2, prepared).view(y.shape)
+    entry = registry.dispatch(PREPARED_OP, prepared.scheme, device)
+    if entry.layout != prepared.layout:
+        raise ValueError(f"prepared: weights are in layout {prepared.layout}, but {entry.name} reads "
+                         f"{entry.layout}; prepare them again with kdsl.ops.gptq_prepare")
+    entry.launch(x2, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
+                 prepared.contiguous_groups, y.view(-1, n), entry.tile_for(x2.shape[0]))
+    return y
+
+
+def _gemm_prepared_torch(x: torch.Tensor, prepared: GPTQPrepared) -> torch.Tensor:
+    """CPU without Triton's interpreter: dequantize the prepared rows, then one fp32 matmul."""
+    q = unpack_rows(prepared.qweight, prepared.bits)
+    if prepared.layout["zeros"] == "biased":
+        zeros = prepared.zeros.float() - prepared.zero_bias
+    else:
+        zeros = (unpack_rows(prepared.zeros.T.contiguous(), prepared.bits).T + prepared.zero_offset).float()
+    groups = prepared.groups.long()
+    w = (q.float() - zeros[groups]) * prepared.scales.float()[groups]  # [K, N]
+    xs = x if prepared.perm is None else x[:, prepared.perm.long()]
+    return (xs.float() @ w).to(x.dtype)

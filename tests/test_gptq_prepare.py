@@ -1,0 +1,160 @@
+"""kdsl.ops.gptq_prepare and gptq_gemm(x, prepared): the prepared layout read back, and the
+prepared kernel (Triton's interpreter on CPU) against tests/reference_gptq.py and the raw path.
+
+Shapes are small (K = 256, N in {16, 40, 80}) and cover every group size, both checkpoint
+formats, act-order (g_idx a permutation), arbitrary g_idx (groups of unequal size after
+sorting), M that takes each tile bucket (1, 5: split-K decode; 33: 64-row; 70: the last).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kdsl
+import reference_gptq as ref
+from kdsl.ops import gptq_prepare
+
+TOL = 1e-2
+CASES = [(g, mode) for g in (32, 64, 128, -1) for mode in ("none", "perm", "random") if not (g == -1 and mode == "random")]
+
+
+def _prepare(ck, group_size, fmt):
+    return gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"],
+                        group_size=group_size, checkpoint_format=fmt)
+
+
+def _ref(x, ck, group_size, fmt):
+    return ref.gemm_ref(x, ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"],
+                        group_size=group_size, checkpoint_format=fmt)
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
+@pytest.mark.parametrize("group_size, g_idx", CASES)
+def test_prepared_layout_round_trip(fmt, group_size, g_idx):
+    """Read the prepared tensors back by the layout's rules and recover the checkpoint's integers."""
+    ck = ref.make_checkpoint(256, 40, group_size=group_size, checkpoint_format=fmt, g_idx=g_idx)
+    prepared = _prepare(ck, group_size, fmt)
+    assert prepared.layout == {"zeros": "biased"}
+    perm = torch.arange(256) if prepared.perm is None else prepared.perm.long()
+    groups = ref.default_g_idx(256, group_size) if ck["g_idx"] is None else ck["g_idx"]
+    # Prepared row k is the checkpoint's input row perm[k], and its group is that row's group.
+    assert torch.equal(ref.unpack_qweight(prepared.qweight), ck["q"][perm])
+    assert torch.equal(prepared.groups.long(), groups.long()[perm])
+    assert torch.equal(prepared.groups, torch.sort(groups.to(torch.int32)).values)
+    # Zeros: the real zero plus the kernel's magic bias, exactly, in the scales' dtype.
+    assert prepared.zeros.dtype == ck["scales"].dtype
+    assert torch.equal(prepared.zeros.float() - prepared.zero_bias, ck["zero"].float())
+    assert torch.equal(prepared.scales, ck["scales"])
+    expected_contiguous = g_idx != "random"
+    assert prepared.contiguous_groups == expected_contiguous
+    if g_idx == "none" or group_size == -1:
+        assert prepared.perm is None  # already in order: no gather of x
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
+@pytest.mark.parametrize("group_size, g_idx", CASES)
+@pytest.mark.parametrize("m", [1, 5, 33, 70])
+def test_prepared_gemm_matches_reference_and_raw(fmt, group_size, g_idx, m):
+    ck = ref.make_checkpoint(256, 80, group_size=group_size, checkpoint_format=fmt, g_idx=g_idx)
+    prepared = _prepare(ck, group_size, fmt)
+    x = torch.randn(m, 256).half()
+    y = kdsl.ops.gptq_gemm(x, prepared)
+    expected = _ref(x, ck, group_size, fmt)
+    assert y.dtype == torch.float16 and y.shape == (m, 80)
+    assert ref.rel_fro_error(y, expected) < TOL
+    raw = kdsl.ops.gptq_gemm(x, ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"],
+                             group_size=group_size, checkpoint_format=fmt)
+    assert ref.rel_fro_error(y, raw.float()) < TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prepared_gemm_dtypes_and_batch_dims(dtype):
+    ck = ref.make_checkpoint(256, 40, group_size=64, checkpoint_format="gptq", g_idx="perm", scale_dtype=dtype)
+    prepared = _prepare(ck, 64, "gptq")
+    x = torch.randn(2, 3, 256).to(dtype)
+    y = kdsl.ops.gptq_gemm(x, prepared)
+    assert y.shape == (2, 3, 40) and y.dtype == dtype
+    assert ref.rel_fro_error(y, _ref(x, ck, 64, "gptq")) < TOL
+
+
+def test_prepared_runs_the_prepared_kernel(launched):
+    ck = ref.make_checkpoint(256, 16, group_size=128, checkpoint_format="gptq")
+    kdsl.ops.gptq_gemm(torch.randn(1, 256).half(), _prepare(ck, 128, "gptq"))
+    assert launched == ["gptq_gemm_prepared__int4_g128_gptq__splitk_sm80"]
+
+
+def test_split_k_scratch_is_left_clean():
+    """The in-kernel split-K reduction must leave its counters at zero for the next launch."""
+    ck = ref.make_checkpoint(256, 80, group_size=32, checkpoint_format="gptq")
+    prepared = _prepare(ck, 32, "gptq")
+    x = torch.randn(1, 256).half()
+    first = kdsl.ops.gptq_gemm(x, prepared)
+    second = kdsl.ops.gptq_gemm(x, prepared)
+    assert torch.equal(first, second)
+    module = kdsl.registry.select("gptq_gemm_prepared", prepared.scheme, arch="sm_89").load()
+    _, counters = module._SPLITK_SCRATCH[x.device]
+    assert int(counters.abs().sum()) == 0
+
+
+def test_cpu_fallback_without_interpreter(monkeypatch, launched):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    ck = ref.make_checkpoint(256, 40, group_size=32, checkpoint_format="gptq_v2", g_idx="random")
+    prepared = _prepare(ck, 32, "gptq_v2")
+    x = torch.randn(3, 256).half()
+    assert ref.rel_fro_error(kdsl.ops.gptq_gemm(x, prepared), _ref(x, ck, 32, "gptq_v2")) < TOL
+    assert launched == []
+
+
+def test_empty_and_zero_inputs():
+    ck = ref.make_checkpoint(256, 40, group_size=64)
+    prepared = _prepare(ck, 64, "gptq")
+    assert kdsl.ops.gptq_gemm(torch.randn(0, 256).half(), prepared).shape == (0, 40)
+    y = kdsl.ops.gptq_gemm(torch.zeros(2, 256).half(), prepared)
+    assert torch.equal(y, torch.zeros(2, 40).half())
+
+
+def test_bad_arguments_name_the_argument():
+    ck = ref.make_checkpoint(256, 40, group_size=64)
+    prepared = _prepare(ck, 64, "gptq")
+    with pytest.raises(TypeError, match="x: expected dtype float16"):
+        kdsl.ops.gptq_gemm(torch.randn(1, 256).bfloat16(), prepared)
+    with pytest.raises(ValueError, match="x: expected K = 256"):
+        kdsl.ops.gptq_gemm(torch.randn(1, 128).half(), prepared)
+    with pytest.raises(ValueError, match="scales: prepared weights carry their own"):
+        kdsl.ops.gptq_gemm(torch.randn(1, 256).half(), prepared, None, ck["scales"])
+    with pytest.raises(TypeError, match="qzeros: required"):
+        kdsl.ops.gptq_gemm(torch.randn(1, 256).half(), ck["qweight"])
+    bad = ck["g_idx"].clone() if ck["g_idx"] is not None else ref.default_g_idx(256, 64).to(torch.int32)
+    bad[3] = 9
+    with pytest.raises(ValueError, match=r"g_idx: values must lie in \[0, 4\)"):
+        gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], bad, group_size=64)
+    with pytest.raises(ValueError, match="group_size"):
+        gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], group_size=48)
+
+
+def test_layout_mismatch_is_refused(monkeypatch):
+    ck = ref.make_checkpoint(256, 40, group_size=64)
+    prepared = _prepare(ck, 64, "gptq")
+    stale = type(prepared)(**{**prepared.__dict__, "layout": {"zeros": "packed"}})
+    with pytest.raises(ValueError, match="prepare them again"):
+        kdsl.ops.gptq_gemm(torch.randn(1, 256).half(), stale)
+
+
+def test_packed_zeros_layout(tmp_path, monkeypatch):
+    """A definition may declare zeros = "packed": prepare keeps qzeros, the template unpacks them."""
+    source = (kdsl.__file__.rsplit("/", 2)[0] + "/kernel_defs/gptq_int4.toml")
+    text = open(source).read().replace('layout = { zeros = "biased" }', 'layout = { zeros = "packed" }')
+    defs = tmp_path / "defs"
+    defs.mkdir()
+    (defs / "gptq_int4.toml").write_text(text)
+    from kdsl.cli import main
+    assert main(["generate", "--defs", str(defs), "--out", str(tmp_path / "out")]) == 0
+    monkeypatch.setenv("KDSL_GENERATED", str(tmp_path / "out"))
+    kdsl.registry.reset()
+    ck = ref.make_checkpoint(256, 80, group_size=32, checkpoint_format="gptq", g_idx="perm")
+    prepared = _prepare(ck, 32, "gptq")
+    assert prepared.layout == {"zeros": "packed"}
+    assert torch.equal(prepared.zeros, ck["qzeros"])
+    for m in (1, 33, 70):
+        x = torch.randn(m, 256).half()
+        assert ref.rel_fro_error(kdsl.ops.gptq_gemm(x, prepared), _ref(x, ck, 32, "gptq")) < TOL
