@@ -5,7 +5,7 @@ import kdsl
 from kdsl import ops
 
 torch.manual_seed(0)
-for m, n, k in [(1, 2112, 7168), (3, 72, 256), (1, 576, 7168)]:
+for m, n, k in [(1, 2112, 7168), (3, 72, 256), (1, 576, 7168), (100, 2112, 7168), (130, 72, 384)]:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     wq, ws = ops.weight_quant(w)
@@ -18,5 +18,9 @@ for m, k, n in [(1, 4096, 4104), (5, 256, 40)]:
     ops.gptq_gemm(x, ck["qweight"], ck["qzeros"], ck["scales"])
     ops.gptq_gemm(x, ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"].flip(0).contiguous())
     ops.gptq_dequant(ck["qweight"], ck["qzeros"], ck["scales"])
+    for g_idx in (None, ck["g_idx"].flip(0).contiguous()):  # prepared, plain and act-order
+        prepared = ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], g_idx)
+        for rows in (m, 33, 130):  # every tile bucket, split-K included
+            ops.gptq_gemm(torch.randn(rows, k, device="cuda", dtype=torch.float16), prepared)
 torch.cuda.synchronize()
 print("ragged shapes ran on", torch.cuda.get_device_name(), "via", kdsl.registry.select("fp8_gemm", kdsl.BlockFP8()).name)

@@ -13,15 +13,22 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 import kdsl
 from kdsl import ops, registry
+from kdsl.bench.timing import scaled_mm_baseline
 
 
-def tile(bm, bn, bk, warps, stages, group_m=8, split_k=1, persistent=False, order="m_major"):
+def tile(bm, bn, bk, warps, stages, group_m=8, split_k=1, persistent=False, order="m_major", swap=False, **extra):
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "SPLIT_K": split_k,
             "num_warps": warps, "num_stages": stages, "persistent": persistent, "tile_order": order,
-            "swap_ab": False, "warp_specialize": False}
+            "swap_ab": swap, "warp_specialize": False, **extra}
 
 
-def best(label, run, candidates, graph):
+def baseline(label, fn, graph):
+    ms = (do_bench_cudagraph if graph else do_bench)(fn, return_mode="median")
+    print(f"{label}: {ms * 1e3:8.1f} us  baseline")
+    return ms
+
+
+def best(label, run, candidates, graph, base_ms=None):
     results = []
     for cand in candidates:
         try:
@@ -34,8 +41,10 @@ def best(label, run, candidates, graph):
     results.sort(key=lambda r: r[0])
     for ms, cand in results[:3]:
         c = cand
-        print(f"{label}: {ms * 1e3:8.1f} us  {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} "
-              f"s{c['num_stages']} g{c['GROUP_M']} sk{c['SPLIT_K']} p{int(c['persistent'])} {c['tile_order']}")
+        ratio = f" {base_ms / ms:5.2f}x" if base_ms else ""
+        print(f"{label}: {ms * 1e3:8.1f} us{ratio}  {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} "
+              f"s{c['num_stages']} g{c['GROUP_M']} sk{c['SPLIT_K']} p{int(c['persistent'])} {c['tile_order']} "
+              f"swap{int(c['swap_ab'])} asm{int(c.get('asm_dequant', True))}", flush=True)
     return results
 
 
@@ -48,14 +57,52 @@ def sweep_fp8(which):
             a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
             a_s = torch.rand(m, k // 128, device="cuda") + 0.5
             c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            graph = m <= 128
+            base = baseline(f"fp8_gemm m={m} n={n} k={k}", scaled_mm_baseline(a, a_s, b, b_s), graph)
             if m >= 512:
-                cands = [tile(128, bn, 128, w, s, persistent=True, order=o)
-                         for bn, w, s, o in itertools.product([128, 256], [8], [3, 4], ["m_major", "n_major"])]
-                cands.append(tile(128, 128, 128, 4, 4, persistent=True))
+                cands = [tile(128, 128, 128, 8, s, persistent=True) for s in [3, 4]]
+                cands += [tile(128, 256, 128, 8, 3, persistent=p) for p in [False, True]]
+                cands += [tile(256, 128, 128, 8, 3, persistent=p) for p in [False, True]]
+                cands += [tile(bm, bn, 128, 4, s) for bm, bn, s in
+                          [(64, 128, 4), (64, 128, 5), (64, 128, 6), (128, 128, 3), (128, 128, 4), (64, 256, 3), (128, 64, 4)]]
+                cands += [tile(128, 128, 128, 8, 2), tile(128, 128, 128, 8, 3)]
             else:
-                cands = [tile(64, bn, 128, 4, s, persistent=p)  # wgmma wants 64 rows per warpgroup
-                         for bn, s, p in itertools.product([32, 64, 128], [4, 6], [False, True])]
-            best(f"fp8_gemm m={m} n={n} k={k}", lambda t: entry.launch(a, a_s, b, b_s, c, t), cands, graph=m <= 128)
+                cands = [tile(64, bn, 128, 4, s, split_k=sk)
+                         for bn, s, sk in itertools.product([32, 64, 128], [4, 6], [1, 2, 4, 8])]
+            best(f"fp8_gemm m={m} n={n} k={k}", lambda t: entry.launch(a, a_s, b, b_s, c, t), cands, graph, base)
+
+
+def sweep_gptq_prepared():
+    entry = registry.select("gptq_gemm_prepared", kdsl.GPTQ())
+    for k, n in [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]:
+        w = torch.randn(n, k, device="cuda", dtype=torch.float16)
+        ck = ops.gptq_quantize(w)
+        prepared = ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"])
+        w16 = ops.gptq_dequant(ck["qweight"], ck["qzeros"], ck["scales"]).T.contiguous()  # [K, N]
+        for m in [1, 16, 64, 256]:
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            y = torch.empty(m, n, device="cuda", dtype=torch.float16)
+            graph = m <= 128
+            base = baseline(f"gptqp m={m} k={k} n={n}", lambda: torch.matmul(x, w16), graph)
+            if m <= 16:
+                cands = [tile(16, bn, bk, 4, 3, split_k=sk, asm_dequant=asm) for bn, bk, sk, asm in
+                         itertools.product([64, 128], [128, 256], [2, 4, 8], [False, True])]
+            elif m <= 64:
+                cands = [tile(64, bn, 64, wp, 3, split_k=sk, asm_dequant=asm) for bn, sk, wp, asm in
+                         itertools.product([64, 128], [1, 2, 4], [4, 8], [False, True])]
+            else:
+                cands = [tile(bm, 128, 64, wp, 3, split_k=sk, asm_dequant=asm) for bm, wp, sk, asm in
+                         itertools.product([64, 128], [4, 8], [1, 2], [False, True])]
+                cands.append(tile(128, 128, 64, 8, 3, split_k=2, swap=True))
+
+            def run(t):
+                entry.launch(x, None, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
+                             True, y, t)
+            results = best(f"gptqp m={m} k={k} n={n}", run, cands, graph, base)
+            run(results[0][1])
+            ref = x.float() @ w16.float()
+            err = ((y.float() - ref).norm() / ref.norm()).item()
+            print(f"gptqp m={m} k={k} n={n}: rel err of the best {err:.2e}", flush=True)
 
 
 def sweep_gptq():
@@ -86,11 +133,13 @@ def sweep_act_quant():
 
 
 if __name__ == "__main__":
-    what = sys.argv[1:] or ["act_quant", "gptq", "fp8_small", "fp8_large"]
+    what = sys.argv[1:] or ["act_quant", "gptq", "gptq_prepared", "fp8_small", "fp8_large"]
     if "act_quant" in what:
         sweep_act_quant()
     if "gptq" in what:
         sweep_gptq()
+    if "gptq_prepared" in what:
+        sweep_gptq_prepared()
     if "fp8_small" in what:
         sweep_fp8([16, 128])
     if "fp8_large" in what:
