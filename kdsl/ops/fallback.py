@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kdsl.ops.gptq_checkpoint import unpack_rows
+from kdsl.ops.gptq_checkpoint import unpack_rows, unpack_zeros
 
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-10  # same floor as the kernels: an all-zero group keeps a finite scale
@@ -54,7 +54,7 @@ def fp8_gemm(a, a_s, b, b_s, act_group: int, block_n: int, block_k: int, out_dty
 def gptq_dequant(qweight, qzeros, scales, g_idx, bits: int, zero_offset: int, out_dtype: torch.dtype) -> torch.Tensor:
     """w [N, K] in out_dtype from checkpoint tensors (g_idx [K] always given here)."""
     q = unpack_rows(qweight, bits)  # [K, N]
-    zeros = unpack_rows(qzeros.T.contiguous(), bits).T + zero_offset  # [G, N]
+    zeros = unpack_zeros(qzeros, bits, zero_offset)
     groups = g_idx.long()
     w = (q - zeros[groups]).float() * scales[groups].float()
     return w.T.to(out_dtype)
@@ -63,3 +63,11 @@ def gptq_dequant(qweight, qzeros, scales, g_idx, bits: int, zero_offset: int, ou
 def gptq_gemm(x, qweight, qzeros, scales, g_idx, bits: int, zero_offset: int) -> torch.Tensor:
     w = gptq_dequant(qweight, qzeros, scales, g_idx, bits, zero_offset, x.dtype)
     return (x.float() @ w.float().T).to(x.dtype)
+
+
+def gptq_gemm_sorted(x, qweight, zeros, scales, groups, perm, bits: int) -> torch.Tensor:
+    """Prepared weights: rows of qweight in sorted order (row k is x's column perm[k]), zeros [G, N] real values."""
+    groups = groups.long()
+    w = (unpack_rows(qweight, bits).float() - zeros.float()[groups]) * scales.float()[groups]  # [K, N]
+    xs = x if perm is None else x[:, perm.long()]
+    return (xs.float() @ w).to(x.dtype)

@@ -17,6 +17,7 @@ from kdsl.ops.gptq_checkpoint import (
 from kdsl.ops.gptq_prepare import GPTQPrepared, gemm_prepared
 from kdsl.runtime import registry
 
+
 def gptq_gemm(
     x: torch.Tensor, qweight: torch.Tensor | GPTQPrepared, qzeros: torch.Tensor | None = None,
     scales: torch.Tensor | None = None, g_idx: torch.Tensor | None = None, *,

@@ -72,3 +72,8 @@ def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(pack, device=packed.device, dtype=torch.int32) * bits
     values = (packed.unsqueeze(1) >> shifts[None, :, None]) & (2**bits - 1)
     return values.reshape(-1, packed.shape[1])
+
+
+def unpack_zeros(qzeros: torch.Tensor, bits: int, zero_offset: int) -> torch.Tensor:
+    """int32 [G, N / pack] packed along N -> the real zeros [G, N] (stored value + the format's offset)."""
+    return unpack_rows(qzeros.T.contiguous(), bits).T + zero_offset

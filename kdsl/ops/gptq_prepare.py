@@ -15,6 +15,7 @@ import torch
 
 from kdsl.naming import gptq_scheme_name
 from kdsl.ops import _checks as check
+from kdsl.ops import fallback
 from kdsl.ops.gptq_checkpoint import (
     ACTIVATIONS,
     ZERO_OFFSET,
@@ -23,6 +24,7 @@ from kdsl.ops.gptq_checkpoint import (
     pack_rows,
     scheme_args,
     unpack_rows,
+    unpack_zeros,
 )
 from kdsl.runtime import registry
 
@@ -87,8 +89,7 @@ def gptq_prepare(
     if layout["zeros"] == "biased":
         # The kernel makes (bias + q) from q's bits and subtracts (bias + zero): both exact.
         zero_bias = entry.load().MAGIC[scales.dtype][1]
-        unpacked = unpack_rows(qzeros.T.contiguous(), bits).T  # [G, N]
-        zeros = (unpacked + ZERO_OFFSET[checkpoint_format] + zero_bias).to(scales.dtype).contiguous()
+        zeros = (unpack_zeros(qzeros, bits, ZERO_OFFSET[checkpoint_format]) + zero_bias).to(scales.dtype).contiguous()
     else:
         zeros = qzeros.contiguous()
     return GPTQPrepared(
@@ -116,7 +117,10 @@ def gemm_prepared(x: torch.Tensor, prepared: GPTQPrepared) -> torch.Tensor:
         return y.zero_()
     x2 = check.rows(x, k)
     if not check.use_kernels(device):
-        return _gemm_prepared_torch(x2, prepared).view(y.shape)
+        zeros = (prepared.zeros.float() - prepared.zero_bias if prepared.layout["zeros"] == "biased"
+                 else unpack_zeros(prepared.zeros, prepared.bits, prepared.zero_offset))
+        return fallback.gptq_gemm_sorted(x2, prepared.qweight, zeros, prepared.scales, prepared.groups,
+                                         prepared.perm, prepared.bits).view(y.shape)
     entry = registry.dispatch(PREPARED_OP, prepared.scheme, device)
     if entry.layout != prepared.layout:
         raise ValueError(f"prepared: weights are in layout {prepared.layout}, but {entry.name} reads "
@@ -124,16 +128,3 @@ def gemm_prepared(x: torch.Tensor, prepared: GPTQPrepared) -> torch.Tensor:
     entry.launch(x2, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
                  prepared.contiguous_groups, y.view(-1, n), entry.tile_for(x2.shape[0]))
     return y
-
-
-def _gemm_prepared_torch(x: torch.Tensor, prepared: GPTQPrepared) -> torch.Tensor:
-    """CPU without Triton's interpreter: dequantize the prepared rows, then one fp32 matmul."""
-    q = unpack_rows(prepared.qweight, prepared.bits)
-    if prepared.layout["zeros"] == "biased":
-        zeros = prepared.zeros.float() - prepared.zero_bias
-    else:
-        zeros = (unpack_rows(prepared.zeros.T.contiguous(), prepared.bits).T + prepared.zero_offset).float()
-    groups = prepared.groups.long()
-    w = (q.float() - zeros[groups]) * prepared.scales.float()[groups]  # [K, N]
-    xs = x if prepared.perm is None else x[:, prepared.perm.long()]
-    return (xs.float() @ w).to(x.dtype)
