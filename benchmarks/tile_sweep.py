@@ -28,23 +28,28 @@ def baseline(label, fn, graph):
     return ms
 
 
-def best(label, run, candidates, graph, base_ms=None):
+def best(label, run, candidates, graph, base_ms=None, check=None):
+    """Time every candidate; print the best three. check(): relative error of the last run,
+    taken for each candidate so a fast wrong tile is shown as wrong."""
     results = []
     for cand in candidates:
         try:
             run(cand)
+            torch.cuda.synchronize()
+            errs = {id(cand): check()} if check else {}
             ms = (do_bench_cudagraph if graph else do_bench)(lambda: run(cand), return_mode="median")
         except Exception as error:  # out of resources etc.
             print(f"  {label} {cand}: {type(error).__name__}", file=sys.stderr)
             continue
-        results.append((ms, cand))
+        results.append((ms, cand, errs.get(id(cand))))
     results.sort(key=lambda r: r[0])
-    for ms, cand in results[:3]:
+    for ms, cand, rel in results[:3]:
+        err = f" err {rel:.1e}" if rel is not None else ""
         c = cand
         ratio = f" {base_ms / ms:5.2f}x" if base_ms else ""
         print(f"{label}: {ms * 1e3:8.1f} us{ratio}  {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} "
               f"s{c['num_stages']} g{c['GROUP_M']} sk{c['SPLIT_K']} p{int(c['persistent'])} {c['tile_order']} "
-              f"swap{int(c['swap_ab'])} asm{int(c.get('asm_dequant', True))}", flush=True)
+              f"swap{int(c['swap_ab'])} planes{c.get('k_planes', '-')} pf{c.get('reg_prefetch', '-')} xs{c.get('x_split', '-')}{err}", flush=True)
     return results
 
 
@@ -72,37 +77,49 @@ def sweep_fp8(which):
             best(f"fp8_gemm m={m} n={n} k={k}", lambda t: entry.launch(a, a_s, b, b_s, c, t), cands, graph, base)
 
 
-def sweep_gptq_prepared():
+def sweep_gptq_prepared(ms=(1, 16, 64, 256)):
     entry = registry.select("gptq_gemm_prepared", kdsl.GPTQ())
     for k, n in [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]:
         w = torch.randn(n, k, device="cuda", dtype=torch.float16)
         ck = ops.gptq_quantize(w)
         prepared = ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"])
         w16 = ops.gptq_dequant(ck["qweight"], ck["qzeros"], ck["scales"]).T.contiguous()  # [K, N]
-        for m in [1, 16, 64, 256]:
+        for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             y = torch.empty(m, n, device="cuda", dtype=torch.float16)
             graph = m <= 128
             base = baseline(f"gptqp m={m} k={k} n={n}", lambda: torch.matmul(x, w16), graph)
-            if m <= 16:
-                cands = [tile(16, bn, bk, 4, 3, split_k=sk, asm_dequant=asm) for bn, bk, sk, asm in
-                         itertools.product([64, 128], [128, 256], [2, 4, 8], [False, True])]
+            if m == 1:
+                cands = [tile(1, bn, bk, wp, 1, split_k=sk, reg_prefetch=pf, x_split=xs)
+                         for bn, bk, sk, wp, pf, xs in
+                         itertools.product([64, 128], [256, 512, 1024], [2, 4], [4, 8], [False, True], [False, True])]
+                cands.append(tile(16, 64, 128, 4, 3, split_k=4, k_planes=True, reg_prefetch=False))
+            elif m <= 16:
+                cands = [tile(16, bn, bk, 4, st, split_k=sk, k_planes=planes, reg_prefetch=False)
+                         for bn, bk, sk, st, planes in
+                         itertools.product([64, 128], [128, 256], [4, 8], [3, 5], [False, True])]
+                cands += [tile(16, 128, 128, 4, 3, split_k=8, k_planes=planes) for planes in [False, True]]
             elif m <= 64:
-                cands = [tile(64, bn, 64, wp, 3, split_k=sk, asm_dequant=asm) for bn, sk, wp, asm in
-                         itertools.product([64, 128], [1, 2, 4], [4, 8], [False, True])]
+                cands = [tile(64, bn, bk, 4, st, split_k=sk, k_planes=planes, reg_prefetch=False)
+                         for bn, bk, sk, st, planes in
+                         itertools.product([64, 128], [64, 128], [1, 2, 4], [3, 4], [False, True])
+                         if bk >= 128 or not planes]
+                cands += [tile(64, 128, 128, 4, 3, split_k=sk) for sk in [1, 4]]
             else:
-                cands = [tile(bm, 128, 64, wp, 3, split_k=sk, asm_dequant=asm) for bm, wp, sk, asm in
-                         itertools.product([64, 128], [4, 8], [1, 2], [False, True])]
-                cands.append(tile(128, 128, 64, 8, 3, split_k=2, swap=True))
+                cands = [tile(bm, 128, bk, wp, st, split_k=sk, k_planes=planes, reg_prefetch=False)
+                         for bm, bk, wp, sk, st, planes in
+                         itertools.product([64, 128], [64, 128], [4, 8], [1, 2], [3, 4], [False, True])
+                         if bk >= 128 or not planes]
+                cands += [tile(128, 128, 64, 4, 3, split_k=sk) for sk in [1, 2]]
 
             def run(t):
                 entry.launch(x, None, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
                              True, y, t)
-            results = best(f"gptqp m={m} k={k} n={n}", run, cands, graph, base)
-            run(results[0][1])
             ref = x.float() @ w16.float()
-            err = ((y.float() - ref).norm() / ref.norm()).item()
-            print(f"gptqp m={m} k={k} n={n}: rel err of the best {err:.2e}", flush=True)
+
+            def rel_err():
+                return ((y.float() - ref).norm() / ref.norm()).item()
+            best(f"gptqp m={m} k={k} n={n}", run, cands, graph, base, check=rel_err)
 
 
 def sweep_gptq():
@@ -140,6 +157,8 @@ if __name__ == "__main__":
         sweep_gptq()
     if "gptq_prepared" in what:
         sweep_gptq_prepared()
+    if "gptq_prepared_m1" in what:
+        sweep_gptq_prepared([1])
     if "fp8_small" in what:
         sweep_fp8([16, 128])
     if "fp8_large" in what:

@@ -126,6 +126,7 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
               "M": I32, "N": I32, "K": I32,
               "stride_xm": I32, "stride_qwk": I32, "stride_zg": I32, "stride_sg": I32, "stride_ym": I32},
         constexprs={"HAS_PERM": lambda tile: True, "UNIFORM_GROUP": lambda tile: True,
+                    "WORD_GROUPS": lambda tile: True,
                     "BLOCK_M": "BLOCK_M", "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K", "GROUP_M": "GROUP_M",
                     "SPLIT_K": lambda tile: max(tile["SPLIT_K"], 2),
                     "MAGIC_BITS": lambda tile: 0x6400, "MAGIC_BIAS": lambda tile: 1024,

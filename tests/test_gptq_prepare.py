@@ -3,7 +3,8 @@ prepared kernel (Triton's interpreter on CPU) against tests/reference_gptq.py an
 
 Shapes are small (K = 256, N in {16, 40, 80}) and cover every group size, both checkpoint
 formats, act-order (g_idx a permutation), arbitrary g_idx (groups of unequal size after
-sorting), M that takes each tile bucket (1, 5: split-K decode; 33: 64-row; 70: the last).
+sorting), M that takes each tile bucket (1: the CUDA-core GEMV; 5: split-K decode; 33: 64-row;
+70: the last). The GEMV is also driven with explicit tiles over several K blocks and splits.
 """
 from __future__ import annotations
 
@@ -65,6 +66,35 @@ def test_prepared_gemm_matches_reference_and_raw(fmt, group_size, g_idx, m):
     raw = kdsl.ops.gptq_gemm(x, ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"],
                              group_size=group_size, checkpoint_format=fmt)
     assert ref.rel_fro_error(y, raw.float()) < TOL
+
+
+def _tile(block_m, block_n, block_k, split_k):
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8, "SPLIT_K": split_k,
+            "num_warps": 4, "num_stages": 1, "persistent": False, "tile_order": "m_major",
+            "swap_ab": False, "warp_specialize": False}
+
+
+@pytest.mark.parametrize("group_size, g_idx, block_k", [
+    (128, "default", 64),   # every block inside one group: one scale row per block
+    (128, "perm", 128),     # act-order, block = group
+    (32, "default", 128),   # four groups per block: one scale row per packed word
+    (64, "random", 64),     # groups of unequal size: scales per row
+    (-1, "default", 256),
+])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gemv_tile_over_many_k_blocks(group_size, g_idx, block_k, split_k, dtype):
+    """block_m = 1 selects the GEMV; K = 640 spans several blocks (the last one partial for
+    block_k 128 and 256), and an uneven split leaves some programs a shorter run."""
+    k, n = 640, 72  # N not a multiple of block_n: wrapped columns must not be stored
+    ck = ref.make_checkpoint(k, n, group_size=group_size, checkpoint_format="gptq", g_idx=g_idx, scale_dtype=dtype)
+    prepared = _prepare(ck, group_size, "gptq")
+    x = torch.randn(1, k).to(dtype)
+    entry = kdsl.registry.select("gptq_gemm_prepared", prepared.scheme, arch="sm_90")
+    y = torch.full((1, n), float("nan"), dtype=dtype)
+    entry.launch(x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
+                 prepared.contiguous_groups, y, _tile(1, 64, block_k, split_k))
+    assert ref.rel_fro_error(y, _ref(x, ck, group_size, "gptq")) < TOL
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

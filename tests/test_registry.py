@@ -240,3 +240,12 @@ def test_cli_explain_bad_arch(repo_root):
     result = _cli(repo_root, "explain", "fp8_gemm", "--arch", "hopper")
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
+
+
+def test_prepared_gptq_has_hopper_tiles_and_a_fallback_range():
+    """The shipped definition tunes gptq_gemm_prepared for sm_90 and keeps an sm_80+ variant."""
+    hopper = registry.select("gptq_gemm_prepared", kdsl.GPTQ(), arch="sm_90")
+    ampere = registry.select("gptq_gemm_prepared", kdsl.GPTQ(), arch="sm_86")
+    assert hopper.name.endswith("_sm90") and ampere.name.endswith("_sm80")
+    assert registry.select("gptq_gemm_prepared", kdsl.GPTQ(), arch="sm_100").name == ampere.name
+    assert hopper.tile_for(1)["BLOCK_M"] == 1  # the GEMV bucket

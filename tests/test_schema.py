@@ -492,3 +492,44 @@ def test_layout_values_are_checked(tmp_path):
     """)
     message = _load_error(path)
     assert "layout.zeros" in message and "biased" in message
+
+
+def test_mma_tile_below_16_rows_rejected(tmp_path):
+    path = _write(tmp_path, GPTQ_SCHEME + """
+        [[variants]]
+        op = "gptq_gemm"
+        impl = "splitk"
+        min_arch = "sm_80"
+        tiles = [{ block_m = 8 }]
+    """)
+    message = _load_error(path)
+    assert "variants[0].tiles[0].block_m" in message and "16" in message
+
+
+def test_prepared_gptq_takes_block_m_1_as_gemv_but_not_8(tmp_path):
+    variant = """
+        [[variants]]
+        op = "gptq_gemm_prepared"
+        impl = "splitk"
+        min_arch = "sm_80"
+        layout = {{ zeros = "biased" }}
+        tiles = [{{ m_max = 1, block_m = 1 }}, {{ block_m = {rows} }}]
+    """
+    load_definition(_write(tmp_path, GPTQ_SCHEME + variant.format(rows=64), name="ok.toml"))
+    message = _load_error(_write(tmp_path, GPTQ_SCHEME + variant.format(rows=8), name="bad.toml"))
+    assert "variants[0].tiles[1].block_m" in message and "GEMV" in message
+
+
+def test_one_op_tuned_per_arch_range_but_not_twice_for_one_range(tmp_path):
+    variant = """
+        [[variants]]
+        op = "gptq_gemm"
+        impl = "splitk"
+        min_arch = "{arch}"
+        {cap}
+        tiles = [{{ block_m = 16 }}]
+    """
+    hopper = variant.format(arch="sm_90", cap='max_arch = "sm_90"')
+    load_definition(_write(tmp_path, GPTQ_SCHEME + hopper + variant.format(arch="sm_80", cap=""), name="ok.toml"))
+    message = _load_error(_write(tmp_path, GPTQ_SCHEME + hopper + variant.format(arch="sm_90", cap=""), name="bad.toml"))
+    assert "variants[1]: duplicates variants[0]" in message and "min_arch" in message

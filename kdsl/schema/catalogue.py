@@ -25,6 +25,8 @@ class KernelImpl:
     shared_bytes: Callable[[object, object], int]  # (scheme, tile) -> estimated bytes per program
     summary: str
     reads_prepared_weights: bool = False  # its variants must declare a `layout`
+    min_block_m: int = 1  # 16 where block_m rows feed an MMA (tl.dot's smallest M)
+    gemv_block_m: bool = False  # block_m = 1 selects a CUDA-core GEMV instead of the MMA
 
 
 def _no_shared(scheme, tile) -> int:
@@ -57,17 +59,19 @@ CATALOGUE: tuple[KernelImpl, ...] = (
                frozenset(), _no_shared, "one program per weight block, fp8 x scale"),
     KernelImpl("block_fp8", "fp8_gemm", "portable", "block_fp8/fp8_gemm_portable.py.j2", 89, None,
                GEMM_KNOBS | {"tile_order"}, _fp8_gemm_shared,
-               "pointer loads, grouped tile order, fp32 accumulation with per-step scales"),
+               "pointer loads, grouped tile order, fp32 accumulation with per-step scales", min_block_m=16),
     KernelImpl("block_fp8", "fp8_gemm", "tma_persistent", "block_fp8/fp8_gemm_tma.py.j2", 90, 90,
                GEMM_KNOBS | {"tile_order", "persistent", "warp_specialize", "split_k"}, _fp8_gemm_tma_shared,
-               "TMA tensor descriptors, persistent grid over SMs, wgmma through Triton"),
+               "TMA tensor descriptors, persistent grid over SMs, wgmma through Triton", min_block_m=16),
     KernelImpl("gptq", "gptq_gemm", "splitk", "gptq/gptq_gemm.py.j2", 80, None,
                GEMM_KNOBS | {"split_k"}, _w4a16_gemm_shared,
-               "W4A16: unpack int4 in registers, fp16/bf16 tensor-core dot, optional split-K with atomics"),
+               "W4A16: unpack int4 in registers, fp16/bf16 tensor-core dot, optional split-K with atomics",
+               min_block_m=16),
     KernelImpl("gptq", "gptq_gemm_prepared", "splitk", "gptq/gptq_gemm_prepared.py.j2", 80, None,
                GEMM_KNOBS | {"split_k"}, _w4a16_gemm_shared,
-               "W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel",
-               reads_prepared_weights=True),
+               "W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced "
+               "in-kernel; block_m = 1 is a CUDA-core GEMV",
+               reads_prepared_weights=True, min_block_m=16, gemv_block_m=True),
     KernelImpl("gptq", "gptq_dequant", "blockwise", "gptq/gptq_dequant.py.j2", 80, None,
                frozenset({"block_n", "block_k"}), _no_shared, "unpack int4 checkpoint tensors to [N, K]"),
 )

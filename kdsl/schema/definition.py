@@ -30,12 +30,15 @@ class KernelDefinition(StrictModel):
             if scheme.name in seen_names:
                 problems.append(f"schemes[{s_index}]: same kernels as schemes[{seen_names[scheme.name]}] ({scheme.name})")
             seen_names.setdefault(scheme.name, s_index)
-        seen_variants: dict[tuple[str, str], int] = {}
+        # One op/impl may be tuned per arch range; the kernel name carries min_arch, so that must differ.
+        seen_variants: dict[tuple[str, str, int], int] = {}
         for v_index, variant in enumerate(self.variants):
             where = f"variants[{v_index}]"
-            key = (variant.op, variant.impl)
+            key = (variant.op, variant.impl, variant.min_cc)
             if key in seen_variants:
-                problems.append(f"{where}: duplicates variants[{seen_variants[key]}] (op {variant.op!r}, impl {variant.impl!r})")
+                problems.append(f"{where}: duplicates variants[{seen_variants[key]}] (op {variant.op!r}, "
+                                f"impl {variant.impl!r}, min_arch {variant.min_arch!r}); give each arch range "
+                                "its own min_arch")
             seen_variants.setdefault(key, v_index)
             for scheme in self.schemes:
                 problems.extend(_check_variant(where, variant, scheme))
@@ -78,6 +81,10 @@ def _check_variant(where: str, variant: Variant, scheme) -> list[str]:
                 problems.append(
                     f"{tile_where}.block_k: {tile.block_k} does not divide the quantization group along K ({group})"
                 )
+        if tile.block_m < impl.min_block_m and not (impl.gemv_block_m and tile.block_m == 1):
+            also = " (or 1 for its CUDA-core GEMV)" if impl.gemv_block_m else ""
+            problems.append(f"{tile_where}.block_m: {tile.block_m} is below the {impl.min_block_m} rows of one MMA; "
+                            f"{variant.op}/{variant.impl} takes {impl.min_block_m} or more{also}")
         if impl.family == "gptq" and "block_k" in impl.knobs and tile.block_k < scheme.pack_factor:
             problems.append(f"{tile_where}.block_k: {tile.block_k} is smaller than one packed int32 ({scheme.pack_factor} rows)")
         need = impl.shared_bytes(scheme, tile)
