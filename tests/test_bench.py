@@ -304,8 +304,12 @@ def fake_ops(wrong_dequant: bool):
         w = timing.fp8_weight_reference(q, s)
         return (w * 1.5 if wrong_dequant else w).to(out_dtype)
 
+    def gptq_dequant(qweight, qzeros, scales, g_idx=None, *, bits=4, group_size=128, checkpoint_format="gptq"):
+        g = torch.arange(qweight.shape[0] * 8) // group_size
+        return timing.gptq_reference_weight(qweight, qzeros, scales, g).t().half()
+
     return types.SimpleNamespace(
-        act_quant=lambda x, group_size=128: timing.torch_act_quant(x),
+        act_quant=lambda x, group_size=128: timing.torch_act_quant(x), gptq_dequant=gptq_dequant,
         fp8_gemm=lambda a, a_s, b, b_s, out_dtype=torch.bfloat16: timing.fp8_gemm_reference(a, a_s, b, b_s).to(out_dtype),
         weight_dequant=weight_dequant, gptq_quantize=gptq_quantize, gptq_gemm=gptq_gemm)
 
@@ -352,6 +356,10 @@ def test_run_case_checks_times_and_flags_on_cpu_stand_ins(cpu_bench):
     assert dequant.status == WRONG and "rel err" in dequant.detail and dequant.kdsl.eager_ms == 0.25
     (gptq,) = run_case(Case("gptq_gemm", m=2, n=16, k=256))
     assert gptq.status == OK and gptq.rel_err < 1e-2 and set(gptq.baselines) == {"fp16_matmul"}
+    (gptq_deq,) = run_case(Case("gptq_dequant", n=16, k=256))
+    # int32 words (K/8 x N), qzeros (G x N/8), fp16 scales (G x N), fp16 output (N x K)
+    assert gptq_deq.status == OK and gptq_deq.bytes_moved == 4 * 32 * 16 + 4 * 2 * 2 + 2 * 2 * 16 + 2 * 16 * 256
+    assert set(gptq_deq.baselines) == {"copy", "torch"} and gptq_deq.ratio("copy") == 1.0
 
 
 def test_gptq_prepared_row_appears_with_gptq_prepare(cpu_bench):

@@ -19,6 +19,7 @@ and check every kdsl result against an fp32 reference on fresh random data.
   weight_dequant  vs a device copy of the same bytes and the torch expression
   gptq_gemm       vs fp16 torch.matmul (INT4, group size 128; also gptq_gemm[prepared]
                   when kdsl.ops has gptq_prepare)
+  gptq_dequant    vs a device copy of the same bytes and the torch expression (INT4 -> fp16)
 
 Times are medians of triton.testing.do_bench (L2 flushed), plus do_bench_cudagraph for M <= 128.
 Ratios are baseline time / kdsl time (> 1: kdsl faster). A result outside tolerance is marked
@@ -28,17 +29,19 @@ shape presets:
   deepseek-v3  fp8_gemm (N,K) = (2112,7168) (24576,1536) (7168,16384) (4096,7168) (7168,2048)
                at M = 1 16 64 128 512 4096; act_quant [M,K] = [4096,7168] [16384,7168];
                weight_dequant (N,K) = (7168,16384) (24576,1536); gptq_gemm KxN = 4096x4096
-               4096x14336 14336x4096 8192x28672 at M = 1 16 64 256
+               4096x14336 14336x4096 8192x28672 at M = 1 16 64 256; gptq_dequant (N,K) =
+               (14336,4096) (28672,8192)
   llama        Llama-3-8B and 70B linears, (N,K) = qkv (6144,4096) o (4096,4096)
                gate_up (28672,4096) down (4096,14336); qkv (10240,8192) o (8192,8192)
                gate_up (57344,8192) down (8192,28672). fp8_gemm: all eight at M = 1 16 64 128
                512 4096; gptq_gemm: 8B's four and 70B's qkv, gate_up, down at M = 1 16 64 256;
-               act_quant [4096,4096] [4096,14336] [16384,8192]; weight_dequant (28672,4096)
-               (8192,28672)
+               act_quant [4096,4096] [4096,14336] [16384,8192]; weight_dequant and
+               gptq_dequant (28672,4096) (8192,28672)
 
 shape file (JSON), keyed by op; "m" may be an integer or a list, K a multiple of 128:
   {"fp8_gemm": [{"m": [1, 16], "n": 2112, "k": 7168}], "act_quant": [{"m": 4096, "k": 7168}],
-   "weight_dequant": [{"n": 7168, "k": 16384}], "gptq_gemm": [{"m": [1], "k": 4096, "n": 4096}]}
+   "weight_dequant": [{"n": 7168, "k": 16384}], "gptq_gemm": [{"m": [1], "k": 4096, "n": 4096}],
+   "gptq_dequant": [{"n": 14336, "k": 4096}]}
 
 exit status: 0 all correct, 1 some result WRONG or failing, 2 cannot run (no GPU, bad arguments).
 """

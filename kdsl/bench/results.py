@@ -10,7 +10,7 @@ from kdsl.bench.shapes import Case
 
 OK, WRONG, ERROR, UNAVAILABLE = "ok", "WRONG", "ERROR", "not available"
 FAILED = (WRONG, ERROR)  # statuses that make `kdsl bench` exit 1
-MEMORY_BOUND_OPS = ("act_quant", "weight_dequant")  # rated in TB/s against the copy baseline
+MEMORY_BOUND_OPS = ("act_quant", "weight_dequant", "gptq_dequant")  # rated in TB/s against the copy baseline
 COPY = "copy"
 
 

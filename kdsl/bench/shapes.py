@@ -5,7 +5,8 @@ A shape file is a JSON object whose keys are op names; each maps to a list of en
     {"fp8_gemm":       [{"m": [1, 16], "n": 2112, "k": 7168}],
      "act_quant":      [{"m": 4096, "k": 7168}],
      "weight_dequant": [{"n": 7168, "k": 16384}],
-     "gptq_gemm":      [{"m": [1], "k": 4096, "n": 4096}]}
+     "gptq_gemm":      [{"m": [1], "k": 4096, "n": 4096}],
+     "gptq_dequant":   [{"n": 14336, "k": 4096}]}
 
 Entry keys per op are OP_DIMS[op]; "m" (tokens) may be an integer or a list of integers, the
 others are integers. K must be a multiple of 128 (the quantization group) except for
@@ -17,12 +18,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-OPS = ("fp8_gemm", "act_quant", "weight_dequant", "gptq_gemm")
+OPS = ("fp8_gemm", "act_quant", "weight_dequant", "gptq_gemm", "gptq_dequant")
 OP_DIMS: dict[str, tuple[str, ...]] = {
     "fp8_gemm": ("m", "n", "k"),
     "act_quant": ("m", "k"),
     "weight_dequant": ("n", "k"),
     "gptq_gemm": ("m", "n", "k"),
+    "gptq_dequant": ("n", "k"),
 }
 GROUP = 128  # block-FP8 group / block edge and the GPTQ group size used by the bench
 
@@ -60,7 +62,8 @@ def _deepseek_v3() -> list[Case]:
     # GPTQ shapes are given as K x N (Llama-like linear layers).
     gptq = _gemms("gptq_gemm", [(n, k) for k, n in ((4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672))],
                   [1, 16, 64, 256])
-    return fp8 + act + deq + gptq
+    gptq_deq = [Case("gptq_dequant", n=n, k=k) for n, k in ((14336, 4096), (28672, 8192))]
+    return fp8 + act + deq + gptq + gptq_deq
 
 
 def _llama() -> list[Case]:
@@ -72,7 +75,8 @@ def _llama() -> list[Case]:
     act = [Case("act_quant", m=m, k=k) for m, k in ((4096, 4096), (4096, 14336), (16384, 8192))]
     deq = [Case("weight_dequant", n=n, k=k) for n, k in ((28672, 4096), (8192, 28672))]
     gptq = _gemms("gptq_gemm", llama8b + [(10240, 8192), (57344, 8192), (8192, 28672)], [1, 16, 64, 256])
-    return fp8 + act + deq + gptq
+    gptq_deq = [Case("gptq_dequant", n=n, k=k) for n, k in ((28672, 4096), (8192, 28672))]
+    return fp8 + act + deq + gptq + gptq_deq
 
 
 PRESETS = {"deepseek-v3": _deepseek_v3, "llama": _llama}
@@ -92,7 +96,7 @@ def _positive_int(value: object, where: str) -> int:
 def _check_divisibility(op: str, n: int | None, k: int, where: str) -> None:
     if op != "weight_dequant" and k % GROUP:
         raise ShapeFileError(f"{where}.k: {k} is not a multiple of the group size {GROUP}")
-    if op == "gptq_gemm" and n is not None and n % 8:
+    if op in ("gptq_gemm", "gptq_dequant") and n is not None and n % 8:
         raise ShapeFileError(f"{where}.n: {n} is not a multiple of 8 (int4 packing of qzeros)")
 
 

@@ -257,9 +257,29 @@ def setup_gptq_gemm(case: Case) -> CaseSetup:
         bytes_moved=2 * m * k + k * n // 2 + groups * n // 2 + 2 * groups * n + 2 * m * n)
 
 
+def setup_gptq_dequant(case: Case) -> CaseSetup:
+    quantize, dequant = kdsl_op("gptq_quantize"), kdsl_op("gptq_dequant")
+    n, k = case.n, case.k
+    packed = quantize(torch.randn(n, k, device=DEVICE, dtype=torch.float16) * 0.02, bits=4, group_size=GROUP, sym=False)
+    qweight, qzeros, scales = packed["qweight"], packed["qzeros"], packed["scales"]
+    g_idx = torch.arange(k, device=DEVICE, dtype=torch.int32) // GROUP
+
+    def torch_dequant() -> torch.Tensor:
+        return gptq_reference_weight(qweight, qzeros, scales, g_idx).t().half()
+
+    ref = gptq_reference_weight(qweight, qzeros, scales, g_idx).t()  # [N, K], as gptq_dequant returns
+    bytes_moved = 4 * qweight.numel() + 4 * qzeros.numel() + 2 * scales.numel() + 2 * n * k
+    return CaseSetup(
+        kdsl={"gptq_dequant": lambda: dequant(qweight, qzeros, scales, bits=4, group_size=GROUP)},
+        check=lambda out: check_close(out, ref, DEQUANT_TOL),
+        baselines={COPY: copy_baseline(bytes_moved), "torch": torch_dequant},
+        tolerance=DEQUANT_TOL, bytes_moved=bytes_moved)
+
+
 SETUPS: dict[str, Callable[[Case], CaseSetup]] = {
     "fp8_gemm": setup_fp8_gemm, "act_quant": setup_act_quant,
     "weight_dequant": setup_weight_dequant, "gptq_gemm": setup_gptq_gemm,
+    "gptq_dequant": setup_gptq_dequant,
 }
 
 
