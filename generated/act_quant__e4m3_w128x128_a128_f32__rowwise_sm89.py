@@ -3,7 +3,7 @@
 # kernel: act_quant__e4m3_w128x128_a128_f32__rowwise_sm89 (act_quant/rowwise: per-token, per-group amax scaling to e4m3)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 5e539b5daecb9231 (sha256 of the definition file and the templates)
+# digest: 2186ed4d7df7f01b (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -15,10 +15,18 @@ AMAX_FLOOR = tl.constexpr(1e-10)
 
 
 @triton.jit
+def _to_e4m3(x, dtype: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """x (fp32, within +-448) cast to e4m3. The GPU's cast rounds to nearest even; Triton's CPU
+    interpreter misrounds when rounding carries into the exponent, so there (ROUND_FIRST) x is
+    first rounded onto the e4m3 grid and the cast is exact: both give the same codes."""
+    if ROUND_FIRST:
+        x = _round_to_e4m3_grid(x)
+    return x.to(dtype)
+
+
+@triton.jit
 def _round_to_e4m3_grid(x):
-    # Round fp32 to the nearest e4m3 value (ties to even) before the cast, so the cast
-    # itself is exact. GPUs round the cast correctly anyway; Triton's CPU interpreter
-    # does not when rounding carries into the exponent, and this keeps both identical.
+    # Round fp32 to the nearest e4m3 value (ties to even), in integer and fp32 arithmetic.
     bits = x.to(tl.uint32, bitcast=True)
     lsb = (bits >> 20) & 1
     normal = ((bits + 0x7FFFF + lsb) & 0xFFF00000).to(tl.float32, bitcast=True)
@@ -31,7 +39,7 @@ def _round_to_e4m3_grid(x):
 
 
 @triton.jit
-def act_quant__e4m3_w128x128_a128_f32__rowwise_sm89(x_ptr, q_ptr, s_ptr, M, K, stride_xm, BLOCK_M: tl.constexpr):
+def act_quant__e4m3_w128x128_a128_f32__rowwise_sm89(x_ptr, q_ptr, s_ptr, M, K, stride_xm, BLOCK_M: tl.constexpr, ROUND_FIRST: tl.constexpr):
     """One program quantizes BLOCK_M rows of one GROUP-wide slice of K."""
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -43,9 +51,9 @@ def act_quant__e4m3_w128x128_a128_f32__rowwise_sm89(x_ptr, q_ptr, s_ptr, M, K, s
     x = x.to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR)
     scale = tl.div_rn(amax, FP8_MAX)
-    q = _round_to_e4m3_grid(tl.div_rn(x, scale[:, None]))
+    q = _to_e4m3(tl.div_rn(x, scale[:, None]), q_ptr.dtype.element_ty, ROUND_FIRST)
 
-    tl.store(q_ptr + rows[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=row_ok[:, None])
     tl.store(s_ptr + rows * (K // GROUP) + pid_g, scale, mask=row_ok)
 
 
@@ -59,4 +67,5 @@ def launch(x, q, s, tile):
     """x [M, K] (unit stride along K), q [M, K] fp8 and s [M, K // GROUP] float32, both contiguous."""
     M, K = x.shape
     grid = (triton.cdiv(M, tile["BLOCK_M"]), K // GROUP.value)
-    act_quant__e4m3_w128x128_a128_f32__rowwise_sm89[grid](x, q, s, M, K, x.stride(0), BLOCK_M=tile["BLOCK_M"], num_warps=tile["num_warps"])
+    act_quant__e4m3_w128x128_a128_f32__rowwise_sm89[grid](x, q, s, M, K, x.stride(0), BLOCK_M=tile["BLOCK_M"], ROUND_FIRST=x.device.type == "cpu",
+                     num_warps=tile["num_warps"])

@@ -3,7 +3,7 @@
 # kernel: weight_quant__e4m3_w128x128_a128_f32__blockwise_sm89 (weight_quant/blockwise: one program per weight block, amax scaling to e4m3)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 298ec9af02fdfa72 (sha256 of the definition file and the templates)
+# digest: 7a6efdb7d783a456 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -16,10 +16,18 @@ AMAX_FLOOR = tl.constexpr(1e-10)
 
 
 @triton.jit
+def _to_e4m3(x, dtype: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """x (fp32, within +-448) cast to e4m3. The GPU's cast rounds to nearest even; Triton's CPU
+    interpreter misrounds when rounding carries into the exponent, so there (ROUND_FIRST) x is
+    first rounded onto the e4m3 grid and the cast is exact: both give the same codes."""
+    if ROUND_FIRST:
+        x = _round_to_e4m3_grid(x)
+    return x.to(dtype)
+
+
+@triton.jit
 def _round_to_e4m3_grid(x):
-    # Round fp32 to the nearest e4m3 value (ties to even) before the cast, so the cast
-    # itself is exact. GPUs round the cast correctly anyway; Triton's CPU interpreter
-    # does not when rounding carries into the exponent, and this keeps both identical.
+    # Round fp32 to the nearest e4m3 value (ties to even), in integer and fp32 arithmetic.
     bits = x.to(tl.uint32, bitcast=True)
     lsb = (bits >> 20) & 1
     normal = ((bits + 0x7FFFF + lsb) & 0xFFF00000).to(tl.float32, bitcast=True)
@@ -32,7 +40,7 @@ def _round_to_e4m3_grid(x):
 
 
 @triton.jit
-def weight_quant__e4m3_w128x128_a128_f32__blockwise_sm89(w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_sn):
+def weight_quant__e4m3_w128x128_a128_f32__blockwise_sm89(w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_sn, ROUND_FIRST: tl.constexpr):
     """One program quantizes one BLOCK_N x BLOCK_K weight block (edge blocks are masked)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -43,9 +51,9 @@ def weight_quant__e4m3_w128x128_a128_f32__blockwise_sm89(w_ptr, q_ptr, s_ptr, N,
     w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=inside, other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.max(tl.abs(w), axis=1), axis=0), AMAX_FLOOR)
     scale = tl.div_rn(amax, FP8_MAX)
-    q = _round_to_e4m3_grid(tl.div_rn(w, scale))
+    q = _to_e4m3(tl.div_rn(w, scale), q_ptr.dtype.element_ty, ROUND_FIRST)
 
-    tl.store(q_ptr + rows[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=inside)
+    tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=inside)
     tl.store(s_ptr + pid_n * stride_sn + pid_k, scale)
 
 
@@ -59,4 +67,5 @@ def launch(w, q, s, tile):
     """w [N, K] (unit stride along K), q [N, K] fp8 contiguous, s [cdiv(N, BLOCK_N), cdiv(K, BLOCK_K)] float32."""
     N, K = w.shape
     grid = (triton.cdiv(N, BLOCK_N.value), triton.cdiv(K, BLOCK_K.value))
-    weight_quant__e4m3_w128x128_a128_f32__blockwise_sm89[grid](w, q, s, N, K, w.stride(0), s.stride(0), num_warps=tile["num_warps"])
+    weight_quant__e4m3_w128x128_a128_f32__blockwise_sm89[grid](w, q, s, N, K, w.stride(0), s.stride(0), ROUND_FIRST=w.device.type == "cpu",
+                     num_warps=tile["num_warps"])

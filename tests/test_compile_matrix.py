@@ -76,10 +76,11 @@ GEMM_BLOCKS = {"BLOCK_M": "BLOCK_M", "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K",
 SIGNATURES: dict[tuple[str, str], KernelSignature] = {
     ("act_quant", "rowwise"): KernelSignature(
         args={"x_ptr": "*bf16", "q_ptr": FP8, "s_ptr": F32, "M": I32, "K": I32, "stride_xm": I32},
-        constexprs={"BLOCK_M": "BLOCK_M"},
+        constexprs={"BLOCK_M": "BLOCK_M", "ROUND_FIRST": lambda tile: False},
     ),
     ("weight_quant", "blockwise"): KernelSignature(
         args={"w_ptr": "*bf16", "q_ptr": FP8, "s_ptr": F32, "N": I32, "K": I32, "stride_wn": I32, "stride_sn": I32},
+        constexprs={"ROUND_FIRST": lambda tile: False},
     ),
     ("weight_dequant", "blockwise"): KernelSignature(
         args={"q_ptr": FP8, "s_ptr": F32, "w_ptr": "*{out}", "N": I32, "K": I32,
