@@ -12,7 +12,7 @@ for m, n, k in [(1, 2112, 7168), (3, 72, 256), (1, 576, 7168), (100, 2112, 7168)
     xq, xs = ops.act_quant(x)
     ops.fp8_gemm(xq, xs, wq, ws)
     ops.weight_dequant(wq, ws)
-for m, k, n in [(1, 4096, 4104), (5, 256, 40)]:
+for m, k, n in [(1, 4096, 4104), (5, 256, 40), (1, 384, 72)]:  # K = 384: a partial GEMV block
     ck = ops.gptq_quantize(torch.randn(n, k, device="cuda", dtype=torch.float16), group_size=128)
     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
     ops.gptq_gemm(x, ck["qweight"], ck["qzeros"], ck["scales"])
@@ -20,7 +20,7 @@ for m, k, n in [(1, 4096, 4104), (5, 256, 40)]:
     ops.gptq_dequant(ck["qweight"], ck["qzeros"], ck["scales"])
     for g_idx in (None, ck["g_idx"].flip(0).contiguous()):  # prepared, plain and act-order
         prepared = ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], g_idx)
-        for rows in (m, 33, 130):  # every tile bucket, split-K included
+        for rows in sorted({1, m, 33, 130}):  # every tile bucket (1: the GEMV), split-K included
             ops.gptq_gemm(torch.randn(rows, k, device="cuda", dtype=torch.float16), prepared)
 torch.cuda.synchronize()
 print("ragged shapes ran on", torch.cuda.get_device_name(), "via", kdsl.registry.select("fp8_gemm", kdsl.BlockFP8()).name)
