@@ -49,7 +49,7 @@ def best(label, run, candidates, graph, base_ms=None, check=None):
         ratio = f" {base_ms / ms:5.2f}x" if base_ms else ""
         print(f"{label}: {ms * 1e3:8.1f} us{ratio}  {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} "
               f"s{c['num_stages']} g{c['GROUP_M']} sk{c['SPLIT_K']} p{int(c['persistent'])} {c['tile_order']} "
-              f"swap{int(c['swap_ab'])} planes{c.get('k_planes', '-')} pf{c.get('reg_prefetch', '-')} xs{c.get('x_split', '-')}{err}", flush=True)
+              f"swap{int(c['swap_ab'])}{err}", flush=True)
     return results
 
 
@@ -89,28 +89,19 @@ def sweep_gptq_prepared(ms=(1, 16, 64, 256)):
             y = torch.empty(m, n, device="cuda", dtype=torch.float16)
             graph = m <= 128
             base = baseline(f"gptqp m={m} k={k} n={n}", lambda: torch.matmul(x, w16), graph)
-            if m == 1:
-                cands = [tile(1, bn, bk, wp, 1, split_k=sk, reg_prefetch=pf, x_split=xs)
-                         for bn, bk, sk, wp, pf, xs in
-                         itertools.product([64, 128], [256, 512, 1024], [2, 4], [4, 8], [False, True], [False, True])]
-                cands.append(tile(16, 64, 128, 4, 3, split_k=4, k_planes=True, reg_prefetch=False))
+            if m == 1:  # block_m = 1: the CUDA-core GEMV
+                cands = [tile(1, bn, bk, wp, 1, split_k=sk) for bn, bk, sk, wp in
+                         itertools.product([64, 128], [256, 512, 1024], [2, 4], [4, 8])]
+                cands.append(tile(16, 128, 128, 4, 3, split_k=8))
             elif m <= 16:
-                cands = [tile(16, bn, bk, 4, st, split_k=sk, k_planes=planes, reg_prefetch=False)
-                         for bn, bk, sk, st, planes in
-                         itertools.product([64, 128], [128, 256], [4, 8], [3, 5], [False, True])]
-                cands += [tile(16, 128, 128, 4, 3, split_k=8, k_planes=planes) for planes in [False, True]]
+                cands = [tile(16, bn, bk, 4, st, split_k=sk) for bn, bk, sk, st in
+                         itertools.product([64, 128], [128, 256], [4, 8], [3, 5])]
             elif m <= 64:
-                cands = [tile(64, bn, bk, 4, st, split_k=sk, k_planes=planes, reg_prefetch=False)
-                         for bn, bk, sk, st, planes in
-                         itertools.product([64, 128], [64, 128], [1, 2, 4], [3, 4], [False, True])
-                         if bk >= 128 or not planes]
-                cands += [tile(64, 128, 128, 4, 3, split_k=sk) for sk in [1, 4]]
+                cands = [tile(64, bn, bk, 4, st, split_k=sk) for bn, bk, sk, st in
+                         itertools.product([64, 128], [64, 128], [1, 2, 4], [3, 4])]
             else:
-                cands = [tile(bm, 128, bk, wp, st, split_k=sk, k_planes=planes, reg_prefetch=False)
-                         for bm, bk, wp, sk, st, planes in
-                         itertools.product([64, 128], [64, 128], [4, 8], [1, 2], [3, 4], [False, True])
-                         if bk >= 128 or not planes]
-                cands += [tile(128, 128, 64, 4, 3, split_k=sk) for sk in [1, 2]]
+                cands = [tile(bm, 128, bk, wp, st, split_k=sk) for bm, bk, wp, sk, st in
+                         itertools.product([64, 128], [64, 128], [4, 8], [1, 2], [3, 4])]
 
             def run(t):
                 entry.launch(x, None, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,

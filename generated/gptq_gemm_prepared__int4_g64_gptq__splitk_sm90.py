@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g64_gptq__splitk_sm90 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV)
 # scheme: gptq.int4.g64.gptq
 # arch: sm_90 .. sm_90
-# digest: 823f3fd86ece5a04 (sha256 of the definition file and the templates)
+# digest: 73976ea9bea4a2a6 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -340,7 +340,8 @@ def gptq_gemm_prepared__int4_g64_gptq__splitk_sm90(
     MAGIC_BITS: tl.constexpr, MAGIC_BIAS: tl.constexpr, FP32_MATH: tl.constexpr,
     ASM_DEQUANT: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
-    """y[M, N] = x[M, perm] @ w[K, N] on prepared weights; SPLIT_K programs share each output tile."""
+    """y[M, N] = x[M, perm] @ w[K, N] on prepared weights; SPLIT_K programs share each output tile.
+    BLOCK_M = 1 runs the CUDA-core GEMV, larger tiles the MMA."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     tile_id = tl.program_id(0)
