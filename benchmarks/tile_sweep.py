@@ -13,13 +13,15 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 import kdsl
 from kdsl import ops, registry
+from kdsl.codegen.render import tile_params
+from kdsl.schema.tiling import Tile
 from kdsl.bench.timing import scaled_mm_baseline
 
 
-def tile(bm, bn, bk, warps, stages, group_m=8, split_k=1, persistent=False, order="m_major", swap=False, **extra):
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "SPLIT_K": split_k,
-            "num_warps": warps, "num_stages": stages, "persistent": persistent, "tile_order": order,
-            "swap_ab": swap, "warp_specialize": False, **extra}
+def tile(bm, bn, bk, warps, stages, group_m=8, split_k=1, persistent=False, order="m_major", swap=False):
+    """A candidate as the generated modules read it, built through the schema's own Tile."""
+    return tile_params(Tile(block_m=bm, block_n=bn, block_k=bk, group_m=group_m, split_k=split_k, num_warps=warps,
+                            num_stages=stages, persistent=persistent, tile_order=order, swap_ab=swap))
 
 
 def baseline(label, fn, graph):

@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_gall_gptq__splitk_sm90 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV)
 # scheme: gptq.int4.gall.gptq
 # arch: sm_90 .. sm_90
-# digest: 73976ea9bea4a2a6 (sha256 of the definition file and the templates)
+# digest: d6840a03dc797f86 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -161,6 +161,13 @@ def _unpack_asm(packed, scale, zero):
 
 
 @triton.jit
+def _load_packed(qw_ptr, offs_kp, cols, K, stride_qwk):
+    """Packed words [len(offs_kp), len(cols)]; zero past K."""
+    return tl.load(qw_ptr + offs_kp.to(tl.int64)[:, None] * stride_qwk + cols[None, :],
+                   mask=(offs_kp < K // PACK)[:, None], other=0)
+
+
+@triton.jit
 def _load_weight_tile(qw_ptr, z_ptr, s_ptr, g_ptr, k_block, cols, K,
                       stride_qwk, stride_zg, stride_sg,
                       BLOCK_K: tl.constexpr, UNIFORM_GROUP: tl.constexpr):
@@ -169,8 +176,7 @@ def _load_weight_tile(qw_ptr, z_ptr, s_ptr, g_ptr, k_block, cols, K,
     UNIFORM_GROUP: the tile lies in one group, so one row of scales and zeros serves it.
     """
     offs_kp = k_block * (BLOCK_K // PACK) + tl.arange(0, BLOCK_K // PACK)
-    packed = tl.load(qw_ptr + offs_kp.to(tl.int64)[:, None] * stride_qwk + cols[None, :],
-                     mask=(offs_kp < K // PACK)[:, None], other=0)
+    packed = _load_packed(qw_ptr, offs_kp, cols, K, stride_qwk)
     if UNIFORM_GROUP:
         group = (k_block * BLOCK_K) // GROUP_SIZE
         scale, zero = _load_group_rows(z_ptr, s_ptr, group, cols[None, :], stride_zg, stride_sg)
@@ -245,12 +251,17 @@ F32_MAGIC = tl.constexpr(8388608.0)
 
 
 @triton.jit
+def _f32_magic_zero(zero, cols, MAGIC_BIAS: tl.constexpr):
+    """2**23 + zero in fp32, from the layout's zeros (subtracted from 2**23 + q: exact)."""
+    return _biased_zero(zero, cols, tl.float32, MAGIC_BIAS, True).to(tl.float32) + (F32_MAGIC - MAGIC_BIAS)
+
+
+@triton.jit
 def _gemv_weights(qw_ptr, z_ptr, s_ptr, k_block, cols, K, stride_qwk, stride_zg, stride_sg,
                   UNIFORM_GROUP: tl.constexpr, WORD_GROUPS: tl.constexpr, BLOCK_K: tl.constexpr):
     """Packed words of one K block, with their scales and zeros when one serves each word."""
     offs_kp = k_block * (BLOCK_K // PACK) + tl.arange(0, BLOCK_K // PACK)
-    packed = tl.load(qw_ptr + offs_kp.to(tl.int64)[:, None] * stride_qwk + cols[None, :],
-                     mask=(offs_kp < K // PACK)[:, None], other=0)
+    packed = _load_packed(qw_ptr, offs_kp, cols, K, stride_qwk)
     if UNIFORM_GROUP:
         scale, zero = _load_group_rows(z_ptr, s_ptr, (k_block * BLOCK_K) // GROUP_SIZE, cols[None, :],
                                        stride_zg, stride_sg)
@@ -305,14 +316,14 @@ def _gemv(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, row, cols, K, first, las
         offs_r = k_block * BLOCK_K + tl.arange(0, BLOCK_K // PACK) * PACK
         x_planes = _x_planes(x_row, perm_ptr, offs_r, K, HAS_PERM)
         if not per_row_groups:
-            zero = _biased_zero(zero, cols, tl.float32, MAGIC_BIAS, True).to(tl.float32) + (F32_MAGIC - MAGIC_BIAS)
+            zero = _f32_magic_zero(zero, cols, MAGIC_BIAS)
         tile = tl.zeros((BLOCK_K // PACK, BLOCK_N), dtype=tl.float32)
         for j in tl.static_range(PACK):
             x = x_planes[j % 2 + 2 * (j // 2 % 2)][j // 4][:, None]
             if per_row_groups:
                 group = tl.load(g_ptr + offs_r + j, mask=offs_r + j < K, other=0).to(tl.int64)[:, None]
                 scale, zero = _load_group_rows(z_ptr, s_ptr, group, cols[None, :], stride_zg, stride_sg)
-                zero = _biased_zero(zero, cols, tl.float32, MAGIC_BIAS, True).to(tl.float32) + (F32_MAGIC - MAGIC_BIAS)
+                zero = _f32_magic_zero(zero, cols, MAGIC_BIAS)
             q = (packed >> (j * BITS)) & MAX_Q
             if FP32_MATH:
                 w = q.to(tl.float32) + F32_MAGIC - zero

@@ -13,7 +13,9 @@ import torch
 
 import kdsl
 import reference_gptq as ref
+from kdsl.codegen.render import tile_params
 from kdsl.ops import gptq_prepare
+from kdsl.schema.tiling import Tile
 
 TOL = 1e-2
 CASES = [(g, mode) for g in (32, 64, 128, -1) for mode in ("none", "perm", "random") if not (g == -1 and mode == "random")]
@@ -69,9 +71,7 @@ def test_prepared_gemm_matches_reference_and_raw(fmt, group_size, g_idx, m):
 
 
 def _tile(block_m, block_n, block_k, split_k):
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8, "SPLIT_K": split_k,
-            "num_warps": 4, "num_stages": 1, "persistent": False, "tile_order": "m_major",
-            "swap_ab": False, "warp_specialize": False}
+    return tile_params(Tile(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k, num_stages=1))
 
 
 @pytest.mark.parametrize("group_size, g_idx, block_k", [
