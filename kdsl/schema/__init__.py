@@ -6,6 +6,8 @@ from kdsl.schema.definition import (
     LoadedDefinition,
     load_definition,
     load_definitions,
+    parse_definition,
+    tile_problems,
 )
 from kdsl.schema.scheme import GPTQ, BlockFP8, Scheme, scheme_from_hf
 from kdsl.schema.tiling import Tile, Variant
@@ -13,4 +15,5 @@ from kdsl.schema.tiling import Tile, Variant
 __all__ = [
     "BlockFP8", "GPTQ", "Scheme", "scheme_from_hf", "Tile", "Variant", "KernelDefinition",
     "LoadedDefinition", "DefinitionError", "DefinitionGroupError", "load_definition", "load_definitions",
+    "parse_definition", "tile_problems",
 ]

@@ -10,9 +10,9 @@ from pydantic import Field, ValidationError, model_validator
 from kdsl.naming import format_arch
 from kdsl.schema._base import StrictModel
 from kdsl.schema.arch import archs_in_range
-from kdsl.schema.catalogue import BASE_KNOBS, find_impl, ops_of_family
+from kdsl.schema.catalogue import BASE_KNOBS, KernelImpl, find_impl, ops_of_family
 from kdsl.schema.scheme import BlockFP8, Scheme
-from kdsl.schema.tiling import Variant
+from kdsl.schema.tiling import Tile, Variant
 
 
 class KernelDefinition(StrictModel):
@@ -70,32 +70,46 @@ def _check_variant(where: str, variant: Variant, scheme) -> list[str]:
         problems.append(f"{where}.layout: {variant.op}/{variant.impl} reads prepared weights; declare their layout")
     if not impl.reads_prepared_weights and variant.layout is not None:
         problems.append(f"{where}.layout: {variant.op}/{variant.impl} reads checkpoint tensors and takes no layout")
-    archs = archs_in_range(variant.min_cc, variant.max_cc)
     for t_index, tile in enumerate(variant.tiles):
-        tile_where = f"{where}.tiles[{t_index}]"
-        for knob in sorted(tile.model_fields_set - BASE_KNOBS - impl.knobs):
-            problems.append(f"{tile_where}.{knob}: {variant.op}/{variant.impl} does not implement this knob")
-        if "block_k" in impl.knobs and isinstance(scheme, BlockFP8):
-            group = scheme.quant_group_k
-            if group % tile.block_k:
-                problems.append(
-                    f"{tile_where}.block_k: {tile.block_k} does not divide the quantization group along K ({group})"
-                )
-        if tile.block_m < impl.min_block_m and not (impl.gemv_block_m and tile.block_m == 1):
-            also = " (or 1 for its CUDA-core GEMV)" if impl.gemv_block_m else ""
-            problems.append(f"{tile_where}.block_m: {tile.block_m} is below the {impl.min_block_m} rows of one MMA; "
-                            f"{variant.op}/{variant.impl} takes {impl.min_block_m} or more{also}")
-        if impl.family == "gptq" and "block_k" in impl.knobs and tile.block_k < scheme.pack_factor:
-            problems.append(f"{tile_where}.block_k: {tile.block_k} is smaller than one packed int32 ({scheme.pack_factor} rows)")
-        need = impl.shared_bytes(scheme, tile)
-        for facts in archs:
-            if need > facts.max_shared_bytes:
-                problems.append(
-                    f"{tile_where}: needs about {need // 1024} KB of shared memory, over the "
-                    f"{facts.max_shared_bytes // 1024} KB of {format_arch(facts.cc)} (in this variant's arch range); "
-                    "lower num_stages or the block sizes, or narrow the range"
-                )
-                break
+        problems.extend(_tile_problems(f"{where}.tiles[{t_index}]", variant, impl, scheme, tile))
+    return problems
+
+
+def tile_problems(variant: Variant, tile: Tile, scheme, where: str = "tile") -> list[str]:
+    """What stops `tile` from serving `variant` for `scheme`, as validation words it: knobs the
+    implementation does not honour, block sizes it cannot take, shared memory over any arch of
+    the variant's range. Empty when the tile fits. `where` prefixes each problem."""
+    impl = find_impl(variant.op, variant.impl)
+    if impl is None or impl.family != scheme.kind:
+        return [f"{where}: {variant.op}/{variant.impl} is not an implementation for {scheme.kind} schemes"]
+    return _tile_problems(where, variant, impl, scheme, tile)
+
+
+def _tile_problems(tile_where: str, variant: Variant, impl: KernelImpl, scheme, tile: Tile) -> list[str]:
+    problems = []
+    for knob in sorted(tile.model_fields_set - BASE_KNOBS - impl.knobs):
+        problems.append(f"{tile_where}.{knob}: {variant.op}/{variant.impl} does not implement this knob")
+    if "block_k" in impl.knobs and isinstance(scheme, BlockFP8):
+        group = scheme.quant_group_k
+        if group % tile.block_k:
+            problems.append(
+                f"{tile_where}.block_k: {tile.block_k} does not divide the quantization group along K ({group})"
+            )
+    if tile.block_m < impl.min_block_m and not (impl.gemv_block_m and tile.block_m == 1):
+        also = " (or 1 for its CUDA-core GEMV)" if impl.gemv_block_m else ""
+        problems.append(f"{tile_where}.block_m: {tile.block_m} is below the {impl.min_block_m} rows of one MMA; "
+                        f"{variant.op}/{variant.impl} takes {impl.min_block_m} or more{also}")
+    if impl.family == "gptq" and "block_k" in impl.knobs and tile.block_k < scheme.pack_factor:
+        problems.append(f"{tile_where}.block_k: {tile.block_k} is smaller than one packed int32 ({scheme.pack_factor} rows)")
+    need = impl.shared_bytes(scheme, tile)
+    for facts in archs_in_range(variant.min_cc, variant.max_cc):
+        if need > facts.max_shared_bytes:
+            problems.append(
+                f"{tile_where}: needs about {need // 1024} KB of shared memory, over the "
+                f"{facts.max_shared_bytes // 1024} KB of {format_arch(facts.cc)} (in this variant's arch range); "
+                "lower num_stages or the block sizes, or narrow the range"
+            )
+            break
     return problems
 
 
@@ -120,6 +134,11 @@ def load_definition(path: Path) -> LoadedDefinition:
         text = path.read_text(encoding="utf-8")
     except OSError as error:
         raise DefinitionError(path, [f"cannot read: {error.strerror or error}"]) from None
+    return parse_definition(path, text)
+
+
+def parse_definition(path: Path, text: str) -> LoadedDefinition:
+    """Validate `text` as the definition file `path` (which need not hold it yet): errors name `path`."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
