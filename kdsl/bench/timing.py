@@ -181,15 +181,34 @@ def scaled_mm_baseline(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s:
     return lambda: torch._scaled_mm(a, b_t, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)[:m]
 
 
-def setup_fp8_gemm(case: Case) -> CaseSetup:
-    gemm = kdsl_op("fp8_gemm")
-    m, n, k = case.m, case.n, case.k
+@dataclass
+class FP8GemmInputs:
+    """Random bf16 x [M, K] and w [N, K], quantized by torch, and the fp32 reference of the GEMM."""
+
+    x: torch.Tensor
+    w: torch.Tensor
+    a: torch.Tensor  # fp8 [M, K]
+    a_s: torch.Tensor  # f32 [M, K / 128]
+    b: torch.Tensor  # fp8 [N, K]
+    b_s: torch.Tensor  # f32 [ceil(N / 128), K / 128]
+    ref: torch.Tensor  # f32 [M, N]
+
+
+def fp8_gemm_inputs(m: int, n: int, k: int) -> FP8GemmInputs:
+    """Inputs of one fp8_gemm case on DEVICE (also used by `kdsl tune`); call under full_fp32_matmul."""
     x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
     w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16)
     a, a_s = torch_act_quant(x)
     b, b_s = torch_weight_quant(w)
-    ref = fp8_gemm_reference(a, a_s, b, b_s)
-    w_kn = w.t().contiguous()
+    return FP8GemmInputs(x, w, a, a_s, b, b_s, fp8_gemm_reference(a, a_s, b, b_s))
+
+
+def setup_fp8_gemm(case: Case) -> CaseSetup:
+    gemm = kdsl_op("fp8_gemm")
+    m, n, k = case.m, case.n, case.k
+    inputs = fp8_gemm_inputs(m, n, k)
+    x, a, a_s, b, b_s, ref = inputs.x, inputs.a, inputs.a_s, inputs.b, inputs.b_s, inputs.ref
+    w_kn = inputs.w.t().contiguous()
     return CaseSetup(
         kdsl={"fp8_gemm": lambda: gemm(a, a_s, b, b_s, out_dtype=torch.bfloat16)},
         check=lambda out: check_close(out, ref, GEMM_TOL),
@@ -226,9 +245,22 @@ def setup_weight_dequant(case: Case) -> CaseSetup:
         tolerance=DEQUANT_TOL, bytes_moved=bytes_moved)
 
 
-def setup_gptq_gemm(case: Case) -> CaseSetup:
-    quantize, gemm = kdsl_op("gptq_quantize"), kdsl_op("gptq_gemm")
-    m, n, k = case.m, case.n, case.k
+@dataclass
+class GPTQGemmInputs:
+    """A random fp16 weight quantized by kdsl's gptq_quantize (INT4, group 128, "gptq" format,
+    no act-order), random fp16 x [M, K], and the fp32 reference of x @ w."""
+
+    x: torch.Tensor
+    qweight: torch.Tensor  # int32 [K / 8, N]
+    qzeros: torch.Tensor  # int32 [G, N / 8]
+    scales: torch.Tensor  # fp16 [G, N]
+    w_ref: torch.Tensor  # f32 [K, N], dequantized
+    ref: torch.Tensor  # f32 [M, N]
+
+
+def gptq_gemm_inputs(m: int, n: int, k: int) -> GPTQGemmInputs:
+    """Inputs of one gptq_gemm case on DEVICE (also used by `kdsl tune`); call under full_fp32_matmul."""
+    quantize = kdsl_op("gptq_quantize")
     w = torch.randn(n, k, device=DEVICE, dtype=torch.float16) * 0.02
     packed = quantize(w, bits=4, group_size=GROUP, sym=True)
     qweight, qzeros, scales = packed["qweight"], packed["qzeros"], packed["scales"]
@@ -237,8 +269,15 @@ def setup_gptq_gemm(case: Case) -> CaseSetup:
         g_idx = torch.arange(k, device=DEVICE, dtype=torch.int32) // GROUP
     w_ref = gptq_reference_weight(qweight, qzeros, scales, g_idx)  # [K, N]
     x = torch.randn(m, k, device=DEVICE, dtype=torch.float16)
-    ref = x.float() @ w_ref
-    w16 = w_ref.half()
+    return GPTQGemmInputs(x, qweight, qzeros, scales, w_ref, x.float() @ w_ref)
+
+
+def setup_gptq_gemm(case: Case) -> CaseSetup:
+    gemm = kdsl_op("gptq_gemm")
+    m, n, k = case.m, case.n, case.k
+    inputs = gptq_gemm_inputs(m, n, k)
+    x, qweight, qzeros, scales, ref = inputs.x, inputs.qweight, inputs.qzeros, inputs.scales, inputs.ref
+    w16 = inputs.w_ref.half()
     # No act-order here, so g_idx is left out: the bench times the contiguous-group path.
     kdsl = {"gptq_gemm": lambda: gemm(x, qweight, qzeros, scales, None, bits=4, group_size=GROUP)}
     from kdsl import ops
