@@ -1,4 +1,4 @@
-"""`python -m kdsl COMMAND`: generate, schema, list, explain, demo, bench."""
+"""`python -m kdsl COMMAND`: generate, schema, list, explain, demo, bench, tune."""
 from __future__ import annotations
 
 import argparse
@@ -136,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_bench_parser(commands)
+    try:
+        from kdsl.tune.cli import add_parser as add_tune_parser
+    except ImportError:
+        pass
+    else:
+        add_tune_parser(commands)
     return parser
 
 

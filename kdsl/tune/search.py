@@ -1,0 +1,192 @@
+"""Time a bucket's candidate tiles on its shapes and pick the winner.
+
+Torch-free: what runs a candidate is a `Problem` (one shape's inputs bound to the generated
+kernel, built by kdsl.tune.problems on the GPU) and what times it is a `Timer`, both passed
+in, so CPU tests drive the whole search with stand-ins.
+
+Per shape, every surviving candidate is run once and checked against the fp32 reference
+(poisoned output first, the bench's tolerance), then timed. A candidate that is wrong or
+raises (out of resources, a compile error) on any shape is dropped with the reason.
+
+Score = geometric mean over shapes of (candidate time / current tile time); the winner has
+the lowest score, and ties keep the current tile (candidate 0). If the current tile itself
+fails, times are divided by the fastest survivor's instead: the ranking is the same (a
+geometric mean of ratios to any fixed per-shape time orders candidates alike).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kdsl.bench.shapes import Case
+from kdsl.codegen.render import tile_params
+from kdsl.schema import Tile
+from kdsl.tune.space import Bucket
+
+# Shapes of a bench preset: gptq_gemm's serve both GPTQ GEMMs.
+SHAPE_OPS = {"fp8_gemm": "fp8_gemm", "gptq_gemm": "gptq_gemm", "gptq_gemm_prepared": "gptq_gemm"}
+TUNABLE_OPS = tuple(SHAPE_OPS)
+
+Check = tuple[float, "str | None"]  # (relative error, why it is wrong or None)
+
+
+@dataclass(frozen=True)
+class Shape:
+    m: int
+    n: int
+    k: int
+
+    def label(self) -> str:
+        return f"M={self.m} N={self.n} K={self.k}"
+
+
+@dataclass
+class Problem:
+    """One shape's inputs bound to a kernel. launch(params) runs it (timed); check(params) poisons
+    the output, runs once, waits, and compares with the reference; close() frees the inputs."""
+
+    launch: Callable[[dict], object]
+    check: Callable[[dict], Check]
+    close: Callable[[], None] = lambda: None
+
+
+ProblemFactory = Callable[[Shape], Problem]
+Timer = Callable[[Callable[[], object], int], float]  # (launch, M) -> median milliseconds
+Progress = Callable[[str], None]
+
+
+def default_timer(fn: Callable[[], object], m: int) -> float:
+    """Median ms: triton.testing.do_bench_cudagraph for M <= 128, do_bench (L2 flushed) otherwise."""
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    from kdsl.bench.timing import GRAPH_MAX_M
+
+    bench = do_bench_cudagraph if m <= GRAPH_MAX_M else do_bench
+    return float(bench(fn, return_mode="median"))
+
+
+def shapes_for_bucket(op: str, cases: Sequence[Case], bucket: Bucket) -> list[Shape]:
+    """Every (N, K) the preset has for the op, at the preset's M values inside the bucket, or at
+    the bucket's m_max if none is (the last bucket: twice the previous m_max, at least 1)."""
+    mine = [c for c in cases if c.op == SHAPE_OPS[op]]
+    pairs = list(dict.fromkeys((c.n, c.k) for c in mine))
+    ms = sorted({c.m for c in mine if bucket.holds(c.m)})
+    if not ms:
+        ms = [bucket.m_max if bucket.m_max is not None else max(2 * bucket.lo, 1)]
+    return [Shape(m, n, k) for m in ms for n, k in pairs]
+
+
+def describe(exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {first[0][:300] if first else ''}"
+
+
+@dataclass
+class Outcome:
+    """One candidate: its time per shape, or why it was dropped."""
+
+    tile: Tile
+    times: dict[Shape, float] = field(default_factory=dict)
+    errors: dict[Shape, float] = field(default_factory=dict)  # relative error per shape
+    dropped: str | None = None
+    score: float | None = None  # geometric mean of time ratios; None when dropped
+
+    @property
+    def ok(self) -> bool:
+        return self.dropped is None
+
+
+@dataclass
+class BucketResult:
+    bucket: Bucket
+    shapes: list[Shape]
+    outcomes: list[Outcome]  # outcomes[0] is the current tile
+
+    @property
+    def current(self) -> Outcome:
+        return self.outcomes[0]
+
+    @property
+    def winner(self) -> Outcome | None:
+        """Lowest score; the first of equals, so a tie keeps the current tile."""
+        survivors = [o for o in self.outcomes if o.ok]
+        return min(survivors, key=lambda o: o.score) if survivors else None
+
+    @property
+    def speedup(self) -> float | None:
+        """Current tile's time over the winner's (geometric mean over shapes); None if either failed."""
+        winner = self.winner
+        if winner is None or not self.current.ok:
+            return None
+        return self.current.score / winner.score
+
+    @property
+    def changed(self) -> bool:
+        return self.winner is not None and self.winner is not self.current
+
+    @property
+    def dropped(self) -> list[Outcome]:
+        return [o for o in self.outcomes if not o.ok]
+
+
+def score(outcomes: list[Outcome], shapes: list[Shape]) -> None:
+    """Fill in every surviving outcome's score (see the module docstring)."""
+    survivors = [o for o in outcomes if o.ok]
+    if not survivors:
+        return
+    current = outcomes[0]
+    for o in survivors:
+        logs = []
+        for shape in shapes:
+            base = current.times[shape] if current.ok else min(s.times[shape] for s in survivors)
+            logs.append(math.log(o.times[shape] / base))
+        o.score = math.exp(sum(logs) / len(logs))
+
+
+def compact(tile: Tile) -> str:
+    """One short line per tile for progress: 64x128x128 split_k=4 w4 s4 persistent."""
+    p = tile_params(tile)
+    parts = [f"{p['BLOCK_M']}x{p['BLOCK_N']}x{p['BLOCK_K']}"]
+    parts += [f"split_k={p['SPLIT_K']}"] if p["SPLIT_K"] != 1 else []
+    parts += [f"group_m={p['GROUP_M']}"] if p["GROUP_M"] != Tile.model_fields["group_m"].default else []
+    parts += [f"w{p['num_warps']}", f"s{p['num_stages']}"]
+    parts += [p["tile_order"]] if p["tile_order"] != "m_major" else []
+    parts += [flag for flag in ("persistent", "swap_ab", "warp_specialize") if p[flag]]
+    return " ".join(parts)
+
+
+def search_bucket(bucket: Bucket, tiles: list[Tile], shapes: list[Shape], make_problem: ProblemFactory,
+                  timer: Timer = default_timer, progress: Progress | None = None) -> BucketResult:
+    """Check and time every tile on every shape (tiles[0] is the current tile); score the survivors."""
+    if not tiles or not shapes:
+        raise ValueError("a bucket needs at least one tile and one shape")
+    say = progress or (lambda line: None)
+    outcomes = [Outcome(tile) for tile in tiles]
+    params = [tile_params(tile) for tile in tiles]
+    for s_index, shape in enumerate(shapes, 1):
+        problem = make_problem(shape)
+        try:
+            for c_index, (outcome, p) in enumerate(zip(outcomes, params), 1):
+                if not outcome.ok:
+                    continue
+                where = (f"bucket {bucket.label()} shape {s_index}/{len(shapes)} {shape.label()} "
+                         f"candidate {c_index}/{len(tiles)} {compact(outcome.tile)}")
+                try:
+                    err, why = problem.check(p)
+                    if why is not None:
+                        outcome.dropped = f"WRONG at {shape.label()}: {why}"
+                    else:
+                        ms = timer(lambda p=p: problem.launch(p), shape.m)
+                        if not (isinstance(ms, (int, float)) and math.isfinite(ms) and ms > 0):
+                            outcome.dropped = f"ERROR at {shape.label()}: timer returned {ms!r}"
+                        else:
+                            outcome.times[shape], outcome.errors[shape] = float(ms), err
+                except Exception as exc:  # noqa: BLE001 - out of resources, compile errors: drop the tile
+                    outcome.dropped = f"ERROR at {shape.label()}: {describe(exc)}"
+                say(f"{where}: " + (f"{outcome.times[shape]:.4f} ms" if outcome.ok else f"dropped ({outcome.dropped})"))
+        finally:
+            problem.close()
+            del problem  # before the next shape's inputs are built
+    score(outcomes, shapes)
+    return BucketResult(bucket, shapes, outcomes)

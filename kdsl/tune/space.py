@@ -1,0 +1,163 @@
+"""The candidate tiles for one M bucket of a variant.
+
+A small grid per kind of bucket, varied only over the knobs the variant's implementation
+honours (kdsl.schema.catalogue); every other field stays unset. Each knob's values include
+the current tile's, and candidates are ordered nearest the current tile first, so a
+--max-candidates cap keeps its neighbourhood. The current tile is always candidate 0, and
+only tiles that validate for every scheme of the definition (kdsl.schema.tile_problems:
+knobs, MMA rows, block sizes, shared memory on every arch of the range) are kept.
+
+Kinds of bucket, by the largest M it serves:
+  gemv     m_max = 1 where the implementation has a block_m = 1 GEMV (gemv_block_m)
+  decode   m_max <= 16: one MMA's rows, narrow N, split K
+  mid      m_max <= 128: block_m up to M, some split K
+  prefill  the last bucket or m_max > 128: big tiles, deeper pipelines, persistent grids
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from kdsl.schema import Tile, Variant, tile_problems
+from kdsl.schema.catalogue import BASE_KNOBS, KernelImpl, find_impl
+
+DEFAULT_MAX_CANDIDATES = 24
+# The fields a tile writes, in the order `kdsl tune` writes them.
+TILE_FIELDS = ("m_max", "block_m", "block_n", "block_k", "group_m", "split_k", "num_warps", "num_stages",
+               "persistent", "tile_order", "swap_ab", "warp_specialize")
+KNOBS = TILE_FIELDS[1:]  # what a candidate may vary; m_max is the bucket's
+
+GEMV, DECODE, MID, PREFILL = "gemv", "decode", "mid", "prefill"
+DECODE_MAX_M = 16
+MID_MAX_M = 128
+
+# Values tried per knob and kind of bucket; knobs not listed keep the current tile's value.
+GRIDS: dict[str, dict[str, tuple]] = {
+    GEMV: {"block_m": (1,), "block_n": (64, 128), "block_k": (256, 512, 1024), "split_k": (2, 4, 8),
+           "num_warps": (4, 8)},
+    DECODE: {"block_n": (32, 64, 128), "block_k": (64, 128, 256), "split_k": (1, 2, 4, 8),
+             "num_warps": (4,), "num_stages": (3, 4, 5)},
+    MID: {"block_n": (64, 128, 256), "block_k": (64, 128), "split_k": (1, 2, 4),
+          "num_warps": (4, 8), "num_stages": (3, 4)},
+    PREFILL: {"block_m": (64, 128), "block_n": (64, 128, 256), "block_k": (64, 128), "split_k": (1, 2),
+              "num_warps": (4, 8), "num_stages": (3, 4, 5), "persistent": (False, True)},
+}
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One M bucket of a variant: serves lo < M <= m_max (m_max None: every M above lo)."""
+
+    index: int
+    lo: int
+    m_max: int | None
+    tile: Tile  # the definition's current tile
+
+    def holds(self, m: int) -> bool:
+        return m > self.lo and (self.m_max is None or m <= self.m_max)
+
+    def label(self) -> str:
+        return f"M <= {self.m_max}" if self.m_max is not None else f"M > {self.lo}"
+
+    def name(self) -> str:
+        """As --bucket names it: its m_max, or "rest" for the last bucket."""
+        return "rest" if self.m_max is None else str(self.m_max)
+
+
+def buckets(variant: Variant) -> list[Bucket]:
+    out, lo = [], 0
+    for index, tile in enumerate(variant.tiles):
+        out.append(Bucket(index, lo, tile.m_max, tile))
+        lo = tile.m_max or lo
+    return out
+
+
+def kinds(bucket: Bucket, impl: KernelImpl) -> list[str]:
+    """The kinds of candidate a bucket gets: GEMV candidates only where it serves M = 1 alone."""
+    hi = bucket.m_max
+    if hi is None or hi > MID_MAX_M:
+        return [PREFILL]
+    if hi <= DECODE_MAX_M:
+        return [GEMV, DECODE] if hi == 1 and impl.gemv_block_m else [DECODE]
+    return [MID]
+
+
+def _mma_rows(bucket: Bucket, impl: KernelImpl, kind: str) -> tuple[int, ...]:
+    """block_m for MMA tiles: one MMA's rows for decode; up to M (at least a quarter of it) for mid."""
+    floor = max(impl.min_block_m, 16)
+    if kind == DECODE:
+        return (floor,)
+    top = 1 << (bucket.m_max - 1).bit_length()  # next power of two >= m_max
+    return tuple(b for b in (16, 32, 64, 128, 256) if floor <= b <= top and b >= top // 4) or (floor,)
+
+
+def knob_values(bucket: Bucket, impl: KernelImpl, kind: str) -> dict[str, tuple]:
+    """Values per honoured knob (the grid's and the current tile's); knobs the impl ignores are absent."""
+    grid = dict(GRIDS[kind])
+    if kind in (DECODE, MID):
+        grid["block_m"] = _mma_rows(bucket, impl, kind)
+    honoured = impl.knobs | BASE_KNOBS
+    current = bucket.tile
+    values = {}
+    for knob in KNOBS:
+        if knob not in honoured:
+            continue
+        options = grid.get(knob, ())
+        mine = getattr(current, knob)
+        if knob == "block_m" and (kind == GEMV or mine == 1):
+            values[knob] = options  # GEMV candidates and MMA candidates never mix their row counts
+        else:
+            values[knob] = tuple(dict.fromkeys((*options, mine)))
+    return values
+
+
+def tile_key(tile: Tile) -> tuple:
+    """What a tile launches with: equal keys, same kernel."""
+    return tuple(getattr(tile, f) for f in TILE_FIELDS)
+
+
+def _distance(tile: Tile, current: Tile) -> tuple[int, float]:
+    """(knobs changed, how far in powers of two): near the current tile first."""
+    changed, far = 0, 0.0
+    for knob in KNOBS:
+        a, b = getattr(tile, knob), getattr(current, knob)
+        if a == b:
+            continue
+        changed += 1
+        far += abs(math.log2(a / b)) if isinstance(a, int) and not isinstance(a, bool) else 1.0
+    return changed, far
+
+
+def _make_tile(bucket: Bucket, knobs: dict[str, object]) -> Tile | None:
+    fields = {"m_max": bucket.m_max} if bucket.m_max is not None else {}
+    try:
+        return Tile(**fields, **knobs)
+    except ValueError:  # pydantic's ValidationError is a ValueError
+        return None
+
+
+def candidates(variant: Variant, bucket: Bucket, schemes, max_candidates: int = DEFAULT_MAX_CANDIDATES,
+               ) -> list[Tile]:
+    """The bucket's current tile, then valid candidates nearest it first, at most max_candidates in all."""
+    if max_candidates < 1:
+        raise ValueError(f"max_candidates must be at least 1, got {max_candidates}")
+    impl = find_impl(variant.op, variant.impl)
+    if impl is None:
+        raise ValueError(f"{variant.op}/{variant.impl} is not in the catalogue")
+    current = bucket.tile
+    seen = {tile_key(current)}
+    found: list[tuple[tuple, int, Tile]] = []
+    for kind in kinds(bucket, impl):
+        values = knob_values(bucket, impl, kind)
+        names = list(values)
+        for combo in itertools.product(*(values[n] for n in names)):
+            tile = _make_tile(bucket, dict(zip(names, combo)))
+            if tile is None or tile_key(tile) in seen:
+                continue
+            seen.add(tile_key(tile))
+            if any(tile_problems(variant, tile, scheme) for scheme in schemes):
+                continue
+            found.append((_distance(tile, current), len(found), tile))
+    found.sort(key=lambda item: item[:2])
+    return [current, *(tile for _, _, tile in found)][:max_candidates]

@@ -1,0 +1,629 @@
+"""`python -m kdsl tune`: candidate spaces, scoring and winners, TOML write-back, the CLI.
+
+CPU tests drive the search with stand-in problems and timers; the GPU test (marked `gpu`)
+runs the real search on a tiny space and writes to a copy of the definitions.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import math
+import os
+import shutil
+import stat
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdsl.bench.shapes import Case, preset_cases
+from kdsl.cli import build_parser
+from kdsl.codegen.render import tile_params
+from kdsl.schema import DefinitionError, KernelDefinition, Tile, load_definitions
+from kdsl.schema.arch import archs_in_range
+from kdsl.schema.catalogue import BASE_KNOBS, find_impl
+from kdsl.tune import cli as tune_cli
+from kdsl.tune import search, space, target, write
+from kdsl.tune.search import Problem, Shape
+
+TUNABLE = search.TUNABLE_OPS
+
+
+@pytest.fixture(scope="module")
+def definitions(repo_root_module):
+    return load_definitions(repo_root_module / "kernel_defs")
+
+
+@pytest.fixture(scope="module")
+def repo_root_module() -> Path:
+    return Path(__file__).resolve().parents[1]
+
+
+def tunable_variants(definitions):
+    return [(d, v) for d in definitions for v in d.definition.variants if v.op in TUNABLE]
+
+
+@pytest.fixture
+def defs_copy(tmp_path, repo_root_module) -> Path:
+    folder = tmp_path / "kernel_defs"
+    shutil.copytree(repo_root_module / "kernel_defs", folder)
+    return folder
+
+
+def variant_of(folder: Path, op: str, impl: str, min_arch: str):
+    for loaded in load_definitions(folder):
+        for index, v in enumerate(loaded.definition.variants):
+            if (v.op, v.impl, v.min_arch) == (op, impl, min_arch):
+                return loaded, index, v
+    raise AssertionError(f"no {op}/{impl} {min_arch} in {folder}")
+
+
+# ---- the candidate space ----
+
+def test_every_candidate_validates_honours_knobs_and_fits_shared_memory(definitions):
+    seen_ops = set()
+    for loaded, variant in tunable_variants(definitions):
+        impl = find_impl(variant.op, variant.impl)
+        limit = min(f.max_shared_bytes for f in archs_in_range(variant.min_cc, variant.max_cc))
+        raw = tomllib.loads(loaded.source_text)
+        v_index = loaded.definition.variants.index(variant)
+        for bucket in space.buckets(variant):
+            tiles = space.candidates(variant, bucket, loaded.definition.schemes, max_candidates=10_000)
+            assert tiles[0] == bucket.tile and len(tiles) > 1, (variant.op, bucket.label())
+            assert len({space.tile_key(t) for t in tiles}) == len(tiles)  # no duplicates
+            for tile in tiles:
+                assert tile.m_max == bucket.m_max
+                assert tile.model_fields_set - BASE_KNOBS <= impl.knobs, (variant.op, variant.impl, tile)
+                for scheme in loaded.definition.schemes:
+                    assert impl.shared_bytes(scheme, tile) <= limit
+                assert tile.block_m >= impl.min_block_m or (impl.gemv_block_m and tile.block_m == 1)
+            # The whole variant, with each candidate in the bucket's place, validates as a definition.
+            for tile in tiles[1:]:
+                doc = dict(raw, variants=[dict(raw["variants"][v_index])])
+                doc["variants"][0]["tiles"] = [
+                    dict(write.tile_fields(t)) for t in
+                    [tile if b.index == bucket.index else b.tile for b in space.buckets(variant)]]
+                KernelDefinition.model_validate(doc)
+        seen_ops.add(variant.op)
+    assert seen_ops == set(TUNABLE)
+
+
+def test_knobs_an_impl_ignores_stay_unset(definitions):
+    (loaded, portable), = [(d, v) for d, v in tunable_variants(definitions) if v.impl == "portable"]
+    for bucket in space.buckets(portable):
+        for tile in space.candidates(portable, bucket, loaded.definition.schemes, max_candidates=10_000):
+            assert not {"split_k", "persistent", "warp_specialize", "swap_ab"} & tile.model_fields_set
+            assert (tile.split_k, tile.persistent) == (1, False)
+    # ...and a knob the impl honours is varied: the TMA kernel tries persistent grids for prefill.
+    (loaded, tma), = [(d, v) for d, v in tunable_variants(definitions) if v.impl == "tma_persistent"]
+    rest = space.buckets(tma)[-1]
+    assert {t.persistent for t in space.candidates(tma, rest, loaded.definition.schemes, 10_000)} == {False, True}
+
+
+def test_gemv_candidates_only_where_the_bucket_serves_one_row(definitions):
+    found_gemv = False
+    for loaded, variant in tunable_variants(definitions):
+        for bucket in space.buckets(variant):
+            tiles = space.candidates(variant, bucket, loaded.definition.schemes, max_candidates=10_000)
+            gemv = [t for t in tiles if t.block_m == 1]
+            if variant.op == "gptq_gemm_prepared" and bucket.m_max == 1:
+                assert gemv and any(t.block_m == 16 for t in tiles)  # GEMV and the smallest MMA compete
+                found_gemv = True
+            else:
+                assert not gemv, (variant.op, bucket.label())
+            if bucket.m_max is not None and bucket.m_max <= 16:
+                assert {t.block_m for t in tiles} <= {1, 16, bucket.tile.block_m}
+            if bucket.m_max is None:  # prefill: big tiles
+                assert min(t.block_m for t in tiles) >= 64
+    assert found_gemv
+
+
+def test_cap_keeps_the_current_tile_and_its_nearest_neighbours(definitions):
+    (loaded, variant), = [(d, v) for d, v in tunable_variants(definitions) if v.impl == "tma_persistent"]
+    schemes = loaded.definition.schemes
+    for bucket in space.buckets(variant):
+        full = space.candidates(variant, bucket, schemes, max_candidates=10_000)
+        capped = space.candidates(variant, bucket, schemes, max_candidates=5)
+        assert capped == full[:5] and len(capped) == 5
+        assert space.candidates(variant, bucket, schemes, max_candidates=1) == [bucket.tile]
+        # Neighbours first: every tile in the cap changes no more knobs than any tile left out.
+        changed = [space._distance(t, bucket.tile)[0] for t in full]
+        assert max(changed[1:5]) <= min(changed[5:])
+    assert len(space.candidates(variant, space.buckets(variant)[0], schemes)) == space.DEFAULT_MAX_CANDIDATES
+    with pytest.raises(ValueError, match="at least 1"):
+        space.candidates(variant, space.buckets(variant)[0], schemes, max_candidates=0)
+
+
+def test_current_tile_outside_the_grid_is_still_candidate_zero(definitions):
+    (loaded, variant), = [(d, v) for d, v in tunable_variants(definitions) if v.op == "gptq_gemm"]
+    odd = Tile(m_max=16, block_m=16, block_n=16, block_k=32, num_warps=2, num_stages=2)
+    bucket = space.Bucket(0, 0, 16, odd)
+    tiles = space.candidates(variant, bucket, loaded.definition.schemes, max_candidates=4)
+    assert tiles[0] is odd and all(t.num_warps in (2, 4) for t in tiles)
+
+
+# ---- shapes of a bucket ----
+
+def test_shapes_come_from_the_preset_m_values_in_the_bucket():
+    cases = preset_cases("deepseek-v3")
+    fp8_pairs = {(c.n, c.k) for c in cases if c.op == "fp8_gemm"}
+    decode = search.shapes_for_bucket("fp8_gemm", cases, space.Bucket(0, 0, 16, Tile(m_max=16)))
+    assert {s.m for s in decode} == {1, 16} and {(s.n, s.k) for s in decode} == fp8_pairs
+    assert len(decode) == 2 * len(fp8_pairs)
+    assert {s.m for s in search.shapes_for_bucket("fp8_gemm", cases, space.Bucket(1, 16, 128, Tile(m_max=128)))} == {64, 128}
+    assert {s.m for s in search.shapes_for_bucket("fp8_gemm", cases, space.Bucket(2, 128, None, Tile()))} == {512, 4096}
+    gemv = search.shapes_for_bucket("gptq_gemm_prepared", cases, space.Bucket(0, 0, 1, Tile(m_max=1)))
+    gptq_pairs = {(c.n, c.k) for c in cases if c.op == "gptq_gemm"}
+    assert {s.m for s in gemv} == {1} and {(s.n, s.k) for s in gemv} == gptq_pairs
+    # No preset M inside: the bucket's m_max; the last bucket, twice the previous m_max.
+    assert {s.m for s in search.shapes_for_bucket("gptq_gemm", cases, space.Bucket(1, 1, 8, Tile(m_max=8)))} == {8}
+    assert {s.m for s in search.shapes_for_bucket("gptq_gemm", cases, space.Bucket(3, 8192, None, Tile()))} == {16384}
+
+
+# ---- search: checking, timing, scoring ----
+
+T = [Tile(m_max=16, block_m=16, block_n=bn, num_warps=4) for bn in (64, 32, 128, 256, 16)]
+SHAPES = [Shape(16, 256, 512), Shape(8, 512, 1024)]
+BUCKET = space.Bucket(0, 0, 16, T[0])
+
+
+class Fake:
+    """Stand-in problems and timer: times[BLOCK_N] = (ms at shape 0, ms at shape 1)."""
+
+    def __init__(self, times, wrong=(), raise_check=(), raise_time=()):
+        self.times, self.wrong, self.raise_check, self.raise_time = times, wrong, raise_check, raise_time
+        self.launched: list[tuple[int, int]] = []  # (BLOCK_N, M) per launch
+        self.timed: list[int] = []  # M the timer was given
+        self.checks = 0
+
+    def factory(self, shape: Shape) -> Problem:
+        index = SHAPES.index(shape)
+
+        def launch(p):
+            self.launched.append((p["BLOCK_N"], shape.m))
+
+        def check(p):
+            self.checks += 1
+            if p["BLOCK_N"] in self.raise_check:
+                raise RuntimeError("out of resource: shared memory, Required: 300000")
+            launch(p)
+            return (0.3, "rel err 0.3 > 0.02") if p["BLOCK_N"] in self.wrong else (1e-3, None)
+
+        self._index, self._shape = index, shape
+        return Problem(launch=launch, check=check)
+
+    def timer(self, fn, m):
+        self.timed.append(m)
+        before = len(self.launched)
+        fn()
+        bn, launched_m = self.launched[before]
+        assert launched_m == m
+        if bn in self.raise_time and self._index in self.raise_time[bn]:
+            raise RuntimeError("cuda graph capture failed")
+        return self.times[bn][self._index]
+
+
+def test_geometric_mean_scoring_picks_the_winner():
+    fake = Fake({64: (2.0, 4.0),      # current
+                 32: (1.0, 8.0),      # ratios 0.5, 2: geomean 1, a tie with the current tile
+                 128: (1.0, 3.0),     # 0.5, 0.75: geomean 0.612
+                 256: (0.2, 12.0),    # 0.1, 3: geomean 0.548 (the worst arithmetic mean, yet the winner)
+                 16: (2.0, 4.0)})
+    result = search.search_bucket(BUCKET, T, SHAPES, fake.factory, fake.timer)
+    scores = {o.tile.block_n: o.score for o in result.outcomes}
+    assert scores[64] == pytest.approx(1.0) and scores[32] == pytest.approx(1.0)
+    assert scores[128] == pytest.approx(math.sqrt(0.375)) and scores[256] == pytest.approx(math.sqrt(0.3))
+    assert result.winner.tile is T[3] and result.changed
+    assert result.speedup == pytest.approx(1 / math.sqrt(0.3))
+    assert result.current.times == {SHAPES[0]: 2.0, SHAPES[1]: 4.0}
+    assert fake.timed == [16] * 5 + [8] * 5 and fake.checks == 10  # checked once per shape, then timed
+
+
+def test_ties_keep_the_current_tile():
+    fake = Fake({bn: (1.0, 2.0) for bn in (64, 32, 128, 256, 16)})
+    result = search.search_bucket(BUCKET, T, SHAPES, fake.factory, fake.timer)
+    assert result.winner is result.current and not result.changed and result.speedup == 1.0
+    assert tune_cli.winners([BUCKET], [result]) == [T[0]]
+
+
+def test_wrong_and_failing_candidates_are_dropped_and_reported():
+    fake = Fake({64: (2.0, 2.0), 32: (0.1, 0.1), 128: (0.1, 0.1), 256: (0.1, 0.1), 16: (1.0, 1.0)},
+                wrong=(32,), raise_check=(128,), raise_time={256: (1,)})
+    lines: list[str] = []
+    result = search.search_bucket(BUCKET, T, SHAPES, fake.factory, fake.timer, progress=lines.append)
+    dropped = {o.tile.block_n: o.dropped for o in result.dropped}
+    assert set(dropped) == {32, 128, 256}
+    assert dropped[32] == "WRONG at M=16 N=256 K=512: rel err 0.3 > 0.02"
+    assert dropped[128].startswith("ERROR at M=16 N=256 K=512: RuntimeError: out of resource")
+    assert dropped[256] == "ERROR at M=8 N=512 K=1024: RuntimeError: cuda graph capture failed"
+    assert all(o.score is None for o in result.dropped)
+    assert result.winner.tile is T[4] and result.speedup == pytest.approx(2.0)
+    # Dropped tiles are not run again on later shapes.
+    assert (32, 8) not in fake.launched and (128, 8) not in fake.launched
+    assert any("candidate 2/5" in line and "dropped (WRONG" in line for line in lines)
+    assert any(line.startswith("bucket M <= 16 shape 2/2 M=8 N=512 K=1024 candidate 5/5") and line.endswith("1.0000 ms")
+               for line in lines)
+    from kdsl.tune.report import format_bucket
+    table = format_bucket(result)
+    assert "winner is 2.000x the current tile's speed" in table and "dropped 16x32x128 w4 s3: WRONG" in table
+
+
+def test_a_failing_current_tile_still_ranks_the_others():
+    fake = Fake({64: (1.0, 1.0), 32: (2.0, 4.0), 128: (1.0, 2.0), 256: (4.0, 4.0), 16: (1.0, 8.0)}, wrong=(64,))
+    result = search.search_bucket(BUCKET, T, SHAPES, fake.factory, fake.timer)
+    assert not result.current.ok and result.winner.tile is T[2] and result.speedup is None
+    assert result.winner.score == pytest.approx(1.0)  # against the fastest survivor per shape
+    assert tune_cli.winners([BUCKET], [result]) == [T[2]]
+
+
+def test_bad_timer_values_drop_the_candidate():
+    fake = Fake({64: (1.0, 1.0), 32: (float("nan"), 1.0), 128: (0.0, 1.0), 256: (1.0, 1.0), 16: (1.0, 1.0)})
+    result = search.search_bucket(BUCKET, T, SHAPES, fake.factory, fake.timer)
+    assert {o.tile.block_n for o in result.dropped} == {32, 128}
+
+
+def test_launch_gets_the_tile_params_of_the_candidate():
+    got = []
+
+    def factory(shape):
+        return Problem(launch=lambda p: got.append(p), check=lambda p: (0.0, None))
+
+    search.search_bucket(BUCKET, T[:2], SHAPES[:1], factory, lambda fn, m: (fn(), 1.0)[1])
+    assert got == [tile_params(T[0]), tile_params(T[1])]
+
+
+# ---- problems: the bench's inputs bound to the generated launch (Triton's interpreter) ----
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """Run kdsl.tune.problems on the CPU: the generated kernels through Triton's interpreter."""
+    from kdsl.bench import timing
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter (the CPU test run)")
+    monkeypatch.setattr(timing, "DEVICE", "cpu")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+
+@pytest.mark.parametrize("op", TUNABLE)
+def test_problems_launch_the_generated_kernel_and_check_it(interpreted, definitions, op):
+    import types
+
+    from kdsl.runtime import registry
+    from kdsl.tune import problems
+
+    chosen = target.select_target(op, definitions, arch=registry.INTERPRETER_ARCH)
+    bucket = space.buckets(chosen.variant)[0]
+    tiles = space.candidates(chosen.variant, bucket, chosen.loaded.definition.schemes, max_candidates=2)
+    shape = Shape(bucket.m_max, 64, 256)
+    result = search.search_bucket(bucket, tiles, [shape], problems.problem_factory(op, chosen.entry),
+                                  timer=lambda fn, m: (fn(), 1.0)[1])
+    assert [o.dropped for o in result.outcomes] == [None, None]
+    assert all(o.errors[shape] < 2e-2 for o in result.outcomes)
+    # A launch that writes nothing fails: the output is poisoned before the check.
+    idle = types.SimpleNamespace(launch=lambda *args: None, layout=chosen.entry.layout, name="idle")
+    err, why = problems.problem_factory(op, idle)(shape).check(tile_params(tiles[0]))
+    assert math.isnan(err) and why == "rel err nan > 0.02"
+
+
+# ---- write-back ----
+
+def _variant_line_range(text: str, index: int) -> tuple[int, int]:
+    """Lines [start, end) from the index-th [[variants]] header to the next [[...]] top-level header."""
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.strip().startswith("[[variants]]")]
+    start = starts[index]
+    end = next((i for i in range(start + 1, len(lines))
+                if lines[i].lstrip().startswith("[[") and not lines[i].lstrip().startswith("[[variants.")), len(lines))
+    return start, end
+
+
+def _changed_lines_within(old: str, new: str, lo: int, hi: int) -> None:
+    """Every difference between old and new falls within old's lines [lo, hi)."""
+    ops = difflib.SequenceMatcher(a=old.splitlines(keepends=True), b=new.splitlines(keepends=True),
+                                  autojunk=False).get_opcodes()
+    diffs = [(i1, i2) for tag, i1, i2, _, _ in ops if tag != "equal"]
+    assert diffs, "nothing changed"
+    for i1, i2 in diffs:
+        assert lo <= i1 and i2 <= hi, (i1, i2, lo, hi)
+
+
+NOTE = write.note("NVIDIA H200", "2025-01-01")
+
+
+@pytest.mark.parametrize("op,impl,min_arch", [
+    ("fp8_gemm", "tma_persistent", "sm_90"), ("fp8_gemm", "portable", "sm_89"), ("gptq_gemm", "splitk", "sm_80"),
+    ("gptq_gemm_prepared", "splitk", "sm_90"), ("gptq_gemm_prepared", "splitk", "sm_80")])
+def test_write_back_changes_only_the_variants_tiles(defs_copy, op, impl, min_arch):
+    loaded, index, variant = variant_of(defs_copy, op, impl, min_arch)
+    path = loaded.path
+    old = path.read_bytes().decode()
+    bucket = space.buckets(variant)[1]
+    new_tile = space.candidates(variant, bucket, loaded.definition.schemes, 10_000)[-1]
+    tiles = [new_tile if b.index == bucket.index else b.tile for b in space.buckets(variant)]
+
+    result = write.write_tiles(path, op, impl, min_arch, tiles, NOTE)
+    assert result.changed
+    new = path.read_bytes().decode()
+    lo, hi = _variant_line_range(old, index)
+    _changed_lines_within(old, new, lo, hi)
+    assert new.count(NOTE) == 1 and NOTE in result.block
+    # Every other variant and scheme parses to the same values; the file loads with the new tiles.
+    before, after = tomllib.loads(old), tomllib.loads(new)
+    assert after["schemes"] == before["schemes"] and after.get("description") == before.get("description")
+    for j, (b, a) in enumerate(zip(before["variants"], after["variants"])):
+        if j != index:
+            assert a == b
+        else:
+            assert {k: v for k, v in a.items() if k != "tiles"} == {k: v for k, v in b.items() if k != "tiles"}
+    reloaded = {d.path.name: d for d in load_definitions(defs_copy)}[path.name]
+    assert list(reloaded.definition.variants[index].tiles) == tiles
+    # Untouched buckets keep their text, header comments included.
+    for b in space.buckets(variant):
+        if b.index != bucket.index:
+            assert space.tile_key(reloaded.definition.variants[index].tiles[b.index]) == space.tile_key(b.tile)
+    written_fields = tomllib.loads(new)["variants"][index]["tiles"][bucket.index]
+    assert list(written_fields) == [k for k in space.TILE_FIELDS if k in written_fields]  # fixed key order
+    assert written_fields == dict(write.tile_fields(new_tile))  # only non-default fields
+
+    # A second write of the same tiles is a no-op (another day, another GPU name: still nothing).
+    stamp = path.stat().st_mtime_ns
+    again = write.write_tiles(path, op, impl, min_arch, tiles, write.note("other", "2030-01-01"))
+    assert not again.changed and path.read_bytes().decode() == new and path.stat().st_mtime_ns == stamp
+
+
+def test_write_back_keeps_comments_and_replaces_its_own_note(defs_copy):
+    loaded, index, variant = variant_of(defs_copy, "fp8_gemm", "tma_persistent", "sm_90")
+    path = loaded.path
+    old = path.read_text()
+    decode = variant.tiles[0]
+    changed = decode.model_copy(update={"num_stages": 5})
+    write.write_tiles(path, "fp8_gemm", "tma_persistent", "sm_90", [changed, *variant.tiles[1:]], NOTE)
+    new = path.read_text()
+    header = "[[variants.tiles]]  # decode: few output tiles, so split K to stream B from every SM\n"
+    assert header in old and header in new  # the tile's trailing comment stays
+    assert "# prefill: one warpgroup per 64x128 tile" in new
+    assert f"{NOTE}\n{header}" in new
+    # Tuning again replaces the note instead of stacking a second one.
+    second = write.note("NVIDIA H100", "2025-02-02")
+    write.write_tiles(path, "fp8_gemm", "tma_persistent", "sm_90",
+                      [changed.model_copy(update={"num_stages": 3}), *variant.tiles[1:]], second)
+    text = path.read_text()
+    assert NOTE not in text and text.count(write.NOTE_PREFIX) == 1 and f"{second}\n{header}" in text
+
+
+def test_invalid_winner_writes_nothing_and_names_the_file(defs_copy):
+    loaded, index, variant = variant_of(defs_copy, "gptq_gemm", "splitk", "sm_80")
+    path = loaded.path
+    before = path.read_bytes()
+    bad = [
+        variant.tiles[0].model_copy(update={"block_m": 8}),  # below one MMA
+        Tile(m_max=16, block_m=16, persistent=True),  # a knob gptq_gemm does not implement
+        Tile(m_max=16, block_m=128, block_n=256, block_k=256, num_stages=8),  # over 99 KB of sm_86
+    ]
+    for tile in bad:
+        with pytest.raises(DefinitionError) as info:
+            write.write_tiles(path, "gptq_gemm", "splitk", "sm_80", [tile, *variant.tiles[1:]], NOTE)
+        assert str(path) in str(info.value) and "nothing written" in str(info.value)
+        assert path.read_bytes() == before
+    assert sorted(p.name for p in defs_copy.iterdir()) == ["block_fp8.toml", "gptq_int4.toml"]  # no temp files
+    with pytest.raises(DefinitionError, match="0 variants with op 'gptq_gemm', impl 'splitk', min_arch 'sm_90'"):
+        write.write_tiles(path, "gptq_gemm", "splitk", "sm_90", list(variant.tiles), NOTE)
+    with pytest.raises(DefinitionError, match="has 3 M buckets, got 1 tiles"):
+        write.write_tiles(path, "gptq_gemm", "splitk", "sm_80", [variant.tiles[-1]], NOTE)
+
+
+def test_inline_tiles_are_rewritten_in_place(defs_copy):
+    loaded, index, variant = variant_of(defs_copy, "act_quant", "rowwise", "sm_89")
+    path = loaded.path
+    old = path.read_text()
+    assert "tiles = [{ block_m = 8, num_warps = 2 }]  # tile sweep on H200: 8 rows, 2 warps\n" in old
+    write.write_tiles(path, "act_quant", "rowwise", "sm_89", [Tile(block_m=16, num_warps=8)], NOTE)
+    new = path.read_text()
+    assert f"{NOTE}\ntiles = [{{ block_m = 16, num_warps = 8 }}]  # tile sweep on H200: 8 rows, 2 warps\n" in new
+    lo, hi = _variant_line_range(old, index)
+    _changed_lines_within(old, new, lo, hi)
+    reloaded = {d.path.name: d for d in load_definitions(defs_copy)}[path.name]
+    assert list(reloaded.definition.variants[index].tiles) == [Tile(block_m=16, num_warps=8)]
+
+
+MULTILINE = '''\
+description = "inline tiles over several lines"  # [[variants]] in a comment is not a table
+
+[[schemes]]
+kind = "block_fp8"
+
+[[variants]]
+op = "fp8_gemm"
+impl = "portable"
+min_arch = "sm_89"
+tiles = [
+    { m_max = 16, block_m = 16, block_n = 64 },  # decode
+    { block_m = 128, num_warps = 8 },
+]  # two buckets
+
+[[variants]]
+op = "weight_quant"
+impl = "blockwise"
+min_arch = "sm_89"
+tiles = [{ num_warps = 8 }]
+'''
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_multiline_inline_tiles_and_crlf(tmp_path, newline):
+    path = tmp_path / "fp8.toml"
+    path.write_bytes(MULTILINE.replace("\n", newline).encode())
+    os.chmod(path, 0o640)
+    tiles = [Tile(m_max=16, block_m=16, block_n=32, num_stages=4), Tile(block_m=128, num_warps=8)]
+    result = write.write_tiles(path, "fp8_gemm", "portable", "sm_89", tiles, NOTE)
+    raw = path.read_bytes().decode()
+    assert result.changed and stat.S_IMODE(path.stat().st_mode) == 0o640
+    expected = MULTILINE.replace(
+        "tiles = [\n    { m_max = 16, block_m = 16, block_n = 64 },  # decode\n    { block_m = 128, num_warps = 8 },\n]",
+        f"{NOTE}\ntiles = [\n    {{ m_max = 16, block_m = 16, block_n = 32, num_stages = 4 }},\n"
+        "    { block_m = 128, num_warps = 8 },\n]")
+    assert raw == expected.replace("\n", newline)
+    (loaded,) = load_definitions(tmp_path)
+    assert list(loaded.definition.variants[0].tiles) == tiles
+
+
+# ---- target: the registry's pick and its variant ----
+
+@pytest.mark.parametrize("op,arch,impl,min_arch,file", [
+    ("fp8_gemm", "sm_90", "tma_persistent", "sm_90", "block_fp8.toml"),
+    ("fp8_gemm", "sm_89", "portable", "sm_89", "block_fp8.toml"),
+    ("gptq_gemm", "sm_90", "splitk", "sm_80", "gptq_int4.toml"),
+    ("gptq_gemm_prepared", "sm_90", "splitk", "sm_90", "gptq_int4.toml"),
+    ("gptq_gemm_prepared", "sm_80", "splitk", "sm_80", "gptq_int4.toml"),
+])
+def test_target_is_the_registrys_pick_and_its_variant(definitions, op, arch, impl, min_arch, file):
+    chosen = target.select_target(op, definitions, arch=arch)
+    assert chosen.loaded.path.name == file and (chosen.variant.op, chosen.variant.impl) == (op, impl)
+    assert chosen.variant.min_arch == min_arch and chosen.entry.impl == impl
+    assert not target.stale_tiles(chosen)
+
+
+def test_target_missing_from_the_definitions_is_a_clear_error(definitions):
+    with pytest.raises(target.TargetError, match="no variant op 'fp8_gemm' impl 'tma_persistent' on sm_100"):
+        target.find_variant(definitions, "fp8_gemm", "tma_persistent", "block_fp8.e4m3.w128x128.a128.f32", 100, None)
+
+
+# ---- the command ----
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["tune", *argv])
+
+
+def test_help_names_every_option(capsys):
+    with pytest.raises(SystemExit) as info:
+        parse("--help")
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--op", "--defs", "--shapes", "--bucket", "--max-candidates", "--write"):
+        assert option in out
+    assert "usage: python -m kdsl tune" in out and "gptq_gemm_prepared" in out
+    main_help = build_parser().format_help()
+    assert "tune" in main_help and "search tiles on a CUDA GPU" in main_help
+
+
+def test_argument_errors_exit_2(capsys, tmp_path):
+    for argv in (["--op", "act_quant"], ["--op", "fp8_gemm", "--max-candidates", "0"], []):
+        with pytest.raises(SystemExit) as info:
+            parse(*argv)
+        assert info.value.code == 2
+    assert tune_cli.run(parse("--op", "fp8_gemm", "--shapes", str(tmp_path / "missing.json"))) == 2
+    assert "not a preset" in capsys.readouterr().err
+    only_gptq = tmp_path / "gptq.json"
+    only_gptq.write_text(json.dumps({"gptq_gemm": [{"m": 1, "n": 256, "k": 512}]}))
+    assert tune_cli.run(parse("--op", "fp8_gemm", "--shapes", str(only_gptq))) == 2
+    assert "has no fp8_gemm shapes" in capsys.readouterr().err
+    assert tune_cli.run(parse("--op", "fp8_gemm", "--defs", str(tmp_path))) == 2
+    assert "holds no *.toml definition" in capsys.readouterr().err
+
+
+def test_without_cuda_exits_2_with_a_clear_message(monkeypatch, capsys, defs_copy):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tune_cli.run(parse("--op", "gptq_gemm_prepared", "--defs", str(defs_copy), "--write")) == 2
+    err = capsys.readouterr().err
+    assert "kdsl tune: error: needs a CUDA GPU, but torch.cuda.is_available() is False" in err
+    assert not list(defs_copy.glob(".*"))
+
+
+@pytest.fixture
+def cpu_tune(monkeypatch):
+    """Run the command on CPU: arch forced to sm_90, stand-in problems, a timer favouring BLOCK_N = 32."""
+    from kdsl.tune import problems
+
+    monkeypatch.setenv("KDSL_ARCH", "sm_90")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Stand-in GPU")
+    launched: list[dict] = []
+
+    def factory(op, entry):
+        def make(shape):
+            return Problem(launch=lambda p: launched.append(p),
+                           check=lambda p: (0.0, "rel err 1 > 0.02") if p["BLOCK_K"] == 64 else (0.0, None))
+        return make
+
+    monkeypatch.setattr(problems, "problem_factory", factory)
+    monkeypatch.setattr(search, "default_timer", lambda fn, m: (fn(), 0.5 if launched[-1]["BLOCK_N"] == 32 else 1.0)[1])
+    return launched
+
+
+def test_command_end_to_end_on_cpu_stand_ins(cpu_tune, defs_copy, capsys):
+    path = defs_copy / "block_fp8.toml"
+    old = path.read_text()
+    args = ("--op", "fp8_gemm", "--defs", str(defs_copy), "--bucket", "16", "--max-candidates", "6")
+    assert tune_cli.run(parse(*args)) == 0
+    captured = capsys.readouterr()
+    assert path.read_text() == old  # without --write nothing is written
+    assert "kdsl tune: bucket M <= 16: 6 candidates on 10 shapes" in captured.err
+    assert "candidate 6/6" in captured.err and "shape 10/10" in captured.err
+    assert "-- bucket M <= 16" in captured.out and "-- bucket M <= 128" not in captured.out
+    assert "winner is 2.000x the current tile's speed" in captured.out
+    assert "dropped 64x64x64 split_k=4 w4 s4: WRONG at M=1 N=2112 K=7168: rel err 1 > 0.02" in captured.out
+    assert "would read (run again with --write to write it)" in captured.out
+    assert "block_n = 32" in captured.out and "# tiles from `python -m kdsl tune` on Stand-in GPU, " in captured.out
+
+    assert tune_cli.run(parse(*args, "--write")) == 0
+    out = capsys.readouterr().out
+    assert f"wrote {path}; run `python -m kdsl generate` and review the diff" in out
+    tiles = variant_of(defs_copy, "fp8_gemm", "tma_persistent", "sm_90")[2].tiles
+    assert tiles[0].block_n == 32 and tiles[0].m_max == 16
+    assert tiles[1:] == variant_of(Path(__file__).resolve().parents[1] / "kernel_defs",
+                                   "fp8_gemm", "tma_persistent", "sm_90")[2].tiles[1:]
+    # Tuning again finds the same winner: nothing to write.
+    assert tune_cli.run(parse(*args, "--write")) == 0
+    assert "already holds these tiles; nothing to write" in capsys.readouterr().out
+
+
+def test_command_refuses_unknown_buckets(cpu_tune, defs_copy, capsys):
+    assert tune_cli.run(parse("--op", "gptq_gemm_prepared", "--defs", str(defs_copy), "--bucket", "8")) == 2
+    assert "--bucket 8: the variant's buckets are 1, 16, 64, rest" in capsys.readouterr().err
+
+
+def test_command_exits_1_when_the_current_tile_is_wrong(cpu_tune, defs_copy, capsys, monkeypatch):
+    from kdsl.tune import problems
+
+    def factory(op, entry):
+        return lambda shape: Problem(launch=lambda p: cpu_tune.append(p),
+                                     check=lambda p: (0.0, "rel err 1 > 0.02") if p["SPLIT_K"] == 2 else (0.0, None))
+    monkeypatch.setattr(problems, "problem_factory", factory)
+    args = ("--op", "gptq_gemm", "--defs", str(defs_copy), "--bucket", "64")
+    assert tune_cli.run(parse(*args, "--max-candidates", "3")) == 1  # all three split K by 2
+    out = capsys.readouterr().out
+    assert "no candidate ran correctly: the bucket keeps its tile" in out and "nothing to write" in out
+    assert tune_cli.run(parse(*args, "--max-candidates", "8", "--write")) == 1
+    out = capsys.readouterr().out
+    assert "the current tile failed (WRONG at M=64 N=4096 K=4096: rel err 1 > 0.02); the winner replaces it" in out
+    assert "wrote" in out and variant_of(defs_copy, "gptq_gemm", "splitk", "sm_80")[2].tiles[1].split_k != 2
+
+
+# ---- on a GPU ----
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("op", ["fp8_gemm", "gptq_gemm_prepared"])
+def test_real_search_on_a_tiny_space_writes_a_valid_definition(op, defs_copy, tmp_path, capsys):
+    chosen = target.select_target(op, load_definitions(defs_copy))
+    first = space.buckets(chosen.variant)[0]
+    m = first.m_max
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps({search.SHAPE_OPS[op]: [{"m": [m], "n": 256, "k": 512}]}))
+    tiles = space.candidates(chosen.variant, first, chosen.loaded.definition.schemes, max_candidates=2)
+    assert len(tiles) == 2
+
+    status = tune_cli.run(parse("--op", op, "--defs", str(defs_copy), "--shapes", str(shapes),
+                                "--bucket", str(m), "--max-candidates", "2", "--write"))
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert f"-- bucket M <= {m}: 2 candidates on 1 shapes" in captured.out
+    assert "0 dropped" in captured.out, captured.out
+    assert f"shape 1/1 M={m} N=256 K=512 candidate 2/2" in captured.err
+    reloaded = target.select_target(op, load_definitions(defs_copy))  # the written file validates
+    assert reloaded.variant.tiles[0] in tiles
+    assert list(reloaded.variant.tiles[1:]) == list(chosen.variant.tiles[1:])
