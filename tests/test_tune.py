@@ -375,24 +375,57 @@ def test_write_back_changes_only_the_variants_tiles(defs_copy, op, impl, min_arc
     assert not again.changed and path.read_bytes().decode() == new and path.stat().st_mtime_ns == stamp
 
 
-def test_write_back_keeps_comments_and_replaces_its_own_note(defs_copy):
-    loaded, index, variant = variant_of(defs_copy, "fp8_gemm", "tma_persistent", "sm_90")
-    path = loaded.path
-    old = path.read_text()
-    decode = variant.tiles[0]
-    changed = decode.model_copy(update={"num_stages": 5})
-    write.write_tiles(path, "fp8_gemm", "tma_persistent", "sm_90", [changed, *variant.tiles[1:]], NOTE)
-    new = path.read_text()
-    header = "[[variants.tiles]]  # decode: few output tiles, so split K to stream B from every SM\n"
-    assert header in old and header in new  # the tile's trailing comment stays
-    assert "# prefill: one warpgroup per 64x128 tile" in new
-    assert f"{NOTE}\n{header}" in new
-    # Tuning again replaces the note instead of stacking a second one.
+COMMENTED = """\
+# A file of its own, so the comments below are known.
+[[schemes]]
+kind = "block_fp8"
+
+[[variants]]
+op = "fp8_gemm"
+impl = "portable"
+min_arch = "sm_89"
+
+# about the tiles
+[[variants.tiles]]  # decode
+m_max = 16
+block_m = 16
+block_n = 64   # narrow N: many programs
+num_stages = 4
+
+# prefill, introduced by a comment line
+[[variants.tiles]]  # prefill
+block_m = 128
+num_warps = 8  # two warpgroups
+
+# the next variant's introduction
+[[variants]]
+op = "weight_dequant"
+impl = "blockwise"
+min_arch = "sm_89"
+tiles = [{ num_warps = 8 }]
+"""
+
+
+def test_write_back_keeps_comments_and_replaces_its_own_note(tmp_path):
+    path = tmp_path / "fp8.toml"
+    path.write_text(COMMENTED)
+    decode = Tile(m_max=16, block_m=16, block_n=64, num_stages=5)
+    prefill = Tile(block_m=128, num_warps=8)
+    write.write_tiles(path, "fp8_gemm", "portable", "sm_89", [decode, prefill], NOTE)
+    # The changed tile keeps its header comment and the comment of the line whose value stayed;
+    # the unchanged tile and every comment around the tables stay byte for byte.
+    assert path.read_text() == COMMENTED.replace(
+        "# about the tiles\n", f"# about the tiles\n{NOTE}\n").replace(
+        "num_stages = 4\n", "num_stages = 5\n")
+    # Tuning again replaces the note instead of stacking a second one; a changed value drops its comment.
     second = write.note("NVIDIA H100", "2025-02-02")
-    write.write_tiles(path, "fp8_gemm", "tma_persistent", "sm_90",
-                      [changed.model_copy(update={"num_stages": 3}), *variant.tiles[1:]], second)
+    write.write_tiles(path, "fp8_gemm", "portable", "sm_89", [decode.model_copy(update={"block_n": 32}), prefill],
+                      second)
     text = path.read_text()
-    assert NOTE not in text and text.count(write.NOTE_PREFIX) == 1 and f"{second}\n{header}" in text
+    assert NOTE not in text and text.count(write.NOTE_PREFIX) == 1
+    assert f"# about the tiles\n{second}\n[[variants.tiles]]  # decode\nm_max = 16\nblock_m = 16\nblock_n = 32\n" \
+           "num_stages = 5\n\n# prefill, introduced by a comment line\n" in text
+    assert text.endswith(COMMENTED[COMMENTED.index("# prefill, introduced"):])
 
 
 def test_invalid_winner_writes_nothing_and_names_the_file(defs_copy):
@@ -412,7 +445,7 @@ def test_invalid_winner_writes_nothing_and_names_the_file(defs_copy):
     assert sorted(p.name for p in defs_copy.iterdir()) == ["block_fp8.toml", "gptq_int4.toml"]  # no temp files
     with pytest.raises(DefinitionError, match="0 variants with op 'gptq_gemm', impl 'splitk', min_arch 'sm_90'"):
         write.write_tiles(path, "gptq_gemm", "splitk", "sm_90", list(variant.tiles), NOTE)
-    with pytest.raises(DefinitionError, match="has 3 M buckets, got 1 tiles"):
+    with pytest.raises(DefinitionError, match=f"has {len(variant.tiles)} M buckets, got 1 tiles"):
         write.write_tiles(path, "gptq_gemm", "splitk", "sm_80", [variant.tiles[-1]], NOTE)
 
 
@@ -420,14 +453,18 @@ def test_inline_tiles_are_rewritten_in_place(defs_copy):
     loaded, index, variant = variant_of(defs_copy, "act_quant", "rowwise", "sm_89")
     path = loaded.path
     old = path.read_text()
-    assert "tiles = [{ block_m = 8, num_warps = 2 }]  # tile sweep on H200: 8 rows, 2 warps\n" in old
-    write.write_tiles(path, "act_quant", "rowwise", "sm_89", [Tile(block_m=16, num_warps=8)], NOTE)
-    new = path.read_text()
-    assert f"{NOTE}\ntiles = [{{ block_m = 16, num_warps = 8 }}]  # tile sweep on H200: 8 rows, 2 warps\n" in new
     lo, hi = _variant_line_range(old, index)
+    inline = [x for x in old.splitlines(keepends=True)[lo:hi] if x.startswith("tiles = [{")]
+    assert len(inline) == 1, "kernel_defs' act_quant variant is the inline `tiles = [{...}]` case"
+    line = inline[0]
+    tile = Tile(block_m=2 * variant.tiles[0].block_m, num_warps=8 if variant.tiles[0].num_warps != 8 else 4)
+    write.write_tiles(path, "act_quant", "rowwise", "sm_89", [tile], NOTE)
+    new = path.read_text()
+    rest = line[line.index("}]") + 2:]  # the line's trailing comment and newline
+    assert new == old.replace(line, f"{NOTE}\ntiles = [{write.inline_table(tile)}]{rest}", 1)
     _changed_lines_within(old, new, lo, hi)
     reloaded = {d.path.name: d for d in load_definitions(defs_copy)}[path.name]
-    assert list(reloaded.definition.variants[index].tiles) == [Tile(block_m=16, num_warps=8)]
+    assert list(reloaded.definition.variants[index].tiles) == [tile]
 
 
 MULTILINE = '''\
@@ -484,7 +521,21 @@ def test_target_is_the_registrys_pick_and_its_variant(definitions, op, arch, imp
     chosen = target.select_target(op, definitions, arch=arch)
     assert chosen.loaded.path.name == file and (chosen.variant.op, chosen.variant.impl) == (op, impl)
     assert chosen.variant.min_arch == min_arch and chosen.entry.impl == impl
-    assert not target.stale_tiles(chosen)
+
+
+def test_stale_tiles_compares_generated_with_the_definition(definitions):
+    import dataclasses
+
+    from kdsl.runtime.manifest import TileBucket
+
+    chosen = target.select_target("gptq_gemm", definitions, arch="sm_80")
+    tiles = chosen.variant.tiles
+    fresh = dataclasses.replace(chosen.entry, tiles=tuple(TileBucket(t.m_max, tile_params(t)) for t in tiles))
+    assert not target.stale_tiles(target.Target(fresh, chosen.loaded, chosen.variant_index))
+    other = tiles[0].model_copy(update={"num_stages": tiles[0].num_stages + 1})
+    old = dataclasses.replace(chosen.entry, tiles=(TileBucket(other.m_max, tile_params(other)),
+                                                  *fresh.tiles[1:]))
+    assert target.stale_tiles(target.Target(old, chosen.loaded, chosen.variant_index))
 
 
 def test_target_missing_from_the_definitions_is_a_clear_error(definitions):
@@ -533,74 +584,102 @@ def test_without_cuda_exits_2_with_a_clear_message(monkeypatch, capsys, defs_cop
     assert not list(defs_copy.glob(".*"))
 
 
+class StandIn:
+    """What the command runs on CPU: `wrong(params)` fails the check, `fast(params)` halves the time."""
+
+    def __init__(self):
+        self.launched: list[dict] = []
+        self.wrong = lambda params: False
+        self.fast = lambda params: False
+
+
 @pytest.fixture
-def cpu_tune(monkeypatch):
-    """Run the command on CPU: arch forced to sm_90, stand-in problems, a timer favouring BLOCK_N = 32."""
+def cpu_tune(monkeypatch) -> StandIn:
+    """Run the command on CPU: arch forced to sm_90, stand-in problems and timer."""
     from kdsl.tune import problems
 
     monkeypatch.setenv("KDSL_ARCH", "sm_90")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Stand-in GPU")
-    launched: list[dict] = []
+    stand_in = StandIn()
 
     def factory(op, entry):
         def make(shape):
-            return Problem(launch=lambda p: launched.append(p),
-                           check=lambda p: (0.0, "rel err 1 > 0.02") if p["BLOCK_K"] == 64 else (0.0, None))
+            return Problem(launch=stand_in.launched.append,
+                           check=lambda p: (0.0, "rel err 1 > 0.02") if stand_in.wrong(p) else (0.0, None))
         return make
 
+    def timer(fn, m):
+        fn()
+        return 0.5 if stand_in.fast(stand_in.launched[-1]) else 1.0
+
     monkeypatch.setattr(problems, "problem_factory", factory)
-    monkeypatch.setattr(search, "default_timer", lambda fn, m: (fn(), 0.5 if launched[-1]["BLOCK_N"] == 32 else 1.0)[1])
-    return launched
+    monkeypatch.setattr(search, "default_timer", timer)
+    return stand_in
 
 
 def test_command_end_to_end_on_cpu_stand_ins(cpu_tune, defs_copy, capsys):
-    path = defs_copy / "block_fp8.toml"
+    loaded, index, variant = variant_of(defs_copy, "fp8_gemm", "tma_persistent", "sm_90")
+    all_buckets = space.buckets(variant)
+    bucket = all_buckets[0]
+    tiles = space.candidates(variant, bucket, loaded.definition.schemes, max_candidates=6)
+    shapes = search.shapes_for_bucket("fp8_gemm", preset_cases("deepseek-v3"), bucket)
+    wrong, fast = tiles[1], tiles[4]
+    cpu_tune.wrong = lambda p: p == tile_params(wrong)
+    cpu_tune.fast = lambda p: p == tile_params(fast)
+    path = loaded.path
     old = path.read_text()
-    args = ("--op", "fp8_gemm", "--defs", str(defs_copy), "--bucket", "16", "--max-candidates", "6")
+
+    args = ("--op", "fp8_gemm", "--defs", str(defs_copy), "--bucket", bucket.name(), "--max-candidates", "6")
     assert tune_cli.run(parse(*args)) == 0
     captured = capsys.readouterr()
     assert path.read_text() == old  # without --write nothing is written
-    assert "kdsl tune: bucket M <= 16: 6 candidates on 10 shapes" in captured.err
-    assert "candidate 6/6" in captured.err and "shape 10/10" in captured.err
-    assert "-- bucket M <= 16" in captured.out and "-- bucket M <= 128" not in captured.out
+    assert f"kdsl tune: bucket {bucket.label()}: 6 candidates on {len(shapes)} shapes" in captured.err
+    assert f"shape {len(shapes)}/{len(shapes)} {shapes[-1].label()} candidate 6/6" in captured.err
+    assert f"-- bucket {bucket.label()}" in captured.out
+    assert not any(f"-- bucket {b.label()}" in captured.out for b in all_buckets[1:])
     assert "winner is 2.000x the current tile's speed" in captured.out
-    assert "dropped 64x64x64 split_k=4 w4 s4: WRONG at M=1 N=2112 K=7168: rel err 1 > 0.02" in captured.out
+    assert f"dropped {search.compact(wrong)}: WRONG at {shapes[0].label()}: rel err 1 > 0.02" in captured.out
     assert "would read (run again with --write to write it)" in captured.out
-    assert "block_n = 32" in captured.out and "# tiles from `python -m kdsl tune` on Stand-in GPU, " in captured.out
+    assert "# tiles from `python -m kdsl tune` on Stand-in GPU, " in captured.out
 
     assert tune_cli.run(parse(*args, "--write")) == 0
     out = capsys.readouterr().out
     assert f"wrote {path}; run `python -m kdsl generate` and review the diff" in out
-    tiles = variant_of(defs_copy, "fp8_gemm", "tma_persistent", "sm_90")[2].tiles
-    assert tiles[0].block_n == 32 and tiles[0].m_max == 16
-    assert tiles[1:] == variant_of(Path(__file__).resolve().parents[1] / "kernel_defs",
-                                   "fp8_gemm", "tma_persistent", "sm_90")[2].tiles[1:]
+    written = variant_of(defs_copy, "fp8_gemm", "tma_persistent", "sm_90")[2].tiles
+    assert list(written) == [fast, *variant.tiles[1:]]
     # Tuning again finds the same winner: nothing to write.
+    cpu_tune.wrong = lambda p: False
     assert tune_cli.run(parse(*args, "--write")) == 0
     assert "already holds these tiles; nothing to write" in capsys.readouterr().out
 
 
 def test_command_refuses_unknown_buckets(cpu_tune, defs_copy, capsys):
-    assert tune_cli.run(parse("--op", "gptq_gemm_prepared", "--defs", str(defs_copy), "--bucket", "8")) == 2
-    assert "--bucket 8: the variant's buckets are 1, 16, 64, rest" in capsys.readouterr().err
+    variant = variant_of(defs_copy, "gptq_gemm_prepared", "splitk", "sm_90")[2]
+    names = ", ".join(b.name() for b in space.buckets(variant))
+    assert names.endswith("rest")
+    assert tune_cli.run(parse("--op", "gptq_gemm_prepared", "--defs", str(defs_copy), "--bucket", "0")) == 2
+    assert f"--bucket 0: the variant's buckets are {names}" in capsys.readouterr().err
 
 
-def test_command_exits_1_when_the_current_tile_is_wrong(cpu_tune, defs_copy, capsys, monkeypatch):
-    from kdsl.tune import problems
+def test_command_exits_1_when_the_current_tile_is_wrong(cpu_tune, defs_copy, capsys):
+    loaded, index, variant = variant_of(defs_copy, "gptq_gemm", "splitk", "sm_80")
+    bucket = space.buckets(variant)[1]
+    tiles = space.candidates(variant, bucket, loaded.definition.schemes, max_candidates=3)
+    shape = search.shapes_for_bucket("gptq_gemm", preset_cases("deepseek-v3"), bucket)[0]
+    args = ("--op", "gptq_gemm", "--defs", str(defs_copy), "--bucket", bucket.name(), "--max-candidates", "3")
 
-    def factory(op, entry):
-        return lambda shape: Problem(launch=lambda p: cpu_tune.append(p),
-                                     check=lambda p: (0.0, "rel err 1 > 0.02") if p["SPLIT_K"] == 2 else (0.0, None))
-    monkeypatch.setattr(problems, "problem_factory", factory)
-    args = ("--op", "gptq_gemm", "--defs", str(defs_copy), "--bucket", "64")
-    assert tune_cli.run(parse(*args, "--max-candidates", "3")) == 1  # all three split K by 2
+    cpu_tune.wrong = lambda p: True
+    assert tune_cli.run(parse(*args)) == 1
     out = capsys.readouterr().out
     assert "no candidate ran correctly: the bucket keeps its tile" in out and "nothing to write" in out
-    assert tune_cli.run(parse(*args, "--max-candidates", "8", "--write")) == 1
+
+    cpu_tune.wrong = lambda p: p == tile_params(bucket.tile)
+    assert tune_cli.run(parse(*args, "--write")) == 1
     out = capsys.readouterr().out
-    assert "the current tile failed (WRONG at M=64 N=4096 K=4096: rel err 1 > 0.02); the winner replaces it" in out
-    assert "wrote" in out and variant_of(defs_copy, "gptq_gemm", "splitk", "sm_80")[2].tiles[1].split_k != 2
+    assert f"the current tile failed (WRONG at {shape.label()}: rel err 1 > 0.02); the winner replaces it" in out
+    assert "wrote" in out
+    assert variant_of(defs_copy, "gptq_gemm", "splitk", "sm_80")[2].tiles[bucket.index] == tiles[1]  # first of equals
 
 
 # ---- on a GPU ----
