@@ -1,8 +1,12 @@
-"""Time candidate tiles for the kernels the registry picks on this GPU (a manual `tune`).
+"""The manual tile sweep that `python -m kdsl tune` replaces; use the command.
 
-Launches the generated modules directly with each candidate tile, so no definition
-has to change to try one; winners are copied into kernel_defs/ by hand, reviewed
-like code, then regenerated. Prints the best tile per (op, M bucket, shape).
+    python -m kdsl tune --op fp8_gemm|gptq_gemm|gptq_gemm_prepared [--bucket M_MAX ...] [--write]
+
+searches each M bucket's tiles, checks them against the fp32 references, scores them over the
+preset's shapes, and writes the winners into kernel_defs/ (see README.md, "Tuning"). This script
+stays for act_quant (which the command does not tune) and to reproduce
+benchmarks/results/tile_sweep_h200.txt: it launches the generated modules directly with fixed
+candidate lists and prints the best three per (op, M, shape); winners are copied by hand.
 """
 import itertools
 import sys
