@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g128_gptq_v2__splitk_sm90 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV)
 # scheme: gptq.int4.g128.gptq_v2
 # arch: sm_90 .. sm_90
-# digest: d6840a03dc797f86 (sha256 of the definition file and the templates)
+# digest: 27c75f66c7cb7a70 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -275,12 +275,18 @@ def _gemv_weights(qw_ptr, z_ptr, s_ptr, k_block, cols, K, stride_qwk, stride_zg,
 
 
 @triton.jit
-def _x_planes(x_row, perm_ptr, offs_r, K, HAS_PERM: tl.constexpr):
-    """x at rows offs_r + j for j < PACK, as 8 vectors: one 16-byte load per word, split in registers.
-    Returned nested as planes[j % 2 + 2 * (j // 2 % 2)][j // 4], the order tl.split yields them."""
+def _x_words(x_row, perm_ptr, offs_r, K, HAS_PERM: tl.constexpr):
+    """x at rows offs_r + j for j < PACK: [len(offs_r), PACK], one 16-byte load per word."""
     k = offs_r[:, None] + tl.arange(0, PACK)[None, :]
     cols = tl.load(perm_ptr + k, mask=k < K, other=0) if HAS_PERM else k
-    x = tl.reshape(tl.load(x_row + cols, mask=k < K, other=0.0).to(tl.float32), (offs_r.shape[0], 2, 2, 2))
+    return tl.load(x_row + cols, mask=k < K, other=0.0)
+
+
+@triton.jit
+def _x_planes(x_row, perm_ptr, offs_r, K, HAS_PERM: tl.constexpr):
+    """x at rows offs_r + j for j < PACK, as 8 fp32 vectors split in registers.
+    Returned nested as planes[j % 2 + 2 * (j // 2 % 2)][j // 4], the order tl.split yields them."""
+    x = tl.reshape(_x_words(x_row, perm_ptr, offs_r, K, HAS_PERM).to(tl.float32), (offs_r.shape[0], 2, 2, 2))
     even, odd = tl.split(x)  # on j's lowest bit
     even_lo, even_hi = tl.split(even)
     odd_lo, odd_hi = tl.split(odd)
@@ -288,10 +294,95 @@ def _x_planes(x_row, perm_ptr, offs_r, K, HAS_PERM: tl.constexpr):
 
 
 @triton.jit
+def _half2_bits(lo, hi):
+    """Two fp16 tensors as the int32 bits of the half2 (lo, hi)."""
+    return (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+
+
+@triton.jit
+def _x_half2_pairs(x_row, perm_ptr, offs_r, K, x_scale, HAS_PERM: tl.constexpr):
+    """x * x_scale at rows offs_r + j as four half2 vectors (x_j, x_{j+4}), j < 4: the pairs LOP3 unpacks."""
+    rows: tl.constexpr = offs_r.shape[0]
+    x = (_x_words(x_row, perm_ptr, offs_r, K, HAS_PERM).to(tl.float32) * x_scale).to(tl.float16)
+    lo, hi = tl.split(tl.permute(tl.reshape(x, (rows, 2, 4)), (0, 2, 1)))
+    even, odd = tl.split(tl.reshape(_half2_bits(lo, hi), (rows, 2, 2)))  # pairs j = 0, 2 and j = 1, 3
+    p0, p2 = tl.split(even)
+    p1, p3 = tl.split(odd)
+    return p0, p1, p2, p3
+
+
+# Activations per step of _x_pow2_scale's pass: 16 bytes for each of 128 threads.
+X_SCAN = tl.constexpr(1024)
+
+
+@triton.jit
+def _x_pow2_scale(x_row, perm_ptr, K, k_start, k_end, HAS_PERM: tl.constexpr):
+    """(s, 1 / s): powers of two with max |x[k_start:k_end] * s| in [512, 1024).
+
+    A sum of four (q - zero) * x products in fp16 then stays below 4 * 15 * 1024 < 65504, so no
+    activation outlier overflows it, and small activations stay clear of fp16's subnormals.
+    Both factors are exact, so y is unchanged up to fp16 rounding of the products.
+    """
+    amax = tl.zeros((X_SCAN,), dtype=tl.float32)
+    for start in range(k_start, k_end, X_SCAN):
+        offs_k = start + tl.arange(0, X_SCAN)
+        in_range = offs_k < k_end
+        cols = tl.load(perm_ptr + offs_k, mask=in_range, other=0) if HAS_PERM else offs_k
+        amax = tl.maximum(amax, tl.abs(tl.load(x_row + cols, mask=in_range, other=0.0).to(tl.float32)))
+    # amax in [2**(e - 127), 2**(e - 126)); an all-zero range takes fp16's smallest exponent instead.
+    e = tl.maximum((tl.max(amax).to(tl.int32, bitcast=True) >> 23) & 0xFF, 103)
+    return ((263 - e) << 23).to(tl.float32, bitcast=True), ((e - 9) << 23).to(tl.float32, bitcast=True)
+
+
+# One packed word's dot with its 8 fp16 activations in packed half2 math: LOP3 puts nibbles j
+# and j + 4 into a magic half2 (1024 + q), the biased zero comes off exactly, the four pairs
+# multiply x's pairs and sum in fp16, and one fp32 add joins the two halves.
+_DOT8_FP16 = tl.constexpr("""
+{
+.reg .b32 sh, t0, t1, t2, t3, d;
+.reg .f16 lo, hi;
+.reg .f32 flo, fhi;
+lop3.b32 t0, $1, 0x000f000f, 0x64006400, 0xea;
+shr.b32 sh, $1, 4;
+lop3.b32 t1, sh, 0x000f000f, 0x64006400, 0xea;
+shr.b32 sh, $1, 8;
+lop3.b32 t2, sh, 0x000f000f, 0x64006400, 0xea;
+shr.b32 sh, $1, 12;
+lop3.b32 t3, sh, 0x000f000f, 0x64006400, 0xea;
+sub.f16x2 t0, t0, $2;
+sub.f16x2 t1, t1, $2;
+sub.f16x2 t2, t2, $2;
+sub.f16x2 t3, t3, $2;
+mul.rn.f16x2 d, t0, $3;
+fma.rn.f16x2 d, t1, $4, d;
+fma.rn.f16x2 d, t2, $5, d;
+fma.rn.f16x2 d, t3, $6, d;
+mov.b32 {lo, hi}, d;
+cvt.f32.f16 flo, lo;
+cvt.f32.f16 fhi, hi;
+add.f32 $0, flo, fhi;
+}
+""")
+
+
+@triton.jit
+def _dot8_half2(packed, zero, x_pairs):
+    """[R, C] words, their fp16 biased zeros, x pairs [R] x 4 -> [R, C] fp32 dot of each word with x."""
+    z2 = tl.broadcast_to(_half2_bits(zero, zero), packed.shape)
+    p0, p1, p2, p3 = x_pairs
+    return tl.inline_asm_elementwise(
+        _DOT8_FP16, "=r,r,r,r,r,r,r",
+        [packed, z2, tl.broadcast_to(p0[:, None], packed.shape), tl.broadcast_to(p1[:, None], packed.shape),
+         tl.broadcast_to(p2[:, None], packed.shape), tl.broadcast_to(p3[:, None], packed.shape)],
+        dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _gemv(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, row, cols, K, first, last,
           stride_xm, stride_qwk, stride_zg, stride_sg,
           HAS_PERM: tl.constexpr, UNIFORM_GROUP: tl.constexpr, WORD_GROUPS: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAGIC_BIAS: tl.constexpr, FP32_MATH: tl.constexpr):
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAGIC_BIAS: tl.constexpr, FP32_MATH: tl.constexpr,
+          HALF2_DOT: tl.constexpr):
     """[1, BLOCK_N] partial of one row of y over K blocks [first, last), on CUDA cores.
 
     One row has no use for an MMA: per nibble plane j, w_j = (2**23 + q) - (2**23 + zero) is
@@ -302,6 +393,10 @@ def _gemv(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, row, cols, K, first, las
     per_row_groups: tl.constexpr = not UNIFORM_GROUP and not WORD_GROUPS
     acc = tl.zeros((BLOCK_K // PACK, BLOCK_N), dtype=tl.float32)
     x_row = x_ptr + row * stride_xm
+    x_scale, x_unscale = 1.0, 1.0
+    if HALF2_DOT:
+        x_scale, x_unscale = _x_pow2_scale(x_row, perm_ptr, K, first * BLOCK_K,
+                                              tl.minimum(last * BLOCK_K, K), HAS_PERM)
     # These loads feed no MMA, so Triton does not pipeline them: fetch the next block's words
     # into registers while this one is computed (H200 sweep: a few percent).
     next_packed, next_scale, next_zero = _gemv_weights(
@@ -314,30 +409,35 @@ def _gemv(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, row, cols, K, first, las
             qw_ptr, z_ptr, s_ptr, tl.minimum(k_block + 1, last - 1), cols, K, stride_qwk, stride_zg, stride_sg,
             UNIFORM_GROUP, WORD_GROUPS, BLOCK_K)
         offs_r = k_block * BLOCK_K + tl.arange(0, BLOCK_K // PACK) * PACK
-        x_planes = _x_planes(x_row, perm_ptr, offs_r, K, HAS_PERM)
-        if not per_row_groups:
-            zero = _f32_magic_zero(zero, cols, MAGIC_BIAS)
-        tile = tl.zeros((BLOCK_K // PACK, BLOCK_N), dtype=tl.float32)
-        for j in tl.static_range(PACK):
-            x = x_planes[j % 2 + 2 * (j // 2 % 2)][j // 4][:, None]
-            if per_row_groups:
-                group = tl.load(g_ptr + offs_r + j, mask=offs_r + j < K, other=0).to(tl.int64)[:, None]
-                scale, zero = _load_group_rows(z_ptr, s_ptr, group, cols[None, :], stride_zg, stride_sg)
+        if HALF2_DOT:
+            zero = _biased_zero(zero, cols, tl.float16, MAGIC_BIAS, False)
+            pairs = _x_half2_pairs(x_row, perm_ptr, offs_r, K, x_scale, HAS_PERM)
+            tile = _dot8_half2(packed, zero, pairs)
+        else:
+            x_planes = _x_planes(x_row, perm_ptr, offs_r, K, HAS_PERM)
+            if not per_row_groups:
                 zero = _f32_magic_zero(zero, cols, MAGIC_BIAS)
-            q = (packed >> (j * BITS)) & MAX_Q
-            if FP32_MATH:
-                w = q.to(tl.float32) + F32_MAGIC - zero
-            else:
-                w = (q | F32_MAGIC_BITS).to(tl.float32, bitcast=True) - zero
-            if per_row_groups:
-                tile += x * (w * scale.to(tl.float32))
-            else:
-                tile += x * w
+            tile = tl.zeros((BLOCK_K // PACK, BLOCK_N), dtype=tl.float32)
+            for j in tl.static_range(PACK):
+                x = x_planes[j % 2 + 2 * (j // 2 % 2)][j // 4][:, None]
+                if per_row_groups:
+                    group = tl.load(g_ptr + offs_r + j, mask=offs_r + j < K, other=0).to(tl.int64)[:, None]
+                    scale, zero = _load_group_rows(z_ptr, s_ptr, group, cols[None, :], stride_zg, stride_sg)
+                    zero = _f32_magic_zero(zero, cols, MAGIC_BIAS)
+                q = (packed >> (j * BITS)) & MAX_Q
+                if FP32_MATH:
+                    w = q.to(tl.float32) + F32_MAGIC - zero
+                else:
+                    w = (q | F32_MAGIC_BITS).to(tl.float32, bitcast=True) - zero
+                if per_row_groups:
+                    tile += x * (w * scale.to(tl.float32))
+                else:
+                    tile += x * w
         if per_row_groups:
             acc += tile
         else:
             acc += tile * scale.to(tl.float32)
-    return tl.sum(acc, axis=0)[None, :]
+    return tl.sum(acc, axis=0)[None, :] * x_unscale
 
 
 @triton.jit
@@ -349,7 +449,7 @@ def gptq_gemm_prepared__int4_g128_gptq_v2__splitk_sm90(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
     MAGIC_BITS: tl.constexpr, MAGIC_BIAS: tl.constexpr, FP32_MATH: tl.constexpr,
-    ASM_DEQUANT: tl.constexpr, SWAP_AB: tl.constexpr,
+    ASM_DEQUANT: tl.constexpr, SWAP_AB: tl.constexpr, HALF2_DOT: tl.constexpr,
 ):
     """y[M, N] = x[M, perm] @ w[K, N] on prepared weights; SPLIT_K programs share each output tile.
     BLOCK_M = 1 runs the CUDA-core GEMV, larger tiles the MMA."""
@@ -374,7 +474,7 @@ def gptq_gemm_prepared__int4_g128_gptq_v2__splitk_sm90(
     if BLOCK_M == 1:
         acc = _gemv(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, rows, cols, K, first, last,
                     stride_xm, stride_qwk, stride_zg, stride_sg,
-                    HAS_PERM, UNIFORM_GROUP, WORD_GROUPS, BLOCK_N, BLOCK_K, MAGIC_BIAS, FP32_MATH)
+                    HAS_PERM, UNIFORM_GROUP, WORD_GROUPS, BLOCK_N, BLOCK_K, MAGIC_BIAS, FP32_MATH, HALF2_DOT)
     else:
         # Loads feeding the dot (through the unpacking) are pipelined by Triton over num_stages.
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -393,7 +493,7 @@ def gptq_gemm_prepared__int4_g128_gptq_v2__splitk_sm90(
 
 # Tiles per M bucket, from the definition: (largest M served or None for the rest, launch parameters).
 TILES = (
-    (1, {'BLOCK_M': 1, 'BLOCK_N': 64, 'BLOCK_K': 256, 'GROUP_M': 8, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
+    (1, {'BLOCK_M': 1, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
     (16, {'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
     (64, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
     (None, {'BLOCK_M': 128, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 2, 'num_warps': 8, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
@@ -420,6 +520,8 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
     asm = (x.device.type == "cuda" and uniform  # one scale per packed word
            # From 64-row tiles up; below that its join/permute costs more than it saves (H200 sweep).
            and bm >= 64)
+    half2 = (bm == 1 and x.dtype == torch.float16 and x.device.type == "cuda"
+             and (uniform or contiguous_groups and GROUP_SIZE.value % PACK.value == 0))
     gptq_gemm_prepared__int4_g128_gptq_v2__splitk_sm90[(tiles, split_k)](
         x, qweight if perm is None else perm, qweight, zeros, scales, groups,
         y, workspace, counters,
@@ -428,6 +530,6 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
         WORD_GROUPS=contiguous_groups and GROUP_SIZE.value % PACK.value == 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tile["GROUP_M"], SPLIT_K=split_k,
         MAGIC_BITS=magic_bits, MAGIC_BIAS=magic_bias, FP32_MATH=x.device.type == "cpu",
-        ASM_DEQUANT=asm, SWAP_AB=tile["swap_ab"],
+        ASM_DEQUANT=asm, SWAP_AB=tile["swap_ab"], HALF2_DOT=half2,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"],
     )

@@ -61,7 +61,8 @@ class KernelSignature:
     def build(self, tile: dict, out: str) -> tuple[dict, dict, dict]:
         """(signature, constexprs, compile options) for one tile and output type."""
         signature = {name: kind.format(out=out, **tile) for name, kind in self.args.items()}
-        constexprs = {name: (tile[src] if isinstance(src, str) else src(tile)) for name, src in self.constexprs.items()}
+        constexprs = {name: (tile[src] if isinstance(src, str) else src({**tile, "out": out}))
+                      for name, src in self.constexprs.items()}
         signature.update({name: "constexpr" for name in constexprs})
         options = {key: tile[key] for key in self.options}
         return signature, constexprs, options
@@ -131,7 +132,8 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
                     "BLOCK_M": "BLOCK_M", "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K", "GROUP_M": "GROUP_M",
                     "SPLIT_K": lambda tile: max(tile["SPLIT_K"], 2),
                     "MAGIC_BITS": lambda tile: 0x6400, "MAGIC_BIAS": lambda tile: 1024,
-                    "FP32_MATH": lambda tile: False, "ASM_DEQUANT": lambda tile: True, "SWAP_AB": "swap_ab"},
+                    "FP32_MATH": lambda tile: False, "ASM_DEQUANT": lambda tile: True, "SWAP_AB": "swap_ab",
+                    "HALF2_DOT": lambda tile: tile["BLOCK_M"] == 1 and tile["out"] == "fp16"},
         options=("num_warps", "num_stages"),
         out_types=("fp16", "bf16"),
     ),

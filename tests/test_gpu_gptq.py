@@ -179,3 +179,39 @@ def test_prepared_act_order_and_groups(checkpoints, group_size, g_idx, fmt, m):
 def test_prepared_bf16(checkpoints, m):
     ck = checkpoints(4096, 14336, scale_dtype=torch.bfloat16, g_idx="perm")
     _check_prepared(ck, m, dtype=torch.bfloat16)
+
+
+# The M = 1 GEMV sums fp16 products of four weights and activations at a time (packed half2
+# math); a power-of-two scale on x keeps those sums finite and clear of fp16's subnormals.
+GEMV_TOL = 2e-3
+
+
+@pytest.mark.parametrize("x_kind", ["outliers", "tiny"])
+def test_prepared_gemv_extreme_activations(checkpoints, x_kind):
+    ck = checkpoints(4096, 4096)
+    k, n = ck["w"].shape
+    x = _x(1, k).float()
+    if x_kind == "outliers":
+        # 30000 * (q - zero) overflows fp16 for |q - zero| >= 3: unscaled, every column would be inf.
+        x[0, 8:16] = 30000.0
+        x[0, 1000:1004] = -30000.0
+    else:
+        x = x * 1e-4  # mostly below fp16's smallest normal (6.1e-5)
+    x = x.half()
+    expected = x.float() @ ck["w"]
+    assert expected.abs().max() < 60000, "the reference itself must fit fp16 for this test to mean anything"
+    prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"])
+    y = kdsl.ops.gptq_gemm(x, prepared)
+    assert torch.isfinite(y).all()
+    err = ref.rel_fro_error(y, expected)
+    assert err < GEMV_TOL, f"{x_kind}: rel err {err:.3g}"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
+def test_prepared_gemv_precision(checkpoints, shape):
+    """The GEMV's fp16 products stay within a few fp16 ulps of the fp32 reference."""
+    ck = checkpoints(*shape)
+    prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"])
+    x = _x(1, shape[0])
+    err = ref.rel_fro_error(kdsl.ops.gptq_gemm(x, prepared), x.float() @ ck["w"])
+    assert err < GEMV_TOL, f"rel err {err:.3g}"
