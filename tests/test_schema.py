@@ -247,6 +247,21 @@ def test_fp8_variant_on_sm80_rejected(tmp_path):
     assert "sm_89" in message
 
 
+def test_warp_specialize_with_split_k_rejected(tmp_path):
+    path = _write(tmp_path, SCHEME + """
+        [[variants]]
+        op = "fp8_gemm"
+        impl = "tma_persistent"
+        min_arch = "sm_90"
+        max_arch = "sm_90"
+        tiles = [{ m_max = 128, block_m = 64, split_k = 4, persistent = true, warp_specialize = true },
+                 { block_m = 64, persistent = true, warp_specialize = true }]
+    """)
+    message = _load_error(path)
+    assert "variants[0].tiles[0].warp_specialize" in message and "split_k = 4" in message
+    assert "tiles[1]" not in message  # warp specialization alone stays allowed
+
+
 def test_block_k_not_dividing_group_rejected(tmp_path):
     path = _write(tmp_path, SCHEME + """
         [[variants]]

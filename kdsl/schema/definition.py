@@ -99,6 +99,11 @@ def _tile_problems(tile_where: str, variant: Variant, impl: KernelImpl, scheme, 
         also = " (or 1 for its CUDA-core GEMV)" if impl.gemv_block_m else ""
         problems.append(f"{tile_where}.block_m: {tile.block_m} is below the {impl.min_block_m} rows of one MMA; "
                         f"{variant.op}/{variant.impl} takes {impl.min_block_m} or more{also}")
+    if tile.warp_specialize and tile.split_k > 1:
+        # Measured on an H200 with Triton 3.6: the warp-specialized loop runs the split-K fixup's
+        # atomics so that its counters are left non-zero, and every later split-K launch is wrong.
+        problems.append(f"{tile_where}.warp_specialize: cannot be combined with split_k = {tile.split_k} "
+                        "(Triton's warp-specialized loop leaves the split-K counters dirty); use one or the other")
     if impl.family == "gptq" and "block_k" in impl.knobs and tile.block_k < scheme.pack_factor:
         problems.append(f"{tile_where}.block_k: {tile.block_k} is smaller than one packed int32 ({scheme.pack_factor} rows)")
     need = impl.shared_bytes(scheme, tile)
