@@ -22,10 +22,11 @@ from kdsl.schema.tiling import Tile
 from kdsl.bench.timing import scaled_mm_baseline
 
 
-def tile(bm, bn, bk, warps, stages, group_m=8, split_k=1, persistent=False, order="m_major", swap=False):
+def tile(bm, bn, bk, warps, stages, group_m=8, split_k=1, persistent=False, order="m_major", swap=False, ws=False):
     """A candidate as the generated modules read it, built through the schema's own Tile."""
     return tile_params(Tile(block_m=bm, block_n=bn, block_k=bk, group_m=group_m, split_k=split_k, num_warps=warps,
-                            num_stages=stages, persistent=persistent, tile_order=order, swap_ab=swap))
+                            num_stages=stages, persistent=persistent, tile_order=order, swap_ab=swap,
+                            warp_specialize=ws))
 
 
 def baseline(label, fn, graph):
@@ -55,7 +56,7 @@ def best(label, run, candidates, graph, base_ms=None, check=None):
         ratio = f" {base_ms / ms:5.2f}x" if base_ms else ""
         print(f"{label}: {ms * 1e3:8.1f} us{ratio}  {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} "
               f"s{c['num_stages']} g{c['GROUP_M']} sk{c['SPLIT_K']} p{int(c['persistent'])} {c['tile_order']} "
-              f"swap{int(c['swap_ab'])}{err}", flush=True)
+              f"swap{int(c['swap_ab'])} ws{int(c['warp_specialize'])}{err}", flush=True)
     return results
 
 
