@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g64_gptq_v2__splitk_sm90 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV)
 # scheme: gptq.int4.g64.gptq_v2
 # arch: sm_90 .. sm_90
-# digest: 27c75f66c7cb7a70 (sha256 of the definition file and the templates)
+# digest: b31978856f323dfc (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -385,10 +385,11 @@ def _gemv(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, row, cols, K, first, las
           HALF2_DOT: tl.constexpr):
     """[1, BLOCK_N] partial of one row of y over K blocks [first, last), on CUDA cores.
 
-    One row has no use for an MMA: per nibble plane j, w_j = (2**23 + q) - (2**23 + zero) is
-    exact in fp32 and multiplies x's matching column, so weights never leave the registers
-    they were loaded into; the scale is applied once per tile, and the sum over the tile's
-    rows waits until the end.
+    One row has no use for an MMA, so weights never leave the registers they were loaded into;
+    the scale is applied once per tile, and the sum over the tile's rows waits until the end.
+    HALF2_DOT (fp16 on the GPU): each word's 8 products in packed half2 math (_dot8_half2) on x
+    scaled by a power of two. Otherwise per nibble plane j, w_j = (2**23 + q) - (2**23 + zero)
+    is exact in fp32 and multiplies x's matching column.
     """
     per_row_groups: tl.constexpr = not UNIFORM_GROUP and not WORD_GROUPS
     acc = tl.zeros((BLOCK_K // PACK, BLOCK_N), dtype=tl.float32)
