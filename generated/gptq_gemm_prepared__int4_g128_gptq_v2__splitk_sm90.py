@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g128_gptq_v2__splitk_sm90 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV)
 # scheme: gptq.int4.g128.gptq_v2
 # arch: sm_90 .. sm_90
-# digest: 5ad71f9655305664 (sha256 of the definition file and the templates)
+# digest: 568295a4af6faba5 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -15,9 +15,18 @@ GROUP_SIZE = tl.constexpr(128)
 # "gptq" checkpoints store zero - 1; "gptq_v2" stores the zero itself.
 ZERO_OFFSET = tl.constexpr(0)
 # Prepared layout, as the definition declares it:
-#   qweight int32 [K / PACK, N], K sorted by group (act-order resolved once, x gathered through perm)
+#   qweight int32 [N / PLANE_TILE_N, K / PLANE_TILE_K, PLANE_TILE_N, PLANE_ROWS] (padded to whole tiles):
+#   word (n, kk) of a tile holds its row PLANE_ROWS * j + kk in nibble j, so nibble plane j is a
+#   [columns, PLANE_ROWS] MMA operand; K sorted by group (act-order resolved once, x gathered through perm)
 #   zeros [G, N] in the activation dtype, holding zero + MAGIC_BIAS (see _dequant_prepared)
 #   scales [G, N] in the activation dtype
+
+
+PLANE_TILE_N = tl.constexpr(128)
+PLANE_TILE_K = tl.constexpr(128)
+PLANE_ROWS = tl.constexpr(16)
+# Rows between nibble j and j + 1 of one word.
+NIBBLE_STRIDE = tl.constexpr(16)
 
 
 @triton.jit
@@ -168,6 +177,19 @@ def _load_packed(qw_ptr, offs_kp, cols, K, stride_qwk):
 
 
 @triton.jit
+def _plane_columns(qw_ptr, cols, K):
+    """Pointers to word (column, kk = 0) of the first K tile, for each of cols."""
+    return qw_ptr + ((cols // PLANE_TILE_N).to(tl.int64) * tl.cdiv(K, PLANE_TILE_K) * (PLANE_TILE_N * PLANE_ROWS)
+                     + (cols % PLANE_TILE_N) * PLANE_ROWS)
+
+
+@triton.jit
+def _plane_words(col_ptrs, kk, k_block):
+    """Words (column, kk) of K tile k_block, shaped as col_ptrs and kk broadcast; in bounds (tiles are padded)."""
+    return tl.load(col_ptrs + k_block * (PLANE_TILE_N * PLANE_ROWS) + kk)
+
+
+@triton.jit
 def _load_weight_tile(qw_ptr, z_ptr, s_ptr, g_ptr, k_block, cols, K,
                       stride_qwk, stride_zg, stride_sg,
                       BLOCK_K: tl.constexpr, UNIFORM_GROUP: tl.constexpr):
@@ -215,6 +237,13 @@ def _dequant(packed, scale, zero, BLOCK_K: tl.constexpr, dtype: tl.constexpr,
         return _unpack_asm(packed, tl.broadcast_to(scale, packed.shape), tl.broadcast_to(zero, packed.shape))
     shifts = tl.arange(0, PACK) * BITS
     q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & MAX_Q, (BLOCK_K, packed.shape[1]))
+    return _dequant_q(q, scale, zero, dtype, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
+
+
+@triton.jit
+def _dequant_q(q, scale, zero, dtype: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC_BIAS: tl.constexpr,
+               FP32_MATH: tl.constexpr):
+    """(q - zero) * scale in dtype, element-wise, for a biased zero (see _dequant)."""
     if FP32_MATH:
         # Triton's CPU interpreter mangles int -> bf16 bit tricks; same values through fp32.
         w = (q.to(tl.float32) + MAGIC_BIAS - zero.to(tl.float32)) * scale.to(tl.float32)
@@ -260,26 +289,32 @@ def _f32_magic_zero(zero, cols, MAGIC_BIAS: tl.constexpr):
 def _gemv_weights(qw_ptr, z_ptr, s_ptr, k_block, cols, K, stride_qwk, stride_zg, stride_sg,
                   UNIFORM_GROUP: tl.constexpr, WORD_GROUPS: tl.constexpr, BLOCK_K: tl.constexpr):
     """Packed words of one K block, with their scales and zeros when one serves each word."""
-    offs_kp = k_block * (BLOCK_K // PACK) + tl.arange(0, BLOCK_K // PACK)
-    packed = _load_packed(qw_ptr, offs_kp, cols, K, stride_qwk)
+    packed = _plane_words(_plane_columns(qw_ptr, cols, K)[None, :], tl.arange(0, PLANE_ROWS)[:, None], k_block)
     if UNIFORM_GROUP:
         scale, zero = _load_group_rows(z_ptr, s_ptr, (k_block * BLOCK_K) // GROUP_SIZE, cols[None, :],
                                        stride_zg, stride_sg)
     elif WORD_GROUPS:
         # Contiguous groups of a multiple of PACK rows: the group of word r is that of its first row.
-        scale, zero = _load_group_rows(z_ptr, s_ptr, (offs_kp * PACK // GROUP_SIZE)[:, None], cols[None, :],
-                                       stride_zg, stride_sg)
+        scale, zero = _load_group_rows(z_ptr, s_ptr, (_word_rows(k_block, BLOCK_K) // GROUP_SIZE)[:, None],
+                                       cols[None, :], stride_zg, stride_sg)
     else:
         scale, zero = 0.0, 0.0  # per row, loaded with each plane
     return packed, scale, zero
 
 
 @triton.jit
+def _word_rows(k_block, BLOCK_K: tl.constexpr):
+    """The row of nibble 0 of each word of K block k_block, in the order the GEMV loads them."""
+    return k_block * BLOCK_K + tl.arange(0, PLANE_ROWS)
+
+
+@triton.jit
 def _x_words(x_row, perm_ptr, offs_r, K, HAS_PERM: tl.constexpr):
-    """x at rows offs_r + j for j < PACK: [len(offs_r), PACK], one 16-byte load per word."""
-    k = offs_r[:, None] + tl.arange(0, PACK)[None, :]
+    """x at rows offs_r + j * NIBBLE_STRIDE for j < PACK: [len(offs_r), PACK], the rows of each word's nibbles."""
+    # Loaded plane by plane (each a contiguous run of rows), then transposed in registers.
+    k = offs_r[None, :] + tl.arange(0, PACK)[:, None] * NIBBLE_STRIDE
     cols = tl.load(perm_ptr + k, mask=k < K, other=0) if HAS_PERM else k
-    return tl.load(x_row + cols, mask=k < K, other=0.0)
+    return tl.trans(tl.load(x_row + cols, mask=k < K, other=0.0))
 
 
 @triton.jit
@@ -409,7 +444,7 @@ def _gemv(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, row, cols, K, first, las
         next_packed, next_scale, next_zero = _gemv_weights(
             qw_ptr, z_ptr, s_ptr, tl.minimum(k_block + 1, last - 1), cols, K, stride_qwk, stride_zg, stride_sg,
             UNIFORM_GROUP, WORD_GROUPS, BLOCK_K)
-        offs_r = k_block * BLOCK_K + tl.arange(0, BLOCK_K // PACK) * PACK
+        offs_r = _word_rows(k_block, BLOCK_K)
         if HALF2_DOT:
             zero = _biased_zero(zero, cols, tl.float16, MAGIC_BIAS, False)
             pairs = _x_half2_pairs(x_row, perm_ptr, offs_r, K, x_scale, HAS_PERM)
@@ -422,7 +457,8 @@ def _gemv(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, row, cols, K, first, las
             for j in tl.static_range(PACK):
                 x = x_planes[j % 2 + 2 * (j // 2 % 2)][j // 4][:, None]
                 if per_row_groups:
-                    group = tl.load(g_ptr + offs_r + j, mask=offs_r + j < K, other=0).to(tl.int64)[:, None]
+                    nibble_rows = offs_r + j * NIBBLE_STRIDE
+                    group = tl.load(g_ptr + nibble_rows, mask=nibble_rows < K, other=0).to(tl.int64)[:, None]
                     scale, zero = _load_group_rows(z_ptr, s_ptr, group, cols[None, :], stride_zg, stride_sg)
                     zero = _f32_magic_zero(zero, cols, MAGIC_BIAS)
                 q = (packed >> (j * BITS)) & MAX_Q
@@ -439,6 +475,82 @@ def _gemv(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, row, cols, K, first, las
         else:
             acc += tile * scale.to(tl.float32)
     return tl.sum(acc, axis=0)[None, :] * x_unscale
+
+
+@triton.jit
+def _plane(packed, j: tl.constexpr, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg,
+           dtype: tl.constexpr, UNIFORM_GROUP: tl.constexpr, WORD_GROUPS: tl.constexpr,
+           MAGIC_BITS: tl.constexpr, MAGIC_BIAS: tl.constexpr, FP32_MATH: tl.constexpr):
+    """Nibble plane j of a [BLOCK_N, PLANE_ROWS] tile of words, dequantized: rows PLANE_ROWS * j + kk.
+
+    Element-wise on the words, so Triton loads them from shared memory straight into the MMA
+    operand's registers. Groups: the tile's (UNIFORM_GROUP), the plane's (WORD_GROUPS: contiguous
+    groups of at least PLANE_ROWS rows), or each row's through g_ptr.
+    """
+    if not UNIFORM_GROUP:
+        # Rows past K (tiles are padded) take the last row's group: their x is zero.
+        first_row = tl.minimum(k_block * PLANE_TILE_K + j * PLANE_ROWS, K - 1)
+        if WORD_GROUPS:
+            scale, zero = _load_group_rows(z_ptr, s_ptr, first_row // GROUP_SIZE, cols, stride_zg, stride_sg)
+            scale, zero = scale[:, None], zero[:, None]
+        else:
+            rows = tl.minimum(first_row + tl.arange(0, PLANE_ROWS), K - 1)
+            group = tl.load(g_ptr + rows).to(tl.int64)[None, :]
+            scale, zero = _load_group_rows(z_ptr, s_ptr, group, cols[:, None], stride_zg, stride_sg)
+    q = (packed >> (j * BITS)) & MAX_Q
+    return _dequant_q(q, scale, zero, dtype, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
+
+
+@triton.jit
+def _planes_mma(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, rows, cols, K, first, last,
+                stride_xm, stride_zg, stride_sg,
+                HAS_PERM: tl.constexpr, UNIFORM_GROUP: tl.constexpr, WORD_GROUPS: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                MAGIC_BITS: tl.constexpr, MAGIC_BIAS: tl.constexpr, FP32_MATH: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] partial of y over K tiles [first, last), from k_planes weights.
+
+    y^T = w^T x^T, so the weights are the MMA's first operand, which Hopper reads from registers:
+    the eight dequantized planes, joined so that row 16 j + kk is natural K order, are already laid
+    out as that operand (no shared-memory round trip), and x^T comes from shared memory.
+    """
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    col_ptrs = _plane_columns(qw_ptr, cols, K)[:, None]
+    kk = tl.arange(0, PLANE_ROWS)[None, :]
+    for k_block in range(first, last):
+        packed = _plane_words(col_ptrs, kk, k_block)
+        if UNIFORM_GROUP:
+            # Loaded as vectors, then expanded: Triton then places them in the MMA operand's layout too.
+            scale, zero = _load_group_rows(z_ptr, s_ptr, (k_block * BLOCK_K) // GROUP_SIZE, cols,
+                                           stride_zg, stride_sg)
+            scale, zero = scale[:, None], zero[:, None]
+        else:
+            scale, zero = 0.0, 0.0  # each plane loads its own
+        w0 = _plane(packed, 0, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg, dtype,
+                    UNIFORM_GROUP, WORD_GROUPS, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
+        w1 = _plane(packed, 1, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg, dtype,
+                    UNIFORM_GROUP, WORD_GROUPS, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
+        w2 = _plane(packed, 2, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg, dtype,
+                    UNIFORM_GROUP, WORD_GROUPS, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
+        w3 = _plane(packed, 3, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg, dtype,
+                    UNIFORM_GROUP, WORD_GROUPS, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
+        w4 = _plane(packed, 4, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg, dtype,
+                    UNIFORM_GROUP, WORD_GROUPS, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
+        w5 = _plane(packed, 5, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg, dtype,
+                    UNIFORM_GROUP, WORD_GROUPS, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
+        w6 = _plane(packed, 6, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg, dtype,
+                    UNIFORM_GROUP, WORD_GROUPS, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
+        w7 = _plane(packed, 7, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg, dtype,
+                    UNIFORM_GROUP, WORD_GROUPS, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
+        # Nested joins stack the planes on trailing axes whose flat index is j; then row = 16 j + kk.
+        w = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))
+        w = tl.reshape(tl.permute(tl.reshape(w, (BLOCK_N, PLANE_ROWS, PACK)), (0, 2, 1)), (BLOCK_N, BLOCK_K))
+        x = _load_x(x_ptr, perm_ptr, rows, k_block * BLOCK_K + tl.arange(0, BLOCK_K), K, stride_xm, HAS_PERM)
+        if FP32_MATH:
+            acc += tl.dot(w.to(tl.float32), tl.trans(x).to(tl.float32))
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+    return tl.trans(acc)
 
 
 @triton.jit
@@ -473,19 +585,15 @@ def gptq_gemm_prepared__int4_g128_gptq_v2__splitk_sm90(
     last = tl.minimum(first + per_split, k_blocks)
 
     if BLOCK_M == 1:
+        # A k_planes word spans its whole tile, so only a uniform group gives it one scale.
+        word_groups: tl.constexpr = False
         acc = _gemv(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, rows, cols, K, first, last,
                     stride_xm, stride_qwk, stride_zg, stride_sg,
-                    HAS_PERM, UNIFORM_GROUP, WORD_GROUPS, BLOCK_N, BLOCK_K, MAGIC_BIAS, FP32_MATH, HALF2_DOT)
+                    HAS_PERM, UNIFORM_GROUP, word_groups, BLOCK_N, BLOCK_K, MAGIC_BIAS, FP32_MATH, HALF2_DOT)
     else:
-        # Loads feeding the dot (through the unpacking) are pipelined by Triton over num_stages.
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k_block in range(first, last):
-            packed, scale, zero = _load_weight_tile(qw_ptr, z_ptr, s_ptr, g_ptr, k_block, cols, K,
-                                                    stride_qwk, stride_zg, stride_sg, BLOCK_K, UNIFORM_GROUP)
-            zero = _biased_zero(zero, cols, x_ptr.dtype.element_ty, MAGIC_BIAS, FP32_MATH)
-            x = _load_x(x_ptr, perm_ptr, rows, k_block * BLOCK_K + tl.arange(0, BLOCK_K), K, stride_xm, HAS_PERM)
-            w = _dequant(packed, scale, zero, BLOCK_K, x.dtype, MAGIC_BITS, MAGIC_BIAS, FP32_MATH, ASM_DEQUANT)
-            acc = _mma(acc, x, w, FP32_MATH, SWAP_AB)
+        acc = _planes_mma(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, rows, cols, K, first, last,
+                          stride_xm, stride_zg, stride_sg, HAS_PERM, UNIFORM_GROUP, WORD_GROUPS,
+                          BLOCK_M, BLOCK_N, BLOCK_K, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
 
     out_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -500,35 +608,34 @@ TILES = (
     (None, {'BLOCK_M': 128, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 2, 'num_warps': 8, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
 )
 
-LAYOUT = {'zeros': 'biased'}
+LAYOUT = {'zeros': 'biased', 'weights': 'k_planes'}
 # Bit patterns whose low mantissa bits take q directly, and the value they stand for.
 MAGIC = {torch.float16: (0x6400, 1024), torch.bfloat16: (0x4300, 128)}
 
 
 def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
-    """x [M, K]; perm int32 [K] or None; qweight int32 [K / PACK, N] in prepared K order;
+    """x [M, K]; perm int32 [K] or None; qweight in prepared K order, as LAYOUT says;
     zeros and scales as LAYOUT says; groups int32 [K], the group of each prepared row;
     contiguous_groups: row k is in group k // GROUP_SIZE. y [M, N] in x's dtype.
     """
     M, K = x.shape
-    N = qweight.shape[1]
+    N = y.shape[1]
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
     split_k = max(1, min(tile["SPLIT_K"], triton.cdiv(K, bk)))
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     workspace, counters = (y, y) if split_k == 1 else _splitk_scratch(y.device, tiles, split_k, bm * bn)
     magic_bits, magic_bias = MAGIC[x.dtype]
     uniform = contiguous_groups and GROUP_SIZE.value % bk == 0  # every K tile inside one group
-    asm = (x.device.type == "cuda" and uniform  # one scale per packed word
-           # From 64-row tiles up; below that its join/permute costs more than it saves (H200 sweep).
-           and bm >= 64)
-    half2 = (bm == 1 and x.dtype == torch.float16 and x.device.type == "cuda"
-             and (uniform or contiguous_groups and GROUP_SIZE.value % PACK.value == 0))
+    # Contiguous groups of at least one plane's rows: one group per plane (a word spans the tile).
+    word_groups = contiguous_groups and GROUP_SIZE.value % PLANE_ROWS.value == 0
+    asm = False  # planes dequantize element-wise
+    half2 = bm == 1 and x.dtype == torch.float16 and x.device.type == "cuda" and uniform
     gptq_gemm_prepared__int4_g128_gptq_v2__splitk_sm90[(tiles, split_k)](
         x, qweight if perm is None else perm, qweight, zeros, scales, groups,
         y, workspace, counters,
         M, N, K, x.stride(0), qweight.stride(0), zeros.stride(0), scales.stride(0), y.stride(0),
         HAS_PERM=perm is not None, UNIFORM_GROUP=uniform,
-        WORD_GROUPS=contiguous_groups and GROUP_SIZE.value % PACK.value == 0,
+        WORD_GROUPS=word_groups,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tile["GROUP_M"], SPLIT_K=split_k,
         MAGIC_BITS=magic_bits, MAGIC_BIAS=magic_bias, FP32_MATH=x.device.type == "cpu",
         ASM_DEQUANT=asm, SWAP_AB=tile["swap_ab"], HALF2_DOT=half2,

@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g64_gptq__splitk_sm80 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV)
 # scheme: gptq.int4.g64.gptq
 # arch: sm_80 and up
-# digest: 5ad71f9655305664 (sha256 of the definition file and the templates)
+# digest: 568295a4af6faba5 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -18,6 +18,10 @@ ZERO_OFFSET = tl.constexpr(1)
 #   qweight int32 [K / PACK, N], K sorted by group (act-order resolved once, x gathered through perm)
 #   zeros [G, N] in the activation dtype, holding zero + MAGIC_BIAS (see _dequant_prepared)
 #   scales [G, N] in the activation dtype
+
+
+# Rows between nibble j and j + 1 of one word.
+NIBBLE_STRIDE = tl.constexpr(1)
 
 
 @triton.jit
@@ -215,6 +219,13 @@ def _dequant(packed, scale, zero, BLOCK_K: tl.constexpr, dtype: tl.constexpr,
         return _unpack_asm(packed, tl.broadcast_to(scale, packed.shape), tl.broadcast_to(zero, packed.shape))
     shifts = tl.arange(0, PACK) * BITS
     q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & MAX_Q, (BLOCK_K, packed.shape[1]))
+    return _dequant_q(q, scale, zero, dtype, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
+
+
+@triton.jit
+def _dequant_q(q, scale, zero, dtype: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC_BIAS: tl.constexpr,
+               FP32_MATH: tl.constexpr):
+    """(q - zero) * scale in dtype, element-wise, for a biased zero (see _dequant)."""
     if FP32_MATH:
         # Triton's CPU interpreter mangles int -> bf16 bit tricks; same values through fp32.
         w = (q.to(tl.float32) + MAGIC_BIAS - zero.to(tl.float32)) * scale.to(tl.float32)
@@ -267,16 +278,22 @@ def _gemv_weights(qw_ptr, z_ptr, s_ptr, k_block, cols, K, stride_qwk, stride_zg,
                                        stride_zg, stride_sg)
     elif WORD_GROUPS:
         # Contiguous groups of a multiple of PACK rows: the group of word r is that of its first row.
-        scale, zero = _load_group_rows(z_ptr, s_ptr, (offs_kp * PACK // GROUP_SIZE)[:, None], cols[None, :],
-                                       stride_zg, stride_sg)
+        scale, zero = _load_group_rows(z_ptr, s_ptr, (_word_rows(k_block, BLOCK_K) // GROUP_SIZE)[:, None],
+                                       cols[None, :], stride_zg, stride_sg)
     else:
         scale, zero = 0.0, 0.0  # per row, loaded with each plane
     return packed, scale, zero
 
 
 @triton.jit
+def _word_rows(k_block, BLOCK_K: tl.constexpr):
+    """The row of nibble 0 of each word of K block k_block, in the order the GEMV loads them."""
+    return k_block * BLOCK_K + tl.arange(0, BLOCK_K // PACK) * PACK
+
+
+@triton.jit
 def _x_words(x_row, perm_ptr, offs_r, K, HAS_PERM: tl.constexpr):
-    """x at rows offs_r + j for j < PACK: [len(offs_r), PACK], one 16-byte load per word."""
+    """x at rows offs_r + j * NIBBLE_STRIDE for j < PACK: [len(offs_r), PACK], the rows of each word's nibbles."""
     k = offs_r[:, None] + tl.arange(0, PACK)[None, :]
     cols = tl.load(perm_ptr + k, mask=k < K, other=0) if HAS_PERM else k
     return tl.load(x_row + cols, mask=k < K, other=0.0)
@@ -409,7 +426,7 @@ def _gemv(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, row, cols, K, first, las
         next_packed, next_scale, next_zero = _gemv_weights(
             qw_ptr, z_ptr, s_ptr, tl.minimum(k_block + 1, last - 1), cols, K, stride_qwk, stride_zg, stride_sg,
             UNIFORM_GROUP, WORD_GROUPS, BLOCK_K)
-        offs_r = k_block * BLOCK_K + tl.arange(0, BLOCK_K // PACK) * PACK
+        offs_r = _word_rows(k_block, BLOCK_K)
         if HALF2_DOT:
             zero = _biased_zero(zero, cols, tl.float16, MAGIC_BIAS, False)
             pairs = _x_half2_pairs(x_row, perm_ptr, offs_r, K, x_scale, HAS_PERM)
@@ -422,7 +439,8 @@ def _gemv(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, row, cols, K, first, las
             for j in tl.static_range(PACK):
                 x = x_planes[j % 2 + 2 * (j // 2 % 2)][j // 4][:, None]
                 if per_row_groups:
-                    group = tl.load(g_ptr + offs_r + j, mask=offs_r + j < K, other=0).to(tl.int64)[:, None]
+                    nibble_rows = offs_r + j * NIBBLE_STRIDE
+                    group = tl.load(g_ptr + nibble_rows, mask=nibble_rows < K, other=0).to(tl.int64)[:, None]
                     scale, zero = _load_group_rows(z_ptr, s_ptr, group, cols[None, :], stride_zg, stride_sg)
                     zero = _f32_magic_zero(zero, cols, MAGIC_BIAS)
                 q = (packed >> (j * BITS)) & MAX_Q
@@ -473,9 +491,10 @@ def gptq_gemm_prepared__int4_g64_gptq__splitk_sm80(
     last = tl.minimum(first + per_split, k_blocks)
 
     if BLOCK_M == 1:
+        word_groups: tl.constexpr = WORD_GROUPS
         acc = _gemv(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, rows, cols, K, first, last,
                     stride_xm, stride_qwk, stride_zg, stride_sg,
-                    HAS_PERM, UNIFORM_GROUP, WORD_GROUPS, BLOCK_N, BLOCK_K, MAGIC_BIAS, FP32_MATH, HALF2_DOT)
+                    HAS_PERM, UNIFORM_GROUP, word_groups, BLOCK_N, BLOCK_K, MAGIC_BIAS, FP32_MATH, HALF2_DOT)
     else:
         # Loads feeding the dot (through the unpacking) are pipelined by Triton over num_stages.
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -500,35 +519,35 @@ TILES = (
     (None, {'BLOCK_M': 128, 'BLOCK_N': 128, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 2, 'num_warps': 8, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
 )
 
-LAYOUT = {'zeros': 'biased'}
+LAYOUT = {'zeros': 'biased', 'weights': 'checkpoint'}
 # Bit patterns whose low mantissa bits take q directly, and the value they stand for.
 MAGIC = {torch.float16: (0x6400, 1024), torch.bfloat16: (0x4300, 128)}
 
 
 def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
-    """x [M, K]; perm int32 [K] or None; qweight int32 [K / PACK, N] in prepared K order;
+    """x [M, K]; perm int32 [K] or None; qweight in prepared K order, as LAYOUT says;
     zeros and scales as LAYOUT says; groups int32 [K], the group of each prepared row;
     contiguous_groups: row k is in group k // GROUP_SIZE. y [M, N] in x's dtype.
     """
     M, K = x.shape
-    N = qweight.shape[1]
+    N = y.shape[1]
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
     split_k = max(1, min(tile["SPLIT_K"], triton.cdiv(K, bk)))
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     workspace, counters = (y, y) if split_k == 1 else _splitk_scratch(y.device, tiles, split_k, bm * bn)
     magic_bits, magic_bias = MAGIC[x.dtype]
     uniform = contiguous_groups and GROUP_SIZE.value % bk == 0  # every K tile inside one group
+    word_groups = contiguous_groups and GROUP_SIZE.value % PACK.value == 0  # one group per word
     asm = (x.device.type == "cuda" and uniform  # one scale per packed word
            # From 64-row tiles up; below that its join/permute costs more than it saves (H200 sweep).
            and bm >= 64)
-    half2 = (bm == 1 and x.dtype == torch.float16 and x.device.type == "cuda"
-             and (uniform or contiguous_groups and GROUP_SIZE.value % PACK.value == 0))
+    half2 = bm == 1 and x.dtype == torch.float16 and x.device.type == "cuda" and (uniform or word_groups)
     gptq_gemm_prepared__int4_g64_gptq__splitk_sm80[(tiles, split_k)](
         x, qweight if perm is None else perm, qweight, zeros, scales, groups,
         y, workspace, counters,
         M, N, K, x.stride(0), qweight.stride(0), zeros.stride(0), scales.stride(0), y.stride(0),
         HAS_PERM=perm is not None, UNIFORM_GROUP=uniform,
-        WORD_GROUPS=contiguous_groups and GROUP_SIZE.value % PACK.value == 0,
+        WORD_GROUPS=word_groups,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tile["GROUP_M"], SPLIT_K=split_k,
         MAGIC_BITS=magic_bits, MAGIC_BIAS=magic_bias, FP32_MATH=x.device.type == "cpu",
         ASM_DEQUANT=asm, SWAP_AB=tile["swap_ab"], HALF2_DOT=half2,

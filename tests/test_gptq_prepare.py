@@ -5,6 +5,8 @@ Shapes are small (K = 256, N in {16, 40, 80}) and cover every group size, both c
 formats, act-order (g_idx a permutation), arbitrary g_idx (groups of unequal size after
 sorting), M that takes each tile bucket (1: the CUDA-core GEMV; 5: split-K decode; 33: 64-row;
 70: the last). The GEMV is also driven with explicit tiles over several K blocks and splits.
+Both weight layouts run: "checkpoint" (the sm_80 variant, which the interpreter selects) and
+"k_planes" (the sm_90 variant, selected with KDSL_ARCH=sm_90).
 """
 from __future__ import annotations
 
@@ -15,10 +17,24 @@ import kdsl
 import reference_gptq as ref
 from kdsl.codegen.render import tile_params
 from kdsl.ops import gptq_prepare
+from kdsl.ops.gptq_prepare import checkpoint_rows, pack_planes, unpack_planes
 from kdsl.schema.tiling import Tile
 
 TOL = 1e-2
 CASES = [(g, mode) for g in (32, 64, 128, -1) for mode in ("none", "perm", "random") if not (g == -1 and mode == "random")]
+
+
+# The arch each weight layout's variant is selected for.
+LAYOUT_ARCH = {"checkpoint": "sm_89", "k_planes": "sm_90"}
+
+
+@pytest.fixture(params=list(LAYOUT_ARCH))
+def weights_layout(request, monkeypatch):
+    """Select the prepared variant that reads this weight layout, through KDSL_ARCH."""
+    monkeypatch.setenv("KDSL_ARCH", LAYOUT_ARCH[request.param])
+    kdsl.registry.reset()
+    yield request.param
+    kdsl.registry.reset()
 
 
 def _prepare(ck, group_size, fmt):
@@ -33,15 +49,15 @@ def _ref(x, ck, group_size, fmt):
 
 @pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
 @pytest.mark.parametrize("group_size, g_idx", CASES)
-def test_prepared_layout_round_trip(fmt, group_size, g_idx):
+def test_prepared_layout_round_trip(fmt, group_size, g_idx, weights_layout):
     """Read the prepared tensors back by the layout's rules and recover the checkpoint's integers."""
     ck = ref.make_checkpoint(256, 40, group_size=group_size, checkpoint_format=fmt, g_idx=g_idx)
     prepared = _prepare(ck, group_size, fmt)
-    assert prepared.layout == {"zeros": "biased"}
+    assert prepared.layout == {"zeros": "biased", "weights": weights_layout}
     perm = torch.arange(256) if prepared.perm is None else prepared.perm.long()
     groups = ref.default_g_idx(256, group_size) if ck["g_idx"] is None else ck["g_idx"]
     # Prepared row k is the checkpoint's input row perm[k], and its group is that row's group.
-    assert torch.equal(ref.unpack_qweight(prepared.qweight), ck["q"][perm])
+    assert torch.equal(ref.unpack_qweight(checkpoint_rows(prepared)), ck["q"][perm])
     assert torch.equal(prepared.groups.long(), groups.long()[perm])
     assert torch.equal(prepared.groups, torch.sort(groups.to(torch.int32)).values)
     # Zeros: the real zero plus the kernel's magic bias, exactly, in the scales' dtype.
@@ -57,7 +73,7 @@ def test_prepared_layout_round_trip(fmt, group_size, g_idx):
 @pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
 @pytest.mark.parametrize("group_size, g_idx", CASES)
 @pytest.mark.parametrize("m", [1, 5, 33, 70])
-def test_prepared_gemm_matches_reference_and_raw(fmt, group_size, g_idx, m):
+def test_prepared_gemm_matches_reference_and_raw(fmt, group_size, g_idx, m, weights_layout):
     ck = ref.make_checkpoint(256, 80, group_size=group_size, checkpoint_format=fmt, g_idx=g_idx)
     prepared = _prepare(ck, group_size, fmt)
     x = torch.randn(m, 256).half()
@@ -90,11 +106,45 @@ def test_gemv_tile_over_many_k_blocks(group_size, g_idx, block_k, split_k, dtype
     ck = ref.make_checkpoint(k, n, group_size=group_size, checkpoint_format="gptq", g_idx=g_idx, scale_dtype=dtype)
     prepared = _prepare(ck, group_size, "gptq")
     x = torch.randn(1, k).to(dtype)
-    entry = kdsl.registry.select("gptq_gemm_prepared", prepared.scheme, arch="sm_90")
+    entry = kdsl.registry.select("gptq_gemm_prepared", prepared.scheme, arch="sm_89")
     y = torch.full((1, n), float("nan"), dtype=dtype)
     entry.launch(x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
                  prepared.contiguous_groups, y, _tile(1, 64, block_k, split_k))
     assert ref.rel_fro_error(y, _ref(x, ck, group_size, "gptq")) < TOL
+
+
+def test_planes_layout_words():
+    """k_planes: word (n, kk) of tile (nt, kt) holds row 128 kt + 16 j + kk of column 128 nt + n in
+    nibble j; K and N pad with zeros to whole 128 x 128 tiles; unpack_planes inverts it."""
+    q = torch.randint(0, 16, (200, 300))
+    words = pack_planes(q)
+    assert words.shape == (3, 2, 128, 16) and words.dtype == torch.int32
+    for nt, kt, n, kk, j in [(0, 0, 0, 0, 0), (1, 0, 5, 3, 7), (2, 1, 43, 15, 4), (0, 1, 127, 0, 2)]:
+        row, col = 128 * kt + 16 * j + kk, 128 * nt + n
+        expected = int(q[row, col]) if row < 200 and col < 300 else 0
+        assert (int(words[nt, kt, n, kk]) >> (4 * j)) & 15 == expected
+    assert torch.equal(unpack_planes(words, 200, 300), q.to(torch.int32))
+
+
+@pytest.mark.parametrize("k, n, group_size, g_idx", [
+    (640, 200, 128, "none"),   # N not whole tiles; one group per tile: the half2-free uniform path
+    (640, 200, 64, "perm"),    # act-order: one group per plane
+    (640, 200, 32, "random"),  # groups of unequal size: a group per row
+    (192, 136, 64, "none"),    # K not whole tiles either: padded rows take the last group
+    (192, 136, 32, "random"),
+    (192, 136, -1, "none"),
+])
+@pytest.mark.parametrize("m", [1, 5, 33, 70])
+def test_planes_layout_ragged_shapes(k, n, group_size, g_idx, m, monkeypatch):
+    """The Hopper variant's k_planes kernels (GEMV and MMA) on padded tiles, through the interpreter."""
+    monkeypatch.setenv("KDSL_ARCH", "sm_90")
+    kdsl.registry.reset()
+    ck = ref.make_checkpoint(k, n, group_size=group_size, checkpoint_format="gptq", g_idx=g_idx)
+    prepared = _prepare(ck, group_size, "gptq")
+    assert prepared.layout["weights"] == "k_planes"
+    x = torch.randn(m, k).half()
+    assert ref.rel_fro_error(kdsl.ops.gptq_gemm(x, prepared), _ref(x, ck, group_size, "gptq")) < TOL
+    kdsl.registry.reset()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -183,7 +233,7 @@ def test_packed_zeros_layout(tmp_path, monkeypatch):
     kdsl.registry.reset()
     ck = ref.make_checkpoint(256, 80, group_size=32, checkpoint_format="gptq", g_idx="perm")
     prepared = _prepare(ck, 32, "gptq")
-    assert prepared.layout == {"zeros": "packed"}
+    assert prepared.layout == {"zeros": "packed", "weights": "checkpoint"}
     assert torch.equal(prepared.zeros, ck["qzeros"])
     for m in (1, 33, 70):
         x = torch.randn(m, 256).half()

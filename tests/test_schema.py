@@ -509,6 +509,35 @@ def test_layout_values_are_checked(tmp_path):
     assert "layout.zeros" in message and "biased" in message
 
 
+def test_k_planes_layout_takes_biased_zeros(tmp_path):
+    path = _write(tmp_path, GPTQ_SCHEME + """
+        [[variants]]
+        op = "gptq_gemm_prepared"
+        impl = "splitk"
+        min_arch = "sm_90"
+        layout = { zeros = "packed", weights = "k_planes" }
+        tiles = [{ block_m = 16, block_k = 128 }]
+    """)
+    message = _load_error(path)
+    assert "variants[0].layout" in message and 'zeros = "biased"' in message
+
+
+def test_k_planes_tiles_match_the_plane_tile(tmp_path):
+    variant = """
+        [[variants]]
+        op = "gptq_gemm_prepared"
+        impl = "splitk"
+        min_arch = "sm_90"
+        layout = {{ zeros = "biased", weights = "k_planes" }}
+        tiles = [{{ m_max = 1, block_m = 1, block_n = 64, block_k = 128 }}, {{ block_m = 64, {rest} }}]
+    """
+    load_definition(_write(tmp_path, GPTQ_SCHEME + variant.format(rest="block_n = 128, block_k = 128"), name="ok.toml"))
+    message = _load_error(_write(tmp_path, GPTQ_SCHEME + variant.format(rest="block_n = 256, block_k = 64"),
+                                 name="bad.toml"))
+    assert "variants[0].tiles[1].block_k: 64" in message and "block_k = 128" in message
+    assert "variants[0].tiles[1].block_n: 256" in message and "128 columns" in message
+
+
 def test_mma_tile_below_16_rows_rejected(tmp_path):
     path = _write(tmp_path, GPTQ_SCHEME + """
         [[variants]]

@@ -27,6 +27,7 @@ from kdsl.ops.gptq_checkpoint import (
     unpack_zeros,
 )
 from kdsl.runtime import registry
+from kdsl.schema.layout import PLANE_TILE_K, PLANE_TILE_N
 
 PREPARED_OP = "gptq_gemm_prepared"
 
@@ -35,7 +36,9 @@ PREPARED_OP = "gptq_gemm_prepared"
 class GPTQPrepared:
     """Weights of one GPTQ linear layer, ready for `kdsl.ops.gptq_gemm(x, prepared)`.
 
-    qweight int32 [K / 8, N], rows in prepared order (row k holds input column perm[k]);
+    qweight, rows in prepared order (row k holds input column perm[k]): int32 [K / 8, N] in the
+    "checkpoint" weights layout, or int32 [N tiles, K tiles, PLANE_TILE_N, 16] in "k_planes"
+    (see `pack_planes`);
     zeros [G, N] in `dtype` (layout zeros="biased": zero + the kernel's magic bias) or int32
     [G, N / 8] (zeros="packed", as the checkpoint stores them); scales [G, N] in `dtype`;
     groups int32 [K], the group of each prepared row; perm int32 [K] or None when the
@@ -92,12 +95,50 @@ def gptq_prepare(
         zeros = (unpack_zeros(qzeros, bits, ZERO_OFFSET[checkpoint_format]) + zero_bias).to(scales.dtype).contiguous()
     else:
         zeros = qzeros.contiguous()
+    if layout.get("weights") == "k_planes":
+        packed = pack_planes(q.to(torch.int64))
+    else:
+        packed = pack_rows(q.to(torch.int64), bits) if perm is not None else qweight.contiguous()
     return GPTQPrepared(
         scheme=scheme, bits=bits, zero_offset=ZERO_OFFSET[checkpoint_format], layout=layout, dtype=scales.dtype, k=k, n=n,
-        qweight=pack_rows(q.to(torch.int64), bits) if perm is not None else qweight.contiguous(),
+        qweight=packed,
         zeros=zeros, scales=scales.contiguous(), groups=row_groups.contiguous(), perm=perm,
         contiguous_groups=contiguous, zero_bias=zero_bias,
     )
+
+
+PLANE_ROWS = PLANE_TILE_K // 8  # rows kk of one plane; a word holds one row of each of the 8 planes
+
+
+def pack_planes(q: torch.Tensor) -> torch.Tensor:
+    """q int64 [K, N] in [0, 16) -> int32 [N tiles, K tiles, PLANE_TILE_N, PLANE_ROWS], the "k_planes" layout.
+
+    Word (n, kk) of tile (nt, kt) holds row kt * PLANE_TILE_K + 16 j + kk of column nt * PLANE_TILE_N + n
+    in nibble j. K and N are padded with zeros to whole tiles.
+    """
+    k, n = q.shape
+    k_tiles, n_tiles = -(-k // PLANE_TILE_K), -(-n // PLANE_TILE_N)
+    padded = torch.zeros(k_tiles * PLANE_TILE_K, n_tiles * PLANE_TILE_N, dtype=torch.int64, device=q.device)
+    padded[:k, :n] = q
+    planes = padded.view(k_tiles, 8, PLANE_ROWS, n_tiles, PLANE_TILE_N).permute(3, 0, 4, 2, 1)  # [nt, kt, n, kk, j]
+    shifts = torch.arange(8, device=q.device, dtype=torch.int64) * 4
+    words = (planes << shifts).sum(dim=-1)
+    return (words - ((words >> 31) << 32)).to(torch.int32).contiguous()
+
+
+def unpack_planes(words: torch.Tensor, k: int, n: int) -> torch.Tensor:
+    """pack_planes' inverse: int32 [N tiles, K tiles, PLANE_TILE_N, PLANE_ROWS] -> int32 [k, n]."""
+    n_tiles, k_tiles = words.shape[:2]
+    shifts = torch.arange(8, device=words.device, dtype=torch.int32) * 4
+    q = (words.unsqueeze(-1) >> shifts) & 15  # [nt, kt, n, kk, j]
+    return q.permute(1, 4, 3, 0, 2).reshape(k_tiles * PLANE_TILE_K, n_tiles * PLANE_TILE_N)[:k, :n]
+
+
+def checkpoint_rows(prepared: GPTQPrepared) -> torch.Tensor:
+    """The prepared weights as int32 [K / 8, N] words in prepared row order, whatever the layout."""
+    if prepared.layout.get("weights") == "k_planes":
+        return pack_rows(unpack_planes(prepared.qweight, prepared.k, prepared.n).to(torch.int64), prepared.bits)
+    return prepared.qweight
 
 
 def gemm_prepared(x: torch.Tensor, prepared: GPTQPrepared) -> torch.Tensor:
@@ -119,7 +160,7 @@ def gemm_prepared(x: torch.Tensor, prepared: GPTQPrepared) -> torch.Tensor:
     if not check.use_kernels(device):
         zeros = (prepared.zeros.float() - prepared.zero_bias if prepared.layout["zeros"] == "biased"
                  else unpack_zeros(prepared.zeros, prepared.bits, prepared.zero_offset))
-        return fallback.gptq_gemm_sorted(x2, prepared.qweight, zeros, prepared.scales, prepared.groups,
+        return fallback.gptq_gemm_sorted(x2, checkpoint_rows(prepared), zeros, prepared.scales, prepared.groups,
                                          prepared.perm, prepared.bits).view(y.shape)
     entry = registry.dispatch(PREPARED_OP, prepared.scheme, device)
     if entry.layout != prepared.layout:

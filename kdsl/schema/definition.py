@@ -11,6 +11,7 @@ from kdsl.naming import format_arch
 from kdsl.schema._base import StrictModel
 from kdsl.schema.arch import archs_in_range
 from kdsl.schema.catalogue import BASE_KNOBS, KernelImpl, find_impl, ops_of_family
+from kdsl.schema.layout import PLANE_TILE_K, PLANE_TILE_N
 from kdsl.schema.scheme import BlockFP8, Scheme
 from kdsl.schema.tiling import Tile, Variant
 
@@ -104,6 +105,13 @@ def _tile_problems(tile_where: str, variant: Variant, impl: KernelImpl, scheme, 
         # atomics so that its counters are left non-zero, and every later split-K launch is wrong.
         problems.append(f"{tile_where}.warp_specialize: cannot be combined with split_k = {tile.split_k} "
                         "(Triton's warp-specialized loop leaves the split-K counters dirty); use one or the other")
+    if getattr(variant.layout, "weights", None) == "k_planes":
+        if tile.block_k != PLANE_TILE_K:
+            problems.append(f"{tile_where}.block_k: {tile.block_k}; the k_planes layout's tiles take "
+                            f"block_k = {PLANE_TILE_K}")
+        if PLANE_TILE_N % tile.block_n:
+            problems.append(f"{tile_where}.block_n: {tile.block_n} does not divide the k_planes layout's "
+                            f"{PLANE_TILE_N} columns per tile")
     if impl.family == "gptq" and "block_k" in impl.knobs and tile.block_k < scheme.pack_factor:
         problems.append(f"{tile_where}.block_k: {tile.block_k} is smaller than one packed int32 ({scheme.pack_factor} rows)")
     need = impl.shared_bytes(scheme, tile)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kdsl.schema._base import StrictModel
 
@@ -29,6 +29,28 @@ class GPTQLayout(StrictModel):
         ),
     )
 
+    weights: Literal["checkpoint", "k_planes"] = Field(
+        "checkpoint",
+        description=(
+            "checkpoint: int32 [K / 8, N], eight consecutive K rows per word, as GPTQ ships them; "
+            "k_planes: tiles of PLANE_TILE_N columns x PLANE_TILE_K rows, each PLANE_TILE_N * 16 "
+            "contiguous words [column, kk] whose nibble j is row 16 j + kk of the tile, so nibble "
+            "plane j of a tile is a [columns, 16] operand that dequantizes element-wise straight "
+            "into the MMA's registers (no shared-memory round trip); K and N padded to whole tiles"
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _planes_want_biased_zeros(self) -> "GPTQLayout":
+        if self.weights == "k_planes" and self.zeros != "biased":
+            raise ValueError('weights = "k_planes" dequantizes each plane element-wise and takes zeros = "biased"')
+        return self
+
     def key(self) -> str:
         """Readable identity, stamped on prepared weights and checked at launch."""
-        return f"zeros={self.zeros}"
+        return f"zeros={self.zeros},weights={self.weights}"
+
+
+# Tile of the "k_planes" weights: 128 columns by 8 planes of 16 rows.
+PLANE_TILE_N = 128
+PLANE_TILE_K = 128
