@@ -135,16 +135,14 @@ def test_planes_layout_words():
     (192, 136, -1, "none"),
 ])
 @pytest.mark.parametrize("m", [1, 5, 33, 70])
-def test_planes_layout_ragged_shapes(k, n, group_size, g_idx, m, monkeypatch):
+@pytest.mark.parametrize("weights_layout", ["k_planes"], indirect=True)
+def test_planes_layout_ragged_shapes(k, n, group_size, g_idx, m, weights_layout):
     """The Hopper variant's k_planes kernels (GEMV and MMA) on padded tiles, through the interpreter."""
-    monkeypatch.setenv("KDSL_ARCH", "sm_90")
-    kdsl.registry.reset()
     ck = ref.make_checkpoint(k, n, group_size=group_size, checkpoint_format="gptq", g_idx=g_idx)
     prepared = _prepare(ck, group_size, "gptq")
     assert prepared.layout["weights"] == "k_planes"
     x = torch.randn(m, k).half()
     assert ref.rel_fro_error(kdsl.ops.gptq_gemm(x, prepared), _ref(x, ck, group_size, "gptq")) < TOL
-    kdsl.registry.reset()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
