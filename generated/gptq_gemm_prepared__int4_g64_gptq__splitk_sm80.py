@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g64_gptq__splitk_sm80 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV)
 # scheme: gptq.int4.g64.gptq
 # arch: sm_80 and up
-# digest: 49adaec4c4ef2c9f (sha256 of the definition file and the templates)
+# digest: b10579f0be4e4f68 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -20,8 +20,12 @@ ZERO_OFFSET = tl.constexpr(1)
 #   scales [G, N] in the activation dtype
 
 
-# Rows between nibble j and j + 1 of one word.
-NIBBLE_STRIDE = tl.constexpr(1)
+
+
+@triton.jit
+def _nibble_rows(j):
+    """The row of nibble j of a word, counted from the row of its nibble 0 (j may be a tensor)."""
+    return j
 
 
 @triton.jit
@@ -150,17 +154,28 @@ mov.b32 {$3, $7}, t3;
 
 
 @triton.jit
+def _nibbles_asm(packed, scale, zero):
+    """int32 words and their scale and biased zero (all one shape) -> nibbles 0..7 of each word as
+    eight tensors of weights in scale's dtype."""
+    dt = scale.dtype
+    return tl.inline_asm_elementwise(
+        _UNPACK_FP16 if dt == tl.float16 else _UNPACK_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
+        [packed, scale, zero], dtype=(dt, dt, dt, dt, dt, dt, dt, dt), is_pure=True, pack=1)
+
+
+@triton.jit
+def _stack_nibbles(w0, w1, w2, w3, w4, w5, w6, w7):
+    """Eight tensors of one shape S -> [*S, 2, 2, 2] whose trailing flat index j holds w_j."""
+    # join stacks along a new last axis, so the innermost join is j's highest bit.
+    return tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))
+
+
+@triton.jit
 def _unpack_asm(packed, scale, zero):
     """[R, C] int32, [R, C] scale and biased zero -> [R * PACK, C] weights in scale's dtype
     (row r * PACK + j is nibble j of packed[r])."""
-    dt = scale.dtype
-    w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
-        _UNPACK_FP16 if dt == tl.float16 else _UNPACK_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
-        [packed, scale, zero], dtype=(dt, dt, dt, dt, dt, dt, dt, dt), is_pure=True, pack=1)
-    # join stacks along a new last axis; nesting it so the flat index of the trailing 2x2x2 is j.
-    evens = tl.join(tl.join(w0, w4), tl.join(w2, w6))
-    odds = tl.join(tl.join(w1, w5), tl.join(w3, w7))
-    w = tl.reshape(tl.join(evens, odds), (packed.shape[0], packed.shape[1], PACK))
+    w0, w1, w2, w3, w4, w5, w6, w7 = _nibbles_asm(packed, scale, zero)
+    w = tl.reshape(_stack_nibbles(w0, w1, w2, w3, w4, w5, w6, w7), (packed.shape[0], packed.shape[1], PACK))
     return tl.reshape(tl.permute(w, (0, 2, 1)), (packed.shape[0] * PACK, packed.shape[1]))
 
 
@@ -293,7 +308,7 @@ def _word_rows(k_block, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _x_words(x_row, perm_ptr, offs_r, K, HAS_PERM: tl.constexpr):
-    """x at rows offs_r + j * NIBBLE_STRIDE for j < PACK: [len(offs_r), PACK], the rows of each word's nibbles."""
+    """x at the rows of each word's nibbles j < PACK (offs_r holds nibble 0's): [len(offs_r), PACK]."""
     k = offs_r[:, None] + tl.arange(0, PACK)[None, :]
     cols = tl.load(perm_ptr + k, mask=k < K, other=0) if HAS_PERM else k
     return tl.load(x_row + cols, mask=k < K, other=0.0)
@@ -301,7 +316,7 @@ def _x_words(x_row, perm_ptr, offs_r, K, HAS_PERM: tl.constexpr):
 
 @triton.jit
 def _x_planes(x_row, perm_ptr, offs_r, K, HAS_PERM: tl.constexpr):
-    """x at rows offs_r + j for j < PACK, as 8 fp32 vectors split in registers.
+    """x at the rows of nibbles j < PACK of each word, as 8 fp32 vectors split in registers.
     Returned nested as planes[j % 2 + 2 * (j // 2 % 2)][j // 4], the order tl.split yields them."""
     x = tl.reshape(_x_words(x_row, perm_ptr, offs_r, K, HAS_PERM).to(tl.float32), (offs_r.shape[0], 2, 2, 2))
     even, odd = tl.split(x)  # on j's lowest bit
@@ -318,7 +333,7 @@ def _half2_bits(lo, hi):
 
 @triton.jit
 def _x_half2_pairs(x_row, perm_ptr, offs_r, K, x_scale, HAS_PERM: tl.constexpr):
-    """x * x_scale at rows offs_r + j as four half2 vectors (x_j, x_{j+4}), j < 4: the pairs LOP3 unpacks."""
+    """x * x_scale at the rows of nibbles j and j + 4 as four half2 vectors, j < 4: the pairs LOP3 unpacks."""
     rows: tl.constexpr = offs_r.shape[0]
     x = (_x_words(x_row, perm_ptr, offs_r, K, HAS_PERM).to(tl.float32) * x_scale).to(tl.float16)
     lo, hi = tl.split(tl.permute(tl.reshape(x, (rows, 2, 4)), (0, 2, 1)))
@@ -439,7 +454,7 @@ def _gemv(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, row, cols, K, first, las
             for j in tl.static_range(PACK):
                 x = x_planes[j % 2 + 2 * (j // 2 % 2)][j // 4][:, None]
                 if per_row_groups:
-                    nibble_rows = offs_r + j * NIBBLE_STRIDE
+                    nibble_rows = offs_r + _nibble_rows(j)
                     group = tl.load(g_ptr + nibble_rows, mask=nibble_rows < K, other=0).to(tl.int64)[:, None]
                     scale, zero = _load_group_rows(z_ptr, s_ptr, group, cols[None, :], stride_zg, stride_sg)
                     zero = _f32_magic_zero(zero, cols, MAGIC_BIAS)

@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g64_gptq__splitk_sm90 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV)
 # scheme: gptq.int4.g64.gptq
 # arch: sm_90 .. sm_90
-# digest: 49adaec4c4ef2c9f (sha256 of the definition file and the templates)
+# digest: b10579f0be4e4f68 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -16,8 +16,9 @@ GROUP_SIZE = tl.constexpr(64)
 ZERO_OFFSET = tl.constexpr(1)
 # Prepared layout, as the definition declares it:
 #   qweight int32 [N / PLANE_TILE_N, K / PLANE_TILE_K, PLANE_TILE_N, PLANE_ROWS] (padded to whole tiles):
-#   word (n, kk) of a tile holds its row PLANE_ROWS * j + kk in nibble j, so nibble plane j is a
-#   [columns, PLANE_ROWS] MMA operand; K sorted by group (act-order resolved once, x gathered through perm)
+#   word (n, kk) of a tile holds its rows PAIR_SPAN * p + 2 kk and the next in nibbles p and p + 4
+#   (p < 4): the half2 LOP3 makes of those two nibbles is a pair of adjacent K in the MMA operand;
+#   K sorted by group (act-order resolved once, x gathered through perm)
 #   zeros [G, N] in the activation dtype, holding zero + MAGIC_BIAS (see _dequant_prepared)
 #   scales [G, N] in the activation dtype
 
@@ -25,8 +26,14 @@ ZERO_OFFSET = tl.constexpr(1)
 PLANE_TILE_N = tl.constexpr(128)
 PLANE_TILE_K = tl.constexpr(128)
 PLANE_ROWS = tl.constexpr(16)
-# Rows between nibble j and j + 1 of one word.
-NIBBLE_STRIDE = tl.constexpr(16)
+# Rows the nibble pair (p, p + 4) covers over one column's PLANE_ROWS words.
+PAIR_SPAN = tl.constexpr(32)
+
+
+@triton.jit
+def _nibble_rows(j):
+    """The row of nibble j of a word, counted from the row of its nibble 0 (j may be a tensor)."""
+    return (j % 4) * PAIR_SPAN + j // 4
 
 
 @triton.jit
@@ -155,17 +162,28 @@ mov.b32 {$3, $7}, t3;
 
 
 @triton.jit
+def _nibbles_asm(packed, scale, zero):
+    """int32 words and their scale and biased zero (all one shape) -> nibbles 0..7 of each word as
+    eight tensors of weights in scale's dtype."""
+    dt = scale.dtype
+    return tl.inline_asm_elementwise(
+        _UNPACK_FP16 if dt == tl.float16 else _UNPACK_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
+        [packed, scale, zero], dtype=(dt, dt, dt, dt, dt, dt, dt, dt), is_pure=True, pack=1)
+
+
+@triton.jit
+def _stack_nibbles(w0, w1, w2, w3, w4, w5, w6, w7):
+    """Eight tensors of one shape S -> [*S, 2, 2, 2] whose trailing flat index j holds w_j."""
+    # join stacks along a new last axis, so the innermost join is j's highest bit.
+    return tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))
+
+
+@triton.jit
 def _unpack_asm(packed, scale, zero):
     """[R, C] int32, [R, C] scale and biased zero -> [R * PACK, C] weights in scale's dtype
     (row r * PACK + j is nibble j of packed[r])."""
-    dt = scale.dtype
-    w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
-        _UNPACK_FP16 if dt == tl.float16 else _UNPACK_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
-        [packed, scale, zero], dtype=(dt, dt, dt, dt, dt, dt, dt, dt), is_pure=True, pack=1)
-    # join stacks along a new last axis; nesting it so the flat index of the trailing 2x2x2 is j.
-    evens = tl.join(tl.join(w0, w4), tl.join(w2, w6))
-    odds = tl.join(tl.join(w1, w5), tl.join(w3, w7))
-    w = tl.reshape(tl.join(evens, odds), (packed.shape[0], packed.shape[1], PACK))
+    w0, w1, w2, w3, w4, w5, w6, w7 = _nibbles_asm(packed, scale, zero)
+    w = tl.reshape(_stack_nibbles(w0, w1, w2, w3, w4, w5, w6, w7), (packed.shape[0], packed.shape[1], PACK))
     return tl.reshape(tl.permute(w, (0, 2, 1)), (packed.shape[0] * PACK, packed.shape[1]))
 
 
@@ -305,21 +323,21 @@ def _gemv_weights(qw_ptr, z_ptr, s_ptr, k_block, cols, K, stride_qwk, stride_zg,
 @triton.jit
 def _word_rows(k_block, BLOCK_K: tl.constexpr):
     """The row of nibble 0 of each word of K block k_block, in the order the GEMV loads them."""
-    return k_block * BLOCK_K + tl.arange(0, PLANE_ROWS)
+    return k_block * BLOCK_K + 2 * tl.arange(0, PLANE_ROWS)
 
 
 @triton.jit
 def _x_words(x_row, perm_ptr, offs_r, K, HAS_PERM: tl.constexpr):
-    """x at rows offs_r + j * NIBBLE_STRIDE for j < PACK: [len(offs_r), PACK], the rows of each word's nibbles."""
-    # Loaded plane by plane (each a contiguous run of rows), then transposed in registers.
-    k = offs_r[None, :] + tl.arange(0, PACK)[:, None] * NIBBLE_STRIDE
+    """x at the rows of each word's nibbles j < PACK (offs_r holds nibble 0's): [len(offs_r), PACK]."""
+    # Loaded plane by plane, then transposed in registers.
+    k = offs_r[None, :] + _nibble_rows(tl.arange(0, PACK))[:, None]
     cols = tl.load(perm_ptr + k, mask=k < K, other=0) if HAS_PERM else k
     return tl.trans(tl.load(x_row + cols, mask=k < K, other=0.0))
 
 
 @triton.jit
 def _x_planes(x_row, perm_ptr, offs_r, K, HAS_PERM: tl.constexpr):
-    """x at rows offs_r + j for j < PACK, as 8 fp32 vectors split in registers.
+    """x at the rows of nibbles j < PACK of each word, as 8 fp32 vectors split in registers.
     Returned nested as planes[j % 2 + 2 * (j // 2 % 2)][j // 4], the order tl.split yields them."""
     x = tl.reshape(_x_words(x_row, perm_ptr, offs_r, K, HAS_PERM).to(tl.float32), (offs_r.shape[0], 2, 2, 2))
     even, odd = tl.split(x)  # on j's lowest bit
@@ -336,7 +354,7 @@ def _half2_bits(lo, hi):
 
 @triton.jit
 def _x_half2_pairs(x_row, perm_ptr, offs_r, K, x_scale, HAS_PERM: tl.constexpr):
-    """x * x_scale at rows offs_r + j as four half2 vectors (x_j, x_{j+4}), j < 4: the pairs LOP3 unpacks."""
+    """x * x_scale at the rows of nibbles j and j + 4 as four half2 vectors, j < 4: the pairs LOP3 unpacks."""
     rows: tl.constexpr = offs_r.shape[0]
     x = (_x_words(x_row, perm_ptr, offs_r, K, HAS_PERM).to(tl.float32) * x_scale).to(tl.float16)
     lo, hi = tl.split(tl.permute(tl.reshape(x, (rows, 2, 4)), (0, 2, 1)))
@@ -457,7 +475,7 @@ def _gemv(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, row, cols, K, first, las
             for j in tl.static_range(PACK):
                 x = x_planes[j % 2 + 2 * (j // 2 % 2)][j // 4][:, None]
                 if per_row_groups:
-                    nibble_rows = offs_r + j * NIBBLE_STRIDE
+                    nibble_rows = offs_r + _nibble_rows(j)
                     group = tl.load(g_ptr + nibble_rows, mask=nibble_rows < K, other=0).to(tl.int64)[:, None]
                     scale, zero = _load_group_rows(z_ptr, s_ptr, group, cols[None, :], stride_zg, stride_sg)
                     zero = _f32_magic_zero(zero, cols, MAGIC_BIAS)
@@ -481,20 +499,20 @@ def _gemv(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, row, cols, K, first, las
 def _plane(packed, j: tl.constexpr, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg,
            dtype: tl.constexpr, UNIFORM_GROUP: tl.constexpr, WORD_GROUPS: tl.constexpr,
            MAGIC_BITS: tl.constexpr, MAGIC_BIAS: tl.constexpr, FP32_MATH: tl.constexpr):
-    """Nibble plane j of a [BLOCK_N, PLANE_ROWS] tile of words, dequantized: rows PLANE_ROWS * j + kk.
+    """Nibble plane j of a [BLOCK_N, PLANE_ROWS] tile of words, dequantized element-wise.
 
-    Element-wise on the words, so Triton loads them from shared memory straight into the MMA
-    operand's registers. Groups: the tile's (UNIFORM_GROUP), the plane's (WORD_GROUPS: contiguous
-    groups of at least PLANE_ROWS rows), or each row's through g_ptr.
+    Groups: the tile's (UNIFORM_GROUP), the plane's (WORD_GROUPS: contiguous groups of a multiple
+    of PAIR_SPAN rows), or each row's through g_ptr.
     """
     if not UNIFORM_GROUP:
         # Rows past K (tiles are padded) take the last row's group: their x is zero.
-        first_row = tl.minimum(k_block * PLANE_TILE_K + j * PLANE_ROWS, K - 1)
+        first_row = k_block * PLANE_TILE_K + _nibble_rows(j)
         if WORD_GROUPS:
-            scale, zero = _load_group_rows(z_ptr, s_ptr, first_row // GROUP_SIZE, cols, stride_zg, stride_sg)
+            scale, zero = _load_group_rows(z_ptr, s_ptr, tl.minimum(first_row, K - 1) // GROUP_SIZE, cols,
+                                           stride_zg, stride_sg)
             scale, zero = scale[:, None], zero[:, None]
         else:
-            rows = tl.minimum(first_row + tl.arange(0, PLANE_ROWS), K - 1)
+            rows = tl.minimum(first_row + 2 * tl.arange(0, PLANE_ROWS), K - 1)
             group = tl.load(g_ptr + rows).to(tl.int64)[None, :]
             scale, zero = _load_group_rows(z_ptr, s_ptr, group, cols[:, None], stride_zg, stride_sg)
     q = (packed >> (j * BITS)) & MAX_Q
@@ -506,12 +524,15 @@ def _planes_mma(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, rows, cols, K, fir
                 stride_xm, stride_zg, stride_sg,
                 HAS_PERM: tl.constexpr, UNIFORM_GROUP: tl.constexpr, WORD_GROUPS: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                MAGIC_BITS: tl.constexpr, MAGIC_BIAS: tl.constexpr, FP32_MATH: tl.constexpr):
+                MAGIC_BITS: tl.constexpr, MAGIC_BIAS: tl.constexpr, FP32_MATH: tl.constexpr,
+                ASM_DEQUANT: tl.constexpr):
     """[BLOCK_M, BLOCK_N] partial of y over K tiles [first, last), from k_planes weights.
 
-    y^T = w^T x^T, so the weights are the MMA's first operand, which Hopper reads from registers:
-    the eight dequantized planes, joined so that row 16 j + kk is natural K order, are already laid
-    out as that operand (no shared-memory round trip), and x^T comes from shared memory.
+    y^T = w^T x^T, so the weights are the MMA's first operand, which Hopper reads from registers.
+    Dequantizing is element-wise on the words, so Triton loads them from shared memory straight
+    into that operand's layout (no round trip); ASM_DEQUANT (one group per tile) makes each nibble
+    pair (p, p + 4) one half2 with LOP3, and that half2 is the operand's pair of adjacent K.
+    x^T comes from shared memory.
     """
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -526,25 +547,29 @@ def _planes_mma(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, rows, cols, K, fir
             scale, zero = scale[:, None], zero[:, None]
         else:
             scale, zero = 0.0, 0.0  # each plane loads its own
-        w0 = _plane(packed, 0, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg, dtype,
-                    UNIFORM_GROUP, WORD_GROUPS, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
-        w1 = _plane(packed, 1, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg, dtype,
-                    UNIFORM_GROUP, WORD_GROUPS, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
-        w2 = _plane(packed, 2, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg, dtype,
-                    UNIFORM_GROUP, WORD_GROUPS, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
-        w3 = _plane(packed, 3, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg, dtype,
-                    UNIFORM_GROUP, WORD_GROUPS, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
-        w4 = _plane(packed, 4, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg, dtype,
-                    UNIFORM_GROUP, WORD_GROUPS, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
-        w5 = _plane(packed, 5, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg, dtype,
-                    UNIFORM_GROUP, WORD_GROUPS, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
-        w6 = _plane(packed, 6, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg, dtype,
-                    UNIFORM_GROUP, WORD_GROUPS, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
-        w7 = _plane(packed, 7, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg, dtype,
-                    UNIFORM_GROUP, WORD_GROUPS, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
-        # Nested joins stack the planes on trailing axes whose flat index is j; then row = 16 j + kk.
-        w = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))
-        w = tl.reshape(tl.permute(tl.reshape(w, (BLOCK_N, PLANE_ROWS, PACK)), (0, 2, 1)), (BLOCK_N, BLOCK_K))
+        if ASM_DEQUANT:
+            w0, w1, w2, w3, w4, w5, w6, w7 = _nibbles_asm(packed, tl.broadcast_to(scale, packed.shape),
+                                                          tl.broadcast_to(zero, packed.shape))
+        else:
+            w0 = _plane(packed, 0, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg, dtype,
+                        UNIFORM_GROUP, WORD_GROUPS, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
+            w1 = _plane(packed, 1, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg, dtype,
+                        UNIFORM_GROUP, WORD_GROUPS, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
+            w2 = _plane(packed, 2, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg, dtype,
+                        UNIFORM_GROUP, WORD_GROUPS, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
+            w3 = _plane(packed, 3, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg, dtype,
+                        UNIFORM_GROUP, WORD_GROUPS, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
+            w4 = _plane(packed, 4, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg, dtype,
+                        UNIFORM_GROUP, WORD_GROUPS, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
+            w5 = _plane(packed, 5, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg, dtype,
+                        UNIFORM_GROUP, WORD_GROUPS, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
+            w6 = _plane(packed, 6, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg, dtype,
+                        UNIFORM_GROUP, WORD_GROUPS, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
+            w7 = _plane(packed, 7, scale, zero, z_ptr, s_ptr, g_ptr, k_block, cols, K, stride_zg, stride_sg, dtype,
+                        UNIFORM_GROUP, WORD_GROUPS, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
+        # Trailing flat index j = 4 h + p: row PAIR_SPAN * p + 2 kk + h, natural K order.
+        w = tl.reshape(_stack_nibbles(w0, w1, w2, w3, w4, w5, w6, w7), (BLOCK_N, PLANE_ROWS, 2, 4))
+        w = tl.reshape(tl.permute(w, (0, 3, 1, 2)), (BLOCK_N, BLOCK_K))
         x = _load_x(x_ptr, perm_ptr, rows, k_block * BLOCK_K + tl.arange(0, BLOCK_K), K, stride_xm, HAS_PERM)
         if FP32_MATH:
             acc += tl.dot(w.to(tl.float32), tl.trans(x).to(tl.float32))
@@ -593,7 +618,7 @@ def gptq_gemm_prepared__int4_g64_gptq__splitk_sm90(
     else:
         acc = _planes_mma(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, rows, cols, K, first, last,
                           stride_xm, stride_zg, stride_sg, HAS_PERM, UNIFORM_GROUP, WORD_GROUPS,
-                          BLOCK_M, BLOCK_N, BLOCK_K, MAGIC_BITS, MAGIC_BIAS, FP32_MATH)
+                          BLOCK_M, BLOCK_N, BLOCK_K, MAGIC_BITS, MAGIC_BIAS, FP32_MATH, ASM_DEQUANT)
 
     out_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -626,9 +651,9 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
     workspace, counters = (y, y) if split_k == 1 else _splitk_scratch(y.device, tiles, split_k, bm * bn)
     magic_bits, magic_bias = MAGIC[x.dtype]
     uniform = contiguous_groups and GROUP_SIZE.value % bk == 0  # every K tile inside one group
-    # Contiguous groups of at least one plane's rows: one group per plane (a word spans the tile).
-    word_groups = contiguous_groups and GROUP_SIZE.value % PLANE_ROWS.value == 0
-    asm = False  # planes dequantize element-wise
+    # Contiguous groups of whole nibble-pair spans: one group per plane (a word spans the tile).
+    word_groups = contiguous_groups and GROUP_SIZE.value % PAIR_SPAN.value == 0
+    asm = x.device.type == "cuda" and uniform
     half2 = bm == 1 and x.dtype == torch.float16 and x.device.type == "cuda" and uniform
     gptq_gemm_prepared__int4_g64_gptq__splitk_sm90[(tiles, split_k)](
         x, qweight if perm is None else perm, qweight, zeros, scales, groups,

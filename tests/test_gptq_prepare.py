@@ -114,13 +114,13 @@ def test_gemv_tile_over_many_k_blocks(group_size, g_idx, block_k, split_k, dtype
 
 
 def test_planes_layout_words():
-    """k_planes: word (n, kk) of tile (nt, kt) holds row 128 kt + 16 j + kk of column 128 nt + n in
-    nibble j; K and N pad with zeros to whole 128 x 128 tiles; unpack_planes inverts it."""
+    """k_planes: word (n, kk) of tile (nt, kt) holds row 128 kt + 32 p + 2 kk + h of column 128 nt + n
+    in nibble p + 4 h; K and N pad with zeros to whole 128 x 128 tiles; unpack_planes inverts it."""
     q = torch.randint(0, 16, (200, 300))
     words = pack_planes(q)
     assert words.shape == (3, 2, 128, 16) and words.dtype == torch.int32
-    for nt, kt, n, kk, j in [(0, 0, 0, 0, 0), (1, 0, 5, 3, 7), (2, 1, 43, 15, 4), (0, 1, 127, 0, 2)]:
-        row, col = 128 * kt + 16 * j + kk, 128 * nt + n
+    for nt, kt, n, kk, j in [(0, 0, 0, 0, 0), (1, 0, 5, 3, 7), (2, 1, 43, 15, 4), (0, 1, 127, 0, 2), (0, 0, 9, 6, 5)]:
+        row, col = 128 * kt + 32 * (j % 4) + 2 * kk + j // 4, 128 * nt + n
         expected = int(q[row, col]) if row < 200 and col < 300 else 0
         assert (int(words[nt, kt, n, kk]) >> (4 * j)) & 15 == expected
     assert torch.equal(unpack_planes(words, 200, 300), q.to(torch.int32))
@@ -129,6 +129,7 @@ def test_planes_layout_words():
 @pytest.mark.parametrize("k, n, group_size, g_idx", [
     (640, 200, 128, "none"),   # N not whole tiles; one group per tile: the half2-free uniform path
     (640, 200, 64, "perm"),    # act-order: one group per plane
+    (640, 200, 32, "none"),    # groups as long as one plane's rows span
     (640, 200, 32, "random"),  # groups of unequal size: a group per row
     (192, 136, 64, "none"),    # K not whole tiles either: padded rows take the last group
     (192, 136, 32, "random"),

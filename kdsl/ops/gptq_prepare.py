@@ -107,22 +107,25 @@ def gptq_prepare(
     )
 
 
-PLANE_ROWS = PLANE_TILE_K // 8  # rows kk of one plane; a word holds one row of each of the 8 planes
+PLANE_ROWS = PLANE_TILE_K // 8  # words per column of a tile; a word holds 8 of the column's rows
+PAIR_SPAN = 2 * PLANE_ROWS  # rows the nibble pair (p, p + 4) covers over one column's words
 
 
 def pack_planes(q: torch.Tensor) -> torch.Tensor:
     """q int64 [K, N] in [0, 16) -> int32 [N tiles, K tiles, PLANE_TILE_N, PLANE_ROWS], the "k_planes" layout.
 
-    Word (n, kk) of tile (nt, kt) holds row kt * PLANE_TILE_K + 16 j + kk of column nt * PLANE_TILE_N + n
-    in nibble j. K and N are padded with zeros to whole tiles.
+    Word (n, kk) of tile (nt, kt) holds, of column nt * PLANE_TILE_N + n, the rows
+    kt * PLANE_TILE_K + PAIR_SPAN * p + 2 kk + h in nibble p + 4 h (p < 4, h < 2): the two nibbles a
+    LOP3 turns into one half2 are adjacent rows. K and N are padded with zeros to whole tiles.
     """
     k, n = q.shape
     k_tiles, n_tiles = -(-k // PLANE_TILE_K), -(-n // PLANE_TILE_N)
     padded = torch.zeros(k_tiles * PLANE_TILE_K, n_tiles * PLANE_TILE_N, dtype=torch.int64, device=q.device)
     padded[:k, :n] = q
-    planes = padded.view(k_tiles, 8, PLANE_ROWS, n_tiles, PLANE_TILE_N).permute(3, 0, 4, 2, 1)  # [nt, kt, n, kk, j]
+    rows = padded.view(k_tiles, 4, PLANE_ROWS, 2, n_tiles, PLANE_TILE_N)  # [kt, p, kk, h, nt, n]
+    nibbles = rows.permute(4, 0, 5, 2, 3, 1).reshape(n_tiles, k_tiles, PLANE_TILE_N, PLANE_ROWS, 8)  # j = 4 h + p
     shifts = torch.arange(8, device=q.device, dtype=torch.int64) * 4
-    words = (planes << shifts).sum(dim=-1)
+    words = (nibbles << shifts).sum(dim=-1)
     return (words - ((words >> 31) << 32)).to(torch.int32).contiguous()
 
 
@@ -130,8 +133,9 @@ def unpack_planes(words: torch.Tensor, k: int, n: int) -> torch.Tensor:
     """pack_planes' inverse: int32 [N tiles, K tiles, PLANE_TILE_N, PLANE_ROWS] -> int32 [k, n]."""
     n_tiles, k_tiles = words.shape[:2]
     shifts = torch.arange(8, device=words.device, dtype=torch.int32) * 4
-    q = (words.unsqueeze(-1) >> shifts) & 15  # [nt, kt, n, kk, j]
-    return q.permute(1, 4, 3, 0, 2).reshape(k_tiles * PLANE_TILE_K, n_tiles * PLANE_TILE_N)[:k, :n]
+    nibbles = (words.unsqueeze(-1) >> shifts) & 15  # [nt, kt, n, kk, j]
+    rows = nibbles.view(n_tiles, k_tiles, PLANE_TILE_N, PLANE_ROWS, 2, 4).permute(1, 5, 3, 4, 0, 2)
+    return rows.reshape(k_tiles * PLANE_TILE_K, n_tiles * PLANE_TILE_N)[:k, :n]
 
 
 def checkpoint_rows(prepared: GPTQPrepared) -> torch.Tensor:
