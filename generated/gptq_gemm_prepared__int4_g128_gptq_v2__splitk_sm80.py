@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g128_gptq_v2__splitk_sm80 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV)
 # scheme: gptq.int4.g128.gptq_v2
 # arch: sm_80 and up
-# digest: 034342f9eb5cc857 (sha256 of the definition file and the templates)
+# digest: b581cbd2d95f54cf (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -16,7 +16,7 @@ GROUP_SIZE = tl.constexpr(128)
 ZERO_OFFSET = tl.constexpr(0)
 # Prepared layout, as the definition declares it:
 #   qweight int32 [K / PACK, N], K sorted by group (act-order resolved once, x gathered through perm)
-#   zeros [G, N] in the activation dtype, holding zero + MAGIC_BIAS (see _dequant_prepared)
+#   zeros [G, N] in the activation dtype, holding zero + MAGIC_BIAS (see _dequant)
 #   scales [G, N] in the activation dtype
 
 

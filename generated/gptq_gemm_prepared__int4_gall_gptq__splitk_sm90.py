@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_gall_gptq__splitk_sm90 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV)
 # scheme: gptq.int4.gall.gptq
 # arch: sm_90 .. sm_90
-# digest: 034342f9eb5cc857 (sha256 of the definition file and the templates)
+# digest: b581cbd2d95f54cf (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -19,8 +19,9 @@ ZERO_OFFSET = tl.constexpr(1)
 #   word (n, kk) of a tile holds its rows PAIR_SPAN * p + 2 kk and the next in nibbles p and p + 4
 #   (p < 4): the half2 LOP3 makes of those two nibbles is a pair of adjacent K in the MMA operand;
 #   K sorted by group (act-order resolved once, x gathered through perm)
-#   zeros [G, N] in the activation dtype, holding zero + MAGIC_BIAS (see _dequant_prepared)
-#   scales [G, N] in the activation dtype
+#   scales and zeros [G, N] in the activation dtype, zeros holding zero + MAGIC_BIAS (see _dequant),
+#   interleaved: (scale, zero) of one group and column is one 32-bit pair, scale in the low half
+#   (so both are views with column stride 2, and scales' pointer is the pairs')
 
 
 PLANE_TILE_N = tl.constexpr(128)
@@ -230,9 +231,10 @@ def _load_weight_tile(qw_ptr, z_ptr, s_ptr, g_ptr, k_block, cols, K,
 @triton.jit
 def _load_group_rows(z_ptr, s_ptr, group, cols, stride_zg, stride_sg):
     """Scales and zeros of `group` (a scalar or a column of groups) at `cols`."""
-    scale = tl.load(s_ptr + group * stride_sg + cols)
-    zero = tl.load(z_ptr + group * stride_zg + cols)
-    return scale, zero
+    # One 4-byte load per column; Triton pipelines it, where it leaves 2-byte loads synchronous.
+    pair = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + group * (stride_sg // 2) + cols)
+    dtype: tl.constexpr = s_ptr.dtype.element_ty
+    return (pair & 0xFFFF).to(tl.int16).to(dtype, bitcast=True), (pair >> 16).to(tl.int16).to(dtype, bitcast=True)
 
 
 @triton.jit
@@ -633,7 +635,7 @@ TILES = (
     (None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 2, 'num_warps': 8, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
 )
 
-LAYOUT = {'zeros': 'biased', 'weights': 'k_planes'}
+LAYOUT = {'zeros': 'paired', 'weights': 'k_planes'}
 # Bit patterns whose low mantissa bits take q directly, and the value they stand for.
 MAGIC = {torch.float16: (0x6400, 1024), torch.bfloat16: (0x4300, 128)}
 

@@ -26,6 +26,7 @@ CASES = [(g, mode) for g in (32, 64, 128, -1) for mode in ("none", "perm", "rand
 
 # The arch each weight layout's variant is selected for.
 LAYOUT_ARCH = {"checkpoint": "sm_89", "k_planes": "sm_90"}
+LAYOUT_ZEROS = {"checkpoint": "biased", "k_planes": "paired"}  # as each variant declares
 
 
 @pytest.fixture(params=list(LAYOUT_ARCH))
@@ -53,7 +54,7 @@ def test_prepared_layout_round_trip(fmt, group_size, g_idx, weights_layout):
     """Read the prepared tensors back by the layout's rules and recover the checkpoint's integers."""
     ck = ref.make_checkpoint(256, 40, group_size=group_size, checkpoint_format=fmt, g_idx=g_idx)
     prepared = _prepare(ck, group_size, fmt)
-    assert prepared.layout == {"zeros": "biased", "weights": weights_layout}
+    assert prepared.layout == {"zeros": LAYOUT_ZEROS[weights_layout], "weights": weights_layout}
     perm = torch.arange(256) if prepared.perm is None else prepared.perm.long()
     groups = ref.default_g_idx(256, group_size) if ck["g_idx"] is None else ck["g_idx"]
     # Prepared row k is the checkpoint's input row perm[k], and its group is that row's group.
@@ -64,6 +65,10 @@ def test_prepared_layout_round_trip(fmt, group_size, g_idx, weights_layout):
     assert prepared.zeros.dtype == ck["scales"].dtype
     assert torch.equal(prepared.zeros.float() - prepared.zero_bias, ck["zero"].float())
     assert torch.equal(prepared.scales, ck["scales"])
+    if prepared.layout["zeros"] == "paired":
+        # One 32-bit (scale, zero) per group and column: scale in the low half.
+        assert prepared.scales.stride() == prepared.zeros.stride() == (2 * 40, 2)
+        assert prepared.zeros.data_ptr() == prepared.scales.data_ptr() + prepared.scales.element_size()
     expected_contiguous = g_idx != "random"
     assert prepared.contiguous_groups == expected_contiguous
     if g_idx == "none" or group_size == -1:
@@ -147,7 +152,8 @@ def test_planes_layout_ragged_shapes(k, n, group_size, g_idx, m, weights_layout)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_prepared_gemm_dtypes_and_batch_dims(dtype):
+@pytest.mark.parametrize("weights_layout", ["checkpoint", "k_planes"], indirect=True)
+def test_prepared_gemm_dtypes_and_batch_dims(dtype, weights_layout):
     ck = ref.make_checkpoint(256, 40, group_size=64, checkpoint_format="gptq", g_idx="perm", scale_dtype=dtype)
     prepared = _prepare(ck, 64, "gptq")
     x = torch.randn(2, 3, 256).to(dtype)

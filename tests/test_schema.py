@@ -519,7 +519,20 @@ def test_k_planes_layout_takes_biased_zeros(tmp_path):
         tiles = [{ block_m = 16, block_k = 128 }]
     """)
     message = _load_error(path)
-    assert "variants[0].layout" in message and 'zeros = "biased"' in message
+    assert "variants[0].layout" in message and 'zeros = "biased" or "paired"' in message
+
+
+def test_paired_zeros_take_k_planes(tmp_path):
+    path = _write(tmp_path, GPTQ_SCHEME + """
+        [[variants]]
+        op = "gptq_gemm_prepared"
+        impl = "splitk"
+        min_arch = "sm_90"
+        layout = { zeros = "paired" }
+        tiles = [{ block_m = 16, block_k = 128 }]
+    """)
+    message = _load_error(path)
+    assert "variants[0].layout" in message and 'weights = "k_planes"' in message
 
 
 def test_k_planes_tiles_match_the_plane_tile(tmp_path):

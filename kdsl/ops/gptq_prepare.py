@@ -40,7 +40,8 @@ class GPTQPrepared:
     "checkpoint" weights layout, or int32 [N tiles, K tiles, PLANE_TILE_N, 16] in "k_planes"
     (see `pack_planes`);
     zeros [G, N] in `dtype` (layout zeros="biased": zero + the kernel's magic bias) or int32
-    [G, N / 8] (zeros="packed", as the checkpoint stores them); scales [G, N] in `dtype`;
+    [G, N / 8] (zeros="packed", as the checkpoint stores them); scales [G, N] in `dtype`
+    (zeros="paired": biased zeros and scales are views, column stride 2, of one [G, N, 2] tensor);
     groups int32 [K], the group of each prepared row; perm int32 [K] or None when the
     checkpoint's order is already sorted.
     """
@@ -89,10 +90,14 @@ def gptq_prepare(
     contiguous = torch.equal(row_groups, default_g_idx(k, group_size, device))
 
     zero_bias = 0
-    if layout["zeros"] == "biased":
+    scales = scales.contiguous()
+    if layout["zeros"] in ("biased", "paired"):
         # The kernel makes (bias + q) from q's bits and subtracts (bias + zero): both exact.
         zero_bias = entry.load().MAGIC[scales.dtype][1]
         zeros = (unpack_zeros(qzeros, bits, ZERO_OFFSET[checkpoint_format]) + zero_bias).to(scales.dtype).contiguous()
+        if layout["zeros"] == "paired":
+            pairs = torch.stack((scales, zeros), dim=-1)  # [G, N, 2]: one 32-bit (scale, zero) per column
+            scales, zeros = pairs[..., 0], pairs[..., 1]
     else:
         zeros = qzeros.contiguous()
     if layout.get("weights") == "k_planes":
@@ -102,7 +107,7 @@ def gptq_prepare(
     return GPTQPrepared(
         scheme=scheme, bits=bits, zero_offset=ZERO_OFFSET[checkpoint_format], layout=layout, dtype=scales.dtype, k=k, n=n,
         qweight=packed,
-        zeros=zeros, scales=scales.contiguous(), groups=row_groups.contiguous(), perm=perm,
+        zeros=zeros, scales=scales, groups=row_groups.contiguous(), perm=perm,
         contiguous_groups=contiguous, zero_bias=zero_bias,
     )
 
@@ -162,7 +167,7 @@ def gemm_prepared(x: torch.Tensor, prepared: GPTQPrepared) -> torch.Tensor:
         return y.zero_()
     x2 = check.rows(x, k)
     if not check.use_kernels(device):
-        zeros = (prepared.zeros.float() - prepared.zero_bias if prepared.layout["zeros"] == "biased"
+        zeros = (prepared.zeros.float() - prepared.zero_bias if prepared.layout["zeros"] != "packed"
                  else unpack_zeros(prepared.zeros, prepared.bits, prepared.zero_offset))
         return fallback.gptq_gemm_sorted(x2, checkpoint_rows(prepared), zeros, prepared.scales, prepared.groups,
                                          prepared.perm, prepared.bits).view(y.shape)

@@ -20,12 +20,15 @@ class GPTQLayout(StrictModel):
     columns inside the kernel), and scales are in the activation dtype.
     """
 
-    zeros: Literal["biased", "packed"] = Field(
+    zeros: Literal["biased", "packed", "paired"] = Field(
         "biased",
         description=(
             "biased: zeros unpacked to [G, N] in the activation dtype with the format's offset and "
             "the dequant's magic bias folded in (one subtract in the inner loop); "
-            "packed: qzeros as the checkpoint packs them (4 bits each, unpacked per tile)"
+            "packed: qzeros as the checkpoint packs them (4 bits each, unpacked per tile); "
+            "paired: biased zeros interleaved with the scales, one 32-bit (scale, zero) pair per group "
+            "and column, so a tile's scales and zeros are one load of 4 bytes per column, which "
+            "Triton pipelines (it leaves loads of under 4 bytes per thread synchronous); k_planes only"
         ),
     )
 
@@ -34,16 +37,19 @@ class GPTQLayout(StrictModel):
         description=(
             "checkpoint: int32 [K / 8, N], eight consecutive K rows per word, as GPTQ ships them; "
             "k_planes: tiles of PLANE_TILE_N columns x PLANE_TILE_K rows, each PLANE_TILE_N * 16 "
-            "contiguous words [column, kk] whose nibble j is row 16 j + kk of the tile, so nibble "
-            "plane j of a tile is a [columns, 16] operand that dequantizes element-wise straight "
-            "into the MMA's registers (no shared-memory round trip); K and N padded to whole tiles"
+            "contiguous words [column, kk] whose nibbles p and p + 4 (p < 4) are rows 32 p + 2 kk "
+            "and the next of the tile, so the half2 LOP3 makes of them is a pair of adjacent K in "
+            "the MMA operand, and the tile dequantizes element-wise straight into the MMA's "
+            "registers (no shared-memory round trip); K and N padded to whole tiles"
         ),
     )
 
     @model_validator(mode="after")
     def _planes_want_biased_zeros(self) -> "GPTQLayout":
-        if self.weights == "k_planes" and self.zeros != "biased":
-            raise ValueError('weights = "k_planes" dequantizes each plane element-wise and takes zeros = "biased"')
+        if self.weights == "k_planes" and self.zeros == "packed":
+            raise ValueError('weights = "k_planes" dequantizes element-wise and takes zeros = "biased" or "paired"')
+        if self.zeros == "paired" and self.weights != "k_planes":
+            raise ValueError('zeros = "paired" is read only by the weights = "k_planes" kernel')
         return self
 
     def key(self) -> str:
