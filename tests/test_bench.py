@@ -90,6 +90,17 @@ def test_bad_shape_file_names_file_and_key(tmp_path, doc, expected):
     assert str(info.value).startswith(path) and expected in str(info.value)
 
 
+def test_graph_timing_covers_small_m_and_every_gptq_gemm():
+    """CUDA-graph timing where launch overhead could hide the kernel, and at every M for
+    gptq_gemm, whose bar is stated on graph timing."""
+    from kdsl.bench.timing import graph_timed
+    assert graph_timed(Case("fp8_gemm", m=128, n=2112, k=7168))
+    assert not graph_timed(Case("fp8_gemm", m=512, n=2112, k=7168))
+    assert graph_timed(Case("gptq_gemm", m=256, n=4096, k=4096))
+    assert not graph_timed(Case("act_quant", m=4096, k=7168))
+
+
+
 def test_unknown_preset_or_missing_file():
     with pytest.raises(ShapeFileError, match="not a preset .*deepseek-v3.* and no such shape file"):
         resolve_shapes("deepseek-v4")

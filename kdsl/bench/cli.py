@@ -21,7 +21,8 @@ and check every kdsl result against an fp32 reference on fresh random data.
                   when kdsl.ops has gptq_prepare)
   gptq_dequant    vs a device copy of the same bytes and the torch expression (INT4 -> fp16)
 
-Times are medians of triton.testing.do_bench (L2 flushed), plus do_bench_cudagraph for M <= 128.
+Times are medians of triton.testing.do_bench (L2 flushed), plus do_bench_cudagraph for M <= 128
+(and for gptq_gemm at every M: its bar is on graph timing).
 Ratios are baseline time / kdsl time (> 1: kdsl faster). A result outside tolerance is marked
 WRONG and the command exits 1.
 

@@ -40,7 +40,7 @@ from kdsl.bench.results import ERROR, OK, UNAVAILABLE, WRONG, Result, Timing
 SCHEMA_VERSION = 1
 TIMING_NOTE = {
     "eager": "triton.testing.do_bench(return_mode='median'), L2 flushed before each call",
-    "graph": "triton.testing.do_bench_cudagraph(return_mode='median'), only for M <= 128",
+    "graph": "triton.testing.do_bench_cudagraph(return_mode='median'), for M <= 128 (gptq_gemm: every M)",
 }
 _STATUS_CELL = {OK: "ok", WRONG: "WRONG", ERROR: "ERROR", UNAVAILABLE: "n/a"}
 

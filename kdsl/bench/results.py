@@ -19,7 +19,7 @@ class Timing:
     """Median times of one implementation; `error` says why it has none."""
 
     eager_ms: float | None = None
-    graph_ms: float | None = None  # CUDA-graph replay, only measured for M <= 128
+    graph_ms: float | None = None  # CUDA-graph replay, measured for M <= 128 (gptq_gemm: every M)
     error: str | None = None
     rel_err: float | None = None  # baselines computing the same quantized product report theirs
 
