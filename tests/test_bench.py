@@ -100,7 +100,6 @@ def test_graph_timing_covers_small_m_and_every_gptq_gemm():
     assert not graph_timed(Case("act_quant", m=4096, k=7168))
 
 
-
 def test_unknown_preset_or_missing_file():
     with pytest.raises(ShapeFileError, match="not a preset .*deepseek-v3.* and no such shape file"):
         resolve_shapes("deepseek-v4")
