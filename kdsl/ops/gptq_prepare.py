@@ -91,7 +91,7 @@ def gptq_prepare(
 
     zero_bias = 0
     scales = scales.contiguous()
-    if layout["zeros"] in ("biased", "paired"):
+    if layout["zeros"] != "packed":  # "biased", or "paired" with the scales
         # The kernel makes (bias + q) from q's bits and subtracts (bias + zero): both exact.
         zero_bias = entry.load().MAGIC[scales.dtype][1]
         zeros = (unpack_zeros(qzeros, bits, ZERO_OFFSET[checkpoint_format]) + zero_bias).to(scales.dtype).contiguous()
