@@ -3,7 +3,7 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_gemm/tma_persistent: TMA tensor descriptors, persistent grid over SMs, wgmma through Triton)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: b990949287645018 (sha256 of the definition file and the templates)
+# digest: 0dae44f78f96b5ca (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -47,14 +47,15 @@ def _splitk_store(acc, out_ptrs, out_mask, ws_ptr, count_ptr, tile_id, pid_k,
         tile_elems = BLOCK_M * BLOCK_N
         offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         slots = ws_ptr + tile_id.to(tl.int64) * SPLIT_K * tile_elems
-        tl.store(slots + pid_k * tile_elems + offs, acc, cache_modifier=".cg")
+        # Only the tile's valid part: at M = 1 a 64-row tile's partial would otherwise move 64x the bytes.
+        tl.store(slots + pid_k * tile_elems + offs, acc, mask=out_mask, cache_modifier=".cg")
         # Every thread's partial must be written before the counter says so.
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + tile_id, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k in range(SPLIT_K):
-                total += tl.load(slots + k * tile_elems + offs, cache_modifier=".cg")
+                total += tl.load(slots + k * tile_elems + offs, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(count_ptr + tile_id, 0)
 

@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g64_gptq_v2__splitk_sm80 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV)
 # scheme: gptq.int4.g64.gptq_v2
 # arch: sm_80 and up
-# digest: b581cbd2d95f54cf (sha256 of the definition file and the templates)
+# digest: be8d5fbedc819c9b (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -61,14 +61,15 @@ def _splitk_store(acc, out_ptrs, out_mask, ws_ptr, count_ptr, tile_id, pid_k,
         tile_elems = BLOCK_M * BLOCK_N
         offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         slots = ws_ptr + tile_id.to(tl.int64) * SPLIT_K * tile_elems
-        tl.store(slots + pid_k * tile_elems + offs, acc, cache_modifier=".cg")
+        # Only the tile's valid part: at M = 1 a 64-row tile's partial would otherwise move 64x the bytes.
+        tl.store(slots + pid_k * tile_elems + offs, acc, mask=out_mask, cache_modifier=".cg")
         # Every thread's partial must be written before the counter says so.
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + tile_id, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k in range(SPLIT_K):
-                total += tl.load(slots + k * tile_elems + offs, cache_modifier=".cg")
+                total += tl.load(slots + k * tile_elems + offs, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(count_ptr + tile_id, 0)
 
