@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_gall_gptq__splitk_sm90 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV)
 # scheme: gptq.int4.gall.gptq
 # arch: sm_90 .. sm_90
-# digest: be8d5fbedc819c9b (sha256 of the definition file and the templates)
+# digest: 7d147f5bb415a90b (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -356,8 +356,27 @@ def _half2_bits(lo, hi):
 
 
 @triton.jit
-def _x_half2_pairs(x_row, perm_ptr, offs_r, K, x_scale, HAS_PERM: tl.constexpr):
+def _x_pair(pair_ptr, pairs, j: tl.constexpr, K, scale2):
+    """The half2s of x at pairs + PAIR_SPAN / 2 * j (pair p: rows 2 p and 2 p + 1), times scale2; zero past K."""
+    at = pairs + (PAIR_SPAN // 2) * j
+    pair = tl.load(pair_ptr + at, mask=at < K // 2, other=0)
+    return tl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [pair, scale2],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _x_half2_pairs(x_row, perm_ptr, k_block, offs_r, K, x_scale, HAS_PERM: tl.constexpr, BLOCK_K: tl.constexpr):
     """x * x_scale at the rows of nibbles j and j + 4 as four half2 vectors, j < 4: the pairs LOP3 unpacks."""
+    if not HAS_PERM:
+        # Those rows are adjacent: each pair is one aligned 32-bit word of x, loaded as it is
+        # (contiguous over kk, so in 16-byte vectors) and scaled in half2. The launcher checks
+        # that x's rows start 4-byte aligned and K is even.
+        pair_ptr = x_row.to(tl.pointer_type(tl.int32), bitcast=True)
+        pairs = k_block * (BLOCK_K // 2) + tl.arange(0, PLANE_ROWS)
+        x_scale16 = x_scale.to(tl.float16)
+        scale2 = tl.broadcast_to(_half2_bits(x_scale16, x_scale16), pairs.shape)
+        return (_x_pair(pair_ptr, pairs, 0, K, scale2), _x_pair(pair_ptr, pairs, 1, K, scale2),
+                _x_pair(pair_ptr, pairs, 2, K, scale2), _x_pair(pair_ptr, pairs, 3, K, scale2))
     rows: tl.constexpr = offs_r.shape[0]
     x = (_x_words(x_row, perm_ptr, offs_r, K, HAS_PERM).to(tl.float32) * x_scale).to(tl.float16)
     lo, hi = tl.split(tl.permute(tl.reshape(x, (rows, 2, 4)), (0, 2, 1)))
@@ -373,10 +392,11 @@ X_SCAN = tl.constexpr(1024)
 
 @triton.jit
 def _x_pow2_scale(x_row, perm_ptr, K, k_start, k_end, HAS_PERM: tl.constexpr):
-    """(s, 1 / s): powers of two with max |x[k_start:k_end] * s| in [512, 1024).
+    """(s, 1 / s): powers of two with max |x[k_start:k_end] * s| in [512, 1024), s at most 2**15.
 
     A sum of four (q - zero) * x products in fp16 then stays below 4 * 15 * 1024 < 65504, so no
-    activation outlier overflows it, and small activations stay clear of fp16's subnormals.
+    activation outlier overflows it, and small activations stay clear of fp16's subnormals (s is
+    capped to stay an fp16 itself; then even fp16's smallest, 2**-24, becomes a normal 2**-9).
     Both factors are exact, so y is unchanged up to fp16 rounding of the products.
     """
     amax = tl.zeros((X_SCAN,), dtype=tl.float32)
@@ -385,8 +405,8 @@ def _x_pow2_scale(x_row, perm_ptr, K, k_start, k_end, HAS_PERM: tl.constexpr):
         in_range = offs_k < k_end
         cols = tl.load(perm_ptr + offs_k, mask=in_range, other=0) if HAS_PERM else offs_k
         amax = tl.maximum(amax, tl.abs(tl.load(x_row + cols, mask=in_range, other=0.0).to(tl.float32)))
-    # amax in [2**(e - 127), 2**(e - 126)); an all-zero range takes fp16's smallest exponent instead.
-    e = tl.maximum((tl.max(amax).to(tl.int32, bitcast=True) >> 23) & 0xFF, 103)
+    # amax in [2**(e - 127), 2**(e - 126)); s = 2**(136 - e), so e >= 121 caps it at 2**15.
+    e = tl.maximum((tl.max(amax).to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)
     return ((263 - e) << 23).to(tl.float32, bitcast=True), ((e - 9) << 23).to(tl.float32, bitcast=True)
 
 
@@ -468,7 +488,7 @@ def _gemv(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, row, cols, K, first, las
         offs_r = _word_rows(k_block, BLOCK_K)
         if HALF2_DOT:
             zero = _biased_zero(zero, cols, tl.float16, MAGIC_BIAS, False)
-            pairs = _x_half2_pairs(x_row, perm_ptr, offs_r, K, x_scale, HAS_PERM)
+            pairs = _x_half2_pairs(x_row, perm_ptr, k_block, offs_r, K, x_scale, HAS_PERM, BLOCK_K)
             tile = _dot8_half2(packed, zero, pairs)
         else:
             x_planes = _x_planes(x_row, perm_ptr, offs_r, K, HAS_PERM)
@@ -657,7 +677,9 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
     # Contiguous groups of whole nibble-pair spans: one group per plane (a word spans the tile).
     word_groups = contiguous_groups and GROUP_SIZE.value % PAIR_SPAN.value == 0
     asm = x.device.type == "cuda" and uniform
-    half2 = bm == 1 and x.dtype == torch.float16 and x.device.type == "cuda" and uniform
+    # Without act-order the GEMV loads x as 32-bit pairs (_x_half2_pairs): rows start 4-byte aligned, K is even.
+    pairs_aligned = perm is not None or (x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0 and K % 2 == 0)
+    half2 = bm == 1 and x.dtype == torch.float16 and x.device.type == "cuda" and uniform and pairs_aligned
     gptq_gemm_prepared__int4_gall_gptq__splitk_sm90[(tiles, split_k)](
         x, qweight if perm is None else perm, qweight, zeros, scales, groups,
         y, workspace, counters,
