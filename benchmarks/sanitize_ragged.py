@@ -22,5 +22,10 @@ for m, k, n in [(1, 4096, 4104), (5, 256, 40), (1, 384, 72)]:  # K = 384: a part
         prepared = ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], g_idx)
         for rows in sorted({1, m, 33, 130}):  # every tile bucket (1: the GEMV), split-K included
             ops.gptq_gemm(torch.randn(rows, k, device="cuda", dtype=torch.float16), prepared)
+# One group (group_size -1): K = 200 is not whole 128-row tiles, so the GEMV's x pairs stop mid-tile.
+ck = ops.gptq_quantize(torch.randn(136, 200, device="cuda", dtype=torch.float16), group_size=-1)
+prepared = ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], group_size=-1)
+for rows in (1, 5):
+    ops.gptq_gemm(torch.randn(rows, 200, device="cuda", dtype=torch.float16), prepared)
 torch.cuda.synchronize()
 print("ragged shapes ran on", torch.cuda.get_device_name(), "via", kdsl.registry.select("fp8_gemm", kdsl.BlockFP8()).name)

@@ -220,11 +220,11 @@ def test_prepared_gemv_precision(checkpoints, shape):
 @pytest.mark.parametrize("k, n", [(4000, 2112), (200, 136)], ids=["K4000xN2112", "K200xN136"])
 @pytest.mark.parametrize("x_offset", [0, 1], ids=["aligned", "offset"])
 def test_prepared_gemv_ragged_k_and_x_alignment(checkpoints, k, n, x_offset):
-    """The GEMV reads x as 32-bit half2 pairs when x's row starts 4-byte aligned: K not a whole
-    number of 128-row tiles must still zero the pairs past K, and an x view starting one fp16
-    in (2-byte aligned) must take the element-wise path and give the same answer."""
-    ck = checkpoints(k, n)
-    prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"])
+    """The GEMV reads x as 32-bit half2 pairs when x's row starts 4-byte aligned. One group
+    (group_size -1) lets K be any multiple of 8, not of the 128-row tile: pairs past K must read
+    as zero. An x view starting one fp16 in (2-byte aligned) must take the other path and agree."""
+    ck = checkpoints(k, n, group_size=-1)
+    prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"], group_size=-1)
     x = _x(1, k + x_offset)[:, x_offset:]
     assert (x.data_ptr() % 4 == 0) == (x_offset == 0)
     err = ref.rel_fro_error(kdsl.ops.gptq_gemm(x, prepared), x.float() @ ck["w"])
