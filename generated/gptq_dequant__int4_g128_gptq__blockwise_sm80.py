@@ -3,7 +3,7 @@
 # kernel: gptq_dequant__int4_g128_gptq__blockwise_sm80 (gptq_dequant/blockwise: unpack int4 checkpoint tensors to [N, K])
 # scheme: gptq.int4.g128.gptq
 # arch: sm_80 and up
-# digest: 36f9dbd6382379ba (sha256 of the definition file and the templates)
+# digest: a190adeef46a14f9 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl

@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g32_gptq_v2__splitk_sm90 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV)
 # scheme: gptq.int4.g32.gptq_v2
 # arch: sm_90 .. sm_90
-# digest: 7d147f5bb415a90b (sha256 of the definition file and the templates)
+# digest: b3604922d9596ee3 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -651,10 +651,32 @@ def gptq_gemm_prepared__int4_g32_gptq_v2__splitk_sm90(
 # Tiles per M bucket, from the definition: (largest M served or None for the rest, launch parameters).
 TILES = (
     (1, {'BLOCK_M': 1, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
-    (16, {'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
-    (64, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
+    (16, {'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'num_warps': 8, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
+    (64, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'num_warps': 8, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
     (None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 2, 'num_warps': 8, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
 )
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device) -> int:
+    if device.type != "cuda":
+        return 4  # Triton's CPU interpreter: a few programs still exercise the loops
+    if device.index not in _SM_COUNT:
+        _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[device.index]
+
+# MMA tiles split K only until there are about this many programs per SM: past that, more splits
+# only add partial sums. The GEMV keeps its tile's split (its programs are light; H200 tune).
+SPLIT_FILL = 2
+
+
+def split_for(tile_split: int, k_blocks: int, tiles: int, sms: int | None) -> int:
+    """The K split an MMA tile launches with: the tile's, at most one K block per split, and no
+    more than fills the SMs (sms None: no cap, as on Triton's CPU interpreter)."""
+    fill = tile_split if sms is None else max(1, SPLIT_FILL * sms // tiles)
+    return max(1, min(tile_split, k_blocks, fill))
+
 
 LAYOUT = {'zeros': 'paired', 'weights': 'k_planes'}
 # Bit patterns whose low mantissa bits take q directly, and the value they stand for.
@@ -669,8 +691,9 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
     M, K = x.shape
     N = y.shape[1]
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
-    split_k = max(1, min(tile["SPLIT_K"], triton.cdiv(K, bk)))
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    sms = _sm_count(x.device) if x.device.type == "cuda" and bm > 1 else None
+    split_k = split_for(tile["SPLIT_K"], triton.cdiv(K, bk), tiles, sms)
     workspace, counters = (y, y) if split_k == 1 else _splitk_scratch(y.device, tiles, split_k, bm * bn)
     magic_bits, magic_bias = MAGIC[x.dtype]
     uniform = contiguous_groups and GROUP_SIZE.value % bk == 0  # every K tile inside one group

@@ -181,6 +181,18 @@ def test_split_k_scratch_is_left_clean():
     assert int(counters.abs().sum()) == 0
 
 
+def test_mma_split_stops_at_about_two_programs_per_sm():
+    """split_k is an upper bound: wide N (many output tiles) splits less, never below one split
+    or past one K block per split; without an SM count (the interpreter) the tile's split stands."""
+    module = kdsl.registry.select("gptq_gemm_prepared", "gptq.int4.g128.gptq", arch="sm_90").load()
+    assert module.SPLIT_FILL == 2
+    assert module.split_for(8, 32, tiles=32, sms=132) == 8     # 4096 columns / 128: 8 splits fill 256 programs
+    assert module.split_for(8, 32, tiles=112, sms=132) == 2    # 14336 columns: 224 programs already
+    assert module.split_for(8, 64, tiles=896, sms=132) == 1    # more tiles than two per SM: no split
+    assert module.split_for(8, 3, tiles=1, sms=132) == 3       # at most one K block per split
+    assert module.split_for(8, 32, tiles=896, sms=None) == 8
+
+
 def test_cpu_fallback_without_interpreter(monkeypatch, launched):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     ck = ref.make_checkpoint(256, 40, group_size=32, checkpoint_format="gptq_v2", g_idx="random")
