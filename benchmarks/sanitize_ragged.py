@@ -5,7 +5,8 @@ import kdsl
 from kdsl import ops
 
 torch.manual_seed(0)
-for m, n, k in [(1, 2112, 7168), (3, 72, 256), (1, 576, 7168), (100, 2112, 7168), (130, 72, 384)]:
+# M = 1 is the GEMV on sm_90: (1, 72, 384) ends mid-strip and mid-step.
+for m, n, k in [(1, 2112, 7168), (3, 72, 256), (1, 576, 7168), (1, 72, 384), (100, 2112, 7168), (130, 72, 384)]:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     wq, ws = ops.weight_quant(w)

@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_gall_gptq_v2__splitk_sm80 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV)
 # scheme: gptq.int4.gall.gptq_v2
 # arch: sm_80 and up
-# digest: b3604922d9596ee3 (sha256 of the definition file and the templates)
+# digest: 9eea4178455381bb (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -546,17 +546,17 @@ def _sm_count(device) -> int:
         _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
     return _SM_COUNT[device.index]
 
-# MMA tiles split K only until there are about this many programs per SM: past that, more splits
-# only add partial sums. The GEMV keeps its tile's split (its programs are light; H200 tune).
+
+# Split K only until there are about this many programs per SM: past that, more splits only
+# add partial sums (H200: 4 or 8 was no better than 2 for the definitions' MMA tiles).
 SPLIT_FILL = 2
 
 
-def split_for(tile_split: int, k_blocks: int, tiles: int, sms: int | None) -> int:
-    """The K split an MMA tile launches with: the tile's, at most one K block per split, and no
-    more than fills the SMs (sms None: no cap, as on Triton's CPU interpreter)."""
+def split_for(tile_split: int, k_steps: int, tiles: int, sms: int | None) -> int:
+    """The K split a tile launches with: the tile's, at most one K step per split, and no more
+    than fills the SMs (sms None: no cap)."""
     fill = tile_split if sms is None else max(1, SPLIT_FILL * sms // tiles)
-    return max(1, min(tile_split, k_blocks, fill))
-
+    return max(1, min(tile_split, k_steps, fill))
 
 LAYOUT = {'zeros': 'biased', 'weights': 'checkpoint'}
 # Bit patterns whose low mantissa bits take q directly, and the value they stand for.
@@ -572,6 +572,7 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
     N = y.shape[1]
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    # The GEMV keeps its tile's split: its programs are light (H200 tune); no cap on the CPU either.
     sms = _sm_count(x.device) if x.device.type == "cuda" and bm > 1 else None
     split_k = split_for(tile["SPLIT_K"], triton.cdiv(K, bk), tiles, sms)
     workspace, counters = (y, y) if split_k == 1 else _splitk_scratch(y.device, tiles, split_k, bm * bn)

@@ -57,6 +57,9 @@ class KernelSignature:
     constexprs: dict[str, str | TileFn] = field(default_factory=dict)
     options: tuple[str, ...] = ("num_warps",)
     out_types: tuple[str, ...] = ("bf16",)  # "{out}" values that launch() may be given
+    # Integer arguments the op's checks always make multiples of 16, which Triton's JIT specializes
+    # on (and vectorizes loads by); the matrix compiles with that specialization too.
+    aligned_ints: tuple[str, ...] = ()
 
     def build(self, tile: dict, out: str) -> tuple[dict, dict, dict]:
         """(signature, constexprs, compile options) for one tile and output type."""
@@ -147,11 +150,32 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
 }
 
 
-def pointer_attrs(signature: dict, arg_names: list[str]) -> dict:
-    """The launcher passes freshly allocated (16-byte aligned) tensors: mark pointers divisible by 16,
-    as Triton's JIT would specialize them."""
+# Implementations whose block_m = 1 tiles launch a second kernel, <name>_gemv, with its own signature.
+GEMV_SIGNATURES: dict[tuple[str, str], KernelSignature] = {
+    ("fp8_gemm", "tma_persistent"): KernelSignature(
+        args={"a_ptr": FP8, "as_ptr": F32, "b_ptr": FP8, "bs_ptr": F32, "c_ptr": "*{out}", "ws_ptr": F32,
+              "count_ptr": "*i32", "N": I32, "K": I32,
+              "stride_am": I32, "stride_asm": I32, "stride_bn": I32, "stride_bsn": I32, "stride_cm": I32},
+        constexprs={"BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K", "SPLIT_K": lambda tile: max(tile["SPLIT_K"], 2),
+                    "ASM": lambda tile: True},
+        out_types=("bf16", "fp16", "fp32"),
+        aligned_ints=("K", "stride_am", "stride_bn"),  # K is a multiple of 128; A and B are contiguous
+    ),
+}
+
+
+def signature_of(entry: KernelEntry, tile: dict) -> tuple[KernelSignature, str]:
+    """(signature, kernel function name) that launch() uses for this tile."""
+    if tile["BLOCK_M"] == 1 and (entry.op, entry.impl) in GEMV_SIGNATURES:
+        return GEMV_SIGNATURES[(entry.op, entry.impl)], f"{entry.name}_gemv"
+    return SIGNATURES[(entry.op, entry.impl)], entry.name
+
+
+def pointer_attrs(signature: dict, arg_names: list[str], aligned_ints: tuple[str, ...] = ()) -> dict:
+    """The launcher passes freshly allocated (16-byte aligned) tensors: mark pointers (and
+    aligned_ints) divisible by 16, as Triton's JIT would specialize them."""
     return {(arg_names.index(name),): [["tt.divisibility", 16]]
-            for name, kind in signature.items() if kind.startswith("*")}
+            for name, kind in signature.items() if kind.startswith("*") or name in aligned_ints}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,8 +196,9 @@ class Job:
         return f"{self.entry}-sm{self.cc}-tile{self.tile}-{self.out}"
 
 
-def jit_kernel(entry: KernelEntry):
-    """The entry's @triton.jit kernel, from a fresh import of its module (worker process only)."""
+def jit_kernel(entry: KernelEntry, function: str | None = None):
+    """The entry's @triton.jit kernel (or `function` of its module), from a fresh import of its module
+    (worker process only)."""
     import triton
 
     name = f"kdsl_compile_matrix.{entry.name}"
@@ -183,8 +208,9 @@ def jit_kernel(entry: KernelEntry):
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
-    kernel = getattr(module, entry.name)
-    assert isinstance(kernel, triton.runtime.JITFunction), f"{entry.name} is not a JIT function: {type(kernel)}"
+    function = function or entry.name
+    kernel = getattr(module, function)
+    assert isinstance(kernel, triton.runtime.JITFunction), f"{function} is not a JIT function: {type(kernel)}"
     return kernel
 
 
@@ -195,19 +221,20 @@ def compile_job(job: Job):
     from triton.compiler import ASTSource
 
     entry = ENTRIES[job.entry]
-    spec = SIGNATURES[(entry.op, entry.impl)]
-    kernel = jit_kernel(entry)
-    signature, constexprs, options = spec.build(entry.tiles[job.tile].params, job.out)
+    tile = entry.tiles[job.tile].params
+    spec, function = signature_of(entry, tile)
+    kernel = jit_kernel(entry, function)
+    signature, constexprs, options = spec.build(tile, job.out)
     params = list(kernel.arg_names)
     missing = [p for p in params if p not in signature]
     extra = [p for p in signature if p not in params]
     if missing or extra:
         raise AssertionError(
-            f"SIGNATURES[{(entry.op, entry.impl)!r}] is out of date with {entry.module_path.name}: "
+            f"the signature of {function} is out of date with {entry.module_path.name}: "
             f"kernel parameters not described {missing}, described but not parameters {extra}"
         )
     signature = {p: signature[p] for p in params}  # in parameter order
-    source = ASTSource(kernel, signature, constexprs, pointer_attrs(signature, params))
+    source = ASTSource(kernel, signature, constexprs, pointer_attrs(signature, params, spec.aligned_ints))
     return triton.compile(source, target=GPUTarget("cuda", job.cc, 32), options=options)
 
 
@@ -344,12 +371,27 @@ def test_every_block_fp8_entry_has_a_signature():
         assert archs_of(entry), f"{entry.name} claims no arch the matrix compiles for"
 
 
-@pytest.mark.parametrize("job", [Job(TMA.name, 90, 0), Job(TMA.name, 90, last(TMA))], ids=["decode", "prefill"])
+def first_mma(entry: KernelEntry) -> int:
+    """Index of the first bucket whose tiles feed an MMA (block_m > 1)."""
+    return next(i for i, tile in enumerate(entry.tiles) if tile.params["BLOCK_M"] > 1)
+
+
+@pytest.mark.parametrize("job", [Job(TMA.name, 90, first_mma(TMA)), Job(TMA.name, 90, last(TMA))],
+                         ids=["decode", "prefill"])
 def test_hopper_gemm_uses_wgmma(job, compiled):
     ptx = ptx_of(compiled, job)
     assert "wgmma" in ptx
     assert re.search(r"wgmma\.mma_async\S*e4m3\.e4m3", ptx), "wgmma does not take e4m3 operands"
     assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
+
+
+@pytest.mark.parametrize("job", [Job(TMA.name, 90, 0)], ids=["gemv"])
+def test_hopper_gemv_streams_weights_in_16_byte_loads(job, compiled):
+    """The M = 1 bucket is the CUDA-core GEMV: no MMA, and B read as 16-byte vectors."""
+    assert ENTRIES[job.entry].tiles[job.tile].params["BLOCK_M"] == 1, "the sm_90 definition has no GEMV bucket"
+    ptx = ptx_of(compiled, job)
+    assert "wgmma" not in ptx and "mma.sync" not in ptx
+    assert re.search(r"ld\.global\S*\.v4\.b32", ptx), "weights are not loaded 16 bytes at a time"
 
 
 @pytest.mark.parametrize("job", [Job(PORTABLE.name, 89, 0), Job(PORTABLE.name, 89, last(PORTABLE))], ids=["decode", "prefill"])

@@ -135,6 +135,26 @@ def test_fp8_gemm_out_dtypes(m, out_dtype):
     assert rel_fro_error(c, fp8_gemm_ref(a, a_s, b, b_s)) < limit
 
 
+@pytest.mark.parametrize("n, k", [(136, 16384), (576, 512), (24576, 1536)])
+def test_fp8_gemv_ragged_n_and_k_splits(n, k):
+    """M = 1 on sm_90 runs the definition's GEMV bucket: N not a multiple of its strips, K split
+    up to its limit (few strips) or not at all (many). fp32 output, so only the order of the
+    fp32 sums differs from the reference; run twice, as the split-K counters are reused. All-zero
+    activations (scale 0, as act_quant makes them) give exact zeros."""
+    if capability() == (9, 0):
+        assert registry.dispatch("fp8_gemm", FP8_SCHEME.name, CUDA).tile_for(1)["BLOCK_M"] == 1
+    a = random_fp8(1, k, scale=16.0, device=CUDA)
+    a_s = random_scales(1, k // 128, device=CUDA)
+    b = random_fp8(n, k, scale=16.0, device=CUDA)
+    b_s = random_scales(-(-n // 128), k // 128, device=CUDA)
+    expected = fp8_gemm_ref(a, a_s, b, b_s)
+    for _ in range(2):
+        c = kdsl.ops.fp8_gemm(a, a_s, b, b_s, out_dtype=torch.float32)
+        assert rel_fro_error(c, expected) < 5e-4
+    zeros = kdsl.ops.fp8_gemm(torch.zeros_like(a), torch.zeros_like(a_s), b, b_s, out_dtype=torch.float32)
+    assert torch.equal(zeros, torch.zeros_like(zeros))
+
+
 def test_fp8_gemm_batched_and_ragged_n():
     # MLA-style batched call, N = 576 (not a multiple of 128), M not a multiple of any tile.
     a = random_fp8(2, 37, 512, device=CUDA)

@@ -26,6 +26,8 @@ from reference import (
 
 import kdsl
 from kdsl import registry
+from kdsl.codegen.render import tile_params
+from kdsl.schema.tiling import Tile
 
 FP8_SCHEME = kdsl.BlockFP8()
 TMA = "fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90"
@@ -331,6 +333,26 @@ def test_fp8_gemm_every_tile_bucket(arch, monkeypatch, launched):
         a, a_s, b, b_s = _gemm_operands((m,), 144, 256)
         _check_gemm(kdsl.ops.fp8_gemm(a, a_s, b, b_s), a, a_s, b, b_s)
     expect_kernel(launched, entry.name)
+
+
+@pytest.mark.parametrize("block_n, block_k, split_k", [(8, 128, 4), (16, 256, 3), (32, 512, 2), (128, 128, 1)])
+def test_fp8_gemv_tiles(block_n, block_k, split_k, monkeypatch):
+    """The sm_90 module's GEMV (block_m = 1 tiles) on its own: one program row per row of A, N
+    neither a multiple of the tile nor of a weight block, K steps of one or several scale groups,
+    and K splits down to one that holds no step (8x128 with split 4 over 5 steps). A row whose
+    activations are all zero (scale 0, as act_quant makes it) comes out exactly zero."""
+    use_arch(monkeypatch, "sm_90")
+    module = registry.dispatch("fp8_gemm", FP8_SCHEME.name, torch.device("cpu")).load()
+    tile = tile_params(Tile(block_m=1, block_n=block_n, block_k=block_k, split_k=split_k))
+    torch.manual_seed(block_n + block_k + split_k)
+    a, a_s, b, b_s = _gemm_operands((3,), 200, 640)
+    a[1] = 0
+    a_s[1] = 0.0
+    for _ in range(2):  # the second launch finds the split-K counters as the first left them
+        c = torch.full((3, 200), float("nan"), dtype=torch.bfloat16)
+        module.launch(a, a_s, b, b_s, c, tile)
+        _check_gemm(c, a, a_s, b, b_s)
+        assert torch.equal(c[1], torch.zeros(200, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("arch", sorted(GEMM_KERNELS))

@@ -275,6 +275,50 @@ def test_block_k_not_dividing_group_rejected(tmp_path):
     assert "256" in message
 
 
+def test_fp8_gemv_tiles_step_whole_scale_groups(tmp_path):
+    """block_m = 1 on the Hopper variant is its GEMV: block_k a multiple of the 128 group (not a
+    divisor), block_n a divisor of the weight block's 128 rows; a GEMV-shaped tile on an impl
+    without one is still refused for its MMA rows."""
+    good = _write(tmp_path, SCHEME + """
+        [[variants]]
+        op = "fp8_gemm"
+        impl = "tma_persistent"
+        min_arch = "sm_90"
+        max_arch = "sm_90"
+        [[variants.tiles]]
+        m_max = 1
+        block_m = 1
+        block_n = 64
+        block_k = 512
+        [[variants.tiles]]
+        block_m = 64
+    """, name="good.toml")
+    load_definition(good)
+    bad = _write(tmp_path, SCHEME + """
+        [[variants]]
+        op = "fp8_gemm"
+        impl = "tma_persistent"
+        min_arch = "sm_90"
+        max_arch = "sm_90"
+        [[variants.tiles]]
+        m_max = 1
+        block_m = 1
+        block_n = 256
+        block_k = 64
+        [[variants.tiles]]
+        block_m = 64
+        [[variants]]
+        op = "fp8_gemm"
+        impl = "portable"
+        min_arch = "sm_89"
+        tiles = [{ block_m = 1 }]
+    """, name="bad.toml")
+    message = _load_error(bad)
+    assert "variants[0].tiles[0].block_k: 64 is not a multiple of the quantization group along K (128)" in message
+    assert "variants[0].tiles[0].block_n: 256 does not divide the weight block's 128 rows" in message
+    assert "variants[1].tiles[0].block_m: 1 is below the 16 rows of one MMA" in message
+
+
 def test_block_k_error_names_the_right_bucket(tmp_path):
     path = _write(tmp_path, SCHEME + """
         [[variants]]

@@ -108,7 +108,7 @@ def test_gemv_candidates_only_where_the_bucket_serves_one_row(definitions):
         for bucket in space.buckets(variant):
             tiles = space.candidates(variant, bucket, loaded.definition.schemes, max_candidates=10_000)
             gemv = [t for t in tiles if t.block_m == 1]
-            if variant.op == "gptq_gemm_prepared" and bucket.m_max == 1:
+            if find_impl(variant.op, variant.impl).gemv_block_m and bucket.m_max == 1:
                 assert gemv and any(t.block_m == 16 for t in tiles)  # GEMV and the smallest MMA compete
                 found_gemv = True
             else:

@@ -92,7 +92,15 @@ def _tile_problems(tile_where: str, variant: Variant, impl: KernelImpl, scheme, 
         problems.append(f"{tile_where}.{knob}: {variant.op}/{variant.impl} does not implement this knob")
     if "block_k" in impl.knobs and isinstance(scheme, BlockFP8):
         group = scheme.quant_group_k
-        if group % tile.block_k:
+        if impl.gemv_block_m and tile.block_m == 1:
+            # The GEMV scales whole groups per K step, and one weight block's scale serves its columns.
+            if tile.block_k % group:
+                problems.append(f"{tile_where}.block_k: {tile.block_k} is not a multiple of the quantization "
+                                f"group along K ({group}), which the GEMV (block_m = 1) steps over whole")
+            if scheme.weight_block[0] % tile.block_n:
+                problems.append(f"{tile_where}.block_n: {tile.block_n} does not divide the weight block's "
+                                f"{scheme.weight_block[0]} rows, as the GEMV (block_m = 1) needs")
+        elif group % tile.block_k:
             problems.append(
                 f"{tile_where}.block_k: {tile.block_k} does not divide the quantization group along K ({group})"
             )

@@ -34,7 +34,7 @@ MID_MAX_M = 128
 
 # Values tried per knob and kind of bucket; knobs not listed keep the current tile's value.
 GRIDS: dict[str, dict[str, tuple]] = {
-    GEMV: {"block_m": (1,), "block_n": (64, 128), "block_k": (128, 256, 512), "split_k": (2, 4, 8),
+    GEMV: {"block_m": (1,), "block_n": (32, 64, 128), "block_k": (128, 256, 512), "split_k": (1, 2, 4, 8),
            "num_warps": (4, 8)},
     DECODE: {"block_n": (32, 64, 128), "block_k": (64, 128, 256), "split_k": (1, 2, 4, 8),
              "num_warps": (4,), "num_stages": (3, 4, 5)},
