@@ -3,15 +3,22 @@ import torch
 
 import kdsl
 from kdsl import ops
+from kdsl.codegen.render import tile_params
+from kdsl.schema.tiling import Tile
 
 torch.manual_seed(0)
-# M = 1 is the GEMV on sm_90: (1, 72, 384) ends mid-strip and mid-step.
+# M = 1 and 3 through the FP8 GEMV too (a block_m = 1 tile the definition does not pick):
+# (1, 72, 384) ends mid-strip and mid-step.
+gemv = tile_params(Tile(block_m=1, block_n=64, block_k=256, split_k=8))
+fp8_module = kdsl.registry.dispatch("fp8_gemm", kdsl.BlockFP8().name, torch.device("cuda")).load()
 for m, n, k in [(1, 2112, 7168), (3, 72, 256), (1, 576, 7168), (1, 72, 384), (100, 2112, 7168), (130, 72, 384)]:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     wq, ws = ops.weight_quant(w)
     xq, xs = ops.act_quant(x)
     ops.fp8_gemm(xq, xs, wq, ws)
+    if m <= 3 and torch.cuda.get_device_capability() == (9, 0):
+        fp8_module.launch(xq, xs, wq, ws, torch.empty(m, n, device="cuda", dtype=torch.bfloat16), gemv)
     ops.weight_dequant(wq, ws)
 for m, k, n in [(1, 4096, 4104), (5, 256, 40), (1, 384, 72)]:  # K = 384: a partial GEMV block
     ck = ops.gptq_quantize(torch.randn(n, k, device="cuda", dtype=torch.float16), group_size=128)

@@ -3,7 +3,7 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_gemm/tma_persistent: TMA tensor descriptors, persistent grid over SMs, wgmma through Triton; block_m = 1 is a CUDA-core GEMV)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: d9ea0edb466d1dcd (sha256 of the definition file and the templates)
+# digest: 5d98cb3c33b3777d (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -216,6 +216,17 @@ def _launch_gemv(a, a_s, b, b_s, c, tile):
 
 
 @triton.jit
+def _scaled_step(acc, a, b, a_scale, b_scale, SWAP_AB: tl.constexpr):
+    """acc + A B^T scaled by A's row scales and B's column scales; SWAP_AB: acc is C^T and gets
+    B A^T, so B's rows fill the wgmma's 64-row side and a few rows of A its narrow one."""
+    if SWAP_AB:
+        acc += tl.dot(b, a.T) * b_scale[:, None] * a_scale[None, :]
+    else:
+        acc += tl.dot(a, b.T) * a_scale[:, None] * b_scale[None, :]
+    return acc
+
+
+@triton.jit
 def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90(
     a_desc, b_desc, c_desc, as_ptr, bs_ptr, c_ptr, ws_ptr, count_ptr,
     M, N, K,
@@ -223,12 +234,13 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90(
     num_programs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, N_MAJOR: tl.constexpr, NUM_STAGES: tl.constexpr,
-    SPLIT_K: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    SPLIT_K: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     """Persistent block-FP8 GEMM: each program loops over (output tile, K split) pairs; A, B, C move through TMA.
 
     With SPLIT_K > 1 (few rows, few tiles) several programs share a tile's K range so
     every SM streams weights; their partials are summed in-kernel (_splitk_store).
+    SWAP_AB (few rows): the MMA computes C^T, so a 16-row tile of A needs no padding to 64.
     """
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -248,7 +260,10 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90(
         a_scale_ptrs = as_ptr + rows * stride_asm
         b_scale_ptrs = bs_ptr + (cols // W_BLOCK_N) * stride_bsn
 
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWAP_AB:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         first = pid_k * per_split
         for k in tl.range(first, tl.minimum(first + per_split, k_blocks), num_stages=NUM_STAGES):
             off_k = k * BLOCK_K
@@ -256,7 +271,9 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90(
             b = b_desc.load([off_n, off_k])
             a_scale = tl.load(a_scale_ptrs + off_k // ACT_GROUP)
             b_scale = tl.load(b_scale_ptrs + off_k // W_BLOCK_K)
-            acc += tl.dot(a, b.T) * a_scale[:, None] * b_scale[None, :]
+            acc = _scaled_step(acc, a, b, a_scale, b_scale, SWAP_AB)
+        if SWAP_AB:
+            acc = tl.trans(acc)
 
         if SPLIT_K == 1:
             c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
@@ -270,8 +287,8 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90(
 
 # Tiles per M bucket, from the definition: (largest M served or None for the rest, launch parameters).
 TILES = (
-    (1, {'BLOCK_M': 1, 'BLOCK_N': 64, 'BLOCK_K': 256, 'GROUP_M': 8, 'SPLIT_K': 8, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
-    (16, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
+    (16, {'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'num_warps': 4, 'num_stages': 6, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': True, 'warp_specialize': False}),
+    (64, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': True, 'warp_specialize': False}),
     (128, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
     (None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
 )
@@ -326,6 +343,6 @@ def launch(a, a_s, b, b_s, c, tile):
         M, N, K, a_s.stride(0), b_s.stride(0), c.stride(0), programs,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         GROUP_M=tile["GROUP_M"], N_MAJOR=tile["tile_order"] == "n_major", NUM_STAGES=tile["num_stages"],
-        SPLIT_K=split_k, WARP_SPECIALIZE=tile["warp_specialize"],
+        SPLIT_K=split_k, WARP_SPECIALIZE=tile["warp_specialize"], SWAP_AB=tile["swap_ab"],
         num_warps=tile["num_warps"],
     )

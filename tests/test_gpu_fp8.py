@@ -24,6 +24,8 @@ from reference import (
 
 import kdsl
 from kdsl import registry
+from kdsl.codegen.render import tile_params
+from kdsl.schema.tiling import Tile
 
 pytestmark = pytest.mark.gpu
 
@@ -137,22 +139,27 @@ def test_fp8_gemm_out_dtypes(m, out_dtype):
 
 @pytest.mark.parametrize("n, k", [(136, 16384), (576, 512), (24576, 1536)])
 def test_fp8_gemv_ragged_n_and_k_splits(n, k):
-    """M = 1 on sm_90 runs the definition's GEMV bucket: N not a multiple of its strips, K split
-    up to its limit (few strips) or not at all (many). fp32 output, so only the order of the
-    fp32 sums differs from the reference; run twice, as the split-K counters are reused. All-zero
-    activations (scale 0, as act_quant makes them) give exact zeros."""
-    if capability() == (9, 0):
-        assert registry.dispatch("fp8_gemm", FP8_SCHEME.name, CUDA).tile_for(1)["BLOCK_M"] == 1
-    a = random_fp8(1, k, scale=16.0, device=CUDA)
-    a_s = random_scales(1, k // 128, device=CUDA)
+    """The sm_90 module's GEMV (block_m = 1 tiles, which the shipped definition does not pick):
+    N not a multiple of its strips, K split up to the tile's limit (few strips) or not at all
+    (many), two rows. fp32 output, so only the order of the fp32 sums differs from the reference;
+    run twice, as the split-K counters are reused. All-zero activations (scale 0, as act_quant
+    makes them) give exact zeros."""
+    if capability() != (9, 0):
+        pytest.skip("the GEMV is part of the sm_90 module")
+    module = registry.dispatch("fp8_gemm", FP8_SCHEME.name, CUDA).load()
+    tile = tile_params(Tile(block_m=1, block_n=64, block_k=256, split_k=8))
+    a = random_fp8(2, k, scale=16.0, device=CUDA)
+    a_s = random_scales(2, k // 128, device=CUDA)
     b = random_fp8(n, k, scale=16.0, device=CUDA)
     b_s = random_scales(-(-n // 128), k // 128, device=CUDA)
     expected = fp8_gemm_ref(a, a_s, b, b_s)
     for _ in range(2):
-        c = kdsl.ops.fp8_gemm(a, a_s, b, b_s, out_dtype=torch.float32)
+        c = torch.empty(2, n, device=CUDA, dtype=torch.float32)
+        module.launch(a, a_s, b, b_s, c, tile)
         assert rel_fro_error(c, expected) < 5e-4
-    zeros = kdsl.ops.fp8_gemm(torch.zeros_like(a), torch.zeros_like(a_s), b, b_s, out_dtype=torch.float32)
-    assert torch.equal(zeros, torch.zeros_like(zeros))
+    c = torch.empty(2, n, device=CUDA, dtype=torch.float32)
+    module.launch(torch.zeros_like(a), torch.zeros_like(a_s), b, b_s, c, tile)
+    assert torch.equal(c, torch.zeros_like(c))
 
 
 def test_fp8_gemm_batched_and_ragged_n():

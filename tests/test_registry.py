@@ -88,7 +88,7 @@ def test_explain_when_nothing_fits_does_not_raise():
     assert "needs sm_89 or newer" in text and "needs sm_90 or newer" in text
 
 
-@pytest.mark.parametrize("m, bucket", [(1, 0), (2, 1), (16, 1), (17, 2), (128, 2), (129, 3), (100_000, 3)])
+@pytest.mark.parametrize("m, bucket", [(1, 0), (16, 0), (17, 1), (64, 1), (65, 2), (128, 2), (129, 3), (100_000, 3)])
 def test_tile_bucket_for_m(m, bucket):
     entry = registry.select("fp8_gemm", FP8_SCHEME, arch="sm_90", m=m)
     assert entry.bucket_index(m) == bucket

@@ -61,7 +61,7 @@ CATALOGUE: tuple[KernelImpl, ...] = (
                GEMM_KNOBS | {"tile_order"}, _fp8_gemm_shared,
                "pointer loads, grouped tile order, fp32 accumulation with per-step scales", min_block_m=16),
     KernelImpl("block_fp8", "fp8_gemm", "tma_persistent", "block_fp8/fp8_gemm_tma.py.j2", 90, 90,
-               GEMM_KNOBS | {"tile_order", "persistent", "warp_specialize", "split_k"}, _fp8_gemm_tma_shared,
+               GEMM_KNOBS | {"tile_order", "persistent", "warp_specialize", "split_k", "swap_ab"}, _fp8_gemm_tma_shared,
                "TMA tensor descriptors, persistent grid over SMs, wgmma through Triton; block_m = 1 is a "
                "CUDA-core GEMV", min_block_m=16, gemv_block_m=True),
     KernelImpl("gptq", "gptq_gemm", "splitk", "gptq/gptq_gemm.py.j2", 80, None,
