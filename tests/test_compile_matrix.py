@@ -33,7 +33,9 @@ from typing import Callable
 
 import pytest
 
+from kdsl.codegen.render import tile_params
 from kdsl.runtime.manifest import KernelEntry, load_manifest
+from kdsl.schema.tiling import Tile
 
 pytestmark = pytest.mark.slow
 
@@ -187,9 +189,7 @@ ENTRIES = {entry.name: entry for entry in load_manifest()}
 # Tiles the templates take but no shipped definition uses, compiled by name (Job.tile).
 EXTRA_TILES: dict[str, dict] = {
     # The block-FP8 GEMV (block_m = 1): measured, then not picked for M = 1 (kernel_defs/block_fp8.toml).
-    "fp8-gemv": {"BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 8, "SPLIT_K": 8, "num_warps": 4,
-                 "num_stages": 3, "persistent": False, "tile_order": "m_major", "swap_ab": False,
-                 "warp_specialize": False},
+    "fp8-gemv": tile_params(Tile(block_m=1, block_n=64, block_k=256, split_k=8)),
 }
 
 
