@@ -20,7 +20,8 @@ for m, n, k in [(1, 2112, 7168), (3, 72, 256), (1, 576, 7168), (1, 72, 384), (10
     if m <= 3 and torch.cuda.get_device_capability() == (9, 0):
         fp8_module.launch(xq, xs, wq, ws, torch.empty(m, n, device="cuda", dtype=torch.bfloat16), gemv)
     ops.weight_dequant(wq, ws)
-for m, k, n in [(1, 4096, 4104), (5, 256, 40), (1, 384, 72)]:  # K = 384: a partial GEMV block
+# K = 384: a partial GEMV block; N = 8200: the wide-N tile of M > 64 (n_min), one column past whole tiles.
+for m, k, n in [(1, 4096, 4104), (5, 256, 40), (1, 384, 72), (1, 384, 8200)]:
     ck = ops.gptq_quantize(torch.randn(n, k, device="cuda", dtype=torch.float16), group_size=128)
     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
     ops.gptq_gemm(x, ck["qweight"], ck["qzeros"], ck["scales"])

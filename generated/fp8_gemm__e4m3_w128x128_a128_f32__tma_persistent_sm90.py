@@ -3,7 +3,7 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_gemm/tma_persistent: TMA tensor descriptors, persistent grid over SMs, wgmma through Triton; block_m = 1 is a CUDA-core GEMV)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: 069d440a815080d4 (sha256 of the definition file and the templates)
+# digest: 6e288f73e130a61b (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -206,7 +206,7 @@ def _launch_gemv(a, a_s, b, b_s, c, tile):
     # Split K only while the strips leave SMs idle: N = 2112 splits 8 ways, N = 24576 not at all.
     # Uncapped on the CPU, where the interpreter's few programs should still cover the split path.
     sms = _sm_count(a.device) if a.device.type == "cuda" else None
-    split_k = split_for(tile["SPLIT_K"], triton.cdiv(K, bk), tiles, sms)
+    split_k = split_for(tile, triton.cdiv(K, bk), tiles, sms)
     workspace, counters = (c, c) if split_k == 1 else _splitk_scratch(c.device, tiles, split_k, bn)
     fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_gemv[(tiles, split_k)](
         a, a_s, b, b_s, c, workspace, counters, N, K,
@@ -285,12 +285,13 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90(
             _splitk_store(acc, out_ptrs, out_mask, ws_ptr, count_ptr, tile_id, pid_k, BLOCK_M, BLOCK_N, SPLIT_K)
 
 
-# Tiles per M bucket, from the definition: (largest M served or None for the rest, launch parameters).
+# Tiles per M bucket, from the definition: (largest M served or None for the rest,
+# smallest N served or None, launch parameters); the first that serves (M, N) is used.
 TILES = (
-    (16, {'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'num_warps': 4, 'num_stages': 6, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': True, 'warp_specialize': False}),
-    (64, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': True, 'warp_specialize': False}),
-    (128, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
-    (None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
+    (16, None, {'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'num_warps': 4, 'num_stages': 6, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': True, 'warp_specialize': False}),
+    (64, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': True, 'warp_specialize': False}),
+    (128, None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
+    (None, None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
 )
 
 _SM_COUNT: dict = {}
@@ -305,14 +306,17 @@ def _sm_count(device) -> int:
 
 
 # Split K only until there are about this many programs per SM: past that, more splits only
-# add partial sums (H200: 4 or 8 was no better than 2 for the definitions' MMA tiles).
+# add partial sums. A tile's split_fill overrides it: a tile of which only one program fits
+# on an SM wants 1, since a second wave of programs costs more than it hides.
 SPLIT_FILL = 2
 
 
-def split_for(tile_split: int, k_steps: int, tiles: int, sms: int | None) -> int:
-    """The K split a tile launches with: the tile's, at most one K step per split, and no more
-    than fills the SMs (sms None: no cap)."""
-    fill = tile_split if sms is None else max(1, SPLIT_FILL * sms // tiles)
+def split_for(tile: dict, k_steps: int, tiles: int, sms: int | None) -> int:
+    """The K split a tile launches with: the tile's SPLIT_K, at most one K step per split, and no
+    more than fills the SMs to the tile's split_fill (sms None: no cap)."""
+    tile_split = tile["SPLIT_K"]
+    per_sm = tile["split_fill"] or SPLIT_FILL
+    fill = tile_split if sms is None else max(1, per_sm * sms // tiles)
     return max(1, min(tile_split, k_steps, fill))
 
 
@@ -335,7 +339,7 @@ def launch(a, a_s, b, b_s, c, tile):
     b_desc = TensorDescriptor(b, [N, K], [b.stride(0), 1], [bn, bk])
     c_desc = TensorDescriptor(c, [M, N], [c.stride(0), 1], [bm, bn])
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    split_k = split_for(tile["SPLIT_K"], triton.cdiv(K, bk), tiles, _sm_count(a.device))
+    split_k = split_for(tile, triton.cdiv(K, bk), tiles, _sm_count(a.device))
     workspace, counters = (c, c) if split_k == 1 else _splitk_scratch(c.device, tiles, split_k, bm * bn)
     programs = _programs(a.device, tiles * split_k, tile["persistent"])
     fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90[(programs,)](

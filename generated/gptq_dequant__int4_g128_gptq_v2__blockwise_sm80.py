@@ -3,7 +3,7 @@
 # kernel: gptq_dequant__int4_g128_gptq_v2__blockwise_sm80 (gptq_dequant/blockwise: unpack int4 checkpoint tensors to [N, K])
 # scheme: gptq.int4.g128.gptq_v2
 # arch: sm_80 and up
-# digest: a190adeef46a14f9 (sha256 of the definition file and the templates)
+# digest: 78a6ec19a1268e21 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -66,9 +66,10 @@ def gptq_dequant__int4_g128_gptq_v2__blockwise_sm80(
     tl.store(out_ptrs, w, mask=k_ok[:, None] & (offs_n[None, :] < N))
 
 
-# Tiles per M bucket, from the definition: (largest M served or None for the rest, launch parameters).
+# Tiles per M bucket, from the definition: (largest M served or None for the rest,
+# smallest N served or None, launch parameters); the first that serves (M, N) is used.
 TILES = (
-    (None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
+    (None, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
 )
 
 

@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g32_gptq_v2__splitk_sm90 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV)
 # scheme: gptq.int4.g32.gptq_v2
 # arch: sm_90 .. sm_90
-# digest: 9eea4178455381bb (sha256 of the definition file and the templates)
+# digest: d240e3e71d3a7209 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -648,12 +648,14 @@ def gptq_gemm_prepared__int4_g32_gptq_v2__splitk_sm90(
     _splitk_store(acc, out_ptrs, out_mask, ws_ptr, count_ptr, tile_id, pid_k, BLOCK_M, BLOCK_N, SPLIT_K)
 
 
-# Tiles per M bucket, from the definition: (largest M served or None for the rest, launch parameters).
+# Tiles per M bucket, from the definition: (largest M served or None for the rest,
+# smallest N served or None, launch parameters); the first that serves (M, N) is used.
 TILES = (
-    (1, {'BLOCK_M': 1, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
-    (16, {'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'num_warps': 8, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
-    (64, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'num_warps': 8, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
-    (None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 2, 'num_warps': 8, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
+    (1, None, {'BLOCK_M': 1, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
+    (16, None, {'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'num_warps': 8, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
+    (64, None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'num_warps': 8, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
+    (None, 8192, {'BLOCK_M': 256, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': 1, 'num_warps': 8, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
+    (None, None, {'BLOCK_M': 128, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 2, 'split_fill': None, 'num_warps': 8, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
 )
 
 _SM_COUNT: dict = {}
@@ -668,14 +670,17 @@ def _sm_count(device) -> int:
 
 
 # Split K only until there are about this many programs per SM: past that, more splits only
-# add partial sums (H200: 4 or 8 was no better than 2 for the definitions' MMA tiles).
+# add partial sums. A tile's split_fill overrides it: a tile of which only one program fits
+# on an SM wants 1, since a second wave of programs costs more than it hides.
 SPLIT_FILL = 2
 
 
-def split_for(tile_split: int, k_steps: int, tiles: int, sms: int | None) -> int:
-    """The K split a tile launches with: the tile's, at most one K step per split, and no more
-    than fills the SMs (sms None: no cap)."""
-    fill = tile_split if sms is None else max(1, SPLIT_FILL * sms // tiles)
+def split_for(tile: dict, k_steps: int, tiles: int, sms: int | None) -> int:
+    """The K split a tile launches with: the tile's SPLIT_K, at most one K step per split, and no
+    more than fills the SMs to the tile's split_fill (sms None: no cap)."""
+    tile_split = tile["SPLIT_K"]
+    per_sm = tile["split_fill"] or SPLIT_FILL
+    fill = tile_split if sms is None else max(1, per_sm * sms // tiles)
     return max(1, min(tile_split, k_steps, fill))
 
 LAYOUT = {'zeros': 'paired', 'weights': 'k_planes'}
@@ -694,7 +699,7 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     # The GEMV keeps its tile's split: its programs are light (H200 tune); no cap on the CPU either.
     sms = _sm_count(x.device) if x.device.type == "cuda" and bm > 1 else None
-    split_k = split_for(tile["SPLIT_K"], triton.cdiv(K, bk), tiles, sms)
+    split_k = split_for(tile, triton.cdiv(K, bk), tiles, sms)
     workspace, counters = (y, y) if split_k == 1 else _splitk_scratch(y.device, tiles, split_k, bm * bn)
     magic_bits, magic_bias = MAGIC[x.dtype]
     uniform = contiguous_groups and GROUP_SIZE.value % bk == 0  # every K tile inside one group

@@ -71,9 +71,12 @@ def _list(args: argparse.Namespace) -> int:
         for bucket in entry.tiles:
             p = bucket.params
             bound = f"M <= {bucket.m_max}" if bucket.m_max is not None else "M rest"
-            print(f"    {bound:>10}: {p['BLOCK_M']}x{p['BLOCK_N']}x{p['BLOCK_K']} warps={p['num_warps']} "
-                  f"stages={p['num_stages']} group_m={p['GROUP_M']} split_k={p['SPLIT_K']}"
-                  f"{' persistent' if p['persistent'] else ''}")
+            if bucket.n_min is not None:
+                bound += f", N >= {bucket.n_min}"
+            extras = "" if p["split_fill"] is None else f" split_fill={p['split_fill']}"
+            extras += " persistent" if p["persistent"] else ""
+            print(f"    {bound:>20}: {p['BLOCK_M']}x{p['BLOCK_N']}x{p['BLOCK_K']} warps={p['num_warps']} "
+                  f"stages={p['num_stages']} group_m={p['GROUP_M']} split_k={p['SPLIT_K']}{extras}")
     print(f"{len(kernels)} kernel(s)", file=sys.stderr)
     return 0
 
@@ -83,7 +86,7 @@ def _explain(args: argparse.Namespace) -> int:
     from kdsl.runtime.registry import explain
 
     try:
-        print(explain(args.op, args.scheme, arch=args.arch, m=args.m))
+        print(explain(args.op, args.scheme, arch=args.arch, m=args.m, n=args.n))
     except (ManifestError, ValueError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -123,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     why.add_argument("--scheme", help="scheme name, e.g. block_fp8.e4m3.w128x128.a128.f32 (default: any)")
     why.add_argument("--arch", help="arch such as sm_90 (default: KDSL_ARCH, else this machine's GPU)")
     why.add_argument("--m", type=int, help="rows of the problem, to show the tile bucket")
+    why.add_argument("--n", type=int, help="output columns of the problem, for definitions that tile by N too")
     why.set_defaults(func=_explain)
 
     demo = commands.add_parser("demo", help="run the generated kernels on a small example",

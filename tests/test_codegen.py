@@ -154,9 +154,12 @@ def test_manifest_entries(rendered):
         assert (rendered / entry["module"]).is_file()
         assert entry["max_arch"] is None or entry["max_arch"] >= entry["min_arch"]
         assert entry["tiles"], entry["name"]
-        assert entry["tiles"][-1]["m_max"] is None
-        bounds = [t["m_max"] for t in entry["tiles"][:-1]]
-        assert bounds == sorted(bounds) and len(set(bounds)) == len(bounds)
+        assert entry["tiles"][-1]["m_max"] is None and entry["tiles"][-1]["n_min"] is None
+        # One tile per M bucket serves every N: it closes the bucket.
+        closing = [t for t, after in zip(entry["tiles"], entry["tiles"][1:]) if after["m_max"] != t["m_max"]]
+        assert all(t["n_min"] is None for t in closing)
+        bounds = [t["m_max"] for t in closing]
+        assert bounds == sorted(bounds) and len(set(bounds)) == len(bounds) and None not in bounds
         # The name says op, scheme, variant and arch.
         assert entry["name"].startswith(entry["op"] + "__")
         assert entry["name"].endswith(f"_{entry['impl']}_sm{entry['min_arch']}")

@@ -151,6 +151,26 @@ def test_planes_layout_ragged_shapes(k, n, group_size, g_idx, m, weights_layout)
     assert ref.rel_fro_error(kdsl.ops.gptq_gemm(x, prepared), _ref(x, ck, group_size, "gptq")) < TOL
 
 
+@pytest.mark.parametrize("g_idx", ["none", "perm"])
+@pytest.mark.parametrize("weights_layout", ["k_planes"], indirect=True)
+def test_every_planes_tile_matches_reference(g_idx, weights_layout):
+    """Each tile of the Hopper variant, the N-conditioned ones included (the bench's N would be
+    too slow here), launched directly at an M inside its bucket on a small problem: K ends
+    mid-tile, N mid-tile, and M inside the 256-row tile."""
+    k, n = 384, 136
+    ck = ref.make_checkpoint(k, n, group_size=128, checkpoint_format="gptq", g_idx=g_idx)
+    prepared = _prepare(ck, 128, "gptq")
+    entry = kdsl.registry.select("gptq_gemm_prepared", prepared.scheme)
+    assert any(bucket.n_min is not None for bucket in entry.tiles)
+    for bucket in entry.tiles:
+        m = bucket.m_max if bucket.m_max is not None else 70
+        x = torch.randn(m, k).half()
+        y = torch.full((m, n), float("nan"), dtype=torch.float16)
+        entry.launch(x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
+                     prepared.contiguous_groups, y, bucket.params)
+        assert ref.rel_fro_error(y, _ref(x, ck, 128, "gptq")) < TOL, bucket
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("weights_layout", ["checkpoint", "k_planes"], indirect=True)
 def test_prepared_gemm_dtypes_and_batch_dims(dtype, weights_layout):
@@ -181,16 +201,29 @@ def test_split_k_scratch_is_left_clean():
     assert int(counters.abs().sum()) == 0
 
 
+def _split_tile(split_k, split_fill=None):
+    return {"SPLIT_K": split_k, "split_fill": split_fill}
+
+
 def test_mma_split_stops_at_about_two_programs_per_sm():
     """split_k is an upper bound: wide N (many output tiles) splits less, never below one split
     or past one K block per split; without an SM count (the interpreter) the tile's split stands."""
     module = kdsl.registry.select("gptq_gemm_prepared", "gptq.int4.g128.gptq", arch="sm_90").load()
     assert module.SPLIT_FILL == 2
-    assert module.split_for(8, 32, tiles=32, sms=132) == 8     # 4096 columns / 128: 8 splits fill 256 programs
-    assert module.split_for(8, 32, tiles=112, sms=132) == 2    # 14336 columns: 224 programs already
-    assert module.split_for(8, 64, tiles=896, sms=132) == 1    # more tiles than two per SM: no split
-    assert module.split_for(8, 3, tiles=1, sms=132) == 3       # at most one K block per split
-    assert module.split_for(8, 32, tiles=896, sms=None) == 8
+    assert module.split_for(_split_tile(8), 32, tiles=32, sms=132) == 8     # 4096 columns / 128: 8 splits, 256 programs
+    assert module.split_for(_split_tile(8), 32, tiles=112, sms=132) == 2    # 14336 columns: 224 programs already
+    assert module.split_for(_split_tile(8), 64, tiles=896, sms=132) == 1    # more tiles than two per SM: no split
+    assert module.split_for(_split_tile(8), 3, tiles=1, sms=132) == 3       # at most one K block per split
+    assert module.split_for(_split_tile(8), 32, tiles=896, sms=None) == 8
+
+
+def test_tile_split_fill_sets_the_programs_per_sm():
+    """A tile's split_fill replaces the default two programs per SM."""
+    module = kdsl.registry.select("gptq_gemm_prepared", "gptq.int4.g128.gptq", arch="sm_90").load()
+    assert module.split_for(_split_tile(4, 1), 32, tiles=112, sms=132) == 1  # one program per SM: 112 already
+    assert module.split_for(_split_tile(4, 1), 32, tiles=32, sms=132) == 4   # 128 programs
+    assert module.split_for(_split_tile(8, 6), 64, tiles=224, sms=132) == 3  # 672 programs
+    assert module.split_for(_split_tile(4, 1), 32, tiles=112, sms=None) == 4
 
 
 def test_cpu_fallback_without_interpreter(monkeypatch, launched):

@@ -99,6 +99,39 @@ def test_tile_bucket_for_m(m, bucket):
     assert {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"} <= set(tile)
 
 
+def _buckets(*bounds):
+    """KernelEntry tile buckets for (m_max, n_min) pairs, each tagged with its index."""
+    from kdsl.runtime.manifest import TileBucket
+    return tuple(TileBucket(m_max, n_min, {"index": index}) for index, (m_max, n_min) in enumerate(bounds))
+
+
+@pytest.mark.parametrize("m, n, index", [
+    (16, 4096, 0), (16, None, 0),
+    (17, 16384, 1), (64, 8192, 1),      # wide N: the bucket's first tile
+    (64, 8191, 2), (17, 2048, 3),       # narrower: the next that serves it
+    (64, None, 3),                      # N unknown: the tile for every N
+    (65, 100_000, 4), (4096, None, 4),
+])
+def test_tile_for_m_and_n(m, n, index):
+    import dataclasses
+    entry = registry.select("fp8_gemm", FP8_SCHEME, arch="sm_90")
+    tiled = dataclasses.replace(entry, tiles=_buckets((16, None), (64, 8192), (64, 4096), (64, None), (None, None)))
+    assert tiled.bucket_index(m, n) == index
+    assert tiled.tile_for(m, n) == {"index": index}
+
+
+def test_explain_shows_the_tile_n_picks():
+    entry = registry.select("gptq_gemm_prepared", "gptq.int4.g128.gptq", arch="sm_90")
+    wide = [i for i, bucket in enumerate(entry.tiles) if bucket.n_min is not None]
+    assert wide, "the sm_90 prepared GPTQ variant tiles its last M bucket by N"
+    bucket = entry.tiles[wide[0]]
+    m = bucket.m_max or 4096
+    text = registry.explain("gptq_gemm_prepared", "gptq.int4.g128.gptq", arch="sm_90", m=m, n=bucket.n_min)
+    assert f"tile bucket {wide[0]}:" in text and f"n={bucket.n_min}" in text
+    narrow = registry.explain("gptq_gemm_prepared", "gptq.int4.g128.gptq", arch="sm_90", m=m, n=bucket.n_min - 1)
+    assert f"tile bucket {wide[0]}:" not in narrow
+
+
 def test_decode_and_prefill_tiles_differ():
     entry = registry.select("fp8_gemm", FP8_SCHEME, arch="sm_89")
     assert entry.tile_for(1)["BLOCK_M"] < entry.tile_for(4096)["BLOCK_M"]

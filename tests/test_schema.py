@@ -176,6 +176,30 @@ def test_variant_middle_bucket_needs_m_max():
         _variant([Tile(m_max=16), Tile(), Tile()])
 
 
+def test_variant_bucket_tiled_by_n():
+    variant = _variant([Tile(m_max=16), Tile(m_max=128, n_min=8192), Tile(m_max=128, n_min=2048), Tile(m_max=128),
+                        Tile(n_min=4096), Tile()])
+    assert [(t.m_max, t.n_min) for t in variant.tiles] == [
+        (16, None), (128, 8192), (128, 2048), (128, None), (None, 4096), (None, None)]
+
+
+def test_variant_bucket_last_tile_must_serve_every_n():
+    with pytest.raises(ValidationError, match=r"tiles\[1\] has n_min = 8192 but is the last tile of its M bucket"):
+        _variant([Tile(m_max=16), Tile(m_max=128, n_min=8192), Tile()])
+    with pytest.raises(ValidationError, match="last tile of its M bucket"):
+        _variant([Tile(m_max=16), Tile(n_min=8192)])
+
+
+def test_variant_bucket_wide_n_first():
+    with pytest.raises(ValidationError, match=r"tiles\[1\].n_min = 8192 must be below the previous tile's \(2048\)"):
+        _variant([Tile(m_max=16, n_min=2048), Tile(m_max=16, n_min=8192), Tile(m_max=16), Tile()])
+
+
+def test_variant_bucket_tiles_differ_by_n_min():
+    with pytest.raises(ValidationError, match=r"tiles\[1\] has the same m_max as tiles\[2\] but no n_min"):
+        _variant([Tile(m_max=16, n_min=4096), Tile(m_max=16), Tile(m_max=16), Tile()])
+
+
 def test_variant_max_arch_below_min_arch():
     with pytest.raises(ValidationError, match="max_arch"):
         _variant([Tile()], min_arch="sm_90", max_arch="sm_89")
@@ -411,6 +435,22 @@ def test_unknown_knob_rejected(tmp_path):
     """)
     message = _load_error(path)
     assert "variants[0].tiles[0].swap_ab" in message
+
+
+def test_split_fill_only_where_the_launcher_caps_the_split(tmp_path):
+    path = _write(tmp_path, SCHEME + """
+        [[variants]]
+        op = "fp8_gemm"
+        impl = "portable"
+        min_arch = "sm_89"
+        tiles = [{ block_m = 64, split_fill = 1 }]
+    """)
+    assert "variants[0].tiles[0].split_fill" in _load_error(path)
+
+
+def test_split_fill_must_be_positive():
+    with pytest.raises(ValidationError, match="split_fill"):
+        Tile(split_fill=0)
 
 
 def test_unknown_field_in_tile_rejected(tmp_path):

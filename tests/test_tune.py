@@ -74,7 +74,7 @@ def test_every_candidate_validates_honours_knobs_and_fits_shared_memory(definiti
             assert tiles[0] == bucket.tile and len(tiles) > 1, (variant.op, bucket.label())
             assert len({space.tile_key(t) for t in tiles}) == len(tiles)  # no duplicates
             for tile in tiles:
-                assert tile.m_max == bucket.m_max
+                assert tile.m_max == bucket.m_max and tile.n_min == bucket.n_min
                 assert tile.model_fields_set - BASE_KNOBS <= impl.knobs, (variant.op, variant.impl, tile)
                 for scheme in loaded.definition.schemes:
                     assert impl.shared_bytes(scheme, tile) <= limit
@@ -160,6 +160,42 @@ def test_shapes_come_from_the_preset_m_values_in_the_bucket():
     # No preset M inside: the bucket's m_max; the last bucket, twice the previous m_max.
     assert {s.m for s in search.shapes_for_bucket("gptq_gemm", cases, space.Bucket(1, 1, 8, Tile(m_max=8)))} == {8}
     assert {s.m for s in search.shapes_for_bucket("gptq_gemm", cases, space.Bucket(3, 8192, None, Tile()))} == {16384}
+
+
+def _variant_tiled_by_n():
+    from kdsl.schema import Variant
+    return Variant(op="gptq_gemm_prepared", impl="splitk", min_arch="sm_90", max_arch="sm_90",
+                   layout={"zeros": "paired", "weights": "k_planes"},
+                   tiles=[Tile(m_max=16, block_m=16), Tile(n_min=8192, block_m=256, split_fill=1), Tile(n_min=4096),
+                          Tile()])
+
+
+def test_buckets_of_a_variant_tiled_by_n():
+    buckets = space.buckets(_variant_tiled_by_n())
+    assert [(b.lo, b.m_max, b.n_min, b.n_below) for b in buckets] == [
+        (0, 16, None, None), (16, None, 8192, None), (16, None, 4096, 8192), (16, None, None, 4096)]
+    assert [b.label() for b in buckets[1:]] == ["M > 16, N >= 8192", "M > 16, N >= 4096, N < 8192", "M > 16, N < 4096"]
+
+
+def test_candidates_keep_the_bucket_n_min():
+    import kdsl
+    variant = _variant_tiled_by_n()
+    wide = space.buckets(variant)[1]
+    tiles = space.candidates(variant, wide, [kdsl.GPTQ()], max_candidates=8)
+    assert len(tiles) == 8 and all(t.n_min == 8192 and t.m_max is None for t in tiles)
+    assert tiles[0].split_fill == 1  # the current tile's knobs stay among the values
+
+
+def test_shapes_of_a_bucket_tiled_by_n():
+    cases = preset_cases("deepseek-v3")
+    pairs = {(c.n, c.k) for c in cases if c.op == "gptq_gemm"}
+    wide = search.shapes_for_bucket("gptq_gemm_prepared", cases, space.Bucket(3, 64, None, Tile(n_min=8192), 8192))
+    assert {(s.n, s.k) for s in wide} == {p for p in pairs if p[0] >= 8192} and {s.m for s in wide} == {256}
+    narrow = search.shapes_for_bucket("gptq_gemm_prepared", cases, space.Bucket(4, 64, None, Tile(), None, 8192))
+    assert {(s.n, s.k) for s in narrow} == {p for p in pairs if p[0] < 8192} and narrow
+    # No preset N in range: the preset's K at the range's edge.
+    edge = search.shapes_for_bucket("gptq_gemm_prepared", cases, space.Bucket(3, 64, None, Tile(n_min=65536), 65536))
+    assert {s.n for s in edge} == {65536} and {s.k for s in edge} == {k for _, k in pairs}
 
 
 # ---- search: checking, timing, scoring ----
@@ -530,10 +566,10 @@ def test_stale_tiles_compares_generated_with_the_definition(definitions):
 
     chosen = target.select_target("gptq_gemm", definitions, arch="sm_80")
     tiles = chosen.variant.tiles
-    fresh = dataclasses.replace(chosen.entry, tiles=tuple(TileBucket(t.m_max, tile_params(t)) for t in tiles))
+    fresh = dataclasses.replace(chosen.entry, tiles=tuple(TileBucket(t.m_max, t.n_min, tile_params(t)) for t in tiles))
     assert not target.stale_tiles(target.Target(fresh, chosen.loaded, chosen.variant_index))
     other = tiles[0].model_copy(update={"num_stages": tiles[0].num_stages + 1})
-    old = dataclasses.replace(chosen.entry, tiles=(TileBucket(other.m_max, tile_params(other)),
+    old = dataclasses.replace(chosen.entry, tiles=(TileBucket(other.m_max, other.n_min, tile_params(other)),
                                                   *fresh.tiles[1:]))
     assert target.stale_tiles(target.Target(old, chosen.loaded, chosen.variant_index))
 
@@ -656,8 +692,8 @@ def test_command_end_to_end_on_cpu_stand_ins(cpu_tune, defs_copy, capsys):
 
 def test_command_refuses_unknown_buckets(cpu_tune, defs_copy, capsys):
     variant = variant_of(defs_copy, "gptq_gemm_prepared", "splitk", "sm_90")[2]
-    names = ", ".join(b.name() for b in space.buckets(variant))
-    assert names.endswith("rest")
+    names = ", ".join(dict.fromkeys(b.name() for b in space.buckets(variant)))  # one name per M bucket
+    assert names.endswith("64, rest")
     assert tune_cli.run(parse("--op", "gptq_gemm_prepared", "--defs", str(defs_copy), "--bucket", "0")) == 2
     assert f"--bucket 0: the variant's buckets are {names}" in capsys.readouterr().err
 

@@ -19,7 +19,7 @@ from kdsl.schema.layout import PLANE_TILE_K, PLANE_TILE_N
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2  # 2: tiles carry n_min and split_fill
 
 
 @lru_cache(maxsize=1)
@@ -60,7 +60,7 @@ def tile_params(tile) -> dict:
     """Launch parameters a generated module reads from a tile, in a fixed key order."""
     return {
         "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
-        "GROUP_M": tile.group_m, "SPLIT_K": tile.split_k,
+        "GROUP_M": tile.group_m, "SPLIT_K": tile.split_k, "split_fill": tile.split_fill,
         "num_warps": tile.num_warps, "num_stages": tile.num_stages,
         "persistent": tile.persistent, "tile_order": tile.tile_order,
         "swap_ab": tile.swap_ab, "warp_specialize": tile.warp_specialize,
@@ -75,7 +75,7 @@ def render_module(kernel: PlannedKernel) -> str:
         scheme=kernel.scheme,
         digest=kernel_digest(kernel),
         arch_range=f"sm_{kernel.min_arch}" + (f" .. sm_{kernel.max_arch}" if kernel.max_arch else " and up"),
-        tiles=[(tile.m_max, tile_params(tile)) for tile in kernel.tiles],
+        tiles=[(tile.m_max, tile.n_min, tile_params(tile)) for tile in kernel.tiles],
         layout=kernel.layout,
         layout_dict=None if kernel.layout is None else kernel.layout.model_dump(mode="json"),
         plane_tile_n=PLANE_TILE_N,
@@ -92,7 +92,7 @@ def manifest_entry(kernel: PlannedKernel) -> dict:
         "scheme_definition": kernel.scheme.model_dump(mode="json"),
         "min_arch": kernel.min_arch,
         "max_arch": kernel.max_arch,
-        "tiles": [{"m_max": tile.m_max, **tile_params(tile)} for tile in kernel.tiles],
+        "tiles": [{"m_max": tile.m_max, "n_min": tile.n_min, **tile_params(tile)} for tile in kernel.tiles],
         "layout": None if kernel.layout is None else kernel.layout.model_dump(mode="json"),
         "module": f"{kernel.module}.py",
         "function": "launch",

@@ -122,7 +122,7 @@ def fp8_gemm(
     # TMA wants contiguous, 16-byte aligned operands; the portable kernel is happy with them too.
     a2, a_s2, b, b_s = (_aligned(t) for t in (a2, a_s2, b, b_s))
     entry = registry.dispatch("fp8_gemm", _scheme(*DEFAULT_BLOCK, group), device)
-    entry.launch(a2, a_s2, b, b_s, c.view(-1, n), entry.tile_for(a2.shape[0]))
+    entry.launch(a2, a_s2, b, b_s, c.view(-1, n), entry.tile_for(a2.shape[0], n))
     return c
 
 

@@ -54,7 +54,7 @@ def gptq_gemm(
         return fallback.gptq_gemm(x2, qweight, qzeros, scales, groups, bits, ZERO_OFFSET[checkpoint_format]).view(y.shape)
     entry = registry.dispatch("gptq_gemm", gptq_scheme_name(bits, group_size, checkpoint_format), device)
     entry.launch(x2, qweight.contiguous(), qzeros.contiguous(), scales.contiguous(),
-                 None if g_idx is None else g_idx.contiguous(), y.view(-1, n), entry.tile_for(x2.shape[0]))
+                 None if g_idx is None else g_idx.contiguous(), y.view(-1, n), entry.tile_for(x2.shape[0], n))
     return y
 
 

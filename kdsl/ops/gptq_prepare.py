@@ -176,5 +176,5 @@ def gemm_prepared(x: torch.Tensor, prepared: GPTQPrepared) -> torch.Tensor:
         raise ValueError(f"prepared: weights are in layout {prepared.layout}, but {entry.name} reads "
                          f"{entry.layout}; prepare them again with kdsl.ops.gptq_prepare")
     entry.launch(x2, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
-                 prepared.contiguous_groups, y.view(-1, n), entry.tile_for(x2.shape[0]))
+                 prepared.contiguous_groups, y.view(-1, n), entry.tile_for(x2.shape[0], n))
     return y

@@ -10,7 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 GENERATED_ENV = "KDSL_GENERATED"
-SUPPORTED_FORMAT = 1
+SUPPORTED_FORMAT = 2
 
 
 def generated_dir() -> Path:
@@ -22,6 +22,7 @@ def generated_dir() -> Path:
 @dataclass(frozen=True)
 class TileBucket:
     m_max: int | None
+    n_min: int | None
     params: dict = field(hash=False, compare=False)
 
 
@@ -41,14 +42,16 @@ class KernelEntry:
     source: str
     layout: dict | None = field(default=None, hash=False, compare=False)  # prepared-weight layout, if any
 
-    def tile_for(self, m: int) -> dict:
-        return self.tiles[self.bucket_index(m)].params
+    def tile_for(self, m: int, n: int | None = None) -> dict:
+        """Launch parameters for M rows (and N columns, where the definition tiles by N too)."""
+        return self.tiles[self.bucket_index(m, n)].params
 
-    def bucket_index(self, m: int | None) -> int:
-        if m is None:
-            return len(self.tiles) - 1
+    def bucket_index(self, m: int | None, n: int | None = None) -> int:
+        """The first tile serving M (None: the last bucket) and N (None: the bucket's tile for every N)."""
         for index, bucket in enumerate(self.tiles):
-            if bucket.m_max is None or m <= bucket.m_max:
+            serves_m = bucket.m_max is None or (m is not None and m <= bucket.m_max)
+            serves_n = bucket.n_min is None or (n is not None and n >= bucket.n_min)
+            if serves_m and serves_n:
                 return index
         return len(self.tiles) - 1
 
@@ -94,11 +97,13 @@ def load_manifest(folder: Path | None = None) -> tuple[KernelEntry, ...]:
     except (OSError, json.JSONDecodeError) as error:
         raise ManifestError(f"{path} is unreadable ({error}): run `python -m kdsl generate`") from None
     if data.get("format") != SUPPORTED_FORMAT:
-        raise ManifestError(f"{path} has format {data.get('format')!r}, this kdsl reads {SUPPORTED_FORMAT}")
+        raise ManifestError(f"{path} has format {data.get('format')!r}, this kdsl reads {SUPPORTED_FORMAT}: "
+                            "run `python -m kdsl generate`")
     entries = []
     for raw in data["kernels"]:
         tiles = tuple(
-            TileBucket(t["m_max"], {k: v for k, v in t.items() if k != "m_max"}) for t in raw["tiles"]
+            TileBucket(t["m_max"], t["n_min"], {k: v for k, v in t.items() if k not in ("m_max", "n_min")})
+            for t in raw["tiles"]
         )
         entries.append(KernelEntry(
             name=raw["name"], op=raw["op"], impl=raw["impl"], scheme=raw["scheme"],

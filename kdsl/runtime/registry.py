@@ -145,14 +145,15 @@ def select(op: str, scheme=None, arch: str | int | None = None, m: int | None = 
     return chosen
 
 
-def explain(op: str, scheme=None, arch: str | int | None = None, m: int | None = None) -> str:
-    """The selection trace as text: every candidate, the verdict on it, and the tile M picks."""
+def explain(op: str, scheme=None, arch: str | int | None = None, m: int | None = None, n: int | None = None) -> str:
+    """The selection trace as text: every candidate, the verdict on it, and the tile (M, N) picks."""
     arch_number = _arch_number(arch)
     name = _scheme_name(scheme)
     chosen, verdicts = _judge(op, name, arch_number)
-    lines = [f"select {op} scheme={name or 'any'} arch={format_arch(arch_number)} m={m if m is not None else 'any'}"]
+    lines = [f"select {op} scheme={name or 'any'} arch={format_arch(arch_number)} m={m if m is not None else 'any'}"
+             + ("" if n is None else f" n={n}")]
     if chosen is not None:
-        bucket = chosen.bucket_index(m)
+        bucket = chosen.bucket_index(m, n)
         lines.append(f"  {chosen.name}: CHOSEN ({chosen.arch_range()}), tile bucket {bucket}: {chosen.tiles[bucket].params}")
     lines += [f"  {entry_name}: {reason}" for entry_name, reason in verdicts]
     if chosen is None:

@@ -48,7 +48,8 @@ def _w4a16_gemm_shared(scheme, tile) -> int:
     return tile.num_stages * (tile.block_m * tile.block_k * 2 + tile.block_k * tile.block_n // 2)
 
 
-GEMM_KNOBS = frozenset({"block_m", "block_n", "block_k", "group_m", "num_stages"})
+# n_min: GEMM call sites pass N to the tile selection (kdsl.runtime KernelEntry.tile_for).
+GEMM_KNOBS = frozenset({"block_m", "block_n", "block_k", "group_m", "num_stages", "n_min"})
 
 CATALOGUE: tuple[KernelImpl, ...] = (
     KernelImpl("block_fp8", "act_quant", "rowwise", "block_fp8/act_quant.py.j2", 89, None,
@@ -61,7 +62,7 @@ CATALOGUE: tuple[KernelImpl, ...] = (
                GEMM_KNOBS | {"tile_order"}, _fp8_gemm_shared,
                "pointer loads, grouped tile order, fp32 accumulation with per-step scales", min_block_m=16),
     KernelImpl("block_fp8", "fp8_gemm", "tma_persistent", "block_fp8/fp8_gemm_tma.py.j2", 90, 90,
-               GEMM_KNOBS | {"tile_order", "persistent", "warp_specialize", "split_k", "swap_ab"}, _fp8_gemm_tma_shared,
+               GEMM_KNOBS | {"tile_order", "persistent", "warp_specialize", "split_k", "split_fill", "swap_ab"}, _fp8_gemm_tma_shared,
                "TMA tensor descriptors, persistent grid over SMs, wgmma through Triton; block_m = 1 is a "
                "CUDA-core GEMV", min_block_m=16, gemv_block_m=True),
     KernelImpl("gptq", "gptq_gemm", "splitk", "gptq/gptq_gemm.py.j2", 80, None,
@@ -69,7 +70,7 @@ CATALOGUE: tuple[KernelImpl, ...] = (
                "W4A16: unpack int4 in registers, fp16/bf16 tensor-core dot, optional split-K with atomics",
                min_block_m=16),
     KernelImpl("gptq", "gptq_gemm_prepared", "splitk", "gptq/gptq_gemm_prepared.py.j2", 80, None,
-               GEMM_KNOBS | {"split_k"}, _w4a16_gemm_shared,
+               GEMM_KNOBS | {"split_k", "split_fill"}, _w4a16_gemm_shared,
                "W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced "
                "in-kernel; block_m = 1 is a CUDA-core GEMV",
                reads_prepared_weights=True, min_block_m=16, gemv_block_m=True),

@@ -29,11 +29,17 @@ class Tile(StrictModel):
     """Launch parameters for one M bucket. Fields an implementation ignores must stay unset."""
 
     m_max: PositiveInt | None = Field(None, description="serves M up to this (inclusive); omit on the last bucket")
+    n_min: PositiveInt | None = Field(
+        None, description="inside its M bucket, serves N from this up; the bucket's last tile omits it"
+    )
     block_m: PowerOfTwo = 64
     block_n: PowerOfTwo = 128
     block_k: PowerOfTwo = 128
     group_m: PositiveInt = Field(8, description="rows of tiles walked together for L2 reuse")
     split_k: PositiveInt = Field(1, description="programs sharing one output tile along K (clamped to K's blocks)")
+    split_fill: PositiveInt | None = Field(
+        None, description="split K only up to about this many programs per SM (how many fit at once); default 2"
+    )
     num_warps: Literal[1, 2, 4, 8, 16] = 4
     num_stages: int = Field(3, ge=1, le=8)
     persistent: bool = Field(False, description="one program per SM looping over tiles")
@@ -56,21 +62,41 @@ class Variant(StrictModel):
 
     @field_validator("tiles")
     @classmethod
-    def _buckets_cover_m_once(cls, tiles: list[Tile]) -> list[Tile]:
-        previous = 0
+    def _buckets_cover_m_and_n_once(cls, tiles: list[Tile]) -> list[Tile]:
+        """M buckets in increasing m_max, the last open-ended; inside one, tiles for wide N first
+        (decreasing n_min), the last one serving every N."""
+        previous_m, previous_n = 0, None
         for index, tile in enumerate(tiles):
             last = index == len(tiles) - 1
-            if tile.m_max is None and not last:
+            closes_bucket = last or tiles[index + 1].m_max != tile.m_max
+            if tile.m_max is None and not last and tiles[index + 1].m_max is not None:
                 raise ValueError(f"tiles[{index}] has no m_max but is not the last bucket")
-            if tile.m_max is not None:
-                if last:
-                    raise ValueError(f"tiles[{index}] is the last bucket and must omit m_max so every M is served")
-                if tile.m_max <= previous:
+            if previous_n is None and tile.m_max is not None and tile.m_max <= previous_m:
+                raise ValueError(
+                    f"tiles[{index}].m_max = {tile.m_max} overlaps the previous bucket (m_max = {previous_m}); "
+                    "buckets must be listed with strictly increasing m_max"
+                )
+            if last and tile.m_max is not None:
+                raise ValueError(f"tiles[{index}] is the last bucket and must omit m_max so every M is served")
+            if tile.n_min is None and not closes_bucket:
+                raise ValueError(
+                    f"tiles[{index}] has the same m_max as tiles[{index + 1}] but no n_min: "
+                    "tiles of one M bucket must differ by n_min, and only the bucket's last omits it"
+                )
+            if tile.n_min is not None:
+                if closes_bucket:
                     raise ValueError(
-                        f"tiles[{index}].m_max = {tile.m_max} overlaps the previous bucket (m_max = {previous}); "
-                        "buckets must be listed with strictly increasing m_max"
+                        f"tiles[{index}] has n_min = {tile.n_min} but is the last tile of its M bucket, "
+                        "which must omit n_min so every N is served"
                     )
-                previous = tile.m_max
+                if previous_n is not None and tile.n_min >= previous_n:
+                    raise ValueError(
+                        f"tiles[{index}].n_min = {tile.n_min} must be below the previous tile's ({previous_n}): "
+                        "inside an M bucket, list wide-N tiles first"
+                    )
+            previous_n = None if closes_bucket else tile.n_min
+            if closes_bucket and tile.m_max is not None:
+                previous_m = tile.m_max
         return tiles
 
     @model_validator(mode="after")

@@ -67,10 +67,14 @@ def default_timer(fn: Callable[[], object], m: int) -> float:
 
 
 def shapes_for_bucket(op: str, cases: Sequence[Case], bucket: Bucket) -> list[Shape]:
-    """Every (N, K) the preset has for the op, at the preset's M values inside the bucket, or at
-    the bucket's m_max if none is (the last bucket: twice the previous m_max, at least 1)."""
+    """Every (N, K) the preset has for the op inside the bucket's N range, at the preset's M values
+    inside the bucket, or at the bucket's m_max if none is (the last bucket: twice the previous
+    m_max, at least 1). An N range no preset shape falls in takes the preset's K at its edge N."""
     mine = [c for c in cases if c.op == SHAPE_OPS[op]]
-    pairs = list(dict.fromkeys((c.n, c.k) for c in mine))
+    pairs = list(dict.fromkeys((c.n, c.k) for c in mine if bucket.holds_n(c.n)))
+    if not pairs:
+        edge = bucket.n_min if bucket.n_min is not None else max(bucket.n_below // 2, 1)
+        pairs = list(dict.fromkeys((edge, c.k) for c in mine))
     ms = sorted({c.m for c in mine if bucket.holds(c.m)})
     if not ms:
         ms = [bucket.m_max if bucket.m_max is not None else max(2 * bucket.lo, 1)]

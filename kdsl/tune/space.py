@@ -24,9 +24,9 @@ from kdsl.schema.catalogue import BASE_KNOBS, KernelImpl, find_impl
 
 DEFAULT_MAX_CANDIDATES = 24
 # The fields a tile writes, in the order `kdsl tune` writes them.
-TILE_FIELDS = ("m_max", "block_m", "block_n", "block_k", "group_m", "split_k", "num_warps", "num_stages",
-               "persistent", "tile_order", "swap_ab", "warp_specialize")
-KNOBS = TILE_FIELDS[1:]  # what a candidate may vary; m_max is the bucket's
+TILE_FIELDS = ("m_max", "n_min", "block_m", "block_n", "block_k", "group_m", "split_k", "split_fill", "num_warps",
+               "num_stages", "persistent", "tile_order", "swap_ab", "warp_specialize")
+KNOBS = TILE_FIELDS[2:]  # what a candidate may vary; m_max and n_min are the bucket's
 
 GEMV, DECODE, MID, PREFILL = "gemv", "decode", "mid", "prefill"
 DECODE_MAX_M = 16
@@ -47,29 +47,43 @@ GRIDS: dict[str, dict[str, tuple]] = {
 
 @dataclass(frozen=True)
 class Bucket:
-    """One M bucket of a variant: serves lo < M <= m_max (m_max None: every M above lo)."""
+    """One tile of a variant: serves lo < M <= m_max (m_max None: every M above lo) and, where the
+    M bucket is tiled by N too, n_min <= N < n_below (None: unbounded)."""
 
     index: int
     lo: int
     m_max: int | None
     tile: Tile  # the definition's current tile
+    n_min: int | None = None
+    n_below: int | None = None  # the n_min of the M bucket's tile before this one
 
     def holds(self, m: int) -> bool:
         return m > self.lo and (self.m_max is None or m <= self.m_max)
 
+    def holds_n(self, n: int) -> bool:
+        return (self.n_min is None or n >= self.n_min) and (self.n_below is None or n < self.n_below)
+
     def label(self) -> str:
-        return f"M <= {self.m_max}" if self.m_max is not None else f"M > {self.lo}"
+        label = f"M <= {self.m_max}" if self.m_max is not None else f"M > {self.lo}"
+        if self.n_min is not None:
+            label += f", N >= {self.n_min}"
+        if self.n_below is not None:
+            label += f", N < {self.n_below}"
+        return label
 
     def name(self) -> str:
-        """As --bucket names it: its m_max, or "rest" for the last bucket."""
+        """As --bucket names it: its m_max, or "rest" for the last bucket (every tile of that M bucket)."""
         return "rest" if self.m_max is None else str(self.m_max)
 
 
 def buckets(variant: Variant) -> list[Bucket]:
-    out, lo = [], 0
+    out, lo, n_below = [], 0, None
     for index, tile in enumerate(variant.tiles):
-        out.append(Bucket(index, lo, tile.m_max, tile))
-        lo = tile.m_max or lo
+        out.append(Bucket(index, lo, tile.m_max, tile, tile.n_min, n_below))
+        closes = index == len(variant.tiles) - 1 or variant.tiles[index + 1].m_max != tile.m_max
+        n_below = None if closes else tile.n_min
+        if closes:
+            lo = tile.m_max or lo
     return out
 
 
@@ -125,12 +139,13 @@ def _distance(tile: Tile, current: Tile) -> tuple[int, float]:
         if a == b:
             continue
         changed += 1
-        far += abs(math.log2(a / b)) if isinstance(a, int) and not isinstance(a, bool) else 1.0
+        numbers = all(isinstance(v, int) and not isinstance(v, bool) for v in (a, b))
+        far += abs(math.log2(a / b)) if numbers else 1.0
     return changed, far
 
 
 def _make_tile(bucket: Bucket, knobs: dict[str, object]) -> Tile | None:
-    fields = {"m_max": bucket.m_max} if bucket.m_max is not None else {}
+    fields = {name: value for name, value in (("m_max", bucket.m_max), ("n_min", bucket.n_min)) if value is not None}
     try:
         return Tile(**fields, **knobs)
     except ValueError:  # pydantic's ValidationError is a ValueError

@@ -63,6 +63,6 @@ def stale_tiles(target: Target) -> bool:
     """True when generated/ launches other tiles than the definition holds (regenerate first)."""
     from kdsl.codegen.render import tile_params
 
-    have = [(b.m_max, b.params) for b in target.entry.tiles]
-    want = [(t.m_max, tile_params(t)) for t in target.variant.tiles]
+    have = [(b.m_max, b.n_min, b.params) for b in target.entry.tiles]
+    want = [(t.m_max, t.n_min, tile_params(t)) for t in target.variant.tiles]
     return have != want
