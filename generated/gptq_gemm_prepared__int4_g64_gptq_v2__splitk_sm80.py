@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g64_gptq_v2__splitk_sm80 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV)
 # scheme: gptq.int4.g64.gptq_v2
 # arch: sm_80 and up
-# digest: d240e3e71d3a7209 (sha256 of the definition file and the templates)
+# digest: 0336facfc4608e79 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -548,19 +548,32 @@ def _sm_count(device) -> int:
     return _SM_COUNT[device.index]
 
 
-# Split K only until there are about this many programs per SM: past that, more splits only
-# add partial sums. A tile's split_fill overrides it: a tile of which only one program fits
-# on an SM wants 1, since a second wave of programs costs more than it hides.
+# Programs per SM the K split plans for, unless a tile's split_fill says how many of its
+# programs fit on an SM at once (1 for a tile that takes a whole SM).
 SPLIT_FILL = 2
+# What a program costs beyond its K steps (launch, pipeline fill, split-K store), in K steps.
+# From an H200 table of every split on the bench shapes: it keeps a tile from splitting into
+# programs of a few steps each, or into a partial extra wave.
+PROGRAM_COST_STEPS = 6
 
 
 def split_for(tile: dict, k_steps: int, tiles: int, sms: int | None) -> int:
-    """The K split a tile launches with: the tile's SPLIT_K, at most one K step per split, and no
-    more than fills the SMs to the tile's split_fill (sms None: no cap)."""
-    tile_split = tile["SPLIT_K"]
-    per_sm = tile["split_fill"] or SPLIT_FILL
-    fill = tile_split if sms is None else max(1, per_sm * sms // tiles)
-    return max(1, min(tile_split, k_steps, fill))
+    """The K split a tile launches with: at most the tile's SPLIT_K and one K step per split.
+    With an SM count, the split whose programs finish soonest, counted in waves of split_fill
+    programs per SM times each program's K steps plus its fixed cost; no split once the tiles
+    alone fill a wave (sms None, the interpreter: the tile's split)."""
+    cap = max(1, min(tile["SPLIT_K"], k_steps))
+    if sms is None:
+        return cap
+    slots = (tile["split_fill"] or SPLIT_FILL) * sms
+    if tiles >= slots:
+        return 1
+
+    def finish(split: int) -> int:
+        waves = -(-tiles * split // slots)
+        return waves * (-(-k_steps // split) + PROGRAM_COST_STEPS)
+
+    return min(range(1, cap + 1), key=lambda split: (finish(split), split))
 
 LAYOUT = {'zeros': 'biased', 'weights': 'checkpoint'}
 # Bit patterns whose low mantissa bits take q directly, and the value they stand for.

@@ -205,14 +205,16 @@ def _split_tile(split_k, split_fill=None):
     return {"SPLIT_K": split_k, "split_fill": split_fill}
 
 
-def test_mma_split_stops_at_about_two_programs_per_sm():
-    """split_k is an upper bound: wide N (many output tiles) splits less, never below one split
-    or past one K block per split; without an SM count (the interpreter) the tile's split stands."""
+def test_mma_split_fills_whole_waves():
+    """split_k is an upper bound: the split whose programs finish soonest in waves of two programs
+    per SM, counting a fixed cost per program; never below one split or past one K block per
+    split; without an SM count (the interpreter) the tile's split stands."""
     module = kdsl.registry.select("gptq_gemm_prepared", "gptq.int4.g128.gptq", arch="sm_90").load()
-    assert module.SPLIT_FILL == 2
-    assert module.split_for(_split_tile(8), 32, tiles=32, sms=132) == 8     # 4096 columns / 128: 8 splits, 256 programs
-    assert module.split_for(_split_tile(8), 32, tiles=112, sms=132) == 2    # 14336 columns: 224 programs already
-    assert module.split_for(_split_tile(8), 64, tiles=896, sms=132) == 1    # more tiles than two per SM: no split
+    assert module.SPLIT_FILL == 2 and module.PROGRAM_COST_STEPS == 6
+    assert module.split_for(_split_tile(8), 32, tiles=32, sms=132) == 8     # 4096 columns / 128: 256 programs, one wave
+    assert module.split_for(_split_tile(8), 32, tiles=112, sms=132) == 2    # 14336 columns: a third split starts a second wave
+    assert module.split_for(_split_tile(8), 64, tiles=896, sms=132) == 1    # the tiles alone fill a wave: no split
+    assert module.split_for(_split_tile(8), 64, tiles=264, sms=132) == 1
     assert module.split_for(_split_tile(8), 3, tiles=1, sms=132) == 3       # at most one K block per split
     assert module.split_for(_split_tile(8), 32, tiles=896, sms=None) == 8
 
@@ -222,7 +224,9 @@ def test_tile_split_fill_sets_the_programs_per_sm():
     module = kdsl.registry.select("gptq_gemm_prepared", "gptq.int4.g128.gptq", arch="sm_90").load()
     assert module.split_for(_split_tile(4, 1), 32, tiles=112, sms=132) == 1  # one program per SM: 112 already
     assert module.split_for(_split_tile(4, 1), 32, tiles=32, sms=132) == 4   # 128 programs
-    assert module.split_for(_split_tile(8, 6), 64, tiles=224, sms=132) == 3  # 672 programs
+    # Three per SM, 224 tiles of 64 steps: two waves of 22-step programs beat one of 64 or three of 16.
+    assert module.split_for(_split_tile(8, 3), 64, tiles=224, sms=132) == 3
+    assert module.split_for(_split_tile(8, 3), 32, tiles=112, sms=132) == 3  # 336 programs: still one wave
     assert module.split_for(_split_tile(4, 1), 32, tiles=112, sms=None) == 4
 
 
