@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_gall_gptq_v2__splitk_sm80 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV)
 # scheme: gptq.int4.gall.gptq_v2
 # arch: sm_80 and up
-# digest: 0336facfc4608e79 (sha256 of the definition file and the templates)
+# digest: 25c9338579d5e552 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -152,6 +152,62 @@ mov.b32 {$2, $6}, t2;
 mov.b32 {$3, $7}, t3;
 }
 """)
+
+
+# As _UNPACK_FP16 / _UNPACK_BF16 without the scale: q - zero, exact; the scale comes after the MMA.
+_UNPACK_ZERO_FP16 = tl.constexpr("""
+{
+.reg .b32 z2, sh, t0, t1, t2, t3;
+mov.b32 z2, {$9, $9};
+lop3.b32 t0, $8, 0x000f000f, 0x64006400, 0xea;
+shr.b32 sh, $8, 4;
+lop3.b32 t1, sh, 0x000f000f, 0x64006400, 0xea;
+shr.b32 sh, $8, 8;
+lop3.b32 t2, sh, 0x000f000f, 0x64006400, 0xea;
+shr.b32 sh, $8, 12;
+lop3.b32 t3, sh, 0x000f000f, 0x64006400, 0xea;
+sub.f16x2 t0, t0, z2;
+sub.f16x2 t1, t1, z2;
+sub.f16x2 t2, t2, z2;
+sub.f16x2 t3, t3, z2;
+mov.b32 {$0, $4}, t0;
+mov.b32 {$1, $5}, t1;
+mov.b32 {$2, $6}, t2;
+mov.b32 {$3, $7}, t3;
+}
+""")
+_UNPACK_ZERO_BF16 = tl.constexpr("""
+{
+.reg .b32 z2, one2, sh, t0, t1, t2, t3;
+mov.b32 z2, {$9, $9};
+xor.b32 z2, z2, 0x80008000;
+mov.b32 one2, 0x3f803f80;
+lop3.b32 t0, $8, 0x000f000f, 0x43004300, 0xea;
+shr.b32 sh, $8, 4;
+lop3.b32 t1, sh, 0x000f000f, 0x43004300, 0xea;
+shr.b32 sh, $8, 8;
+lop3.b32 t2, sh, 0x000f000f, 0x43004300, 0xea;
+shr.b32 sh, $8, 12;
+lop3.b32 t3, sh, 0x000f000f, 0x43004300, 0xea;
+fma.rn.bf16x2 t0, t0, one2, z2;
+fma.rn.bf16x2 t1, t1, one2, z2;
+fma.rn.bf16x2 t2, t2, one2, z2;
+fma.rn.bf16x2 t3, t3, one2, z2;
+mov.b32 {$0, $4}, t0;
+mov.b32 {$1, $5}, t1;
+mov.b32 {$2, $6}, t2;
+mov.b32 {$3, $7}, t3;
+}
+""")
+
+
+@triton.jit
+def _nibbles_zero_asm(packed, zero):
+    """As _nibbles_asm, but q - zero unscaled (exact: small integers)."""
+    dt = zero.dtype
+    return tl.inline_asm_elementwise(
+        _UNPACK_ZERO_FP16 if dt == tl.float16 else _UNPACK_ZERO_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h",
+        [packed, zero], dtype=(dt, dt, dt, dt, dt, dt, dt, dt), is_pure=True, pack=1)
 
 
 @triton.jit
@@ -485,7 +541,7 @@ def gptq_gemm_prepared__int4_gall_gptq_v2__splitk_sm80(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
     MAGIC_BITS: tl.constexpr, MAGIC_BIAS: tl.constexpr, FP32_MATH: tl.constexpr,
-    ASM_DEQUANT: tl.constexpr, SWAP_AB: tl.constexpr, HALF2_DOT: tl.constexpr,
+    ASM_DEQUANT: tl.constexpr, SWAP_AB: tl.constexpr, HALF2_DOT: tl.constexpr, SCALE_AFTER: tl.constexpr,
 ):
     """y[M, N] = x[M, perm] @ w[K, N] on prepared weights; SPLIT_K programs share each output tile.
     BLOCK_M = 1 runs the CUDA-core GEMV, larger tiles the MMA."""
@@ -599,6 +655,7 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
     asm = (x.device.type == "cuda" and uniform  # one scale per packed word
            # From 64-row tiles up; below that its join/permute costs more than it saves (H200 sweep).
            and bm >= 64)
+    scale_after = False  # only the k_planes MMA applies it
     half2 = bm == 1 and x.dtype == torch.float16 and x.device.type == "cuda" and (uniform or word_groups)
     gptq_gemm_prepared__int4_gall_gptq_v2__splitk_sm80[(tiles, split_k)](
         x, qweight if perm is None else perm, qweight, zeros, scales, groups,
@@ -608,6 +665,6 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
         WORD_GROUPS=word_groups,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tile["GROUP_M"], SPLIT_K=split_k,
         MAGIC_BITS=magic_bits, MAGIC_BIAS=magic_bias, FP32_MATH=x.device.type == "cpu",
-        ASM_DEQUANT=asm, SWAP_AB=tile["swap_ab"], HALF2_DOT=half2,
+        ASM_DEQUANT=asm, SWAP_AB=tile["swap_ab"], HALF2_DOT=half2, SCALE_AFTER=scale_after,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"],
     )

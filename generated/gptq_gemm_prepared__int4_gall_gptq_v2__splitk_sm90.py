@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_gall_gptq_v2__splitk_sm90 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV)
 # scheme: gptq.int4.gall.gptq_v2
 # arch: sm_90 .. sm_90
-# digest: 0336facfc4608e79 (sha256 of the definition file and the templates)
+# digest: 25c9338579d5e552 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -161,6 +161,62 @@ mov.b32 {$2, $6}, t2;
 mov.b32 {$3, $7}, t3;
 }
 """)
+
+
+# As _UNPACK_FP16 / _UNPACK_BF16 without the scale: q - zero, exact; the scale comes after the MMA.
+_UNPACK_ZERO_FP16 = tl.constexpr("""
+{
+.reg .b32 z2, sh, t0, t1, t2, t3;
+mov.b32 z2, {$9, $9};
+lop3.b32 t0, $8, 0x000f000f, 0x64006400, 0xea;
+shr.b32 sh, $8, 4;
+lop3.b32 t1, sh, 0x000f000f, 0x64006400, 0xea;
+shr.b32 sh, $8, 8;
+lop3.b32 t2, sh, 0x000f000f, 0x64006400, 0xea;
+shr.b32 sh, $8, 12;
+lop3.b32 t3, sh, 0x000f000f, 0x64006400, 0xea;
+sub.f16x2 t0, t0, z2;
+sub.f16x2 t1, t1, z2;
+sub.f16x2 t2, t2, z2;
+sub.f16x2 t3, t3, z2;
+mov.b32 {$0, $4}, t0;
+mov.b32 {$1, $5}, t1;
+mov.b32 {$2, $6}, t2;
+mov.b32 {$3, $7}, t3;
+}
+""")
+_UNPACK_ZERO_BF16 = tl.constexpr("""
+{
+.reg .b32 z2, one2, sh, t0, t1, t2, t3;
+mov.b32 z2, {$9, $9};
+xor.b32 z2, z2, 0x80008000;
+mov.b32 one2, 0x3f803f80;
+lop3.b32 t0, $8, 0x000f000f, 0x43004300, 0xea;
+shr.b32 sh, $8, 4;
+lop3.b32 t1, sh, 0x000f000f, 0x43004300, 0xea;
+shr.b32 sh, $8, 8;
+lop3.b32 t2, sh, 0x000f000f, 0x43004300, 0xea;
+shr.b32 sh, $8, 12;
+lop3.b32 t3, sh, 0x000f000f, 0x43004300, 0xea;
+fma.rn.bf16x2 t0, t0, one2, z2;
+fma.rn.bf16x2 t1, t1, one2, z2;
+fma.rn.bf16x2 t2, t2, one2, z2;
+fma.rn.bf16x2 t3, t3, one2, z2;
+mov.b32 {$0, $4}, t0;
+mov.b32 {$1, $5}, t1;
+mov.b32 {$2, $6}, t2;
+mov.b32 {$3, $7}, t3;
+}
+""")
+
+
+@triton.jit
+def _nibbles_zero_asm(packed, zero):
+    """As _nibbles_asm, but q - zero unscaled (exact: small integers)."""
+    dt = zero.dtype
+    return tl.inline_asm_elementwise(
+        _UNPACK_ZERO_FP16 if dt == tl.float16 else _UNPACK_ZERO_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h",
+        [packed, zero], dtype=(dt, dt, dt, dt, dt, dt, dt, dt), is_pure=True, pack=1)
 
 
 @triton.jit
@@ -548,13 +604,15 @@ def _planes_mma(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, rows, cols, K, fir
                 HAS_PERM: tl.constexpr, UNIFORM_GROUP: tl.constexpr, WORD_GROUPS: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 MAGIC_BITS: tl.constexpr, MAGIC_BIAS: tl.constexpr, FP32_MATH: tl.constexpr,
-                ASM_DEQUANT: tl.constexpr):
+                ASM_DEQUANT: tl.constexpr, SCALE_AFTER: tl.constexpr):
     """[BLOCK_M, BLOCK_N] partial of y over K tiles [first, last), from k_planes weights.
 
     y^T = w^T x^T, so the weights are the MMA's first operand, which Hopper reads from registers.
     Dequantizing is element-wise on the words, so Triton loads them from shared memory straight
     into that operand's layout (no round trip); ASM_DEQUANT (one group per tile) makes each nibble
     pair (p, p + 4) one half2 with LOP3, and that half2 is the operand's pair of adjacent K.
+    SCALE_AFTER (with ASM_DEQUANT): the operand is q - zero, exact, and each K tile's fp32 partial
+    takes the scale, which saves a packed multiply per weight pair but waits on every tile's MMA.
     x^T comes from shared memory.
     """
     dtype: tl.constexpr = x_ptr.dtype.element_ty
@@ -570,7 +628,9 @@ def _planes_mma(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, rows, cols, K, fir
             scale, zero = scale[:, None], zero[:, None]
         else:
             scale, zero = 0.0, 0.0  # each plane loads its own
-        if ASM_DEQUANT:
+        if ASM_DEQUANT and SCALE_AFTER:
+            w0, w1, w2, w3, w4, w5, w6, w7 = _nibbles_zero_asm(packed, tl.broadcast_to(zero, packed.shape))
+        elif ASM_DEQUANT:
             w0, w1, w2, w3, w4, w5, w6, w7 = _nibbles_asm(packed, tl.broadcast_to(scale, packed.shape),
                                                           tl.broadcast_to(zero, packed.shape))
         else:
@@ -596,6 +656,8 @@ def _planes_mma(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, rows, cols, K, fir
         x = _load_x(x_ptr, perm_ptr, rows, k_block * BLOCK_K + tl.arange(0, BLOCK_K), K, stride_xm, HAS_PERM)
         if FP32_MATH:
             acc += tl.dot(w.to(tl.float32), tl.trans(x).to(tl.float32))
+        elif ASM_DEQUANT and SCALE_AFTER:
+            acc += tl.dot(w, tl.trans(x)) * scale.to(tl.float32)
         else:
             acc = tl.dot(w, tl.trans(x), acc)
     return tl.trans(acc)
@@ -610,7 +672,7 @@ def gptq_gemm_prepared__int4_gall_gptq_v2__splitk_sm90(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
     MAGIC_BITS: tl.constexpr, MAGIC_BIAS: tl.constexpr, FP32_MATH: tl.constexpr,
-    ASM_DEQUANT: tl.constexpr, SWAP_AB: tl.constexpr, HALF2_DOT: tl.constexpr,
+    ASM_DEQUANT: tl.constexpr, SWAP_AB: tl.constexpr, HALF2_DOT: tl.constexpr, SCALE_AFTER: tl.constexpr,
 ):
     """y[M, N] = x[M, perm] @ w[K, N] on prepared weights; SPLIT_K programs share each output tile.
     BLOCK_M = 1 runs the CUDA-core GEMV, larger tiles the MMA."""
@@ -641,7 +703,7 @@ def gptq_gemm_prepared__int4_gall_gptq_v2__splitk_sm90(
     else:
         acc = _planes_mma(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, rows, cols, K, first, last,
                           stride_xm, stride_zg, stride_sg, HAS_PERM, UNIFORM_GROUP, WORD_GROUPS,
-                          BLOCK_M, BLOCK_N, BLOCK_K, MAGIC_BITS, MAGIC_BIAS, FP32_MATH, ASM_DEQUANT)
+                          BLOCK_M, BLOCK_N, BLOCK_K, MAGIC_BITS, MAGIC_BIAS, FP32_MATH, ASM_DEQUANT, SCALE_AFTER)
 
     out_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -652,7 +714,7 @@ def gptq_gemm_prepared__int4_gall_gptq_v2__splitk_sm90(
 # smallest N served or None, launch parameters); the first that serves (M, N) is used.
 TILES = (
     (1, None, {'BLOCK_M': 1, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
-    (16, None, {'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': 3, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
+    (16, None, {'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
     (64, None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'num_warps': 8, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
     (None, 8192, {'BLOCK_M': 256, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': 1, 'num_warps': 8, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
     (None, None, {'BLOCK_M': 128, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 2, 'split_fill': None, 'num_warps': 8, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
@@ -719,6 +781,10 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
     # Contiguous groups of whole nibble-pair spans: one group per plane (a word spans the tile).
     word_groups = contiguous_groups and GROUP_SIZE.value % PAIR_SPAN.value == 0
     asm = x.device.type == "cuda" and uniform
+    # Decode tiles: the MMA is small and the unpacking dominates, so the scale moves onto the fp32
+    # partial of each K tile (H200, M = 16, vs fp16: 1.08/1.97/2.13/2.27 -> 1.20/2.21/2.52/2.49).
+    # From 64 rows up the extra wait on every K tile's MMA costs more (M = 64: 1.20 -> 0.97).
+    scale_after = asm and bm <= 16
     # Without act-order the GEMV loads x as 32-bit pairs (_x_half2_pairs): rows start 4-byte aligned, K is even.
     pairs_aligned = perm is not None or (x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0 and K % 2 == 0)
     half2 = bm == 1 and x.dtype == torch.float16 and x.device.type == "cuda" and uniform and pairs_aligned
@@ -730,6 +796,6 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
         WORD_GROUPS=word_groups,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tile["GROUP_M"], SPLIT_K=split_k,
         MAGIC_BITS=magic_bits, MAGIC_BIAS=magic_bias, FP32_MATH=x.device.type == "cpu",
-        ASM_DEQUANT=asm, SWAP_AB=tile["swap_ab"], HALF2_DOT=half2,
+        ASM_DEQUANT=asm, SWAP_AB=tile["swap_ab"], HALF2_DOT=half2, SCALE_AFTER=scale_after,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"],
     )

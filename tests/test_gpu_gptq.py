@@ -167,7 +167,7 @@ def test_prepared_gemm_shapes(checkpoints, shape, m):
     _check_prepared(checkpoints(*shape), m)
 
 
-@pytest.mark.parametrize("m", [1, 64, 256])
+@pytest.mark.parametrize("m", [1, 16, 64, 256])
 @pytest.mark.parametrize("group_size, g_idx, fmt", [(128, "perm", "gptq"), (-1, "perm", "gptq_v2"),
                                                     (32, "random", "gptq"), (64, "default", "gptq_v2")])
 def test_prepared_act_order_and_groups(checkpoints, group_size, g_idx, fmt, m):
@@ -175,7 +175,7 @@ def test_prepared_act_order_and_groups(checkpoints, group_size, g_idx, fmt, m):
     _check_prepared(ck, m, group_size=group_size, fmt=fmt)
 
 
-@pytest.mark.parametrize("m", [1, 64, 256])
+@pytest.mark.parametrize("m", [1, 16, 64, 256])
 def test_prepared_bf16(checkpoints, m):
     ck = checkpoints(4096, 14336, scale_dtype=torch.bfloat16, g_idx="perm")
     _check_prepared(ck, m, dtype=torch.bfloat16)
