@@ -690,6 +690,28 @@ def test_command_end_to_end_on_cpu_stand_ins(cpu_tune, defs_copy, capsys):
     assert "already holds these tiles; nothing to write" in capsys.readouterr().out
 
 
+def test_command_tunes_each_tile_of_a_bucket_tiled_by_n(cpu_tune, defs_copy, capsys):
+    """--bucket rest names every tile of the last M bucket; each is timed on the preset's shapes in
+    its own N range and written back with its n_min."""
+    loaded, _, variant = variant_of(defs_copy, "gptq_gemm_prepared", "splitk", "sm_90")
+    rest = [b for b in space.buckets(variant) if b.name() == "rest"]
+    assert len(rest) == 2 and rest[0].n_min is not None and rest[1].n_min is None
+    wide, narrow = rest
+    fast = space.candidates(variant, wide, loaded.definition.schemes, max_candidates=3)[2]
+    cpu_tune.fast = lambda p: p == tile_params(fast)
+    args = ("--op", "gptq_gemm_prepared", "--defs", str(defs_copy), "--bucket", "rest", "--max-candidates", "3")
+    assert tune_cli.run(parse(*args, "--write")) == 0
+    err = capsys.readouterr().err
+    for bucket in rest:
+        shapes = search.shapes_for_bucket("gptq_gemm_prepared", preset_cases("deepseek-v3"), bucket)
+        assert shapes and all(bucket.holds_n(s.n) for s in shapes)
+        assert f"kdsl tune: bucket {bucket.label()}: 3 candidates on {len(shapes)} shapes" in err
+    written = variant_of(defs_copy, "gptq_gemm_prepared", "splitk", "sm_90")[2].tiles
+    assert written[wide.index] == fast and fast.n_min == wide.n_min
+    assert written[narrow.index].n_min is None
+    assert list(written[:wide.index]) == list(variant.tiles[:wide.index])
+
+
 def test_command_refuses_unknown_buckets(cpu_tune, defs_copy, capsys):
     variant = variant_of(defs_copy, "gptq_gemm_prepared", "splitk", "sm_90")[2]
     names = ", ".join(dict.fromkeys(b.name() for b in space.buckets(variant)))  # one name per M bucket
