@@ -72,7 +72,7 @@ def shapes_for_bucket(op: str, cases: Sequence[Case], bucket: Bucket) -> list[Sh
     m_max, at least 1). An N range no preset shape falls in takes the preset's K at its edge N."""
     mine = [c for c in cases if c.op == SHAPE_OPS[op]]
     pairs = list(dict.fromkeys((c.n, c.k) for c in mine if bucket.holds_n(c.n)))
-    if not pairs:
+    if not pairs and mine:  # only an N range (n_min or n_below set) can leave out every preset shape
         edge = bucket.n_min if bucket.n_min is not None else max(bucket.n_below // 2, 1)
         pairs = list(dict.fromkeys((edge, c.k) for c in mine))
     ms = sorted({c.m for c in mine if bucket.holds(c.m)})
