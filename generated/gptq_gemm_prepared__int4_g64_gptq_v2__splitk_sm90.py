@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g64_gptq_v2__splitk_sm90 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV)
 # scheme: gptq.int4.g64.gptq_v2
 # arch: sm_90 .. sm_90
-# digest: 3b25f3cf2ca24c4f (sha256 of the definition file and the templates)
+# digest: 5853d661bc4ba3ba (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -717,7 +717,8 @@ def gptq_gemm_prepared__int4_g64_gptq_v2__splitk_sm90(
 # Tiles per M bucket, from the definition: (largest M served or None for the rest,
 # smallest N served or None, launch parameters); the first that serves (M, N) is used.
 TILES = (
-    (1, None, {'BLOCK_M': 1, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
+    (1, 8192, {'BLOCK_M': 1, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
+    (1, None, {'BLOCK_M': 1, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
     (16, None, {'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
     (64, None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'num_warps': 8, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
     (None, 8192, {'BLOCK_M': 256, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': 1, 'num_warps': 8, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
