@@ -3,7 +3,7 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_gemm/tma_persistent: TMA tensor descriptors, persistent grid over SMs, wgmma through Triton; block_m = 1 is a CUDA-core GEMV)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: 2309fd066fca0ad1 (sha256 of the definition file and the templates)
+# digest: 7663f644ab50f1ea (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -203,8 +203,8 @@ def _launch_gemv(a, a_s, b, b_s, c, tile):
     N = b.shape[0]
     bn, bk = tile["BLOCK_N"], tile["BLOCK_K"]
     tiles = M * triton.cdiv(N, bn)
-    # Split K only while the strips leave SMs idle: N = 2112 splits 8 ways, N = 24576 not at all.
-    # Uncapped on the CPU, where the interpreter's few programs should still cover the split path.
+    # split_for's wave rule: N = 2112 splits 8 ways, N = 24576 not at all. Uncapped on the CPU,
+    # where the interpreter's few programs should still cover the split path.
     sms = _sm_count(a.device) if a.device.type == "cuda" else None
     split_k = split_for(tile, triton.cdiv(K, bk), tiles, sms)
     workspace, counters = (c, c) if split_k == 1 else _splitk_scratch(c.device, tiles, split_k, bn)

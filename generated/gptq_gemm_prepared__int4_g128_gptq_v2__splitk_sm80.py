@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g128_gptq_v2__splitk_sm80 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV)
 # scheme: gptq.int4.g128.gptq_v2
 # arch: sm_80 and up
-# digest: 5853d661bc4ba3ba (sha256 of the definition file and the templates)
+# digest: 02fcf1fbc772f3c1 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -129,9 +129,9 @@ _UNPACK_BF16 = tl.constexpr("""
 .reg .b32 s2, z2, one2, nzero2, sh, t0, t1, t2, t3;
 mov.b32 s2, {$9, $9};
 mov.b32 z2, {$10, $10};
+mov.b32 nzero2, 0x80008000;
 xor.b32 z2, z2, 0x80008000;
 mov.b32 one2, 0x3f803f80;
-mov.b32 nzero2, 0x80008000;
 lop3.b32 t0, $8, 0x000f000f, 0x43004300, 0xea;
 shr.b32 sh, $8, 4;
 lop3.b32 t1, sh, 0x000f000f, 0x43004300, 0xea;
@@ -205,22 +205,19 @@ mov.b32 {$3, $7}, t3;
 
 
 @triton.jit
-def _nibbles_zero_asm(packed, zero):
-    """As _nibbles_asm, but q - zero unscaled (exact: small integers)."""
-    dt = zero.dtype
-    return tl.inline_asm_elementwise(
-        _UNPACK_ZERO_FP16 if dt == tl.float16 else _UNPACK_ZERO_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h",
-        [packed, zero], dtype=(dt, dt, dt, dt, dt, dt, dt, dt), is_pure=True, pack=1)
-
-
-@triton.jit
-def _nibbles_asm(packed, scale, zero):
+def _nibbles_asm(packed, scale, zero, SCALED: tl.constexpr):
     """int32 words and their scale and biased zero (all one shape) -> nibbles 0..7 of each word as
-    eight tensors of weights in scale's dtype."""
-    dt = scale.dtype
-    return tl.inline_asm_elementwise(
-        _UNPACK_FP16 if dt == tl.float16 else _UNPACK_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
-        [packed, scale, zero], dtype=(dt, dt, dt, dt, dt, dt, dt, dt), is_pure=True, pack=1)
+    eight tensors of weights in zero's dtype: (q - zero) * scale, or the exact q - zero unscaled."""
+    dt = zero.dtype
+    if SCALED:
+        w = tl.inline_asm_elementwise(
+            _UNPACK_FP16 if dt == tl.float16 else _UNPACK_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
+            [packed, scale, zero], dtype=(dt, dt, dt, dt, dt, dt, dt, dt), is_pure=True, pack=1)
+    else:
+        w = tl.inline_asm_elementwise(
+            _UNPACK_ZERO_FP16 if dt == tl.float16 else _UNPACK_ZERO_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h",
+            [packed, zero], dtype=(dt, dt, dt, dt, dt, dt, dt, dt), is_pure=True, pack=1)
+    return w
 
 
 @triton.jit
@@ -234,7 +231,7 @@ def _stack_nibbles(w0, w1, w2, w3, w4, w5, w6, w7):
 def _unpack_asm(packed, scale, zero):
     """[R, C] int32, [R, C] scale and biased zero -> [R * PACK, C] weights in scale's dtype
     (row r * PACK + j is nibble j of packed[r])."""
-    w0, w1, w2, w3, w4, w5, w6, w7 = _nibbles_asm(packed, scale, zero)
+    w0, w1, w2, w3, w4, w5, w6, w7 = _nibbles_asm(packed, scale, zero, True)
     w = tl.reshape(_stack_nibbles(w0, w1, w2, w3, w4, w5, w6, w7), (packed.shape[0], packed.shape[1], PACK))
     return tl.reshape(tl.permute(w, (0, 2, 1)), (packed.shape[0] * PACK, packed.shape[1]))
 

@@ -17,14 +17,15 @@ Search a tiling space on this CUDA GPU for the kernel the registry picks for --o
 the winning tile of each M bucket back into its definition (kernel_defs/*.toml), to be
 reviewed like code and then rendered with `python -m kdsl generate`.
 
-For each M bucket of the variant (or those named by --bucket):
+For each M bucket of the variant (or those named by --bucket), and inside one tiled by N
+(n_min) for each of its tiles:
   candidates  the bucket's current tile first, then tiles that vary only the knobs the
               implementation honours, validated like the definition itself (knobs, MMA rows,
               block sizes, shared memory on every arch of the variant's range), nearest the
               current tile first, at most --max-candidates in all; block_m = 1 GEMV candidates
               only in an m_max = 1 bucket of gptq_gemm_prepared
-  shapes      every (N, K) of the --shapes preset for the op, at the preset's M values that fall
-              in the bucket (or at the bucket's m_max if none does)
+  shapes      every (N, K) of the --shapes preset for the op in the tile's N range, at the
+              preset's M values that fall in the bucket (or at the bucket's m_max if none does)
   timing      the generated module's launch with each candidate tile; median of
               triton.testing.do_bench_cudagraph for M <= 128, do_bench otherwise. Each candidate
               is checked once per shape against the fp32 reference (the bench's tolerance);
@@ -61,8 +62,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--shapes", default="deepseek-v3", metavar="{" + ",".join(PRESETS) + "}|FILE",
                         help="a bench shape preset or JSON shape file, as for `kdsl bench` (default: deepseek-v3)")
     parser.add_argument("--bucket", action="extend", nargs="+", metavar="M_MAX",
-                        help="tune only these buckets, named by their m_max ('rest' for the last one); "
-                             "default: every bucket")
+                        help="tune only these buckets, named by their m_max ('rest' for the last one), every "
+                             "tile of each; default: every bucket")
     parser.add_argument("--max-candidates", type=_positive, default=DEFAULT_MAX_CANDIDATES, metavar="N",
                         help="at most N tiles per bucket, the current one included (default: %(default)s)")
     parser.add_argument("--write", action="store_true",
