@@ -15,7 +15,7 @@ import jinja2
 from jinja2 import meta
 
 from kdsl.codegen.plan import PlannedKernel
-from kdsl.schema.layout import PLANE_TILE_K, PLANE_TILE_N
+from kdsl.schema.layout import PAIR_SPAN, PLANE_ROWS, PLANE_TILE_K, PLANE_TILE_N
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 MANIFEST = "manifest.json"
@@ -80,6 +80,8 @@ def render_module(kernel: PlannedKernel) -> str:
         layout_dict=None if kernel.layout is None else kernel.layout.model_dump(mode="json"),
         plane_tile_n=PLANE_TILE_N,
         plane_tile_k=PLANE_TILE_K,
+        plane_rows=PLANE_ROWS,
+        pair_span=PAIR_SPAN,
     )
 
 

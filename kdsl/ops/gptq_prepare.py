@@ -27,7 +27,7 @@ from kdsl.ops.gptq_checkpoint import (
     unpack_zeros,
 )
 from kdsl.runtime import registry
-from kdsl.schema.layout import PLANE_TILE_K, PLANE_TILE_N
+from kdsl.schema.layout import PAIR_SPAN, PLANE_ROWS, PLANE_TILE_K, PLANE_TILE_N
 
 PREPARED_OP = "gptq_gemm_prepared"
 
@@ -110,10 +110,6 @@ def gptq_prepare(
         zeros=zeros, scales=scales, groups=row_groups.contiguous(), perm=perm,
         contiguous_groups=contiguous, zero_bias=zero_bias,
     )
-
-
-PLANE_ROWS = PLANE_TILE_K // 8  # words per column of a tile; a word holds 8 of the column's rows
-PAIR_SPAN = 2 * PLANE_ROWS  # rows the nibble pair (p, p + 4) covers over one column's words
 
 
 def pack_planes(q: torch.Tensor) -> torch.Tensor:

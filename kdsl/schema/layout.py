@@ -60,3 +60,5 @@ class GPTQLayout(StrictModel):
 # Tile of the "k_planes" weights: 128 columns by 8 planes of 16 rows.
 PLANE_TILE_N = 128
 PLANE_TILE_K = 128
+PLANE_ROWS = PLANE_TILE_K // 8  # words per column of a tile; a word holds 8 of the column's rows
+PAIR_SPAN = 2 * PLANE_ROWS  # rows the nibble pair (p, p + 4) covers over one column's words
