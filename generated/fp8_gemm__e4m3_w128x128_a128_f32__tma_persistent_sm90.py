@@ -3,7 +3,7 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_gemm/tma_persistent: TMA tensor descriptors, persistent grid over SMs, wgmma through Triton; block_m = 1 is a CUDA-core GEMV)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: ad43ea51c4facd0c (sha256 of the definition file and the templates)
+# digest: ccb295e06b301dec (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -217,9 +217,16 @@ def _launch_gemv(a, a_s, b, b_s, c, tile):
 
 @triton.jit
 def _scaled_step(acc, a, b, a_scale, b_scale, SWAP_AB: tl.constexpr):
-    """acc + A B^T scaled by A's row scales and B's column scales; SWAP_AB: acc is C^T and gets
-    B A^T, so B's rows fill the wgmma's 64-row side and a few rows of A its narrow one."""
-    if SWAP_AB:
+    """acc + A B^T scaled by A's row scales and B's scale: one per column, or one scalar for a tile
+    inside one weight block, which folds into the row scales (one FMA per product, not two
+    multiplies). SWAP_AB: acc is C^T and gets B A^T, so B's rows fill the wgmma's 64-row side
+    and a few rows of A its narrow one."""
+    if len(b_scale.shape) == 0:
+        if SWAP_AB:
+            acc += tl.dot(b, a.T) * (a_scale * b_scale)[None, :]
+        else:
+            acc += tl.dot(a, b.T) * (a_scale * b_scale)[:, None]
+    elif SWAP_AB:
         acc += tl.dot(b, a.T) * b_scale[:, None] * a_scale[None, :]
     else:
         acc += tl.dot(a, b.T) * a_scale[:, None] * b_scale[None, :]
@@ -258,7 +265,11 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90(
         rows = ((off_m + tl.arange(0, BLOCK_M)) % M).to(tl.int64)
         cols = (off_n + tl.arange(0, BLOCK_N)) % N
         a_scale_ptrs = as_ptr + rows * stride_asm
-        b_scale_ptrs = bs_ptr + (cols // W_BLOCK_N) * stride_bsn
+        if BLOCK_N <= W_BLOCK_N:
+            # The tile lies inside one weight block (block sizes are powers of two): one scale per K step.
+            b_scale_ptrs = bs_ptr + (off_n // W_BLOCK_N) * stride_bsn
+        else:
+            b_scale_ptrs = bs_ptr + (cols // W_BLOCK_N) * stride_bsn
 
         if SWAP_AB:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
