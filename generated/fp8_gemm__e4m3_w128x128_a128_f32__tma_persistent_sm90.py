@@ -3,7 +3,7 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_gemm/tma_persistent: TMA tensor descriptors, persistent grid over SMs, wgmma through Triton; block_m = 1 is a CUDA-core GEMV)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: ccb295e06b301dec (sha256 of the definition file and the templates)
+# digest: 9df418d8e9e18360 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -303,7 +303,8 @@ TILES = (
     (64, 16384, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': True, 'warp_specialize': False}),
     (64, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': True, 'warp_specialize': False}),
     (128, None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
-    (None, None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
+    (512, None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
+    (None, None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 16, 'SPLIT_K': 1, 'split_fill': 2, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False}),
 )
 
 _SM_COUNT: dict = {}
@@ -345,8 +346,10 @@ def split_for(tile: dict, k_steps: int, tiles: int, sms: int | None) -> int:
     return min(range(1, cap + 1), key=lambda split: (finish(split), split))
 
 
-def _programs(device, tiles: int, persistent: bool) -> int:
-    return min(tiles, _sm_count(device)) if persistent else tiles
+def _programs(device, tiles: int, tile: dict) -> int:
+    """Persistent: as many programs as fit on the SMs at once (split_fill per SM) loop over the tiles;
+    else one program per tile."""
+    return min(tiles, _sm_count(device) * (tile["split_fill"] or SPLIT_FILL)) if tile["persistent"] else tiles
 
 
 def launch(a, a_s, b, b_s, c, tile):
@@ -366,7 +369,7 @@ def launch(a, a_s, b, b_s, c, tile):
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     split_k = split_for(tile, triton.cdiv(K, bk), tiles, _sm_count(a.device))
     workspace, counters = (c, c) if split_k == 1 else _splitk_scratch(c.device, tiles, split_k, bm * bn)
-    programs = _programs(a.device, tiles * split_k, tile["persistent"])
+    programs = _programs(a.device, tiles * split_k, tile)
     fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90[(programs,)](
         a_desc, b_desc, c_desc, a_s, b_s, c, workspace, counters,
         M, N, K, a_s.stride(0), b_s.stride(0), c.stride(0), programs,

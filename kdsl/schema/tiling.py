@@ -38,11 +38,14 @@ class Tile(StrictModel):
     group_m: PositiveInt = Field(8, description="rows of tiles walked together for L2 reuse")
     split_k: PositiveInt = Field(1, description="programs sharing one output tile along K (clamped to K's blocks)")
     split_fill: PositiveInt | None = Field(
-        None, description="split K only up to about this many programs per SM (how many fit at once); default 2"
+        None, description="how many of the tile's programs fit on an SM at once (default 2): split K plans for "
+        "this many per SM, and a persistent grid launches this many per SM"
     )
     num_warps: Literal[1, 2, 4, 8, 16] = 4
     num_stages: int = Field(3, ge=1, le=8)
-    persistent: bool = Field(False, description="one program per SM looping over tiles")
+    persistent: bool = Field(
+        False, description="split_fill programs per SM loop over the tiles, instead of one program per tile"
+    )
     tile_order: Literal["m_major", "n_major"] = Field(
         "m_major", description="m_major walks down M inside a group (reuses B); n_major walks along N (reuses A)"
     )
