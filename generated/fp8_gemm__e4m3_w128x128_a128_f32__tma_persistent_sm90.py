@@ -3,7 +3,7 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_gemm/tma_persistent: TMA tensor descriptors, persistent grid over SMs, wgmma through Triton; block_m = 1 is a CUDA-core GEMV)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: 4e19382bdbb15ce7 (sha256 of the definition file and the templates)
+# digest: 533282e18d200164 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -318,8 +318,8 @@ def _sm_count(device) -> int:
     return _SM_COUNT[device.index]
 
 
-# Programs per SM the K split plans for, unless a tile's split_fill says how many of its
-# programs fit on an SM at once (1 for a tile that takes a whole SM).
+# Programs per SM the K split plans for (and a persistent grid launches), unless a tile's
+# split_fill says how many of its programs fit on an SM at once (1 for a tile that takes a whole SM).
 SPLIT_FILL = 2
 # What a program costs beyond its K steps (launch, pipeline fill, split-K store), in K steps.
 # From an H200 table of every split on the bench shapes: it keeps a tile from splitting into

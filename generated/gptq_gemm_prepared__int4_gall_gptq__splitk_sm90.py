@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_gall_gptq__splitk_sm90 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV)
 # scheme: gptq.int4.gall.gptq
 # arch: sm_90 .. sm_90
-# digest: 3a3f4d40948d295d (sha256 of the definition file and the templates)
+# digest: a904bfeb568ef57a (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -731,8 +731,8 @@ def _sm_count(device) -> int:
     return _SM_COUNT[device.index]
 
 
-# Programs per SM the K split plans for, unless a tile's split_fill says how many of its
-# programs fit on an SM at once (1 for a tile that takes a whole SM).
+# Programs per SM the K split plans for (and a persistent grid launches), unless a tile's
+# split_fill says how many of its programs fit on an SM at once (1 for a tile that takes a whole SM).
 SPLIT_FILL = 2
 # What a program costs beyond its K steps (launch, pipeline fill, split-K store), in K steps.
 # From an H200 table of every split on the bench shapes: it keeps a tile from splitting into
