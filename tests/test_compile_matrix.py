@@ -62,6 +62,7 @@ class KernelSignature:
     # Integer arguments the op's checks always make multiples of 16, which Triton's JIT specializes
     # on (and vectorizes loads by); the matrix compiles with that specialization too.
     aligned_ints: tuple[str, ...] = ()
+    gluon: bool = False  # a Gluon kernel: compiled from a GluonASTSource, descriptors carry their layout
 
     def build(self, tile: dict, out: str) -> tuple[dict, dict, dict]:
         """(signature, constexprs, compile options) for one tile and output type."""
@@ -167,10 +168,26 @@ GEMV_SIGNATURES: dict[tuple[str, str], KernelSignature] = {
 }
 
 
+# Implementations whose deferred_rescale tiles launch a Gluon kernel, <name>_deferred.
+DEFERRED_SIGNATURES: dict[tuple[str, str], KernelSignature] = {
+    ("fp8_gemm", "tma_persistent"): KernelSignature(
+        args={"a_desc": "tensordesc<fp8e4nv[{BLOCK_M}, {BLOCK_K}]>",
+              "b_desc": "tensordesc<fp8e4nv[{BLOCK_N}, {BLOCK_K}]>",
+              "c_desc": "tensordesc<{out}[{BLOCK_M}, {BLOCK_N}]>",
+              "as_ptr": F32, "bs_ptr": F32, "M": I32, "N": I32, "K": I32, "stride_asm": I32, "stride_bsn": I32},
+        constexprs={"GROUP_M": "GROUP_M", "NUM_STAGES": "num_stages", "num_warps": "num_warps"},
+        out_types=("bf16", "fp16", "fp32"),
+        gluon=True,
+    ),
+}
+
+
 def signature_of(entry: KernelEntry, tile: dict) -> tuple[KernelSignature, str]:
     """(signature, kernel function name) that launch() uses for this tile."""
     if tile["BLOCK_M"] == 1 and (entry.op, entry.impl) in GEMV_SIGNATURES:
         return GEMV_SIGNATURES[(entry.op, entry.impl)], f"{entry.name}_gemv"
+    if tile.get("deferred_rescale") and (entry.op, entry.impl) in DEFERRED_SIGNATURES:
+        return DEFERRED_SIGNATURES[(entry.op, entry.impl)], f"{entry.name}_deferred"
     return SIGNATURES[(entry.op, entry.impl)], entry.name
 
 
@@ -250,8 +267,30 @@ def compile_job(job: Job):
             f"kernel parameters not described {missing}, described but not parameters {extra}"
         )
     signature = {p: signature[p] for p in params}  # in parameter order
-    source = ASTSource(kernel, signature, constexprs, pointer_attrs(signature, params, spec.aligned_ints))
+    attrs = pointer_attrs(signature, params, spec.aligned_ints)
+    if spec.gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        source = GluonASTSource(kernel, gluon_descriptor_types(signature), constexprs, attrs)
+    else:
+        source = ASTSource(kernel, signature, constexprs, attrs)
     return triton.compile(source, target=GPUTarget("cuda", job.cc, 32), options=options)
+
+
+def gluon_descriptor_types(signature: dict) -> dict:
+    """Gluon descriptor types name their shared-memory layout: the default NVMMA layout of the block,
+    which launch() gives them too."""
+    from triton.experimental.gluon import language as gl
+
+    dtypes = {"fp8e4nv": gl.float8e4nv, "bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32}
+    typed = dict(signature)
+    for name, kind in signature.items():
+        match = re.fullmatch(r"tensordesc<(\w+)\[(\d+), (\d+)\]>", kind)
+        if match:
+            block = [int(match[2]), int(match[3])]
+            layout = gl.NVMMASharedLayout.get_default_for(block, dtypes[match[1]])
+            typed[name] = f"tensordesc<{match[1]}[{block[0]}, {block[1]}],{layout!r}>"
+    return typed
 
 
 def worker(out_dir: Path, jobs: list[Job]) -> None:
@@ -398,6 +437,19 @@ def test_hopper_gemm_uses_wgmma(job, compiled):
     ptx = ptx_of(compiled, job)
     assert "wgmma" in ptx
     assert re.search(r"wgmma\.mma_async\S*e4m3\.e4m3", ptx), "wgmma does not take e4m3 operands"
+
+
+DEFERRED = [i for i, tile in enumerate(TMA.tiles) if tile.params["deferred_rescale"]]
+
+
+@pytest.mark.parametrize("job", [Job(TMA.name, 90, i) for i in DEFERRED], ids=[f"tile{i}" for i in DEFERRED])
+def test_deferred_rescale_keeps_one_wgmma_in_flight(job, compiled):
+    """The Gluon kernel waits for all but the newest wgmma group before each rescale (wait 1), and for
+    none only after its last K block."""
+    ptx = ptx_of(compiled, job)
+    assert re.search(r"wgmma\.mma_async\S*e4m3\.e4m3", ptx)
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
+    assert waits.count("1") >= 2, f"no rescale overlaps a wgmma: waits {waits}"
     assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
 
 

@@ -162,6 +162,37 @@ def test_fp8_gemv_ragged_n_and_k_splits(n, k):
     assert torch.equal(c, torch.zeros_like(c))
 
 
+def deferred_tiles() -> list[dict]:
+    entry = registry.select("fp8_gemm", FP8_SCHEME, arch="sm_90")
+    return [bucket.params for bucket in entry.tiles if bucket.params["deferred_rescale"]]
+
+
+@pytest.mark.parametrize("tile", deferred_tiles(), ids=lambda t: f"{t['BLOCK_M']}x{t['BLOCK_N']}")
+@pytest.mark.parametrize("m, n, k", [(1, 2112, 7168), (300, 576, 512), (515, 136, 384), (130, 24576, 1536),
+                                     (64, 256, 128)])
+def test_fp8_gemm_deferred_rescale_ragged(tile, m, n, k):
+    """The Gluon kernel of the sm_90 prefill tiles on ragged shapes: M and N off the tile, an odd
+    number of K blocks (3, 1) and an even one, fp32 output (so only the order of the fp32 sums
+    differs from the reference). Rows whose activations are all zero (scale 0) give exact zeros."""
+    if capability() != (9, 0):
+        pytest.skip("the Gluon kernel is part of the sm_90 module")
+    module = registry.dispatch("fp8_gemm", FP8_SCHEME.name, CUDA).load()
+    a = random_fp8(m, k, scale=16.0, device=CUDA)
+    a_s = random_scales(m, k // 128, device=CUDA)
+    a[m // 2].zero_()
+    a_s[m // 2].zero_()
+    b = random_fp8(n, k, scale=16.0, device=CUDA)
+    b_s = random_scales(-(-n // 128), k // 128, device=CUDA)
+    c = torch.empty(m, n, device=CUDA, dtype=torch.float32)
+    module.launch(a, a_s, b, b_s, c, tile)
+    assert torch.isfinite(c).all()
+    assert rel_fro_error(c, fp8_gemm_ref(a, a_s, b, b_s)) < 5e-4
+    assert torch.equal(c[m // 2], torch.zeros_like(c[m // 2]))
+    c16 = torch.empty(m, n, device=CUDA, dtype=torch.bfloat16)
+    module.launch(a, a_s, b, b_s, c16, tile)
+    assert rel_fro_error(c16, fp8_gemm_ref(a, a_s, b, b_s)) < 1e-2
+
+
 def test_fp8_gemm_batched_and_ragged_n():
     # MLA-style batched call, N = 576 (not a multiple of 128), M not a multiple of any tile.
     a = random_fp8(2, 37, 512, device=CUDA)

@@ -286,6 +286,44 @@ def test_warp_specialize_with_split_k_rejected(tmp_path):
     assert "tiles[1]" not in message  # warp specialization alone stays allowed
 
 
+def test_deferred_rescale_tiles_are_checked(tmp_path):
+    path = _write(tmp_path, SCHEME + """
+        [[variants]]
+        op = "fp8_gemm"
+        impl = "tma_persistent"
+        min_arch = "sm_90"
+        max_arch = "sm_90"
+        tiles = [{ m_max = 128, block_m = 64, num_warps = 8, deferred_rescale = true },
+                 { m_max = 256, block_m = 64, block_k = 64, deferred_rescale = true },
+                 { m_max = 512, block_m = 64, block_n = 256, deferred_rescale = true },
+                 { m_max = 1024, block_m = 64, split_k = 2, persistent = true, deferred_rescale = true },
+                 { block_m = 128, num_warps = 8, num_stages = 4, deferred_rescale = true }]
+    """)
+    lines = _load_error(path).splitlines()
+
+    def problems(index):
+        return [line for line in lines if f"tiles[{index}].deferred_rescale" in line]
+
+    assert any("one warpgroup per 64 rows" in line for line in problems(0))
+    assert any("block_k = 128" in line for line in problems(1))
+    assert any("weight block" in line for line in problems(2))
+    assert {knob for knob in ("split_k", "persistent") if any(f"drop {knob}" in line for line in problems(3))} \
+        == {"split_k", "persistent"}
+    assert not problems(4)  # the shipped prefill tile's shape
+
+
+def test_deferred_rescale_is_a_knob_of_the_hopper_gemm_only(tmp_path):
+    path = _write(tmp_path, SCHEME + """
+        [[variants]]
+        op = "fp8_gemm"
+        impl = "portable"
+        min_arch = "sm_89"
+        tiles = [{ block_m = 64, deferred_rescale = true }]
+    """)
+    message = _load_error(path)
+    assert "variants[0].tiles[0].deferred_rescale" in message and "does not implement this knob" in message
+
+
 def test_block_k_not_dividing_group_rejected(tmp_path):
     path = _write(tmp_path, SCHEME + """
         [[variants]]

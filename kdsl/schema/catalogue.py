@@ -62,9 +62,11 @@ CATALOGUE: tuple[KernelImpl, ...] = (
                GEMM_KNOBS | {"tile_order"}, _fp8_gemm_shared,
                "pointer loads, grouped tile order, fp32 accumulation with per-step scales", min_block_m=16),
     KernelImpl("block_fp8", "fp8_gemm", "tma_persistent", "block_fp8/fp8_gemm_tma.py.j2", 90, 90,
-               GEMM_KNOBS | {"tile_order", "persistent", "warp_specialize", "split_k", "split_fill", "swap_ab"}, _fp8_gemm_tma_shared,
+               GEMM_KNOBS | {"tile_order", "persistent", "warp_specialize", "split_k", "split_fill", "swap_ab",
+                             "deferred_rescale"}, _fp8_gemm_tma_shared,
                "TMA tensor descriptors, persistent grid over SMs, wgmma through Triton; block_m = 1 is a "
-               "CUDA-core GEMV", min_block_m=16, gemv_block_m=True),
+               "CUDA-core GEMV; deferred_rescale tiles overlap wgmma and rescale in Gluon",
+               min_block_m=16, gemv_block_m=True),
     KernelImpl("gptq", "gptq_gemm", "splitk", "gptq/gptq_gemm.py.j2", 80, None,
                GEMM_KNOBS | {"split_k"}, _w4a16_gemm_shared,
                "W4A16: unpack int4 in registers, fp16/bf16 tensor-core dot, optional split-K with atomics",

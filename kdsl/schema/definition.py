@@ -113,6 +113,8 @@ def _tile_problems(tile_where: str, variant: Variant, impl: KernelImpl, scheme, 
         # atomics so that its counters are left non-zero, and every later split-K launch is wrong.
         problems.append(f"{tile_where}.warp_specialize: cannot be combined with split_k = {tile.split_k} "
                         "(Triton's warp-specialized loop leaves the split-K counters dirty); use one or the other")
+    if tile.deferred_rescale:
+        problems.extend(_deferred_rescale_problems(tile_where, scheme, tile))
     if getattr(variant.layout, "weights", None) == "k_planes":
         if tile.block_k != PLANE_TILE_K:
             problems.append(f"{tile_where}.block_k: {tile.block_k}; the k_planes layout's tiles take "
@@ -131,6 +133,30 @@ def _tile_problems(tile_where: str, variant: Variant, impl: KernelImpl, scheme, 
                 "lower num_stages or the block sizes, or narrow the range"
             )
             break
+    return problems
+
+
+def _deferred_rescale_problems(tile_where: str, scheme, tile: Tile) -> list[str]:
+    """The Gluon deferred-rescale kernel: one program per tile, one warpgroup per 64 rows, one scale
+    group per K block and one weight block across the tile's columns."""
+    problems = []
+    where = f"{tile_where}.deferred_rescale"
+    if tile.block_m != 16 * tile.num_warps or tile.num_warps not in (4, 8):
+        problems.append(f"{where}: needs one warpgroup per 64 rows: block_m = 64 with num_warps = 4 or "
+                        f"block_m = 128 with num_warps = 8 (got block_m = {tile.block_m}, num_warps = {tile.num_warps})")
+    if isinstance(scheme, BlockFP8):
+        if tile.block_k != scheme.quant_group_k:
+            problems.append(f"{where}: needs block_k = {scheme.quant_group_k}, one scale group per K block "
+                            f"(got {tile.block_k})")
+        if scheme.weight_block[0] % tile.block_n or tile.block_n < 8:
+            problems.append(f"{where}: needs block_n to divide the weight block's {scheme.weight_block[0]} rows "
+                            f"(got {tile.block_n})")
+    for knob, value in (("split_k", tile.split_k > 1), ("persistent", tile.persistent),
+                        ("swap_ab", tile.swap_ab), ("warp_specialize", tile.warp_specialize),
+                        ("tile_order", tile.tile_order != "m_major")):
+        if value:
+            problems.append(f"{where}: the Gluon kernel launches one program per tile in m_major order; "
+                            f"drop {knob}")
     return problems
 
 

@@ -51,6 +51,10 @@ class Tile(StrictModel):
     )
     swap_ab: bool = Field(False, description="compute C^T = B A^T so wide N fills the MMA's M side")
     warp_specialize: bool = Field(False, description="producer/consumer warps in the K loop (Hopper)")
+    deferred_rescale: bool = Field(
+        False, description="Gluon kernel (Hopper): block k's wgmma runs while block k-1's product is scaled "
+        "into the accumulator; one warpgroup per 64 rows, one program per tile"
+    )
 
 
 class Variant(StrictModel):
