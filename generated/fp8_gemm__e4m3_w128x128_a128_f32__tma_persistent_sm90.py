@@ -3,7 +3,7 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_gemm/tma_persistent: TMA tensor descriptors, persistent grid over SMs, wgmma through Triton; block_m = 1 is a CUDA-core GEMV; deferred_rescale tiles overlap wgmma and rescale in Gluon)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: da1579032f5c93c7 (sha256 of the definition file and the templates)
+# digest: e755bd4c42153b17 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -242,23 +242,34 @@ _GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, t
 
 
 @gluon.jit
-def _deferred_load(a_desc, b_desc, a_smem, b_smem, ready, kb, k_blocks, off_m, off_n, NUM_STAGES: gl.constexpr):
-    """Start the TMA loads of K block kb, if there is one, into its ring slot."""
+def _deferred_produce(a_desc, b_desc, a_smem, b_smem, ready, p, p_kb, p_tile, p_off_m, p_off_n, k_blocks, tiles,
+                      num_programs, num_pid_m, num_pid_n, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Start the TMA loads of the producer's block (K block p_kb of tile p_tile, if that tile exists) into
+    ring slot p % NUM_STAGES, and step to the next block: near a tile's end, the next tile's first."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    slot = kb % NUM_STAGES
-    bar = ready.index(slot)
-    exists = kb < k_blocks
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    bar = ready.index(p % NUM_STAGES)
+    exists = p_tile < tiles
     mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=exists)
-    _tma_load(a_desc, [off_m, kb * BLOCK_K], bar, a_smem.index(slot), pred=exists)
-    _tma_load(b_desc, [off_n, kb * BLOCK_K], bar, b_smem.index(slot), pred=exists)
+    _tma_load(a_desc, [p_off_m, p_kb * BLOCK_K], bar, a_smem.index(p % NUM_STAGES), pred=exists)
+    _tma_load(b_desc, [p_off_n, p_kb * BLOCK_K], bar, b_smem.index(p % NUM_STAGES), pred=exists)
+    p_kb += 1
+    if p_kb == k_blocks:  # the tile's coordinates are worked out once per tile, not per block
+        p_kb = 0
+        p_tile += num_programs
+        pid_m, pid_n = _tile_coords(p_tile, num_pid_m, num_pid_n, GROUP_M, False)
+        p_off_m = pid_m * BLOCK_M
+        p_off_n = pid_n * BLOCK_N
+    return p + 1, p_kb, p_tile, p_off_m, p_off_n
 
 
 @gluon.jit
-def _deferred_issue(a_smem, b_smem, ready, acc, kb, NUM_STAGES: gl.constexpr):
-    """Wait for K block kb's tiles and start its wgmma into a fresh accumulator (use_acc=False: acc's
-    value is not read; passing it keeps the previous rescale ahead of this issue)."""
-    slot = kb % NUM_STAGES
-    mbarrier.wait(ready.index(slot), (kb // NUM_STAGES) & 1)
+def _deferred_issue(a_smem, b_smem, ready, acc, c, NUM_STAGES: gl.constexpr):
+    """Wait for the program's c-th block's tiles and start its wgmma into a fresh accumulator (use_acc=False:
+    acc's value is not read; passing it keeps the previous rescale ahead of this issue)."""
+    slot = c % NUM_STAGES
+    mbarrier.wait(ready.index(slot), (c // NUM_STAGES) & 1)
     return warpgroup_mma(a_smem.index(slot), b_smem.index(slot).permute((1, 0)), acc, use_acc=False, is_async=True)
 
 
@@ -274,16 +285,19 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_deferred(
     a_desc, b_desc, c_desc, as_ptr, bs_ptr,
     M, N, K,
     stride_asm, stride_bsn,
+    num_programs,
     GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """One program per BLOCK_M x BLOCK_N tile of C = (A a_s)(B b_s)^T; BLOCK_K = the scale group, and
-    the tile lies inside one weight block, so each K block has one B scale."""
+    """C = (A a_s)(B b_s)^T in BLOCK_M x BLOCK_N tiles, program p taking tiles p, p + num_programs, ...
+    (one each, or a persistent grid). BLOCK_K is the scale group, and a tile lies inside one weight
+    block, so each K block has one B scale."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    pid_m, pid_n = _tile_coords(gl.program_id(0), gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N), GROUP_M, False)
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    tiles = num_pid_m * num_pid_n
+    k_blocks = gl.cdiv(K, BLOCK_K)
 
     # One warpgroup per 64 rows; each wgmma covers the tile's whole width.
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -291,55 +305,78 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_deferred(
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_smem = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for slot in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(slot), count=1)
 
-    # The ring holds NUM_STAGES - 1 blocks ahead of the wgmma; the last slot is the one in flight.
-    k_blocks = gl.cdiv(K, BLOCK_K)
-    for kb in gl.static_range(NUM_STAGES - 1):
-        _deferred_load(a_desc, b_desc, a_smem, b_smem, ready, kb, k_blocks, off_m, off_n, NUM_STAGES)
+    # The producer (p: blocks loaded so far) runs NUM_STAGES - 1 blocks ahead of the wgmma (c: blocks
+    # consumed), into the next tile near a tile's end; the ring's last slot is the wgmma in flight.
+    p_tile = gl.program_id(0)
+    pid_m, pid_n = _tile_coords(p_tile, num_pid_m, num_pid_n, GROUP_M, False)
+    p = 0
+    p_kb = 0
+    p_off_m = pid_m * BLOCK_M
+    p_off_n = pid_n * BLOCK_N
+    for _ in gl.static_range(NUM_STAGES - 1):
+        p, p_kb, p_tile, p_off_m, p_off_n = _deferred_produce(
+            a_desc, b_desc, a_smem, b_smem, ready, p, p_kb, p_tile, p_off_m, p_off_n, k_blocks, tiles,
+            num_programs, num_pid_m, num_pid_n, GROUP_M, NUM_STAGES)
 
-    # Scales of rows past the edge are clamped onto valid rows; TMA zero-fills their data.
-    rows = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
-    a_scale_ptrs = as_ptr + gl.where(rows < M, rows, M - 1).to(gl.int64) * stride_asm
-    b_scale_ptr = bs_ptr + (off_n // W_BLOCK_N) * stride_bsn
+    c = 0
+    for tile_id in range(gl.program_id(0), tiles, num_programs):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M, False)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        # Scales of rows past the edge are clamped onto valid rows; TMA zero-fills their data.
+        rows = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
+        a_scale_ptrs = as_ptr + gl.where(rows < M, rows, M - 1).to(gl.int64) * stride_asm
+        b_scale_ptr = bs_ptr + (off_n // W_BLOCK_N) * stride_bsn
 
-    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
-    # x and y alternate as the result in flight, two K blocks per trip: a loop-carried copy would read
-    # a running wgmma's registers, and ptxas then serializes every wgmma (its warning C7514).
-    x = warpgroup_mma_init(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout))
-    x_scale = gl.zeros([BLOCK_M], gl.float32, row_layout)
-    for kb in range(0, k_blocks - 1, 2):
-        y = _deferred_issue(a_smem, b_smem, ready, acc, kb, NUM_STAGES)
-        y_scale = _deferred_scale(a_scale_ptrs, b_scale_ptr, kb, BLOCK_K)
-        x = warpgroup_mma_wait(1, deps=(x, ))
-        acc = acc + x * x_scale[:, None]
-        _deferred_load(a_desc, b_desc, a_smem, b_smem, ready, kb + NUM_STAGES - 1, k_blocks, off_m, off_n, NUM_STAGES)
-        x = _deferred_issue(a_smem, b_smem, ready, acc, kb + 1, NUM_STAGES)
-        x_scale = _deferred_scale(a_scale_ptrs, b_scale_ptr, kb + 1, BLOCK_K)
-        y = warpgroup_mma_wait(1, deps=(y, ))
-        acc = acc + y * y_scale[:, None]
-        _deferred_load(a_desc, b_desc, a_smem, b_smem, ready, kb + NUM_STAGES, k_blocks, off_m, off_n, NUM_STAGES)
-    if k_blocks % 2 == 1:
-        last = k_blocks - 1
-        y = _deferred_issue(a_smem, b_smem, ready, acc, last, NUM_STAGES)
-        y_scale = _deferred_scale(a_scale_ptrs, b_scale_ptr, last, BLOCK_K)
-        x_done = warpgroup_mma_wait(1, deps=(x, ))
-        acc = acc + x_done * x_scale[:, None]
-        y_done = warpgroup_mma_wait(0, deps=(y, ))
-        acc = acc + y_done * y_scale[:, None]
-    else:
-        x_done = warpgroup_mma_wait(0, deps=(x, ))
-        acc = acc + x_done * x_scale[:, None]
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+        # x and y alternate as the result in flight, two K blocks per trip: a loop-carried copy would read
+        # a running wgmma's registers, and ptxas then serializes every wgmma (its warning C7514).
+        x = warpgroup_mma_init(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout))
+        x_scale = gl.zeros([BLOCK_M], gl.float32, row_layout)
+        for kb in range(0, k_blocks - 1, 2):
+            y = _deferred_issue(a_smem, b_smem, ready, acc, c + kb, NUM_STAGES)
+            y_scale = _deferred_scale(a_scale_ptrs, b_scale_ptr, kb, BLOCK_K)
+            x = warpgroup_mma_wait(1, deps=(x, ))
+            acc = acc + x * x_scale[:, None]
+            # The previous block's wgmma is done: its slot takes the producer's next block.
+            p, p_kb, p_tile, p_off_m, p_off_n = _deferred_produce(
+                a_desc, b_desc, a_smem, b_smem, ready, p, p_kb, p_tile, p_off_m, p_off_n, k_blocks, tiles,
+                num_programs, num_pid_m, num_pid_n, GROUP_M, NUM_STAGES)
+            x = _deferred_issue(a_smem, b_smem, ready, acc, c + kb + 1, NUM_STAGES)
+            x_scale = _deferred_scale(a_scale_ptrs, b_scale_ptr, kb + 1, BLOCK_K)
+            y = warpgroup_mma_wait(1, deps=(y, ))
+            acc = acc + y * y_scale[:, None]
+            p, p_kb, p_tile, p_off_m, p_off_n = _deferred_produce(
+                a_desc, b_desc, a_smem, b_smem, ready, p, p_kb, p_tile, p_off_m, p_off_n, k_blocks, tiles,
+                num_programs, num_pid_m, num_pid_n, GROUP_M, NUM_STAGES)
+        if k_blocks % 2 == 1:
+            last = k_blocks - 1
+            y = _deferred_issue(a_smem, b_smem, ready, acc, c + last, NUM_STAGES)
+            y_scale = _deferred_scale(a_scale_ptrs, b_scale_ptr, last, BLOCK_K)
+            x_done = warpgroup_mma_wait(1, deps=(x, ))
+            acc = acc + x_done * x_scale[:, None]
+            y_done = warpgroup_mma_wait(0, deps=(y, ))
+            acc = acc + y_done * y_scale[:, None]
+            p, p_kb, p_tile, p_off_m, p_off_n = _deferred_produce(
+                a_desc, b_desc, a_smem, b_smem, ready, p, p_kb, p_tile, p_off_m, p_off_n, k_blocks, tiles,
+                num_programs, num_pid_m, num_pid_n, GROUP_M, NUM_STAGES)
+        else:
+            x_done = warpgroup_mma_wait(0, deps=(x, ))
+            acc = acc + x_done * x_scale[:, None]
+        c += k_blocks
 
+        tma.store_wait(pendings=0)  # the previous tile's store has left c_smem
+        c_smem.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        _tma_store(c_desc, [off_m, off_n], c_smem)
+    tma.store_wait(pendings=0)
     for slot in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(slot))
-    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
-    c_smem.store(acc.to(c_desc.dtype))
-    fence_async_shared()
-    _tma_store(c_desc, [off_m, off_n], c_smem)
-    tma.store_wait(pendings=0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -356,9 +393,10 @@ def _launch_deferred(a, a_s, b, b_s, c, tile):
     M, K = a.shape
     N = b.shape[0]
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
-    fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_deferred[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
+    programs = _programs(a.device, triton.cdiv(M, bm) * triton.cdiv(N, bn), tile)
+    fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_deferred[(programs,)](
         _gluon_descriptor(a, (bm, bk)), _gluon_descriptor(b, (bn, bk)), _gluon_descriptor(c, (bm, bn)), a_s, b_s,
-        M, N, K, a_s.stride(0), b_s.stride(0),
+        M, N, K, a_s.stride(0), b_s.stride(0), programs,
         GROUP_M=tile["GROUP_M"], NUM_STAGES=tile["num_stages"], num_warps=tile["num_warps"],
     )
 
@@ -454,7 +492,7 @@ TILES = (
     (128, 4096, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True}),
     (128, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False}),
     (512, None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True}),
-    (None, None, {'BLOCK_M': 128, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 8, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True}),
+    (None, None, {'BLOCK_M': 128, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 16, 'SPLIT_K': 1, 'split_fill': 1, 'num_warps': 8, 'num_stages': 4, 'persistent': True, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True}),
 )
 
 _SM_COUNT: dict = {}

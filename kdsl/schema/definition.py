@@ -137,8 +137,8 @@ def _tile_problems(tile_where: str, variant: Variant, impl: KernelImpl, scheme, 
 
 
 def _deferred_rescale_problems(tile_where: str, scheme, tile: Tile) -> list[str]:
-    """The Gluon deferred-rescale kernel: one program per tile, one warpgroup per 64 rows, one scale
-    group per K block and one weight block across the tile's columns."""
+    """The Gluon deferred-rescale kernel: one warpgroup per 64 rows, one scale group per K block, one
+    weight block across the tile's columns, whole tiles per program in m_major order."""
     problems = []
     where = f"{tile_where}.deferred_rescale"
     if tile.block_m != 16 * tile.num_warps or tile.num_warps not in (4, 8):
@@ -151,12 +151,10 @@ def _deferred_rescale_problems(tile_where: str, scheme, tile: Tile) -> list[str]
         if scheme.weight_block[0] % tile.block_n or tile.block_n < 8:
             problems.append(f"{where}: needs block_n to divide the weight block's {scheme.weight_block[0]} rows "
                             f"(got {tile.block_n})")
-    for knob, value in (("split_k", tile.split_k > 1), ("persistent", tile.persistent),
-                        ("swap_ab", tile.swap_ab), ("warp_specialize", tile.warp_specialize),
-                        ("tile_order", tile.tile_order != "m_major")):
+    for knob, value in (("split_k", tile.split_k > 1), ("swap_ab", tile.swap_ab),
+                        ("warp_specialize", tile.warp_specialize), ("tile_order", tile.tile_order != "m_major")):
         if value:
-            problems.append(f"{where}: the Gluon kernel launches one program per tile in m_major order; "
-                            f"drop {knob}")
+            problems.append(f"{where}: the Gluon kernel computes whole tiles in m_major order; drop {knob}")
     return problems
 
 
