@@ -169,11 +169,13 @@ def deferred_tiles() -> list[dict]:
 
 @pytest.mark.parametrize("tile", deferred_tiles(), ids=lambda t: f"{t['BLOCK_M']}x{t['BLOCK_N']}")
 @pytest.mark.parametrize("m, n, k", [(1, 2112, 7168), (300, 576, 512), (515, 136, 384), (130, 24576, 1536),
-                                     (64, 256, 128)])
+                                     (64, 256, 128), (4100, 1000, 384), (2000, 2112, 256), (4100, 1000, 128)])
 def test_fp8_gemm_deferred_rescale_ragged(tile, m, n, k):
-    """The Gluon kernel of the sm_90 prefill tiles on ragged shapes: M and N off the tile, an odd
-    number of K blocks (3, 1) and an even one, fp32 output (so only the order of the fp32 sums
-    differs from the reference). Rows whose activations are all zero (scale 0) give exact zeros."""
+    """The Gluon kernel of the sm_90 deferred-rescale tiles on ragged shapes: M and N off the tile, an
+    odd number of K blocks (3, 1) and an even one; with more tiles than SMs, the persistent tile's
+    programs loop and its loads run into the next tile (with one K block, several tiles ahead). fp32
+    output, so only the order of the fp32 sums differs from the reference. Rows whose activations are
+    all zero (scale 0) give exact zeros."""
     if capability() != (9, 0):
         pytest.skip("the Gluon kernel is part of the sm_90 module")
     module = registry.dispatch("fp8_gemm", FP8_SCHEME.name, CUDA).load()

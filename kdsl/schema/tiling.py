@@ -53,7 +53,7 @@ class Tile(StrictModel):
     warp_specialize: bool = Field(False, description="producer/consumer warps in the K loop (Hopper)")
     deferred_rescale: bool = Field(
         False, description="Gluon kernel (Hopper): block k's wgmma runs while block k-1's product is scaled "
-        "into the accumulator; one warpgroup per 64 rows, one program per tile"
+        "into the accumulator; one warpgroup per 64 rows"
     )
 
 
