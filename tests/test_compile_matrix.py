@@ -77,6 +77,10 @@ class KernelSignature:
 FP8 = "*fp8e4nv"
 F32 = "*fp32"
 I32 = "i32"
+# The TMA descriptors of the sm_90 FP8 GEMM, shared by its Triton and Gluon kernels.
+FP8_GEMM_DESCRIPTORS = {"a_desc": "tensordesc<fp8e4nv[{BLOCK_M}, {BLOCK_K}]>",
+                        "b_desc": "tensordesc<fp8e4nv[{BLOCK_N}, {BLOCK_K}]>",
+                        "c_desc": "tensordesc<{out}[{BLOCK_M}, {BLOCK_N}]>"}
 GEMM_BLOCKS = {"BLOCK_M": "BLOCK_M", "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K", "GROUP_M": "GROUP_M",
                "N_MAJOR": lambda tile: tile["tile_order"] == "n_major"}
 
@@ -103,9 +107,7 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
         out_types=("bf16", "fp16", "fp32"),
     ),
     ("fp8_gemm", "tma_persistent"): KernelSignature(
-        args={"a_desc": "tensordesc<fp8e4nv[{BLOCK_M}, {BLOCK_K}]>",
-              "b_desc": "tensordesc<fp8e4nv[{BLOCK_N}, {BLOCK_K}]>",
-              "c_desc": "tensordesc<{out}[{BLOCK_M}, {BLOCK_N}]>",
+        args={**FP8_GEMM_DESCRIPTORS,
               "as_ptr": F32, "bs_ptr": F32, "c_ptr": "*{out}", "ws_ptr": F32, "count_ptr": "*i32",
               "M": I32, "N": I32, "K": I32,
               "stride_asm": I32, "stride_bsn": I32, "stride_cm": I32, "num_programs": I32},
@@ -171,9 +173,7 @@ GEMV_SIGNATURES: dict[tuple[str, str], KernelSignature] = {
 # Implementations whose deferred_rescale tiles launch a Gluon kernel, <name>_deferred.
 DEFERRED_SIGNATURES: dict[tuple[str, str], KernelSignature] = {
     ("fp8_gemm", "tma_persistent"): KernelSignature(
-        args={"a_desc": "tensordesc<fp8e4nv[{BLOCK_M}, {BLOCK_K}]>",
-              "b_desc": "tensordesc<fp8e4nv[{BLOCK_N}, {BLOCK_K}]>",
-              "c_desc": "tensordesc<{out}[{BLOCK_M}, {BLOCK_N}]>",
+        args={**FP8_GEMM_DESCRIPTORS,
               "as_ptr": F32, "bs_ptr": F32, "M": I32, "N": I32, "K": I32, "stride_asm": I32, "stride_bsn": I32,
               "num_programs": I32},
         constexprs={"GROUP_M": "GROUP_M", "NUM_STAGES": "num_stages", "num_warps": "num_warps"},
