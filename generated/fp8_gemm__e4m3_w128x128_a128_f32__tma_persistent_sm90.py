@@ -3,7 +3,7 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_gemm/tma_persistent: TMA tensor descriptors, persistent grid over SMs, wgmma through Triton; block_m = 1 is a CUDA-core GEMV; deferred_rescale tiles overlap wgmma and rescale in Gluon)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: e755bd4c42153b17 (sha256 of the definition file and the templates)
+# digest: 471ee3e66da18579 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -234,11 +234,23 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait,
 )
 
-# Gluon renamed its TMA copies after Triton 3.6 (async_copy_global_to_shared became async_load).
+# Gluon renamed these after Triton 3.6 (async_copy_global_to_shared became async_load, thread_barrier barrier).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 _GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
-              torch.float32: gl.float32}
+              torch.float32: gl.float32, torch.int32: gl.int32}
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block: tuple, dtype: torch.dtype):
+    # A pure function of its arguments, and a noticeable part of a launch's host time.
+    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
+
+
+def _gluon_descriptor(t, block):
+    """A TMA descriptor over the 2-D tensor t (unit stride along its rows), loading `block` at a time."""
+    return GluonTensorDescriptor(t, list(t.shape), [t.stride(0), 1], list(block), _shared_layout(block, t.dtype))
 
 
 @gluon.jit
@@ -379,16 +391,6 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_deferred(
         mbarrier.invalidate(ready.index(slot))
 
 
-@functools.lru_cache(maxsize=None)
-def _shared_layout(block: tuple, dtype: torch.dtype):
-    # A pure function of its arguments, and a noticeable part of a launch's host time.
-    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
-
-
-def _gluon_descriptor(t, block):
-    return GluonTensorDescriptor(t, list(t.shape), [t.stride(0), 1], list(block), _shared_layout(block, t.dtype))
-
-
 def _launch_deferred(a, a_s, b, b_s, c, tile):
     M, K = a.shape
     N = b.shape[0]
@@ -485,14 +487,14 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90(
 # Tiles per M bucket, from the definition: (largest M served or None for the rest,
 # smallest N served or None, launch parameters); the first that serves (M, N) is used.
 TILES = (
-    (16, None, {'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'num_warps': 4, 'num_stages': 6, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': True, 'warp_specialize': False, 'deferred_rescale': False}),
-    (64, 16384, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True}),
-    (64, 4096, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 6, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True}),
-    (64, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': True, 'warp_specialize': False, 'deferred_rescale': False}),
-    (128, 4096, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True}),
-    (128, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False}),
-    (512, None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True}),
-    (None, None, {'BLOCK_M': 128, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 16, 'SPLIT_K': 1, 'split_fill': 1, 'num_warps': 8, 'num_stages': 4, 'persistent': True, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True}),
+    (16, None, {'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'num_warps': 4, 'num_stages': 6, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': True, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False}),
+    (64, 16384, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False}),
+    (64, 4096, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 6, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False}),
+    (64, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': True, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False}),
+    (128, 4096, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False}),
+    (128, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False}),
+    (512, None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False}),
+    (None, None, {'BLOCK_M': 128, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 16, 'SPLIT_K': 1, 'split_fill': 1, 'num_warps': 8, 'num_stages': 4, 'persistent': True, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False}),
 )
 
 _SM_COUNT: dict = {}

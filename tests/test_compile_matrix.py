@@ -170,16 +170,33 @@ GEMV_SIGNATURES: dict[tuple[str, str], KernelSignature] = {
 }
 
 
-# Implementations whose deferred_rescale tiles launch a Gluon kernel, <name>_deferred.
-DEFERRED_SIGNATURES: dict[tuple[str, str], KernelSignature] = {
-    ("fp8_gemm", "tma_persistent"): KernelSignature(
+@dataclass(frozen=True)
+class GluonKernel:
+    knob: str  # the tile flag that selects it
+    suffix: str  # launch() calls <name>_<suffix>
+    signature: KernelSignature
+
+
+# Implementations whose tiles with a knob set launch a Gluon kernel instead.
+GLUON_KERNELS: dict[tuple[str, str], GluonKernel] = {
+    ("fp8_gemm", "tma_persistent"): GluonKernel("deferred_rescale", "deferred", KernelSignature(
         args={**FP8_GEMM_DESCRIPTORS,
               "as_ptr": F32, "bs_ptr": F32, "M": I32, "N": I32, "K": I32, "stride_asm": I32, "stride_bsn": I32,
               "num_programs": I32},
         constexprs={"GROUP_M": "GROUP_M", "NUM_STAGES": "num_stages", "num_warps": "num_warps"},
         out_types=("bf16", "fp16", "fp32"),
         gluon=True,
-    ),
+    )),
+    # x, the k_planes words (PLANE_ROWS = 16 per column) and the (scale, zero) pairs come by TMA.
+    ("gptq_gemm_prepared", "splitk"): GluonKernel("overlap_dequant", "overlap", KernelSignature(
+        args={"x_desc": "tensordesc<{out}[{BLOCK_M}, {BLOCK_K}]>", "w_desc": "tensordesc<i32[{BLOCK_N}, 16]>",
+              "p_desc": "tensordesc<i32[1, {BLOCK_N}]>", "y_ptr": "*{out}", "ws_ptr": F32, "count_ptr": "*i32",
+              "M": I32, "N": I32, "K": I32, "stride_ym": I32},
+        constexprs={"GROUP_M": "GROUP_M", "SPLIT_K": lambda tile: max(tile["SPLIT_K"], 2),
+                    "NUM_STAGES": "num_stages", "num_warps": "num_warps"},
+        out_types=("fp16", "bf16"),
+        gluon=True,
+    )),
 }
 
 
@@ -187,8 +204,9 @@ def signature_of(entry: KernelEntry, tile: dict) -> tuple[KernelSignature, str]:
     """(signature, kernel function name) that launch() uses for this tile."""
     if tile["BLOCK_M"] == 1 and (entry.op, entry.impl) in GEMV_SIGNATURES:
         return GEMV_SIGNATURES[(entry.op, entry.impl)], f"{entry.name}_gemv"
-    if tile.get("deferred_rescale") and (entry.op, entry.impl) in DEFERRED_SIGNATURES:
-        return DEFERRED_SIGNATURES[(entry.op, entry.impl)], f"{entry.name}_deferred"
+    gluon = GLUON_KERNELS.get((entry.op, entry.impl))
+    if gluon is not None and tile.get(gluon.knob):
+        return gluon.signature, f"{entry.name}_{gluon.suffix}"
     return SIGNATURES[(entry.op, entry.impl)], entry.name
 
 
@@ -283,7 +301,7 @@ def gluon_descriptor_types(signature: dict) -> dict:
     which launch() gives them too."""
     from triton.experimental.gluon import language as gl
 
-    dtypes = {"fp8e4nv": gl.float8e4nv, "bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32}
+    dtypes = {"fp8e4nv": gl.float8e4nv, "bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32, "i32": gl.int32}
     typed = dict(signature)
     for name, kind in signature.items():
         match = re.fullmatch(r"tensordesc<(\w+)\[(\d+), (\d+)\]>", kind)
@@ -451,6 +469,25 @@ def test_deferred_rescale_keeps_one_wgmma_in_flight(job, compiled):
     assert re.search(r"wgmma\.mma_async\S*e4m3\.e4m3", ptx)
     waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
     assert waits.count("1") >= 2, f"no rescale overlaps a wgmma: waits {waits}"
+    assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
+
+
+GPTQ_HOPPER = next(e for e in ENTRIES.values()
+                   if e.op == "gptq_gemm_prepared" and e.scheme == FULL_GPTQ_SCHEME and e.min_arch == 90)
+OVERLAP = [i for i, tile in enumerate(GPTQ_HOPPER.tiles) if tile.params["overlap_dequant"]]
+
+
+@pytest.mark.parametrize("job", [Job(GPTQ_HOPPER.name, 90, i, out) for i in OVERLAP for out in ("fp16", "bf16")],
+                         ids=[f"tile{i}-{out}" for i in OVERLAP for out in ("fp16", "bf16")])
+def test_overlap_dequant_keeps_one_wgmma_in_flight(job, compiled):
+    """The Gluon GPTQ kernel feeds the wgmma dequantized weights from registers and waits for all but the
+    newest wgmma group before the next block's dequant, bringing its operands by TMA."""
+    ptx = ptx_of(compiled, job)
+    out = job.out.replace("fp", "f")
+    # The register operand: the A fragment is a brace list of 32-bit registers, not a shared-memory descriptor.
+    assert re.search(rf"wgmma\.mma_async\S*\.f32\.{out}\.{out}\s+\{{[^}}]*\}},\s*\{{%r", ptx)
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
+    assert waits.count("1") >= 2, f"no dequant overlaps a wgmma: waits {waits}"
     assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
 
 

@@ -229,3 +229,83 @@ def test_prepared_gemv_ragged_k_and_x_alignment(checkpoints, k, n, x_offset):
     assert (x.data_ptr() % 4 == 0) == (x_offset == 0)
     err = ref.rel_fro_error(kdsl.ops.gptq_gemm(x, prepared), x.float() @ ck["w"])
     assert err < GEMV_TOL, f"K={k} N={n} x offset {x_offset}: rel err {err:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------
+# overlap_dequant tiles: the Gluon kernel that dequantizes K block k+1 while block k's wgmma runs
+
+
+def _prepared_entry(group_size=128):
+    return kdsl.registry.dispatch("gptq_gemm_prepared", f"gptq.int4.g{'all' if group_size == -1 else group_size}.gptq",
+                                  torch.device("cuda"))
+
+
+def _overlap_tiles():
+    """The definition's overlap_dequant tiles, and the other block shapes the kernel takes (one warpgroup
+    per 64 columns, 16 to 256 rows), so a tuned definition's choice is covered before it ships."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return []
+    tiles = [bucket.params for bucket in _prepared_entry().tiles if bucket.params["overlap_dequant"]]
+    base = {**tiles[0], "overlap_dequant": True} if tiles else None
+    extra = [dict(base, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, SPLIT_K=split)
+             for bm, bn, warps, stages, split in ((16, 64, 4, 4, 8), (128, 128, 8, 3, 2), (256, 128, 8, 3, 4))] if base else []
+    return tiles + extra
+
+
+def _tile_id(tile):
+    return f"{tile['BLOCK_M']}x{tile['BLOCK_N']}w{tile['num_warps']}s{tile['num_stages']}k{tile['SPLIT_K']}"
+
+
+@pytest.fixture
+def overlap_launches(monkeypatch):
+    """Count the Gluon kernel's launches (the launcher falls back to the Triton MMA where it cannot run)."""
+    calls = []
+    for group_size in (128, -1):
+        module = _prepared_entry(group_size).load()
+        original = module._launch_overlap
+
+        def spy(*args, _original=original, **kwargs):
+            calls.append(args[4]["BLOCK_M"])
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, "_launch_overlap", spy)
+    return calls
+
+
+@pytest.mark.parametrize("tile", _overlap_tiles(), ids=_tile_id)
+@pytest.mark.parametrize("m, k, n, group_size, dtype", [
+    (64, 4096, 14336, 128, torch.float16),
+    (37, 4096, 4096, 128, torch.bfloat16),    # ragged M, bf16
+    (300, 14336, 264, 128, torch.float16),    # several row tiles, N past the last 128-column tile
+    (17, 200, 136, -1, torch.float16),        # one group: K not a whole tile (TMA zero-fills x, tiles are padded)
+    (130, 1160, 2112, -1, torch.bfloat16),    # an odd number of K blocks per split
+], ids=["M64", "M37-bf16", "M300-N264", "M17-K200-N136", "M130-K1160-bf16"])
+def test_prepared_overlap_dequant(checkpoints, overlap_launches, tile, m, k, n, group_size, dtype):
+    ck = checkpoints(k, n, group_size=group_size, scale_dtype=dtype)
+    prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"], group_size=group_size)
+    module = _prepared_entry(group_size).load()
+    x = _x(m, k, dtype)
+    expected = x.float() @ ck["w"]
+    for attempt in range(2):  # twice: the split-K counters must be left clean for the next launch
+        y = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+        module.launch(x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
+                      prepared.contiguous_groups, y, tile)
+        err = ref.rel_fro_error(y, expected)
+        assert err < TOL, f"{_tile_id(tile)} M={m} K={k} N={n} call {attempt}: rel err {err:.3g}"
+    assert overlap_launches == [tile["BLOCK_M"]] * 2, "the Gluon kernel did not run"
+
+
+def test_prepared_overlap_dequant_falls_back_where_tma_cannot_read_x(checkpoints, overlap_launches):
+    """x whose rows start 2-byte aligned cannot be a TMA source: the Triton MMA runs the tile instead."""
+    tiles = _overlap_tiles()
+    if not tiles:
+        pytest.skip("needs an sm_90 GPU")
+    tile = tiles[0]
+    ck = checkpoints(4096, 4096)
+    prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"])
+    x = _x(64, 4096 + 1)[:, 1:]
+    y = torch.empty(64, 4096, dtype=torch.float16, device="cuda")
+    _prepared_entry().load().launch(x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales,
+                                    prepared.groups, prepared.contiguous_groups, y, tile)
+    assert ref.rel_fro_error(y, x.float() @ ck["w"]) < TOL
+    assert overlap_launches == []

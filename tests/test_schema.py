@@ -712,3 +712,53 @@ def test_one_op_tuned_per_arch_range_but_not_twice_for_one_range(tmp_path):
     load_definition(_write(tmp_path, GPTQ_SCHEME + hopper + variant.format(arch="sm_80", cap=""), name="ok.toml"))
     message = _load_error(_write(tmp_path, GPTQ_SCHEME + hopper + variant.format(arch="sm_90", cap=""), name="bad.toml"))
     assert "variants[1]: duplicates variants[0]" in message and "min_arch" in message
+
+
+def test_overlap_dequant_tiles_are_checked(tmp_path):
+    variant = """
+        [[variants]]
+        op = "gptq_gemm_prepared"
+        impl = "splitk"
+        min_arch = "sm_90"
+        max_arch = "sm_90"
+        layout = { zeros = "paired", weights = "k_planes" }
+        tiles = [{ m_max = 1, block_m = 1, block_n = 64, overlap_dequant = true },
+                 { m_max = 16, block_m = 16, block_n = 128, num_warps = 4, overlap_dequant = true },
+                 { m_max = 64, block_m = 64, block_n = 64, num_warps = 4, split_k = 8, overlap_dequant = true },
+                 { block_m = 256, block_n = 128, num_warps = 8, num_stages = 2, overlap_dequant = true }]
+    """
+    lines = _load_error(_write(tmp_path, GPTQ_SCHEME + variant)).splitlines()
+
+    def problems(index):
+        return [line for line in lines if f"tiles[{index}].overlap_dequant" in line]
+
+    assert any("GEMV" in line for line in problems(0))
+    assert any("one warpgroup per 64 columns" in line and "block_n = 128, num_warps = 4" in line
+               for line in problems(1))
+    assert not problems(2) and not problems(3)  # split K and 256 rows are fine
+
+
+def test_overlap_dequant_needs_hopper_and_the_paired_k_planes_layout(tmp_path):
+    variant = """
+        [[variants]]
+        op = "gptq_gemm_prepared"
+        impl = "splitk"
+        min_arch = "sm_80"
+        layout = {{ {layout} }}
+        tiles = [{{ block_m = 64, block_n = 64, num_warps = 4, overlap_dequant = true }}]
+    """
+    message = _load_error(_write(tmp_path, GPTQ_SCHEME + variant.format(layout='zeros = "biased"')))
+    assert "variants[0].tiles[0].overlap_dequant" in message
+    assert "sm_90 only" in message and 'weights = "k_planes", zeros = "paired"' in message
+
+
+def test_overlap_dequant_is_a_knob_of_the_prepared_gemm_only(tmp_path):
+    path = _write(tmp_path, GPTQ_SCHEME + """
+        [[variants]]
+        op = "gptq_gemm"
+        impl = "splitk"
+        min_arch = "sm_80"
+        tiles = [{ block_m = 64, overlap_dequant = true }]
+    """)
+    message = _load_error(path)
+    assert "variants[0].tiles[0].overlap_dequant" in message and "does not implement this knob" in message

@@ -19,7 +19,7 @@ from kdsl.schema.layout import PAIR_SPAN, PLANE_ROWS, PLANE_TILE_K, PLANE_TILE_N
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 3  # 2: tiles carry n_min and split_fill; 3: deferred_rescale
+MANIFEST_FORMAT = 4  # 2: tiles carry n_min and split_fill; 3: deferred_rescale; 4: overlap_dequant
 
 
 @lru_cache(maxsize=1)
@@ -64,7 +64,7 @@ def tile_params(tile) -> dict:
         "num_warps": tile.num_warps, "num_stages": tile.num_stages,
         "persistent": tile.persistent, "tile_order": tile.tile_order,
         "swap_ab": tile.swap_ab, "warp_specialize": tile.warp_specialize,
-        "deferred_rescale": tile.deferred_rescale,
+        "deferred_rescale": tile.deferred_rescale, "overlap_dequant": tile.overlap_dequant,
     }
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 GENERATED_ENV = "KDSL_GENERATED"
-SUPPORTED_FORMAT = 3
+SUPPORTED_FORMAT = 4
 
 
 def generated_dir() -> Path:

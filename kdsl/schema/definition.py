@@ -115,6 +115,8 @@ def _tile_problems(tile_where: str, variant: Variant, impl: KernelImpl, scheme, 
                         "(Triton's warp-specialized loop leaves the split-K counters dirty); use one or the other")
     if tile.deferred_rescale:
         problems.extend(_deferred_rescale_problems(tile_where, scheme, tile))
+    if tile.overlap_dequant:
+        problems.extend(_overlap_dequant_problems(tile_where, variant, tile))
     if getattr(variant.layout, "weights", None) == "k_planes":
         if tile.block_k != PLANE_TILE_K:
             problems.append(f"{tile_where}.block_k: {tile.block_k}; the k_planes layout's tiles take "
@@ -155,6 +157,25 @@ def _deferred_rescale_problems(tile_where: str, scheme, tile: Tile) -> list[str]
                         ("warp_specialize", tile.warp_specialize), ("tile_order", tile.tile_order != "m_major")):
         if value:
             problems.append(f"{where}: the Gluon kernel computes whole tiles in m_major order; drop {knob}")
+    return problems
+
+
+def _overlap_dequant_problems(tile_where: str, variant, tile: Tile) -> list[str]:
+    """The Gluon overlapped-dequant kernel: wgmma (Hopper only), k_planes words with paired scales and
+    zeros (one TMA load each per K block), one warpgroup per 64 columns, MMA rows."""
+    problems = []
+    where = f"{tile_where}.overlap_dequant"
+    if variant.min_cc != 90 or variant.max_cc != 90:
+        problems.append(f"{where}: the Gluon kernel uses wgmma; the variant must cover sm_90 only "
+                        f"(min_arch = max_arch = \"sm_90\", got {variant.min_arch} .. {variant.max_arch or 'any'})")
+    if getattr(variant.layout, "weights", None) != "k_planes" or getattr(variant.layout, "zeros", None) != "paired":
+        problems.append(f"{where}: needs the variant's layout = {{ weights = \"k_planes\", zeros = \"paired\" }}")
+    if tile.block_n != 16 * tile.num_warps or tile.num_warps not in (4, 8):
+        problems.append(f"{where}: needs one warpgroup per 64 columns: block_n = 64 with num_warps = 4 or "
+                        f"block_n = 128 with num_warps = 8 (got block_n = {tile.block_n}, num_warps = {tile.num_warps})")
+    if not 16 <= tile.block_m <= 256:
+        problems.append(f"{where}: block_m = {tile.block_m} is not one wgmma's width (16 to 256); "
+                        "the GEMV (block_m = 1) has no wgmma to overlap")
     return problems
 
 

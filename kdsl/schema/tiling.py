@@ -55,6 +55,10 @@ class Tile(StrictModel):
         False, description="Gluon kernel (Hopper): block k's wgmma runs while block k-1's product is scaled "
         "into the accumulator; one warpgroup per 64 rows"
     )
+    overlap_dequant: bool = Field(
+        False, description="Gluon kernel (Hopper, k_planes weights): block k+1 is dequantized while block k's "
+        "wgmma runs; one warpgroup per 64 columns"
+    )
 
 
 class Variant(StrictModel):

@@ -156,7 +156,7 @@ def compact(tile: Tile) -> str:
     parts += [f"group_m={p['GROUP_M']}"] if p["GROUP_M"] != Tile.model_fields["group_m"].default else []
     parts += [f"w{p['num_warps']}", f"s{p['num_stages']}"]
     parts += [p["tile_order"]] if p["tile_order"] != "m_major" else []
-    parts += [flag for flag in ("persistent", "swap_ab", "warp_specialize", "deferred_rescale") if p[flag]]
+    parts += [flag for flag in ("persistent", "swap_ab", "warp_specialize", "deferred_rescale", "overlap_dequant") if p[flag]]
     return " ".join(parts)
 
 
