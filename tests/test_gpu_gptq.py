@@ -15,6 +15,7 @@ import torch
 
 import kdsl
 import reference_gptq as ref
+from kdsl.naming import gptq_scheme_name
 
 pytestmark = pytest.mark.gpu
 
@@ -236,8 +237,7 @@ def test_prepared_gemv_ragged_k_and_x_alignment(checkpoints, k, n, x_offset):
 
 
 def _prepared_entry(group_size=128):
-    return kdsl.registry.dispatch("gptq_gemm_prepared", f"gptq.int4.g{'all' if group_size == -1 else group_size}.gptq",
-                                  torch.device("cuda"))
+    return kdsl.registry.dispatch("gptq_gemm_prepared", gptq_scheme_name(4, group_size, "gptq"), torch.device("cuda"))
 
 
 def _overlap_tiles():

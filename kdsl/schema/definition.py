@@ -138,14 +138,20 @@ def _tile_problems(tile_where: str, variant: Variant, impl: KernelImpl, scheme, 
     return problems
 
 
+def _warpgroup_per_64(where: str, what: str, field: str, size: int, num_warps: int) -> list[str]:
+    """The Gluon kernels give each warpgroup (4 warps) one wgmma of 64 rows of the tile's `field`."""
+    if size == 16 * num_warps and num_warps in (4, 8):
+        return []
+    return [f"{where}: needs one warpgroup per 64 {what}: {field} = 64 with num_warps = 4 or "
+            f"{field} = 128 with num_warps = 8 (got {field} = {size}, num_warps = {num_warps})"]
+
+
 def _deferred_rescale_problems(tile_where: str, scheme, tile: Tile) -> list[str]:
     """The Gluon deferred-rescale kernel: one warpgroup per 64 rows, one scale group per K block, one
     weight block across the tile's columns, whole tiles per program in m_major order."""
     problems = []
     where = f"{tile_where}.deferred_rescale"
-    if tile.block_m != 16 * tile.num_warps or tile.num_warps not in (4, 8):
-        problems.append(f"{where}: needs one warpgroup per 64 rows: block_m = 64 with num_warps = 4 or "
-                        f"block_m = 128 with num_warps = 8 (got block_m = {tile.block_m}, num_warps = {tile.num_warps})")
+    problems.extend(_warpgroup_per_64(where, "rows", "block_m", tile.block_m, tile.num_warps))
     if isinstance(scheme, BlockFP8):
         if tile.block_k != scheme.quant_group_k:
             problems.append(f"{where}: needs block_k = {scheme.quant_group_k}, one scale group per K block "
@@ -170,9 +176,7 @@ def _overlap_dequant_problems(tile_where: str, variant, tile: Tile) -> list[str]
                         f"(min_arch = max_arch = \"sm_90\", got {variant.min_arch} .. {variant.max_arch or 'any'})")
     if getattr(variant.layout, "weights", None) != "k_planes" or getattr(variant.layout, "zeros", None) != "paired":
         problems.append(f"{where}: needs the variant's layout = {{ weights = \"k_planes\", zeros = \"paired\" }}")
-    if tile.block_n != 16 * tile.num_warps or tile.num_warps not in (4, 8):
-        problems.append(f"{where}: needs one warpgroup per 64 columns: block_n = 64 with num_warps = 4 or "
-                        f"block_n = 128 with num_warps = 8 (got block_n = {tile.block_n}, num_warps = {tile.num_warps})")
+    problems.extend(_warpgroup_per_64(where, "columns", "block_n", tile.block_n, tile.num_warps))
     if not 16 <= tile.block_m <= 256:
         problems.append(f"{where}: block_m = {tile.block_m} is not one wgmma's width (16 to 256); "
                         "the GEMV (block_m = 1) has no wgmma to overlap")
