@@ -3,7 +3,7 @@
 # kernel: gptq_gemm__int4_g32_gptq__splitk_sm80 (gptq_gemm/splitk: W4A16: unpack int4 in registers, fp16/bf16 tensor-core dot, optional split-K with atomics)
 # scheme: gptq.int4.g32.gptq
 # arch: sm_80 and up
-# digest: bb9a1a68fa5481fb (sha256 of the definition file and the templates)
+# digest: c5d40278e7e5cc0d (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl

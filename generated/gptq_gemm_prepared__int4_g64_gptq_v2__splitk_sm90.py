@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g64_gptq_v2__splitk_sm90 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV; overlap_dequant tiles (Hopper, k_planes) overlap dequant and wgmma in Gluon)
 # scheme: gptq.int4.g64.gptq_v2
 # arch: sm_90 .. sm_90
-# digest: 554206008cf9e036 (sha256 of the definition file and the templates)
+# digest: 7c5c9fd1a2ee6c04 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -926,8 +926,10 @@ TILES = (
     (1, None, {'BLOCK_M': 1, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False}),
     (16, None, {'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False}),
     (64, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': True}),
+    (128, 8192, {'BLOCK_M': 128, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': True}),
+    (128, None, {'BLOCK_M': 128, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': 1, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': True}),
     (None, 8192, {'BLOCK_M': 256, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': 1, 'num_warps': 8, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': True}),
-    (None, None, {'BLOCK_M': 256, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': True}),
+    (None, None, {'BLOCK_M': 128, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': 1, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': True}),
 )
 
 _SM_COUNT: dict = {}

@@ -248,7 +248,7 @@ def _overlap_tiles():
     tiles = [bucket.params for bucket in _prepared_entry().tiles if bucket.params["overlap_dequant"]]
     base = {**tiles[0], "overlap_dequant": True} if tiles else None
     extra = [dict(base, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, SPLIT_K=split)
-             for bm, bn, warps, stages, split in ((16, 64, 4, 4, 8), (128, 128, 8, 3, 2), (256, 128, 8, 3, 4))] if base else []
+             for bm, bn, warps, stages, split in ((16, 64, 4, 4, 8), (128, 128, 8, 3, 2), (256, 64, 4, 3, 4))] if base else []
     return tiles + extra
 
 
