@@ -88,10 +88,10 @@ def test_explain_when_nothing_fits_does_not_raise():
     assert "needs sm_89 or newer" in text and "needs sm_90 or newer" in text
 
 
-# The Hopper variant: M <= 16; M <= 64 for N >= 16384, N >= 4096, then every N; M <= 128 for N >= 4096,
-# then every N; M <= 512; the rest.
-@pytest.mark.parametrize("m, bucket", [(1, 0), (16, 0), (17, 3), (64, 3), (65, 5), (128, 5), (129, 6), (512, 6),
-                                       (513, 7), (100_000, 7)])
+# The Hopper variant: M <= 16; M <= 64 for N >= 16384, N >= 4096, then every N; M <= 128 the same;
+# M <= 512; the rest.
+@pytest.mark.parametrize("m, bucket", [(1, 0), (16, 0), (17, 3), (64, 3), (65, 6), (128, 6), (129, 7), (512, 7),
+                                       (513, 8), (100_000, 8)])
 def test_tile_bucket_for_m(m, bucket):
     entry = registry.select("fp8_gemm", FP8_SCHEME, arch="sm_90", m=m)
     assert entry.bucket_index(m) == bucket
