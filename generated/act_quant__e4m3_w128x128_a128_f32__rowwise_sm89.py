@@ -3,7 +3,7 @@
 # kernel: act_quant__e4m3_w128x128_a128_f32__rowwise_sm89 (act_quant/rowwise: per-token, per-group amax scaling to e4m3)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: ccfc4a40681308ca (sha256 of the definition file and the templates)
+# digest: fc545b6d10efa79b (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl

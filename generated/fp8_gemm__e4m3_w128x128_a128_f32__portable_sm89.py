@@ -3,7 +3,7 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__portable_sm89 (fp8_gemm/portable: pointer loads, grouped tile order, fp32 accumulation with per-step scales)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 664e6c7390a5a457 (sha256 of the definition file and the templates)
+# digest: 41e95499c5723706 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl

@@ -3,7 +3,7 @@
 # kernel: weight_dequant__e4m3_w128x128_a128_f32__blockwise_sm89 (weight_dequant/blockwise: one program per weight block, fp8 x scale)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: b57821d051bda6de (sha256 of the definition file and the templates)
+# digest: 2e07ea78dafcc9d5 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl

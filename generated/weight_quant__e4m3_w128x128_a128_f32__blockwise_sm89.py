@@ -3,7 +3,7 @@
 # kernel: weight_quant__e4m3_w128x128_a128_f32__blockwise_sm89 (weight_quant/blockwise: one program per weight block, amax scaling to e4m3)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: ebd7939f2e8ca344 (sha256 of the definition file and the templates)
+# digest: 59fa70b324485fa0 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
