@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g32_gptq__splitk_sm90 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV; overlap_dequant tiles (Hopper, k_planes) overlap dequant and wgmma in Gluon)
 # scheme: gptq.int4.g32.gptq
 # arch: sm_90 .. sm_90
-# digest: b98b8bdd2b4557f8 (sha256 of the definition file and the templates)
+# digest: ee2ca6d588684fc4 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -787,10 +787,7 @@ def _overlap_dequant(words, pairs, dtype: gl.constexpr, a_layout: gl.constexpr):
     weights (q - zero) * scale, in the wgmma A operand's registers."""
     scale = gl.broadcast((pairs & 0xFFFF).to(gl.int16).to(dtype, bitcast=True)[:, None], words)[0]
     zero = gl.broadcast((pairs >> 16).to(gl.int16).to(dtype, bitcast=True)[:, None], words)[0]
-    w0, w1, w2, w3, w4, w5, w6, w7 = gl.inline_asm_elementwise(
-        _UNPACK_FP16 if dtype == gl.float16 else _UNPACK_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
-        [words, scale, zero], dtype=(zero.dtype, zero.dtype, zero.dtype, zero.dtype, zero.dtype, zero.dtype, zero.dtype,
-                                     zero.dtype), is_pure=True, pack=1)
+    w0, w1, w2, w3, w4, w5, w6, w7 = _nibbles_asm(words, scale, zero, True)
     # Nibble p + 4 h of word (n, kk) is row PAIR_SPAN * p + 2 kk + h: stack as [n, kk, h, p % 2, p // 2],
     # then order the axes as K counts them.
     w = gl.join(gl.join(gl.join(w0, w4), gl.join(w1, w5)), gl.join(gl.join(w2, w6), gl.join(w3, w7)))
