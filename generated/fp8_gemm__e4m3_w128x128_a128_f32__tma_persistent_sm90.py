@@ -3,12 +3,13 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_gemm/tma_persistent: TMA tensor descriptors, persistent grid over SMs, wgmma through Triton; block_m = 1 is a CUDA-core GEMV; deferred_rescale tiles overlap wgmma and rescale in Gluon)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: 05f0bf73cf56c5c4 (sha256 of the definition file and the templates)
+# digest: 244accc3942a6dcd (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
 import os
 
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 ACT_GROUP = tl.constexpr(128)
@@ -298,7 +299,7 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_deferred(
     M, N, K,
     stride_asm, stride_bsn,
     num_programs,
-    GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+    GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, LAUNCH_DEPENDENTS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """C = (A a_s)(B b_s)^T in BLOCK_M x BLOCK_N tiles, program p taking tiles p, p + num_programs, ...
     (one each, or a persistent grid). BLOCK_K is the scale group, and a tile lies inside one weight
@@ -310,6 +311,10 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_deferred(
     num_pid_n = gl.cdiv(N, BLOCK_N)
     tiles = num_pid_m * num_pid_n
     k_blocks = gl.cdiv(K, BLOCK_K)
+    if LAUNCH_DEPENDENTS:
+        # Let the stream's next launch (programmatic dependent) start while this one runs.
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
 
     # One warpgroup per 64 rows; each wgmma covers the tile's whole width.
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -391,7 +396,7 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_deferred(
         mbarrier.invalidate(ready.index(slot))
 
 
-def _launch_deferred(a, a_s, b, b_s, c, tile):
+def _launch_deferred(a, a_s, b, b_s, c, tile, launch_dependents=False):
     M, K = a.shape
     N = b.shape[0]
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
@@ -399,7 +404,8 @@ def _launch_deferred(a, a_s, b, b_s, c, tile):
     fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_deferred[(programs,)](
         _gluon_descriptor(a, (bm, bk)), _gluon_descriptor(b, (bn, bk)), _gluon_descriptor(c, (bm, bn)), a_s, b_s,
         M, N, K, a_s.stride(0), b_s.stride(0), programs,
-        GROUP_M=tile["GROUP_M"], NUM_STAGES=tile["num_stages"], num_warps=tile["num_warps"],
+        GROUP_M=tile["GROUP_M"], NUM_STAGES=tile["num_stages"], LAUNCH_DEPENDENTS=launch_dependents,
+        num_warps=tile["num_warps"],
     )
 
 
@@ -430,13 +436,17 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, N_MAJOR: tl.constexpr, NUM_STAGES: tl.constexpr,
     SPLIT_K: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, SWAP_AB: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr, GDC_WAIT: tl.constexpr,
 ):
     """Persistent block-FP8 GEMM: each program loops over (output tile, K split) pairs; A, B, C move through TMA.
 
     With SPLIT_K > 1 (few rows, few tiles) several programs share a tile's K range so
     every SM streams weights; their partials are summed in-kernel (_splitk_store).
     SWAP_AB (few rows): the MMA computes C^T, so a 16-row tile of A needs no padding to 64.
+    LAUNCH_DEPENDENTS / GDC_WAIT: the first / second of two launches that overlap (_launch_with_edge).
     """
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
@@ -482,20 +492,23 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90(
             out_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
             out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
             _splitk_store(acc, out_ptrs, out_mask, ws_ptr, count_ptr, tile_id, pid_k, BLOCK_M, BLOCK_N, SPLIT_K)
+    if GDC_WAIT:
+        # Launched before the first launch finished: do not let the stream's next work start until it has.
+        gdc_wait()
 
 
 # Tiles per M bucket, from the definition: (largest M served or None for the rest,
 # smallest N served or None, launch parameters); the first that serves (M, N) is used.
 TILES = (
-    (16, None, {'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'num_warps': 4, 'num_stages': 6, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': True, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False}),
-    (64, 16384, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False}),
-    (64, 4096, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 6, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False}),
-    (64, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': True, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False}),
-    (128, 16384, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': True, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False}),
-    (128, 4096, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': 1, 'num_warps': 4, 'num_stages': 6, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False}),
-    (128, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False}),
-    (512, None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False}),
-    (None, None, {'BLOCK_M': 128, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 16, 'SPLIT_K': 1, 'split_fill': 1, 'num_warps': 8, 'num_stages': 4, 'persistent': True, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False}),
+    (16, None, {'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'num_warps': 4, 'num_stages': 6, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': True, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_split_k': 0}),
+    (64, 16384, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False, 'edge_split_k': 0}),
+    (64, 4096, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 6, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False, 'edge_split_k': 0}),
+    (64, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': True, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_split_k': 0}),
+    (128, 16384, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': True, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False, 'edge_split_k': 0}),
+    (128, 4096, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': 1, 'num_warps': 4, 'num_stages': 6, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False, 'edge_split_k': 0}),
+    (128, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_split_k': 0}),
+    (512, None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False, 'edge_split_k': 0}),
+    (None, None, {'BLOCK_M': 128, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 16, 'SPLIT_K': 1, 'split_fill': 1, 'num_warps': 8, 'num_stages': 4, 'persistent': True, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False, 'edge_split_k': 4}),
 )
 
 _SM_COUNT: dict = {}
@@ -547,13 +560,50 @@ def launch(a, a_s, b, b_s, c, tile):
     """a [M, K] fp8, a_s [M, K // ACT_GROUP], b [N, K] fp8, b_s [cdiv(N, W_BLOCK_N), K // W_BLOCK_K], c [M, N].
 
     Tiles with BLOCK_M = 1 run the CUDA-core GEMV (_launch_gemv), deferred_rescale tiles the Gluon kernel
-    (_launch_deferred; the Triton one under the interpreter), the others the Triton wgmma kernel.
+    (_launch_deferred; the Triton one under the interpreter), the others the Triton wgmma kernel; with
+    edge_split_k, N's partial last column of tiles may get a launch of its own (_launch_with_edge) when
+    captured into a CUDA graph.
     TMA needs 16-byte aligned bases and row strides; the caller guarantees unit inner strides.
     """
     if tile["BLOCK_M"] == 1:
         return _launch_gemv(a, a_s, b, b_s, c, tile)
+    edge = _edge_columns(a.shape[0], b.shape[0], tile, _sm_count(a.device))
+    # A second launch costs host time that eager calls wait for (~90 us each on the lent H100's host, more
+    # than the edge launch saves); a CUDA graph replays it for nothing. The interpreter takes it to test it.
+    if edge and (_INTERPRETING or torch.cuda.is_current_stream_capturing()):
+        return _launch_with_edge(a, a_s, b, b_s, c, tile, edge)
+    return _launch_tiles(a, a_s, b, b_s, c, tile)
+
+
+def _edge_columns(M: int, N: int, tile: dict, sms: int) -> int:
+    """N's partial last column of tiles, where giving it a launch of its own saves a round of the
+    persistent grid (the whole tiles alone take fewer rounds); else 0."""
+    edge = N % tile["BLOCK_N"]
+    if not (tile["edge_split_k"] and edge and N > edge):
+        return 0
+    rows = triton.cdiv(M, tile["BLOCK_M"])
+    whole = rows * (N // tile["BLOCK_N"])
+    slots = sms * (tile["split_fill"] or SPLIT_FILL)
+    return edge if triton.cdiv(whole, slots) < triton.cdiv(whole + rows, slots) else 0
+
+
+def _launch_with_edge(a, a_s, b, b_s, c, tile, edge):
+    """The whole tiles, then the last `edge` columns as narrow tiles split along K. On the GPU the second
+    launch is a programmatic dependent one: the first lets it start at once, so its programs take the
+    SMs the first frees in its last round, and it waits for the first before it ends."""
+    main = b.shape[0] - edge
+    # A narrow edge tile lies inside one weight block (block_n divides W_BLOCK_N, checked at load).
+    edge_tile = dict(tile, BLOCK_N=triton.next_power_of_2(edge), SPLIT_K=tile["edge_split_k"], split_fill=None,
+                     persistent=False, deferred_rescale=False, edge_split_k=0)
+    overlap = not _INTERPRETING
+    _launch_tiles(a, a_s, b[:main], b_s, c[:, :main], tile, launch_dependents=overlap)
+    _launch_tiles(a, a_s, b[main:], b_s[main // W_BLOCK_N:], c[:, main:], edge_tile, dependent=overlap)
+
+
+def _launch_tiles(a, a_s, b, b_s, c, tile, launch_dependents=False, dependent=False):
+    """One launch of the wgmma kernels; launch_dependents / dependent: the first / second of two that overlap."""
     if tile["deferred_rescale"] and not _INTERPRETING:
-        return _launch_deferred(a, a_s, b, b_s, c, tile)
+        return _launch_deferred(a, a_s, b, b_s, c, tile, launch_dependents)
     M, K = a.shape
     N = b.shape[0]
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
@@ -564,11 +614,13 @@ def launch(a, a_s, b, b_s, c, tile):
     split_k = split_for(tile, triton.cdiv(K, bk), tiles, _sm_count(a.device))
     workspace, counters = (c, c) if split_k == 1 else _splitk_scratch(c.device, tiles, split_k, bm * bn)
     programs = _programs(a.device, tiles * split_k, tile)
+    pdl = {"launch_pdl": True} if dependent else {}
     fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90[(programs,)](
         a_desc, b_desc, c_desc, a_s, b_s, c, workspace, counters,
         M, N, K, a_s.stride(0), b_s.stride(0), c.stride(0), programs,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         GROUP_M=tile["GROUP_M"], N_MAJOR=tile["tile_order"] == "n_major", NUM_STAGES=tile["num_stages"],
         SPLIT_K=split_k, WARP_SPECIALIZE=tile["warp_specialize"], SWAP_AB=tile["swap_ab"],
-        num_warps=tile["num_warps"],
+        LAUNCH_DEPENDENTS=launch_dependents, GDC_WAIT=dependent,
+        num_warps=tile["num_warps"], **pdl,
     )

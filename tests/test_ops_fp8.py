@@ -355,6 +355,40 @@ def test_fp8_gemv_tiles(block_n, block_k, split_k, monkeypatch):
         assert torch.equal(c[1], torch.zeros(200, dtype=torch.bfloat16))
 
 
+def test_fp8_gemm_edge_column_gets_a_split_launch(monkeypatch):
+    """The sm_90 module's edge launch, through the interpreter (which plans for 4 SMs): where N's partial
+    last column of tiles would add a round of the persistent grid, the whole tiles go in one launch and
+    that column, as narrow tiles split along K, in a second, with b and b_s sliced at a weight block's
+    edge. The output starts as NaN, so a column neither launch wrote fails the comparison."""
+    use_arch(monkeypatch, "sm_90")
+    module = registry.dispatch("fp8_gemm", FP8_SCHEME.name, torch.device("cpu")).load()
+    tile = next(bucket.params for bucket in registry.select("fp8_gemm", FP8_SCHEME, arch="sm_90").tiles
+                if bucket.params["edge_split_k"])
+    assert tile["persistent"] and tile["BLOCK_N"] == 128
+    # 5 tile rows: 5 whole tiles take 2 rounds of 4 programs, 10 with the edge column 3.
+    assert module._edge_columns(515, 144, tile, 4) == 16
+    assert module._edge_columns(100, 272, tile, 4) == 0  # 2 whole tiles and 1 edge tile: one round either way
+    assert module._edge_columns(515, 256, tile, 4) == 0  # no partial column
+    assert module._edge_columns(515, 144, dict(tile, edge_split_k=0), 4) == 0
+    assert module._edge_columns(515, 16, tile, 4) == 0  # nothing but the edge
+
+    launches = []
+    original = module._launch_tiles
+
+    def spy(a, a_s, b, b_s, c, tile, **kwargs):
+        launches.append((b.shape[0], c.shape[1], b_s.shape[0], tile["BLOCK_N"], tile["SPLIT_K"], tile["persistent"]))
+        return original(a, a_s, b, b_s, c, tile, **kwargs)
+
+    monkeypatch.setattr(module, "_launch_tiles", spy)
+    torch.manual_seed(7)
+    a, a_s, b, b_s = _gemm_operands((515,), 400, 512)  # N = 3 x 128 + 16; 4 K blocks
+    assert module._edge_columns(515, 400, tile, 4) == 16
+    c = torch.full((515, 400), float("nan"), dtype=torch.float32)
+    module.launch(a, a_s, b, b_s, c, tile)
+    assert launches == [(384, 384, 4, 128, 1, True), (16, 16, 1, 16, tile["edge_split_k"], False)]
+    _check_gemm(c, a, a_s, b, b_s, out_dtype=torch.float32)
+
+
 @pytest.mark.parametrize("arch", sorted(GEMM_KERNELS))
 def test_fp8_gemm_batched(arch, monkeypatch, launched):
     use_arch(monkeypatch, arch)

@@ -117,6 +117,8 @@ def _tile_problems(tile_where: str, variant: Variant, impl: KernelImpl, scheme, 
         problems.extend(_deferred_rescale_problems(tile_where, scheme, tile))
     if tile.overlap_dequant:
         problems.extend(_overlap_dequant_problems(tile_where, variant, tile))
+    if tile.edge_split_k:
+        problems.extend(_edge_split_problems(tile_where, scheme, tile))
     if getattr(variant.layout, "weights", None) == "k_planes":
         if tile.block_k != PLANE_TILE_K:
             problems.append(f"{tile_where}.block_k: {tile.block_k}; the k_planes layout's tiles take "
@@ -163,6 +165,21 @@ def _deferred_rescale_problems(tile_where: str, scheme, tile: Tile) -> list[str]
                         ("warp_specialize", tile.warp_specialize), ("tile_order", tile.tile_order != "m_major")):
         if value:
             problems.append(f"{where}: the Gluon kernel computes whole tiles in m_major order; drop {knob}")
+    return problems
+
+
+def _edge_split_problems(tile_where: str, scheme, tile: Tile) -> list[str]:
+    """The edge launch splits the last column of a persistent grid's tiles along K with the Triton kernel,
+    on weights and scales sliced at a weight block's edge."""
+    where = f"{tile_where}.edge_split_k"
+    problems = []
+    if isinstance(scheme, BlockFP8) and tile.block_n % scheme.weight_block[0]:
+        problems.append(f"{where}: needs block_n to be a multiple of the weight block's {scheme.weight_block[0]} "
+                        f"rows, so the edge column starts on a block (got {tile.block_n})")
+    if not tile.persistent:
+        problems.append(f"{where}: only a persistent grid has rounds for the edge column to add; set persistent = true")
+    if tile.block_m == 1 or tile.swap_ab:
+        problems.append(f"{where}: needs an MMA tile (block_m > 1, no swap_ab) to split the edge column from")
     return problems
 
 
