@@ -3,7 +3,7 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_gemm/tma_persistent: TMA tensor descriptors, persistent grid over SMs, wgmma through Triton; block_m = 1 is a CUDA-core GEMV; deferred_rescale tiles overlap wgmma and rescale in Gluon)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: 244accc3942a6dcd (sha256 of the definition file and the templates)
+# digest: 357eb56121f74271 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -75,11 +75,15 @@ def _splitk_scratch(device, tiles: int, split_k: int, tile_elems: int):
     """
     need = tiles * split_k * tile_elems
     workspace, counters = _SPLITK_SCRATCH.get(device, (None, None))
+    grown = False
     if workspace is None or workspace.numel() < need:
-        workspace = torch.empty(need, dtype=torch.float32, device=device)
+        workspace, grown = torch.empty(need, dtype=torch.float32, device=device), True
     if counters is None or counters.numel() < tiles:
-        counters = torch.zeros(tiles, dtype=torch.int32, device=device)
-    _SPLITK_SCRATCH[device] = (workspace, counters)
+        counters, grown = torch.zeros(tiles, dtype=torch.int32, device=device), True
+    # Inside a CUDA graph capture the zeroing is recorded for the replays, not run now: buffers grown
+    # there belong to the graph, and eager launches keep (or later grow) their own.
+    if grown and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _SPLITK_SCRATCH[device] = (workspace, counters)
     return workspace, counters
 
 
@@ -592,7 +596,7 @@ def _launch_with_edge(a, a_s, b, b_s, c, tile, edge):
     launch is a programmatic dependent one: the first lets it start at once, so its programs take the
     SMs the first frees in its last round, and it waits for the first before it ends."""
     main = b.shape[0] - edge
-    # A narrow edge tile lies inside one weight block (block_n divides W_BLOCK_N, checked at load).
+    # main is a multiple of block_n, itself of W_BLOCK_N (checked at load): b_s slices at a block's edge.
     edge_tile = dict(tile, BLOCK_N=triton.next_power_of_2(edge), SPLIT_K=tile["edge_split_k"], split_fill=None,
                      persistent=False, deferred_rescale=False, edge_split_k=0)
     overlap = not _INTERPRETING

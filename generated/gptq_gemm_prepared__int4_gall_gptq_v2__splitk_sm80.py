@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_gall_gptq_v2__splitk_sm80 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV; overlap_dequant tiles (Hopper, k_planes) overlap dequant and wgmma in Gluon)
 # scheme: gptq.int4.gall.gptq_v2
 # arch: sm_80 and up
-# digest: ee2ca6d588684fc4 (sha256 of the definition file and the templates)
+# digest: 365ee55d8dbd1be0 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -85,11 +85,15 @@ def _splitk_scratch(device, tiles: int, split_k: int, tile_elems: int):
     """
     need = tiles * split_k * tile_elems
     workspace, counters = _SPLITK_SCRATCH.get(device, (None, None))
+    grown = False
     if workspace is None or workspace.numel() < need:
-        workspace = torch.empty(need, dtype=torch.float32, device=device)
+        workspace, grown = torch.empty(need, dtype=torch.float32, device=device), True
     if counters is None or counters.numel() < tiles:
-        counters = torch.zeros(tiles, dtype=torch.int32, device=device)
-    _SPLITK_SCRATCH[device] = (workspace, counters)
+        counters, grown = torch.zeros(tiles, dtype=torch.int32, device=device), True
+    # Inside a CUDA graph capture the zeroing is recorded for the replays, not run now: buffers grown
+    # there belong to the graph, and eager launches keep (or later grow) their own.
+    if grown and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _SPLITK_SCRATCH[device] = (workspace, counters)
     return workspace, counters
 
 

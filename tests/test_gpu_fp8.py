@@ -208,7 +208,8 @@ def test_fp8_gemm_edge_launch_finishes_with_the_first(tile, m, n, k, monkeypatch
     """Where N's partial last column of tiles would add a round, a CUDA graph capture gives it a launch of
     its own that starts while the first still runs (programmatic dependent launch); eager calls keep one
     launch. The stream's next kernel copies each result out of memory filled with NaN before every call:
-    it must find both launches' columns written, eagerly and at every replay."""
+    it must find both launches' columns written, eagerly and at every replay. The edge launch's split-K
+    scratch grows during the capture; an eager split-K call before the first replay must not use it."""
     if capability() != (9, 0):
         pytest.skip("the edge launch is part of the sm_90 module")
     module = registry.dispatch("fp8_gemm", FP8_SCHEME.name, CUDA).load()
@@ -237,11 +238,17 @@ def test_fp8_gemm_edge_launch_finishes_with_the_first(tile, m, n, k, monkeypatch
         assert torch.isfinite(copy).all()
         assert rel_fro_error(copy, expected) < 5e-4
     assert launches == [tile["BLOCK_N"]] * 3
+    module._SPLITK_SCRATCH.clear()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         module.launch(a, a_s, b, b_s, c, tile)
         copy.copy_(c)
     assert launches[3:] == [tile["BLOCK_N"], triton_next_power_of_2(n % tile["BLOCK_N"])]
+    # The decode tile splits K too: eagerly, before any replay has zeroed the capture's counters.
+    a16, a16_s = a[:16].clone(), a_s[:16].clone()
+    for _ in range(2):
+        c16 = kdsl.ops.fp8_gemm(a16, a16_s, b, b_s, out_dtype=torch.float32)
+        assert rel_fro_error(c16, expected[:16]) < 5e-4
     for _ in range(3):
         c.fill_(float("nan"))
         copy.fill_(float("nan"))
