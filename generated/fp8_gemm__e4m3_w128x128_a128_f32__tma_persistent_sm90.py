@@ -3,7 +3,7 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_gemm/tma_persistent: TMA tensor descriptors, persistent grid over SMs, wgmma through Triton; block_m = 1 is a CUDA-core GEMV; deferred_rescale tiles overlap wgmma and rescale in Gluon)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: 357eb56121f74271 (sha256 of the definition file and the templates)
+# digest: c455e6b7cf3a9737 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -317,8 +317,7 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_deferred(
     k_blocks = gl.cdiv(K, BLOCK_K)
     if LAUNCH_DEPENDENTS:
         # Let the stream's next launch (programmatic dependent) start while this one runs.
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+        gdc_launch_dependents()
 
     # One warpgroup per 64 rows; each wgmma covers the tile's whole width.
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
