@@ -3,7 +3,7 @@
 # kernel: act_quant__e4m3_w128x128_a128_f32__rowwise_sm89 (act_quant/rowwise: per-token, per-group amax scaling to e4m3)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 5cb3ae5431493cb1 (sha256 of the definition file and the templates)
+# digest: a6cc50dfa7e2be51 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -60,7 +60,7 @@ def act_quant__e4m3_w128x128_a128_f32__rowwise_sm89(x_ptr, q_ptr, s_ptr, M, K, s
 # Tiles per M bucket, from the definition: (largest M served or None for the rest,
 # smallest N served or None, launch parameters); the first that serves (M, N) is used.
 TILES = (
-    (None, None, {'BLOCK_M': 8, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 2, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_split_k': 0}),
+    (None, None, {'BLOCK_M': 8, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 2, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_tiles': False}),
 )
 
 

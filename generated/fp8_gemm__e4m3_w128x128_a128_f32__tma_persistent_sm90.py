@@ -3,13 +3,12 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_gemm/tma_persistent: TMA tensor descriptors, persistent grid over SMs, wgmma through Triton; block_m = 1 is a CUDA-core GEMV; deferred_rescale tiles overlap wgmma and rescale in Gluon)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: c455e6b7cf3a9737 (sha256 of the definition file and the templates)
+# digest: bc45716ad4406dde (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
 import os
 
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 ACT_GROUP = tl.constexpr(128)
@@ -259,23 +258,42 @@ def _gluon_descriptor(t, block):
 
 
 @gluon.jit
-def _deferred_produce(a_desc, b_desc, a_smem, b_smem, ready, p, p_kb, p_tile, p_off_m, p_off_n, k_blocks, tiles,
-                      num_programs, num_pid_m, num_pid_n, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+def _slot(ring, i, ROWS: gl.constexpr):
+    """Slot i of a ring of shared-memory buffers, its first ROWS rows (an edge tile's blocks are narrower)."""
+    buffer = ring.index(i)
+    if ROWS < buffer.shape[0]:
+        buffer = buffer.slice(0, ROWS)
+    return buffer
+
+
+@gluon.jit
+def _deferred_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr, EDGE: gl.constexpr):
+    """(pid_m, pid_n) of a tile: in GROUP_M bands over the whole tiles, or (EDGE) row `tile` of the edge
+    column, whose index (in its own tile width) num_pid_n then holds."""
+    if EDGE:
+        return tile, num_pid_n
+    return _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M, False)
+
+
+@gluon.jit
+def _deferred_produce(a_desc, b_desc, a_smem, b_smem, ready, p, p_kb, p_tile, p_off_m, p_off_n, k_blocks, end,
+                      step, num_pid_m, num_pid_n, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                      EDGE: gl.constexpr):
     """Start the TMA loads of the producer's block (K block p_kb of tile p_tile, if that tile exists) into
     ring slot p % NUM_STAGES, and step to the next block: near a tile's end, the next tile's first."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     bar = ready.index(p % NUM_STAGES)
-    exists = p_tile < tiles
+    exists = p_tile < end
     mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=exists)
     _tma_load(a_desc, [p_off_m, p_kb * BLOCK_K], bar, a_smem.index(p % NUM_STAGES), pred=exists)
-    _tma_load(b_desc, [p_off_n, p_kb * BLOCK_K], bar, b_smem.index(p % NUM_STAGES), pred=exists)
+    _tma_load(b_desc, [p_off_n, p_kb * BLOCK_K], bar, _slot(b_smem, p % NUM_STAGES, BLOCK_N), pred=exists)
     p_kb += 1
     if p_kb == k_blocks:  # the tile's coordinates are worked out once per tile, not per block
         p_kb = 0
-        p_tile += num_programs
-        pid_m, pid_n = _tile_coords(p_tile, num_pid_m, num_pid_n, GROUP_M, False)
+        p_tile += step
+        pid_m, pid_n = _deferred_coords(p_tile, num_pid_m, num_pid_n, GROUP_M, EDGE)
         p_off_m = pid_m * BLOCK_M
         p_off_n = pid_n * BLOCK_N
     return p + 1, p_kb, p_tile, p_off_m, p_off_n
@@ -287,7 +305,8 @@ def _deferred_issue(a_smem, b_smem, ready, acc, c, NUM_STAGES: gl.constexpr):
     acc's value is not read; passing it keeps the previous rescale ahead of this issue)."""
     slot = c % NUM_STAGES
     mbarrier.wait(ready.index(slot), (c // NUM_STAGES) & 1)
-    return warpgroup_mma(a_smem.index(slot), b_smem.index(slot).permute((1, 0)), acc, use_acc=False, is_async=True)
+    b = _slot(b_smem, slot, acc.shape[1])
+    return warpgroup_mma(a_smem.index(slot), b.permute((1, 0)), acc, use_acc=False, is_async=True)
 
 
 @gluon.jit
@@ -298,54 +317,34 @@ def _deferred_scale(a_scale_ptrs, b_scale_ptr, kb, BLOCK_K: gl.constexpr):
 
 
 @gluon.jit
-def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_deferred(
-    a_desc, b_desc, c_desc, as_ptr, bs_ptr,
-    M, N, K,
-    stride_asm, stride_bsn,
-    num_programs,
-    GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, LAUNCH_DEPENDENTS: gl.constexpr, num_warps: gl.constexpr,
-):
-    """C = (A a_s)(B b_s)^T in BLOCK_M x BLOCK_N tiles, program p taking tiles p, p + num_programs, ...
-    (one each, or a persistent grid). BLOCK_K is the scale group, and a tile lies inside one weight
-    block, so each K block has one B scale."""
+def _deferred_tiles(a_desc, b_desc, c_desc, a_smem, b_smem, c_smem, ready, as_ptr, bs_ptr, M, stride_asm, stride_bsn,
+                    first, end, step, c, k_blocks, num_pid_m, num_pid_n,
+                    GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, EDGE: gl.constexpr, num_warps: gl.constexpr):
+    """Tiles first, first + step, ... (< end) of the kind EDGE says (_deferred_coords), their blocks
+    through the ring from its c-th on; returns the ring's position after them."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    num_pid_m = gl.cdiv(M, BLOCK_M)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    tiles = num_pid_m * num_pid_n
-    k_blocks = gl.cdiv(K, BLOCK_K)
-    if LAUNCH_DEPENDENTS:
-        # Let the stream's next launch (programmatic dependent) start while this one runs.
-        gdc_launch_dependents()
-
     # One warpgroup per 64 rows; each wgmma covers the tile's whole width.
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 256 // a_desc.dtype.primitive_bitwidth])
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    a_smem = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-    b_smem = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for slot in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(slot), count=1)
 
     # The producer (p: blocks loaded so far) runs NUM_STAGES - 1 blocks ahead of the wgmma (c: blocks
     # consumed), into the next tile near a tile's end; the ring's last slot is the wgmma in flight.
-    p_tile = gl.program_id(0)
-    pid_m, pid_n = _tile_coords(p_tile, num_pid_m, num_pid_n, GROUP_M, False)
-    p = 0
+    p_tile = first
+    pid_m, pid_n = _deferred_coords(p_tile, num_pid_m, num_pid_n, GROUP_M, EDGE)
+    p = c
     p_kb = 0
     p_off_m = pid_m * BLOCK_M
     p_off_n = pid_n * BLOCK_N
     for _ in gl.static_range(NUM_STAGES - 1):
         p, p_kb, p_tile, p_off_m, p_off_n = _deferred_produce(
-            a_desc, b_desc, a_smem, b_smem, ready, p, p_kb, p_tile, p_off_m, p_off_n, k_blocks, tiles,
-            num_programs, num_pid_m, num_pid_n, GROUP_M, NUM_STAGES)
+            a_desc, b_desc, a_smem, b_smem, ready, p, p_kb, p_tile, p_off_m, p_off_n, k_blocks, end,
+            step, num_pid_m, num_pid_n, GROUP_M, NUM_STAGES, EDGE)
 
-    c = 0
-    for tile_id in range(gl.program_id(0), tiles, num_programs):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M, False)
+    for tile_id in range(first, end, step):
+        pid_m, pid_n = _deferred_coords(tile_id, num_pid_m, num_pid_n, GROUP_M, EDGE)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         # Scales of rows past the edge are clamped onto valid rows; TMA zero-fills their data.
@@ -365,15 +364,15 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_deferred(
             acc = acc + x * x_scale[:, None]
             # The previous block's wgmma is done: its slot takes the producer's next block.
             p, p_kb, p_tile, p_off_m, p_off_n = _deferred_produce(
-                a_desc, b_desc, a_smem, b_smem, ready, p, p_kb, p_tile, p_off_m, p_off_n, k_blocks, tiles,
-                num_programs, num_pid_m, num_pid_n, GROUP_M, NUM_STAGES)
+                a_desc, b_desc, a_smem, b_smem, ready, p, p_kb, p_tile, p_off_m, p_off_n, k_blocks, end,
+                step, num_pid_m, num_pid_n, GROUP_M, NUM_STAGES, EDGE)
             x = _deferred_issue(a_smem, b_smem, ready, acc, c + kb + 1, NUM_STAGES)
             x_scale = _deferred_scale(a_scale_ptrs, b_scale_ptr, kb + 1, BLOCK_K)
             y = warpgroup_mma_wait(1, deps=(y, ))
             acc = acc + y * y_scale[:, None]
             p, p_kb, p_tile, p_off_m, p_off_n = _deferred_produce(
-                a_desc, b_desc, a_smem, b_smem, ready, p, p_kb, p_tile, p_off_m, p_off_n, k_blocks, tiles,
-                num_programs, num_pid_m, num_pid_n, GROUP_M, NUM_STAGES)
+                a_desc, b_desc, a_smem, b_smem, ready, p, p_kb, p_tile, p_off_m, p_off_n, k_blocks, end,
+                step, num_pid_m, num_pid_n, GROUP_M, NUM_STAGES, EDGE)
         if k_blocks % 2 == 1:
             last = k_blocks - 1
             y = _deferred_issue(a_smem, b_smem, ready, acc, c + last, NUM_STAGES)
@@ -383,8 +382,8 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_deferred(
             y_done = warpgroup_mma_wait(0, deps=(y, ))
             acc = acc + y_done * y_scale[:, None]
             p, p_kb, p_tile, p_off_m, p_off_n = _deferred_produce(
-                a_desc, b_desc, a_smem, b_smem, ready, p, p_kb, p_tile, p_off_m, p_off_n, k_blocks, tiles,
-                num_programs, num_pid_m, num_pid_n, GROUP_M, NUM_STAGES)
+                a_desc, b_desc, a_smem, b_smem, ready, p, p_kb, p_tile, p_off_m, p_off_n, k_blocks, end,
+                step, num_pid_m, num_pid_n, GROUP_M, NUM_STAGES, EDGE)
         else:
             x_done = warpgroup_mma_wait(0, deps=(x, ))
             acc = acc + x_done * x_scale[:, None]
@@ -394,21 +393,98 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_deferred(
         c_smem.store(acc.to(c_desc.dtype))
         fence_async_shared()
         _tma_store(c_desc, [off_m, off_n], c_smem)
+    return c
+
+
+@gluon.jit
+def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_deferred(
+    a_desc, b_desc, c_desc, edge_b_desc, edge_c_desc, as_ptr, bs_ptr,
+    M, N, K,
+    stride_asm, stride_bsn,
+    num_programs, edge_first,
+    GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, EDGE_N: gl.constexpr, num_warps: gl.constexpr,
+):
+    """C = (A a_s)(B b_s)^T in BLOCK_M x BLOCK_N tiles, program p taking tiles p, p + num_programs, ...
+    (one each, or a persistent grid). BLOCK_K is the scale group, and a tile lies inside one weight
+    block, so each K block has one B scale.
+
+    EDGE_N > 0: N's partial last column is left out of that round robin and cut into BLOCK_M x EDGE_N
+    tiles (edge_b_desc, edge_c_desc), BLOCK_N // EDGE_N of them taken by each program from edge_first
+    on: the programs that have one whole tile fewer, so the edge costs no extra round."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    if EDGE_N > 0:
+        num_pid_n = N // BLOCK_N
+    else:
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_blocks = gl.cdiv(K, BLOCK_K)
+
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+    if EDGE_N == BLOCK_N:
+        edge_b_smem = b_smem
+        edge_c_smem = c_smem
+    elif EDGE_N > 0:
+        edge_b_smem = b_smem  # the edge's weight blocks take the first EDGE_N rows of a slot (_slot)
+        edge_c_smem = gl.allocate_shared_memory(edge_c_desc.dtype, [BLOCK_M, EDGE_N], edge_c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for slot in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(slot), count=1)
+
+    pid = gl.program_id(0)
+    c = _deferred_tiles(a_desc, b_desc, c_desc, a_smem, b_smem, c_smem, ready, as_ptr, bs_ptr, M, stride_asm,
+                        stride_bsn, pid, num_pid_m * num_pid_n, num_programs, gl.to_tensor(0), k_blocks, num_pid_m, num_pid_n,
+                        GROUP_M, NUM_STAGES, False, num_warps)
+    if EDGE_N > 0:
+        EDGE_PER: gl.constexpr = BLOCK_N // EDGE_N
+        first = (pid - edge_first) * EDGE_PER
+        if first >= 0:
+            # The ring is empty here (every issued load was consumed), so the edge's loads start it afresh.
+            _deferred_tiles(a_desc, edge_b_desc, edge_c_desc, a_smem, edge_b_smem, edge_c_smem, ready, as_ptr, bs_ptr,
+                            M, stride_asm, stride_bsn, first, gl.minimum(first + EDGE_PER, num_pid_m), 1, c, k_blocks,
+                            num_pid_m, N // BLOCK_N * EDGE_PER, GROUP_M, NUM_STAGES, True, num_warps)
     tma.store_wait(pendings=0)
     for slot in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(slot))
 
 
-def _launch_deferred(a, a_s, b, b_s, c, tile, launch_dependents=False):
+def _edge_tiles(M: int, N: int, tile: dict, sms: int) -> tuple[int, int, int]:
+    """(EDGE_N, edge_first, programs) of a deferred launch. EDGE_N > 0 (an edge_tiles tile) where N's partial
+    last column fits, as BLOCK_M x EDGE_N tiles, into the round of whole tiles that programs edge_first on
+    skip: the grid then takes the whole tiles' rounds, not one more for the edge."""
+    bm, bn = tile["BLOCK_M"], tile["BLOCK_N"]
+    rows = triton.cdiv(M, bm)
+    edge = N % bn
+    slots = sms * (tile["split_fill"] or SPLIT_FILL)
+    if tile["edge_tiles"] and edge and N > edge:
+        edge_n = max(16, triton.next_power_of_2(edge))  # 16: a TMA row of bf16 is at least 32 bytes
+        # Edge tiles per spare round, by width. On the H100 a half-width one took ~0.9 of a whole tile's time
+        # (operand traffic, not MMA width, bounds it), so those programs end late, but before an added round.
+        per_program = bn // edge_n
+        whole = rows * (N // bn)
+        programs = min(slots, whole + triton.cdiv(rows, per_program))
+        first = whole % programs
+        if first and rows <= per_program * (programs - first):
+            return edge_n, first, programs
+    return 0, 0, _programs_for(sms, rows * triton.cdiv(N, bn), tile)
+
+
+def _launch_deferred(a, a_s, b, b_s, c, tile):
     M, K = a.shape
     N = b.shape[0]
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
-    programs = _programs(a.device, triton.cdiv(M, bm) * triton.cdiv(N, bn), tile)
+    edge_n, edge_first, programs = _edge_tiles(M, N, tile, _sm_count(a.device))
+    b_desc, c_desc = _gluon_descriptor(b, (bn, bk)), _gluon_descriptor(c, (bm, bn))
+    # Without an edge the kernel never reads the edge descriptors; the whole tile's stand in for them.
+    edge_b_desc, edge_c_desc = ((_gluon_descriptor(b, (edge_n, bk)), _gluon_descriptor(c, (bm, edge_n))) if edge_n
+                                else (b_desc, c_desc))
     fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_deferred[(programs,)](
-        _gluon_descriptor(a, (bm, bk)), _gluon_descriptor(b, (bn, bk)), _gluon_descriptor(c, (bm, bn)), a_s, b_s,
-        M, N, K, a_s.stride(0), b_s.stride(0), programs,
-        GROUP_M=tile["GROUP_M"], NUM_STAGES=tile["num_stages"], LAUNCH_DEPENDENTS=launch_dependents,
-        num_warps=tile["num_warps"],
+        _gluon_descriptor(a, (bm, bk)), b_desc, c_desc, edge_b_desc, edge_c_desc, a_s, b_s,
+        M, N, K, a_s.stride(0), b_s.stride(0), programs, edge_first,
+        GROUP_M=tile["GROUP_M"], NUM_STAGES=tile["num_stages"], EDGE_N=edge_n, num_warps=tile["num_warps"],
     )
 
 
@@ -439,17 +515,13 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, N_MAJOR: tl.constexpr, NUM_STAGES: tl.constexpr,
     SPLIT_K: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, SWAP_AB: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr, GDC_WAIT: tl.constexpr,
 ):
     """Persistent block-FP8 GEMM: each program loops over (output tile, K split) pairs; A, B, C move through TMA.
 
     With SPLIT_K > 1 (few rows, few tiles) several programs share a tile's K range so
     every SM streams weights; their partials are summed in-kernel (_splitk_store).
     SWAP_AB (few rows): the MMA computes C^T, so a 16-row tile of A needs no padding to 64.
-    LAUNCH_DEPENDENTS / GDC_WAIT: the first / second of two launches that overlap (_launch_with_edge).
     """
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
@@ -495,23 +567,20 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90(
             out_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
             out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
             _splitk_store(acc, out_ptrs, out_mask, ws_ptr, count_ptr, tile_id, pid_k, BLOCK_M, BLOCK_N, SPLIT_K)
-    if GDC_WAIT:
-        # Launched before the first launch finished: do not let the stream's next work start until it has.
-        gdc_wait()
 
 
 # Tiles per M bucket, from the definition: (largest M served or None for the rest,
 # smallest N served or None, launch parameters); the first that serves (M, N) is used.
 TILES = (
-    (16, None, {'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'num_warps': 4, 'num_stages': 6, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': True, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_split_k': 0}),
-    (64, 16384, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False, 'edge_split_k': 0}),
-    (64, 4096, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 6, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False, 'edge_split_k': 0}),
-    (64, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': True, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_split_k': 0}),
-    (128, 16384, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': True, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False, 'edge_split_k': 0}),
-    (128, 4096, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': 1, 'num_warps': 4, 'num_stages': 6, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False, 'edge_split_k': 0}),
-    (128, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_split_k': 0}),
-    (512, None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False, 'edge_split_k': 0}),
-    (None, None, {'BLOCK_M': 128, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 16, 'SPLIT_K': 1, 'split_fill': 1, 'num_warps': 8, 'num_stages': 4, 'persistent': True, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False, 'edge_split_k': 4}),
+    (16, None, {'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'num_warps': 4, 'num_stages': 6, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': True, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_tiles': False}),
+    (64, 16384, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False, 'edge_tiles': False}),
+    (64, 4096, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 6, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False, 'edge_tiles': False}),
+    (64, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': True, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_tiles': False}),
+    (128, 16384, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': True, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False, 'edge_tiles': False}),
+    (128, 4096, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': 1, 'num_warps': 4, 'num_stages': 6, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False, 'edge_tiles': False}),
+    (128, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_tiles': False}),
+    (512, None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False, 'edge_tiles': False}),
+    (None, None, {'BLOCK_M': 128, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 16, 'SPLIT_K': 1, 'split_fill': 1, 'num_warps': 8, 'num_stages': 4, 'persistent': True, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False, 'edge_tiles': True}),
 )
 
 _SM_COUNT: dict = {}
@@ -554,59 +623,26 @@ def split_for(tile: dict, k_steps: int, tiles: int, sms: int | None) -> int:
 
 
 def _programs(device, tiles: int, tile: dict) -> int:
+    return _programs_for(_sm_count(device), tiles, tile)
+
+
+def _programs_for(sms: int, tiles: int, tile: dict) -> int:
     """Persistent: as many programs as fit on the SMs at once (split_fill per SM) loop over the tiles;
     else one program per tile."""
-    return min(tiles, _sm_count(device) * (tile["split_fill"] or SPLIT_FILL)) if tile["persistent"] else tiles
+    return min(tiles, sms * (tile["split_fill"] or SPLIT_FILL)) if tile["persistent"] else tiles
 
 
 def launch(a, a_s, b, b_s, c, tile):
     """a [M, K] fp8, a_s [M, K // ACT_GROUP], b [N, K] fp8, b_s [cdiv(N, W_BLOCK_N), K // W_BLOCK_K], c [M, N].
 
     Tiles with BLOCK_M = 1 run the CUDA-core GEMV (_launch_gemv), deferred_rescale tiles the Gluon kernel
-    (_launch_deferred; the Triton one under the interpreter), the others the Triton wgmma kernel; with
-    edge_split_k, N's partial last column of tiles may get a launch of its own (_launch_with_edge) when
-    captured into a CUDA graph.
+    (_launch_deferred; the Triton one under the interpreter), the others the Triton wgmma kernel.
     TMA needs 16-byte aligned bases and row strides; the caller guarantees unit inner strides.
     """
     if tile["BLOCK_M"] == 1:
         return _launch_gemv(a, a_s, b, b_s, c, tile)
-    edge = _edge_columns(a.shape[0], b.shape[0], tile, _sm_count(a.device))
-    # A second launch costs host time that eager calls wait for (~90 us each on the lent H100's host, more
-    # than the edge launch saves); a CUDA graph replays it for nothing. The interpreter takes it to test it.
-    if edge and (_INTERPRETING or torch.cuda.is_current_stream_capturing()):
-        return _launch_with_edge(a, a_s, b, b_s, c, tile, edge)
-    return _launch_tiles(a, a_s, b, b_s, c, tile)
-
-
-def _edge_columns(M: int, N: int, tile: dict, sms: int) -> int:
-    """N's partial last column of tiles, where giving it a launch of its own saves a round of the
-    persistent grid (the whole tiles alone take fewer rounds); else 0."""
-    edge = N % tile["BLOCK_N"]
-    if not (tile["edge_split_k"] and edge and N > edge):
-        return 0
-    rows = triton.cdiv(M, tile["BLOCK_M"])
-    whole = rows * (N // tile["BLOCK_N"])
-    slots = sms * (tile["split_fill"] or SPLIT_FILL)
-    return edge if triton.cdiv(whole, slots) < triton.cdiv(whole + rows, slots) else 0
-
-
-def _launch_with_edge(a, a_s, b, b_s, c, tile, edge):
-    """The whole tiles, then the last `edge` columns as narrow tiles split along K. On the GPU the second
-    launch is a programmatic dependent one: the first lets it start at once, so its programs take the
-    SMs the first frees in its last round, and it waits for the first before it ends."""
-    main = b.shape[0] - edge
-    # main is a multiple of block_n, itself of W_BLOCK_N (checked at load): b_s slices at a block's edge.
-    edge_tile = dict(tile, BLOCK_N=triton.next_power_of_2(edge), SPLIT_K=tile["edge_split_k"], split_fill=None,
-                     persistent=False, deferred_rescale=False, edge_split_k=0)
-    overlap = not _INTERPRETING
-    _launch_tiles(a, a_s, b[:main], b_s, c[:, :main], tile, launch_dependents=overlap)
-    _launch_tiles(a, a_s, b[main:], b_s[main // W_BLOCK_N:], c[:, main:], edge_tile, dependent=overlap)
-
-
-def _launch_tiles(a, a_s, b, b_s, c, tile, launch_dependents=False, dependent=False):
-    """One launch of the wgmma kernels; launch_dependents / dependent: the first / second of two that overlap."""
     if tile["deferred_rescale"] and not _INTERPRETING:
-        return _launch_deferred(a, a_s, b, b_s, c, tile, launch_dependents)
+        return _launch_deferred(a, a_s, b, b_s, c, tile)
     M, K = a.shape
     N = b.shape[0]
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
@@ -617,13 +653,11 @@ def _launch_tiles(a, a_s, b, b_s, c, tile, launch_dependents=False, dependent=Fa
     split_k = split_for(tile, triton.cdiv(K, bk), tiles, _sm_count(a.device))
     workspace, counters = (c, c) if split_k == 1 else _splitk_scratch(c.device, tiles, split_k, bm * bn)
     programs = _programs(a.device, tiles * split_k, tile)
-    pdl = {"launch_pdl": True} if dependent else {}
     fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90[(programs,)](
         a_desc, b_desc, c_desc, a_s, b_s, c, workspace, counters,
         M, N, K, a_s.stride(0), b_s.stride(0), c.stride(0), programs,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         GROUP_M=tile["GROUP_M"], N_MAJOR=tile["tile_order"] == "n_major", NUM_STAGES=tile["num_stages"],
         SPLIT_K=split_k, WARP_SPECIALIZE=tile["warp_specialize"], SWAP_AB=tile["swap_ab"],
-        LAUNCH_DEPENDENTS=launch_dependents, GDC_WAIT=dependent,
-        num_warps=tile["num_warps"], **pdl,
+        num_warps=tile["num_warps"],
     )

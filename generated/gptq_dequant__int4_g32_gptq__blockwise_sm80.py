@@ -69,7 +69,7 @@ def gptq_dequant__int4_g32_gptq__blockwise_sm80(
 # Tiles per M bucket, from the definition: (largest M served or None for the rest,
 # smallest N served or None, launch parameters); the first that serves (M, N) is used.
 TILES = (
-    (None, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_split_k': 0}),
+    (None, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_tiles': False}),
 )
 
 

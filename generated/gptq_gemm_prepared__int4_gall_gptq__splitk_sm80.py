@@ -592,10 +592,10 @@ def gptq_gemm_prepared__int4_gall_gptq__splitk_sm80(
 # Tiles per M bucket, from the definition: (largest M served or None for the rest,
 # smallest N served or None, launch parameters); the first that serves (M, N) is used.
 TILES = (
-    (1, None, {'BLOCK_M': 1, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_split_k': 0}),
-    (16, None, {'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_split_k': 0}),
-    (64, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_split_k': 0}),
-    (None, None, {'BLOCK_M': 128, 'BLOCK_N': 128, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 2, 'split_fill': None, 'num_warps': 8, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_split_k': 0}),
+    (1, None, {'BLOCK_M': 1, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_tiles': False}),
+    (16, None, {'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_tiles': False}),
+    (64, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_tiles': False}),
+    (None, None, {'BLOCK_M': 128, 'BLOCK_N': 128, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 2, 'split_fill': None, 'num_warps': 8, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_tiles': False}),
 )
 
 _SM_COUNT: dict = {}

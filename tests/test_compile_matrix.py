@@ -66,9 +66,11 @@ class KernelSignature:
 
     def build(self, tile: dict, out: str) -> tuple[dict, dict, dict]:
         """(signature, constexprs, compile options) for one tile and output type."""
-        signature = {name: kind.format(out=out, **tile) for name, kind in self.args.items()}
         constexprs = {name: (tile[src] if isinstance(src, str) else src({**tile, "out": out}))
                       for name, src in self.constexprs.items()}
+        # An edge tile's descriptors are the whole tile's when the kernel has no edge (EDGE_N = 0).
+        blocks = {"EDGE_BLOCK_N": constexprs.get("EDGE_N") or tile.get("BLOCK_N")}
+        signature = {name: kind.format(out=out, **tile, **blocks) for name, kind in self.args.items()}
         signature.update({name: "constexpr" for name in constexprs})
         options = {key: tile[key] for key in self.options}
         return signature, constexprs, options
@@ -112,9 +114,7 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
               "M": I32, "N": I32, "K": I32,
               "stride_asm": I32, "stride_bsn": I32, "stride_cm": I32, "num_programs": I32},
         constexprs={**GEMM_BLOCKS, "NUM_STAGES": "num_stages", "SPLIT_K": "SPLIT_K",
-                    "WARP_SPECIALIZE": "warp_specialize", "SWAP_AB": "swap_ab",
-                    # Both ends of the overlapped edge launch (griddepcontrol), so they compile too.
-                    "LAUNCH_DEPENDENTS": lambda tile: True, "GDC_WAIT": lambda tile: True},
+                    "WARP_SPECIALIZE": "warp_specialize", "SWAP_AB": "swap_ab"},
         options=("num_warps",),
         out_types=("bf16", "fp16", "fp32"),
     ),
@@ -183,9 +183,13 @@ class GluonKernel:
 GLUON_KERNELS: dict[tuple[str, str], GluonKernel] = {
     ("fp8_gemm", "tma_persistent"): GluonKernel("deferred_rescale", "deferred", KernelSignature(
         args={**FP8_GEMM_DESCRIPTORS,
+              "edge_b_desc": "tensordesc<fp8e4nv[{EDGE_BLOCK_N}, {BLOCK_K}]>",
+              "edge_c_desc": "tensordesc<{out}[{BLOCK_M}, {EDGE_BLOCK_N}]>",
               "as_ptr": F32, "bs_ptr": F32, "M": I32, "N": I32, "K": I32, "stride_asm": I32, "stride_bsn": I32,
-              "num_programs": I32},
-        constexprs={"GROUP_M": "GROUP_M", "NUM_STAGES": "num_stages", "LAUNCH_DEPENDENTS": lambda tile: True,
+              "num_programs": I32, "edge_first": I32},
+        # edge_tiles tiles compile with a half-width edge (N = 2112's), the others without one.
+        constexprs={"GROUP_M": "GROUP_M", "NUM_STAGES": "num_stages",
+                    "EDGE_N": lambda tile: tile["BLOCK_N"] // 2 if tile["edge_tiles"] else 0,
                     "num_warps": "num_warps"},
         out_types=("bf16", "fp16", "fp32"),
         gluon=True,

@@ -355,38 +355,33 @@ def test_fp8_gemv_tiles(block_n, block_k, split_k, monkeypatch):
         assert torch.equal(c[1], torch.zeros(200, dtype=torch.bfloat16))
 
 
-def test_fp8_gemm_edge_column_gets_a_split_launch(monkeypatch):
-    """The sm_90 module's edge launch, through the interpreter (which plans for 4 SMs): where N's partial
-    last column of tiles would add a round of the persistent grid, the whole tiles go in one launch and
-    that column, as narrow tiles split along K, in a second, with b and b_s sliced at a weight block's
-    edge. The output starts as NaN, so a column neither launch wrote fails the comparison."""
+def test_fp8_gemm_edge_tiles_fill_the_spare_round(monkeypatch):
+    """The sm_90 module's plan for edge_tiles (the Gluon kernel that runs it is GPU-tested): N's partial
+    last column, in tiles as wide as it, goes to the programs with one whole tile fewer, where they can
+    take it without a round more; otherwise the column stays in whole tiles."""
     use_arch(monkeypatch, "sm_90")
     module = registry.dispatch("fp8_gemm", FP8_SCHEME.name, torch.device("cpu")).load()
     tile = next(bucket.params for bucket in registry.select("fp8_gemm", FP8_SCHEME, arch="sm_90").tiles
-                if bucket.params["edge_split_k"])
-    assert tile["persistent"] and tile["BLOCK_N"] == 128
-    # 5 tile rows: 5 whole tiles take 2 rounds of 4 programs, 10 with the edge column 3.
-    assert module._edge_columns(515, 144, tile, 4) == 16
-    assert module._edge_columns(100, 272, tile, 4) == 0  # 2 whole tiles and 1 edge tile: one round either way
-    assert module._edge_columns(515, 256, tile, 4) == 0  # no partial column
-    assert module._edge_columns(515, 144, dict(tile, edge_split_k=0), 4) == 0
-    assert module._edge_columns(515, 16, tile, 4) == 0  # nothing but the edge
-
-    launches = []
-    original = module._launch_tiles
-
-    def spy(a, a_s, b, b_s, c, tile, **kwargs):
-        launches.append((b.shape[0], c.shape[1], b_s.shape[0], tile["BLOCK_N"], tile["SPLIT_K"], tile["persistent"]))
-        return original(a, a_s, b, b_s, c, tile, **kwargs)
-
-    monkeypatch.setattr(module, "_launch_tiles", spy)
-    torch.manual_seed(7)
-    a, a_s, b, b_s = _gemm_operands((515,), 400, 512)  # N = 3 x 128 + 16; 4 K blocks
-    assert module._edge_columns(515, 400, tile, 4) == 16
-    c = torch.full((515, 400), float("nan"), dtype=torch.float32)
-    module.launch(a, a_s, b, b_s, c, tile)
-    assert launches == [(384, 384, 4, 128, 1, True), (16, 16, 1, 16, tile["edge_split_k"], False)]
-    _check_gemm(c, a, a_s, b, b_s, out_dtype=torch.float32)
+                if bucket.params["edge_tiles"])
+    assert tile["persistent"] and tile["deferred_rescale"] and (tile["BLOCK_M"], tile["BLOCK_N"]) == (128, 128)
+    plan = module._edge_tiles
+    # DeepSeek-V3's N = 2112 on 132 SMs: 512 whole tiles leave programs 116..131 a round to spare, and the
+    # 32 half-width edge tiles go two to each of them.
+    assert plan(4096, 2112, tile, 132) == (64, 116, 132)
+    assert plan(2048, 2112, tile, 132) == (64, 124, 132)  # 256 whole tiles: 8 spare programs, 16 edge tiles
+    # Fewer whole tiles than SMs: the edge gets programs of its own, two edge tiles each.
+    assert plan(1024, 2112, tile, 132) == (64, 128, 132)
+    assert plan(512, 2112, tile, 132) == (64, 64, 66)
+    assert plan(512, 2088, tile, 132) == (64, 64, 66)  # a 40-column edge takes a 64-wide tile
+    assert plan(512, 2064, tile, 132) == (16, 64, 65)  # 16 columns: eight to a program
+    assert plan(512, 2052, tile, 132) == (16, 64, 65)  # 4 columns: still 16 wide
+    # An edge wider than half a tile takes a whole one's time: it fits only where a program each is spare.
+    assert plan(512, 2144, tile, 132) == (128, 64, 68)
+    assert plan(4096, 2144, tile, 132) == (0, 0, 132)  # 16 spare programs for 32 edge tiles: one more round
+    assert plan(4096, 7168, tile, 132) == (0, 0, 132)  # no partial column
+    assert plan(4096, 2176, tile, 132) == (0, 0, 132)  # 544 whole tiles fill whole rounds: nothing spare
+    assert plan(4096, 64, tile, 132) == (0, 0, 32)  # nothing but the edge
+    assert plan(4096, 2112, dict(tile, edge_tiles=False), 132) == (0, 0, 132)
 
 
 @pytest.mark.parametrize("arch", sorted(GEMM_KERNELS))

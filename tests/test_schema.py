@@ -312,35 +312,37 @@ def test_deferred_rescale_tiles_are_checked(tmp_path):
     assert not problems(4)  # the shipped prefill tile's shape
 
 
-def test_edge_split_tiles_are_checked(tmp_path):
+def test_edge_tiles_are_checked(tmp_path):
     path = _write(tmp_path, SCHEME + """
         [[variants]]
         op = "fp8_gemm"
         impl = "tma_persistent"
         min_arch = "sm_90"
         max_arch = "sm_90"
-        tiles = [{ m_max = 16, block_m = 16, block_n = 64, swap_ab = true, persistent = true, edge_split_k = 4 },
-                 { m_max = 128, block_m = 64, block_n = 64, persistent = true, edge_split_k = 4 },
-                 { m_max = 512, block_m = 64, block_n = 128, edge_split_k = 4 },
-                 { block_m = 128, block_n = 128, num_warps = 8, persistent = true, edge_split_k = 4 }]
+        tiles = [{ m_max = 128, block_m = 64, block_n = 64, persistent = true, edge_tiles = true },
+                 { m_max = 512, block_m = 64, block_n = 128, deferred_rescale = true, edge_tiles = true },
+                 { m_max = 1024, block_m = 128, num_warps = 8, num_stages = 6, persistent = true, deferred_rescale = true, edge_tiles = true },
+                 { block_m = 128, block_n = 128, num_warps = 8, persistent = true, deferred_rescale = true, edge_tiles = true }]
     """)
     lines = _load_error(path).splitlines()
 
-    def problems(index):
-        return [line for line in lines if f"tiles[{index}].edge_split_k" in line]
+    def problems(index, field="edge_tiles"):
+        return [line for line in lines if f"tiles[{index}].{field}" in line or
+                (field == "" and f"tiles[{index}]:" in line)]
 
-    assert any("no swap_ab" in line for line in problems(0))
-    assert any("multiple of the weight block's 128 rows" in line for line in problems(1))
-    assert any("set persistent = true" in line for line in problems(2))
-    assert not problems(3)  # the shipped prefill tile's shape
+    assert any("set deferred_rescale = true" in line for line in problems(0))
+    assert any("set persistent = true" in line for line in problems(1))
+    # Six stages of 32 KB, the 32 KB epilogue tile and the edge's 16 KB: over an H100's 227 KB.
+    assert any("KB of shared memory" in line for line in problems(2, ""))
+    assert not problems(3) and not problems(3, "")  # the shipped prefill tile
     message = _load_error(_write(tmp_path, SCHEME + """
         [[variants]]
         op = "fp8_gemm"
         impl = "portable"
         min_arch = "sm_89"
-        tiles = [{ block_m = 64, edge_split_k = 4 }]
+        tiles = [{ block_m = 64, edge_tiles = true }]
     """, name="portable.toml"))
-    assert "variants[0].tiles[0].edge_split_k" in message and "does not implement this knob" in message
+    assert "variants[0].tiles[0].edge_tiles" in message and "does not implement this knob" in message
 
 
 def test_deferred_rescale_is_a_knob_of_the_hopper_gemm_only(tmp_path):

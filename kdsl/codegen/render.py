@@ -19,7 +19,7 @@ from kdsl.schema.layout import PAIR_SPAN, PLANE_ROWS, PLANE_TILE_K, PLANE_TILE_N
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 5  # 2: tiles carry n_min and split_fill; 3: deferred_rescale; 4: overlap_dequant; 5: edge_split_k
+MANIFEST_FORMAT = 6  # 2: tiles carry n_min and split_fill; 3: deferred_rescale; 4: overlap_dequant; 5: edge_split_k; 6: edge_tiles
 
 
 @lru_cache(maxsize=1)
@@ -65,7 +65,7 @@ def tile_params(tile) -> dict:
         "persistent": tile.persistent, "tile_order": tile.tile_order,
         "swap_ab": tile.swap_ab, "warp_specialize": tile.warp_specialize,
         "deferred_rescale": tile.deferred_rescale, "overlap_dequant": tile.overlap_dequant,
-        "edge_split_k": tile.edge_split_k,
+        "edge_tiles": tile.edge_tiles,
     }
 
 

@@ -39,8 +39,10 @@ def _fp8_gemm_shared(scheme, tile) -> int:
 
 
 def _fp8_gemm_tma_shared(scheme, tile) -> int:
-    # The TMA ring plus the bf16 epilogue tile staged for the store.
-    return _fp8_gemm_shared(scheme, tile) + tile.block_m * tile.block_n * 2
+    # The TMA ring plus the bf16 epilogue tile staged for the store; edge tiles stage up to half a tile more
+    # (an edge wider than half a tile uses the whole tile's buffers).
+    epilogue = tile.block_m * tile.block_n * 2
+    return _fp8_gemm_shared(scheme, tile) + epilogue + (epilogue // 2 if tile.edge_tiles else 0)
 
 
 def _w4a16_gemm_shared(scheme, tile) -> int:
@@ -63,7 +65,7 @@ CATALOGUE: tuple[KernelImpl, ...] = (
                "pointer loads, grouped tile order, fp32 accumulation with per-step scales", min_block_m=16),
     KernelImpl("block_fp8", "fp8_gemm", "tma_persistent", "block_fp8/fp8_gemm_tma.py.j2", 90, 90,
                GEMM_KNOBS | {"tile_order", "persistent", "warp_specialize", "split_k", "split_fill", "swap_ab",
-                             "deferred_rescale", "edge_split_k"}, _fp8_gemm_tma_shared,
+                             "deferred_rescale", "edge_tiles"}, _fp8_gemm_tma_shared,
                "TMA tensor descriptors, persistent grid over SMs, wgmma through Triton; block_m = 1 is a "
                "CUDA-core GEMV; deferred_rescale tiles overlap wgmma and rescale in Gluon",
                min_block_m=16, gemv_block_m=True),

@@ -117,8 +117,8 @@ def _tile_problems(tile_where: str, variant: Variant, impl: KernelImpl, scheme, 
         problems.extend(_deferred_rescale_problems(tile_where, scheme, tile))
     if tile.overlap_dequant:
         problems.extend(_overlap_dequant_problems(tile_where, variant, tile))
-    if tile.edge_split_k:
-        problems.extend(_edge_split_problems(tile_where, scheme, tile))
+    if tile.edge_tiles:
+        problems.extend(_edge_tiles_problems(tile_where, tile))
     if getattr(variant.layout, "weights", None) == "k_planes":
         if tile.block_k != PLANE_TILE_K:
             problems.append(f"{tile_where}.block_k: {tile.block_k}; the k_planes layout's tiles take "
@@ -168,18 +168,15 @@ def _deferred_rescale_problems(tile_where: str, scheme, tile: Tile) -> list[str]
     return problems
 
 
-def _edge_split_problems(tile_where: str, scheme, tile: Tile) -> list[str]:
-    """The edge launch splits the last column of a persistent grid's tiles along K with the Triton kernel,
-    on weights and scales sliced at a weight block's edge."""
-    where = f"{tile_where}.edge_split_k"
+def _edge_tiles_problems(tile_where: str, tile: Tile) -> list[str]:
+    """The Gluon deferred-rescale kernel cuts the edge column into narrow tiles for a persistent grid's
+    programs that have a round to spare."""
+    where = f"{tile_where}.edge_tiles"
     problems = []
-    if isinstance(scheme, BlockFP8) and tile.block_n % scheme.weight_block[0]:
-        problems.append(f"{where}: needs block_n to be a multiple of the weight block's {scheme.weight_block[0]} "
-                        f"rows, so the edge column starts on a block (got {tile.block_n})")
     if not tile.persistent:
-        problems.append(f"{where}: only a persistent grid has rounds for the edge column to add; set persistent = true")
-    if tile.block_m == 1 or tile.swap_ab:
-        problems.append(f"{where}: needs an MMA tile (block_m > 1, no swap_ab) to split the edge column from")
+        problems.append(f"{where}: only a persistent grid has programs with a round to spare; set persistent = true")
+    if not tile.deferred_rescale:
+        problems.append(f"{where}: the edge tiles are part of the Gluon kernel; set deferred_rescale = true")
     return problems
 
 

@@ -55,10 +55,9 @@ class Tile(StrictModel):
         False, description="Gluon kernel (Hopper): block k's wgmma runs while block k-1's product is scaled "
         "into the accumulator; one warpgroup per 64 rows"
     )
-    edge_split_k: int = Field(
-        0, ge=0, le=64, description="persistent tiles, captured into a CUDA graph: when N's partial last column "
-        "of tiles would add a round of the grid, a second launch computes that column, K split up to this many "
-        "ways, on SMs the first frees (programmatic dependent launch); 0: one launch"
+    edge_tiles: bool = Field(
+        False, description="persistent deferred_rescale tiles: N's partial last column, in tiles only as wide as "
+        "it, goes to the programs with a whole tile fewer, when that saves the grid a round"
     )
     overlap_dequant: bool = Field(
         False, description="Gluon kernel (Hopper, k_planes weights): block k+1 is dequantized while block k's "

@@ -26,7 +26,7 @@ DEFAULT_MAX_CANDIDATES = 24
 # The fields a tile writes, in the order `kdsl tune` writes them.
 TILE_FIELDS = ("m_max", "n_min", "block_m", "block_n", "block_k", "group_m", "split_k", "split_fill", "num_warps",
                "num_stages", "persistent", "tile_order", "swap_ab", "warp_specialize", "deferred_rescale",
-               "overlap_dequant", "edge_split_k")
+               "overlap_dequant", "edge_tiles")
 KNOBS = TILE_FIELDS[2:]  # what a candidate may vary; m_max and n_min are the bucket's
 
 GEMV, DECODE, MID, PREFILL = "gemv", "decode", "mid", "prefill"
@@ -44,7 +44,7 @@ GRIDS: dict[str, dict[str, tuple]] = {
           "overlap_dequant": (False, True)},
     PREFILL: {"block_m": (64, 128, 256), "block_n": (64, 128, 256), "block_k": (64, 128), "split_k": (1, 2),
               "num_warps": (4, 8), "num_stages": (3, 4, 5), "persistent": (False, True),
-              "deferred_rescale": (False, True), "overlap_dequant": (False, True), "edge_split_k": (0,)},
+              "deferred_rescale": (False, True), "overlap_dequant": (False, True), "edge_tiles": (False, True)},
 }
 
 
