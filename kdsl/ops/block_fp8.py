@@ -28,15 +28,20 @@ def act_quant(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, tor
     k = x.shape[-1]
     if k % group_size:
         raise ValueError(f"x: last dimension K = {k} must be a multiple of group_size = {group_size}")
-    q = torch.empty(x.shape, dtype=FP8, device=x.device)
-    s = torch.empty((*x.shape[:-1], k // group_size), dtype=torch.float32, device=x.device)
+    # new_empty, and no views where x is already [M, K] rows: on a slow host each torch call costs
+    # microseconds, and a launch this short waits for them (README, "Host time").
+    q = x.new_empty(x.shape, dtype=FP8)
+    s = x.new_empty((*x.shape[:-1], k // group_size), dtype=torch.float32)
     if x.numel() == 0:
         return q, s
     if not check.use_kernels(x.device):
         return fallback.act_quant(x, group_size)
-    x2 = check.rows(x, k)
     entry = registry.dispatch("act_quant", _scheme(*DEFAULT_BLOCK, group_size), x.device)
-    entry.launch(x2, q.view(-1, k), s.view(-1, k // group_size), entry.tile_for(x2.shape[0]))
+    if x.dim() == 2 and x.stride(1) == 1:
+        entry.launch(x, q, s, entry.tile_for(x.shape[0]))
+    else:
+        x2 = check.rows(x, k)
+        entry.launch(x2, q.view(-1, k), s.view(-1, k // group_size), entry.tile_for(x2.shape[0]))
     return q, s
 
 
