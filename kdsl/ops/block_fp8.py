@@ -116,23 +116,26 @@ def fp8_gemm(
     check.shape("a_s", a_s, (*a.shape[:-1], k // group), "one scale per token per 128 of K")
     check.shape("b_s", b_s, (-(-n // DEFAULT_BLOCK[0]), k // group), "one scale per 128x128 block of b")
     device = check.same_device(a=a, a_s=a_s, b=b, b_s=b_s)
-    c = torch.empty((*a.shape[:-1], n), dtype=out_dtype, device=device)
+    c = a.new_empty((*a.shape[:-1], n), dtype=out_dtype)  # new_empty: see act_quant
     if c.numel() == 0:
         return c
     if k == 0:
         return c.zero_()
-    a2, a_s2 = a.reshape(-1, k), a_s.reshape(-1, k // group)
+    flat = a.dim() == 2  # already [M, K]: no views (host time, as in act_quant)
+    a2, a_s2 = (a, a_s) if flat else (a.reshape(-1, k), a_s.reshape(-1, k // group))
     if not check.use_kernels(device):
         return fallback.fp8_gemm(a2, a_s2, b, b_s, group, *DEFAULT_BLOCK, out_dtype).view(c.shape)
     # TMA wants contiguous, 16-byte aligned operands; the portable kernel is happy with them too.
     a2, a_s2, b, b_s = (_aligned(t) for t in (a2, a_s2, b, b_s))
     entry = registry.dispatch("fp8_gemm", _scheme(*DEFAULT_BLOCK, group), device)
-    entry.launch(a2, a_s2, b, b_s, c.view(-1, n), entry.tile_for(a2.shape[0], n))
+    entry.launch(a2, a_s2, b, b_s, c if flat else c.view(-1, n), entry.tile_for(a2.shape[0], n))
     return c
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """Contiguous and starting on a 16-byte boundary (TMA descriptors need both); copies only if not."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
