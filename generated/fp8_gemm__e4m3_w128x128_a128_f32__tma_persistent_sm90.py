@@ -3,7 +3,7 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_gemm/tma_persistent: TMA tensor descriptors, persistent grid over SMs, wgmma through Triton; block_m = 1 is a CUDA-core GEMV; deferred_rescale tiles overlap wgmma and rescale in Gluon)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: bc45716ad4406dde (sha256 of the definition file and the templates)
+# digest: 29249965d48d8b93 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -424,11 +424,11 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_deferred(
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_smem = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+    # The edge's weight blocks take the first EDGE_N rows of the ring's slots (_slot); its output tile is
+    # staged in a buffer of its own unless it is as wide as a whole one.
     if EDGE_N == BLOCK_N:
-        edge_b_smem = b_smem
         edge_c_smem = c_smem
     elif EDGE_N > 0:
-        edge_b_smem = b_smem  # the edge's weight blocks take the first EDGE_N rows of a slot (_slot)
         edge_c_smem = gl.allocate_shared_memory(edge_c_desc.dtype, [BLOCK_M, EDGE_N], edge_c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for slot in gl.static_range(NUM_STAGES):
@@ -436,14 +436,14 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_deferred(
 
     pid = gl.program_id(0)
     c = _deferred_tiles(a_desc, b_desc, c_desc, a_smem, b_smem, c_smem, ready, as_ptr, bs_ptr, M, stride_asm,
-                        stride_bsn, pid, num_pid_m * num_pid_n, num_programs, gl.to_tensor(0), k_blocks, num_pid_m, num_pid_n,
-                        GROUP_M, NUM_STAGES, False, num_warps)
+                        stride_bsn, pid, num_pid_m * num_pid_n, num_programs, gl.to_tensor(0), k_blocks,
+                        num_pid_m, num_pid_n, GROUP_M, NUM_STAGES, False, num_warps)
     if EDGE_N > 0:
         EDGE_PER: gl.constexpr = BLOCK_N // EDGE_N
         first = (pid - edge_first) * EDGE_PER
         if first >= 0:
             # The ring is empty here (every issued load was consumed), so the edge's loads start it afresh.
-            _deferred_tiles(a_desc, edge_b_desc, edge_c_desc, a_smem, edge_b_smem, edge_c_smem, ready, as_ptr, bs_ptr,
+            _deferred_tiles(a_desc, edge_b_desc, edge_c_desc, a_smem, b_smem, edge_c_smem, ready, as_ptr, bs_ptr,
                             M, stride_asm, stride_bsn, first, gl.minimum(first + EDGE_PER, num_pid_m), 1, c, k_blocks,
                             num_pid_m, N // BLOCK_N * EDGE_PER, GROUP_M, NUM_STAGES, True, num_warps)
     tma.store_wait(pendings=0)
@@ -461,8 +461,9 @@ def _edge_tiles(M: int, N: int, tile: dict, sms: int) -> tuple[int, int, int]:
     slots = sms * (tile["split_fill"] or SPLIT_FILL)
     if tile["edge_tiles"] and edge and N > edge:
         edge_n = max(16, triton.next_power_of_2(edge))  # 16: a TMA row of bf16 is at least 32 bytes
-        # Edge tiles per spare round, by width. On the H100 a half-width one took ~0.9 of a whole tile's time
-        # (operand traffic, not MMA width, bounds it), so those programs end late, but before an added round.
+        # Edge tiles per spare round, by width. On the H100 a half-width one takes about 0.9 of a whole tile's
+        # time (from the kernel's total: 3 whole + 2 edge tiles ran 134 us where 5 rounds ran 139-141), so those
+        # programs end late, but before an added round would.
         per_program = bn // edge_n
         whole = rows * (N // bn)
         programs = min(slots, whole + triton.cdiv(rows, per_program))
