@@ -156,7 +156,8 @@ def compact(tile: Tile) -> str:
     parts += [f"group_m={p['GROUP_M']}"] if p["GROUP_M"] != Tile.model_fields["group_m"].default else []
     parts += [f"w{p['num_warps']}", f"s{p['num_stages']}"]
     parts += [p["tile_order"]] if p["tile_order"] != "m_major" else []
-    parts += [flag for flag in ("persistent", "swap_ab", "warp_specialize", "deferred_rescale", "overlap_dequant") if p[flag]]
+    # Every on/off knob the tile sets, named as the definition names it.
+    parts += [name for name, field in Tile.model_fields.items() if field.annotation is bool and getattr(tile, name)]
     return " ".join(parts)
 
 

@@ -142,8 +142,8 @@ def _distance(tile: Tile, current: Tile) -> tuple[int, float]:
         if a == b:
             continue
         changed += 1
-        # Powers of two apart for sizes; a switch (a flag, or 0 for off) counts one.
-        numbers = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (a, b))
+        # Powers of two apart for sizes; a switch (a flag, or a size against None) counts one.
+        numbers = all(isinstance(v, int) and not isinstance(v, bool) for v in (a, b))
         far += abs(math.log2(a / b)) if numbers else 1.0
     return changed, far
 
