@@ -3,10 +3,11 @@
 # kernel: act_quant__e4m3_w128x128_a128_f32__rowwise_sm89 (act_quant/rowwise: per-token, per-group amax scaling to e4m3)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: a6cc50dfa7e2be51 (sha256 of the definition file and the templates)
+# digest: 7001c9d3f352333d (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
+import os
 
 GROUP = tl.constexpr(128)
 FP8_MAX = tl.constexpr(448.0)
@@ -38,6 +39,49 @@ def _round_to_e4m3_grid(x):
     return tl.where(magnitude < 0.015625, tl.where(x < 0, -subnormal, subnormal), normal)
 
 
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+# Triton's JIT call works out the kernel's specialization from every argument on each launch: about
+# 20 us of host time per call on the lent H100's host, which a short eager launch waits for. _launch keys
+# the kernel that call returns on everything that specialization reads, and launches it directly next time.
+_COMPILED: dict = {}
+_COMPILED_LIMIT = 1024  # keys hold exact sizes: a server's many prefill lengths must not grow it forever
+
+
+def _specialization(arg):
+    """What Triton can specialize a kernel on, of one argument: a superset of its rules (exact integers,
+    dtypes, 16-byte alignment of every base, descriptors' sizes and blocks), so equal keys share a kernel."""
+    if type(arg) is int or type(arg) is bool:
+        return arg
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    block_shape = getattr(arg, "block_shape", None)
+    if block_shape is None:
+        return arg
+    # A TMA descriptor; a Gluon one's shared layout is a function of its block and dtype.
+    return _specialization(arg.base), tuple(arg.shape), tuple(arg.strides), tuple(block_shape), arg.padding
+
+
+def _launch(kernel, grid: tuple, params: tuple, options: dict) -> None:
+    """kernel[grid](*params, **options): params are the kernel's leading arguments in signature order,
+    options the keyword rest (constexprs and launch options such as num_warps); grid has three entries."""
+    if _INTERPRETING:
+        kernel[grid](*params, **options)
+        return
+    key = (kernel, torch.cuda.current_device(), *options.items(), *map(_specialization, params))
+    cached = _COMPILED.get(key)
+    if cached is not None:
+        compiled, keyword_params = cached
+        compiled[grid](*params, *keyword_params)
+        return
+    compiled = kernel[grid](*params, **options)
+    if compiled is None:
+        return
+    if len(_COMPILED) >= _COMPILED_LIMIT:
+        _COMPILED.clear()
+    # The compiled kernel takes every signature argument positionally, constexprs included.
+    _COMPILED[key] = compiled, tuple(options[name] for name in kernel.arg_names[len(params):])
+
+
 @triton.jit
 def act_quant__e4m3_w128x128_a128_f32__rowwise_sm89(x_ptr, q_ptr, s_ptr, M, K, stride_xm, BLOCK_M: tl.constexpr, ROUND_FIRST: tl.constexpr):
     """One program quantizes BLOCK_M rows of one GROUP-wide slice of K."""
@@ -67,6 +111,6 @@ TILES = (
 def launch(x, q, s, tile):
     """x [M, K] (unit stride along K), q [M, K] fp8 and s [M, K // GROUP] float32, both contiguous."""
     M, K = x.shape
-    grid = (triton.cdiv(M, tile["BLOCK_M"]), K // GROUP.value)
-    act_quant__e4m3_w128x128_a128_f32__rowwise_sm89[grid](x, q, s, M, K, x.stride(0), BLOCK_M=tile["BLOCK_M"], ROUND_FIRST=x.device.type == "cpu",
-                     num_warps=tile["num_warps"])
+    grid = (triton.cdiv(M, tile["BLOCK_M"]), K // GROUP.value, 1)
+    _launch(act_quant__e4m3_w128x128_a128_f32__rowwise_sm89, grid, (x, q, s, M, K, x.stride(0)),
+            dict(BLOCK_M=tile["BLOCK_M"], ROUND_FIRST=x.device.type == "cpu", num_warps=tile["num_warps"]))

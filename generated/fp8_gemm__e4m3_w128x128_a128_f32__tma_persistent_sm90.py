@@ -3,7 +3,7 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_gemm/tma_persistent: TMA tensor descriptors, persistent grid over SMs, wgmma through Triton; block_m = 1 is a CUDA-core GEMV; deferred_rescale tiles overlap wgmma and rescale in Gluon)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: 29249965d48d8b93 (sha256 of the definition file and the templates)
+# digest: a991ca48e8582ff3 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -14,7 +14,49 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 ACT_GROUP = tl.constexpr(128)
 W_BLOCK_N = tl.constexpr(128)
 W_BLOCK_K = tl.constexpr(128)
+
+
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+# Triton's JIT call works out the kernel's specialization from every argument on each launch: about
+# 20 us of host time per call on the lent H100's host, which a short eager launch waits for. _launch keys
+# the kernel that call returns on everything that specialization reads, and launches it directly next time.
+_COMPILED: dict = {}
+_COMPILED_LIMIT = 1024  # keys hold exact sizes: a server's many prefill lengths must not grow it forever
+
+
+def _specialization(arg):
+    """What Triton can specialize a kernel on, of one argument: a superset of its rules (exact integers,
+    dtypes, 16-byte alignment of every base, descriptors' sizes and blocks), so equal keys share a kernel."""
+    if type(arg) is int or type(arg) is bool:
+        return arg
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    block_shape = getattr(arg, "block_shape", None)
+    if block_shape is None:
+        return arg
+    # A TMA descriptor; a Gluon one's shared layout is a function of its block and dtype.
+    return _specialization(arg.base), tuple(arg.shape), tuple(arg.strides), tuple(block_shape), arg.padding
+
+
+def _launch(kernel, grid: tuple, params: tuple, options: dict) -> None:
+    """kernel[grid](*params, **options): params are the kernel's leading arguments in signature order,
+    options the keyword rest (constexprs and launch options such as num_warps); grid has three entries."""
+    if _INTERPRETING:
+        kernel[grid](*params, **options)
+        return
+    key = (kernel, torch.cuda.current_device(), *options.items(), *map(_specialization, params))
+    cached = _COMPILED.get(key)
+    if cached is not None:
+        compiled, keyword_params = cached
+        compiled[grid](*params, *keyword_params)
+        return
+    compiled = kernel[grid](*params, **options)
+    if compiled is None:
+        return
+    if len(_COMPILED) >= _COMPILED_LIMIT:
+        _COMPILED.clear()
+    # The compiled kernel takes every signature argument positionally, constexprs included.
+    _COMPILED[key] = compiled, tuple(options[name] for name in kernel.arg_names[len(params):])
 
 
 @triton.jit
@@ -215,11 +257,10 @@ def _launch_gemv(a, a_s, b, b_s, c, tile):
     sms = _sm_count(a.device) if a.device.type == "cuda" else None
     split_k = split_for(tile, triton.cdiv(K, bk), tiles, sms)
     workspace, counters = (c, c) if split_k == 1 else _splitk_scratch(c.device, tiles, split_k, bn)
-    fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_gemv[(tiles, split_k)](
+    _launch(fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_gemv, (tiles, split_k, 1), (
         a, a_s, b, b_s, c, workspace, counters, N, K,
         a.stride(0), a_s.stride(0), b.stride(0), b_s.stride(0), c.stride(0),
-        BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split_k, ASM=a.device.type == "cuda", num_warps=tile["num_warps"],
-    )
+    ), dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split_k, ASM=a.device.type == "cuda", num_warps=tile["num_warps"]))
 
 
 
@@ -482,11 +523,10 @@ def _launch_deferred(a, a_s, b, b_s, c, tile):
     # Without an edge the kernel never reads the edge descriptors; the whole tile's stand in for them.
     edge_b_desc, edge_c_desc = ((_gluon_descriptor(b, (edge_n, bk)), _gluon_descriptor(c, (bm, edge_n))) if edge_n
                                 else (b_desc, c_desc))
-    fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_deferred[(programs,)](
+    _launch(fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_deferred, (programs, 1, 1), (
         _gluon_descriptor(a, (bm, bk)), b_desc, c_desc, edge_b_desc, edge_c_desc, a_s, b_s,
         M, N, K, a_s.stride(0), b_s.stride(0), programs, edge_first,
-        GROUP_M=tile["GROUP_M"], NUM_STAGES=tile["num_stages"], EDGE_N=edge_n, num_warps=tile["num_warps"],
-    )
+    ), dict(GROUP_M=tile["GROUP_M"], NUM_STAGES=tile["num_stages"], EDGE_N=edge_n, num_warps=tile["num_warps"]))
 
 
 @triton.jit
@@ -654,11 +694,12 @@ def launch(a, a_s, b, b_s, c, tile):
     split_k = split_for(tile, triton.cdiv(K, bk), tiles, _sm_count(a.device))
     workspace, counters = (c, c) if split_k == 1 else _splitk_scratch(c.device, tiles, split_k, bm * bn)
     programs = _programs(a.device, tiles * split_k, tile)
-    fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90[(programs,)](
+    _launch(fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90, (programs, 1, 1), (
         a_desc, b_desc, c_desc, a_s, b_s, c, workspace, counters,
         M, N, K, a_s.stride(0), b_s.stride(0), c.stride(0), programs,
+    ), dict(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         GROUP_M=tile["GROUP_M"], N_MAJOR=tile["tile_order"] == "n_major", NUM_STAGES=tile["num_stages"],
         SPLIT_K=split_k, WARP_SPECIALIZE=tile["warp_specialize"], SWAP_AB=tile["swap_ab"],
         num_warps=tile["num_warps"],
-    )
+    ))

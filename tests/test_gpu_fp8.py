@@ -139,6 +139,45 @@ def test_fp8_gemm_out_dtypes(m, out_dtype):
     assert rel_fro_error(c, fp8_gemm_ref(a, a_s, b, b_s)) < limit
 
 
+GEMV_TILE = tile_params(Tile(block_m=1, block_n=64, block_k=256, split_k=8))
+
+
+@pytest.mark.parametrize("m, tile", [(2, GEMV_TILE), (16, None), (512, None), (4096, None)],
+                         ids=["gemv", "wgmma-splitk", "gluon", "gluon-persistent-edge"])
+def test_repeat_launches_skip_the_jit_and_stay_correct(m, tile, monkeypatch):
+    """After the first call on a shape, the sm_90 module launches the kernel its JIT call returned
+    (the launch cache): new data on every call must still give the reference's result. An a_s of the
+    same shape but off 16-byte alignment is a new key, so it gets a kernel compiled for it."""
+    if capability() != (9, 0):
+        pytest.skip("this checks the sm_90 module's kernels")
+    module = registry.dispatch("fp8_gemm", FP8_SCHEME.name, CUDA).load()
+    n, k = SHAPES[0]
+    jit_calls = []
+    for kernel in (module.fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90,
+                   module.fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_gemv,
+                   module.fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_deferred):
+        monkeypatch.setattr(kernel, "run", lambda *args, _run=kernel.run, **kwargs: (jit_calls.append(1),
+                                                                                      _run(*args, **kwargs))[1])
+    tile = tile or registry.dispatch("fp8_gemm", FP8_SCHEME.name, CUDA).tile_for(m, n)
+    for call in range(3):
+        a = random_fp8(m, k, device=CUDA)
+        a_s = random_scales(m, k // 128, device=CUDA)
+        b = random_fp8(n, k, device=CUDA)
+        b_s = random_scales(-(-n // 128), k // 128, device=CUDA)
+        c = torch.full((m, n), float("nan"), device=CUDA, dtype=torch.bfloat16)
+        module.launch(a, a_s, b, b_s, c, tile)
+        assert rel_fro_error(c, fp8_gemm_ref(a, a_s, b, b_s)) < 1e-2
+        if call == 0:
+            jit_calls.clear()  # the first call may compile, or find a key an earlier test left
+    assert not jit_calls, "repeat launches went through Triton's JIT call"
+    keys = len(module._COMPILED)
+    misaligned = torch.empty(m * (k // 128) + 1, device=CUDA)[1:].view(m, k // 128).copy_(a_s)
+    c = torch.full((m, n), float("nan"), device=CUDA, dtype=torch.bfloat16)
+    module.launch(a, misaligned, b, b_s, c, tile)
+    assert rel_fro_error(c, fp8_gemm_ref(a, a_s, b, b_s)) < 1e-2
+    assert len(module._COMPILED) == keys + 1 and jit_calls
+
+
 @pytest.mark.parametrize("n, k", [(136, 16384), (576, 512), (24576, 1536)])
 def test_fp8_gemv_ragged_n_and_k_splits(n, k):
     """The sm_90 module's GEMV (block_m = 1 tiles, which the shipped definition does not pick):
@@ -149,7 +188,7 @@ def test_fp8_gemv_ragged_n_and_k_splits(n, k):
     if capability() != (9, 0):
         pytest.skip("the GEMV is part of the sm_90 module")
     module = registry.dispatch("fp8_gemm", FP8_SCHEME.name, CUDA).load()
-    tile = tile_params(Tile(block_m=1, block_n=64, block_k=256, split_k=8))
+    tile = GEMV_TILE
     a = random_fp8(2, k, scale=16.0, device=CUDA)
     a_s = random_scales(2, k // 128, device=CUDA)
     b = random_fp8(n, k, scale=16.0, device=CUDA)
