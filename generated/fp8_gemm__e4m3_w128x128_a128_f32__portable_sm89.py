@@ -3,7 +3,7 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__portable_sm89 (fp8_gemm/portable: pointer loads, grouped tile order, fp32 accumulation with per-step scales)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 427913cd50809162 (sha256 of the definition file and the templates)
+# digest: 6861230ad419718b (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -81,6 +81,11 @@ TILES = (
 )
 
 
+def _cdiv(n: int, d: int) -> int:
+    # Host code's ceil division: triton.cdiv is a constexpr function, about 3 us a call on the host.
+    return -(-n // d)
+
+
 def launch(a, a_s, b, b_s, c, tile):
     """a [M, K] fp8, a_s [M, K // ACT_GROUP], b [N, K] fp8, b_s [cdiv(N, W_BLOCK_N), K // W_BLOCK_K], c [M, N].
 
@@ -88,7 +93,7 @@ def launch(a, a_s, b, b_s, c, tile):
     """
     M, K = a.shape
     N = b.shape[0]
-    grid = (triton.cdiv(M, tile["BLOCK_M"]) * triton.cdiv(N, tile["BLOCK_N"]),)
+    grid = (_cdiv(M, tile["BLOCK_M"]) * _cdiv(N, tile["BLOCK_N"]),)
     fp8_gemm__e4m3_w128x128_a128_f32__portable_sm89[grid](
         a, b, c, a_s, b_s, M, N, K,
         a.stride(0), b.stride(0), c.stride(0), a_s.stride(0), b_s.stride(0),

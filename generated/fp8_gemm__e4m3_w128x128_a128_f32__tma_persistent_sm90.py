@@ -3,7 +3,7 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_gemm/tma_persistent: TMA tensor descriptors, persistent grid over SMs, wgmma through Triton; block_m = 1 is a CUDA-core GEMV; deferred_rescale tiles overlap wgmma and rescale in Gluon)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: a991ca48e8582ff3 (sha256 of the definition file and the templates)
+# digest: dd0f5cb2acc22d77 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -251,11 +251,11 @@ def _launch_gemv(a, a_s, b, b_s, c, tile):
     M, K = a.shape
     N = b.shape[0]
     bn, bk = tile["BLOCK_N"], tile["BLOCK_K"]
-    tiles = M * triton.cdiv(N, bn)
+    tiles = M * _cdiv(N, bn)
     # split_for's wave rule: N = 2112 splits 8 ways, N = 24576 not at all. Uncapped on the CPU,
     # where the interpreter's few programs should still cover the split path.
     sms = _sm_count(a.device) if a.device.type == "cuda" else None
-    split_k = split_for(tile, triton.cdiv(K, bk), tiles, sms)
+    split_k = split_for(tile, _cdiv(K, bk), tiles, sms)
     workspace, counters = (c, c) if split_k == 1 else _splitk_scratch(c.device, tiles, split_k, bn)
     _launch(fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_gemv, (tiles, split_k, 1), (
         a, a_s, b, b_s, c, workspace, counters, N, K,
@@ -497,21 +497,21 @@ def _edge_tiles(M: int, N: int, tile: dict, sms: int) -> tuple[int, int, int]:
     last column fits, as BLOCK_M x EDGE_N tiles, into the round of whole tiles that programs edge_first on
     skip: the grid then takes the whole tiles' rounds, not one more for the edge."""
     bm, bn = tile["BLOCK_M"], tile["BLOCK_N"]
-    rows = triton.cdiv(M, bm)
+    rows = _cdiv(M, bm)
     edge = N % bn
     slots = sms * (tile["split_fill"] or SPLIT_FILL)
     if tile["edge_tiles"] and edge and N > edge:
-        edge_n = max(16, triton.next_power_of_2(edge))  # 16: a TMA row of bf16 is at least 32 bytes
+        edge_n = max(16, 1 << (edge - 1).bit_length())  # 16: a TMA row of bf16 is at least 32 bytes
         # Edge tiles per spare round, by width. On the H100 a half-width one takes about 0.9 of a whole tile's
         # time (from the kernel's total: 3 whole + 2 edge tiles ran 134 us where 5 rounds ran 139-141), so those
         # programs end late, but before an added round would.
         per_program = bn // edge_n
         whole = rows * (N // bn)
-        programs = min(slots, whole + triton.cdiv(rows, per_program))
+        programs = min(slots, whole + _cdiv(rows, per_program))
         first = whole % programs
         if first and rows <= per_program * (programs - first):
             return edge_n, first, programs
-    return 0, 0, _programs_for(sms, rows * triton.cdiv(N, bn), tile)
+    return 0, 0, _programs_for(sms, rows * _cdiv(N, bn), tile)
 
 
 def _launch_deferred(a, a_s, b, b_s, c, tile):
@@ -624,6 +624,11 @@ TILES = (
     (None, None, {'BLOCK_M': 128, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 16, 'SPLIT_K': 1, 'split_fill': 1, 'num_warps': 8, 'num_stages': 4, 'persistent': True, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': True, 'overlap_dequant': False, 'edge_tiles': True}),
 )
 
+
+def _cdiv(n: int, d: int) -> int:
+    # Host code's ceil division: triton.cdiv is a constexpr function, about 3 us a call on the host.
+    return -(-n // d)
+
 _SM_COUNT: dict = {}
 
 
@@ -690,8 +695,8 @@ def launch(a, a_s, b, b_s, c, tile):
     a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [bm, bk])
     b_desc = TensorDescriptor(b, [N, K], [b.stride(0), 1], [bn, bk])
     c_desc = TensorDescriptor(c, [M, N], [c.stride(0), 1], [bm, bn])
-    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    split_k = split_for(tile, triton.cdiv(K, bk), tiles, _sm_count(a.device))
+    tiles = _cdiv(M, bm) * _cdiv(N, bn)
+    split_k = split_for(tile, _cdiv(K, bk), tiles, _sm_count(a.device))
     workspace, counters = (c, c) if split_k == 1 else _splitk_scratch(c.device, tiles, split_k, bm * bn)
     programs = _programs(a.device, tiles * split_k, tile)
     _launch(fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90, (programs, 1, 1), (
