@@ -3,7 +3,7 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_gemm/tma_persistent: TMA tensor descriptors, persistent grid over SMs, wgmma through Triton; block_m = 1 is a CUDA-core GEMV; deferred_rescale tiles overlap wgmma and rescale in Gluon)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: dd0f5cb2acc22d77 (sha256 of the definition file and the templates)
+# digest: c9629b550d868a1c (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -628,6 +628,7 @@ TILES = (
 def _cdiv(n: int, d: int) -> int:
     # Host code's ceil division: triton.cdiv is a constexpr function, about 3 us a call on the host.
     return -(-n // d)
+
 
 _SM_COUNT: dict = {}
 

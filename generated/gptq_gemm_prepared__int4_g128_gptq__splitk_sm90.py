@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g128_gptq__splitk_sm90 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV; overlap_dequant tiles (Hopper, k_planes) overlap dequant and wgmma in Gluon)
 # scheme: gptq.int4.g128.gptq
 # arch: sm_90 .. sm_90
-# digest: 0fe62929ed3b21a3 (sha256 of the definition file and the templates)
+# digest: fffaf84e526354d3 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -937,6 +937,7 @@ TILES = (
 def _cdiv(n: int, d: int) -> int:
     # Host code's ceil division: triton.cdiv is a constexpr function, about 3 us a call on the host.
     return -(-n // d)
+
 
 _SM_COUNT: dict = {}
 
