@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 import kdsl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 def module(op: str, arch: str):
@@ -101,7 +101,7 @@ def test_descriptors_key_on_their_tensor_sizes_and_block(act_quant_module):
     assert spec(desc) != spec(TensorDescriptor(t.to(torch.bfloat16), [256, 128], [128, 1], [64, 64]))
 
 
-def test_gluon_descriptors_key_on_their_block(monkeypatch):
+def test_gluon_descriptors_key_on_their_block():
     mod = module("fp8_gemm", "sm_90")
     t = torch.zeros(256, 128, dtype=torch.float8_e4m3fn)
     whole, edge = mod._gluon_descriptor(t, (128, 128)), mod._gluon_descriptor(t, (64, 128))
