@@ -156,8 +156,11 @@ def test_repeat_launches_skip_the_jit_and_stay_correct(m, tile, monkeypatch):
     for kernel in (module.fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90,
                    module.fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_gemv,
                    module.fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_deferred):
-        monkeypatch.setattr(kernel, "run", lambda *args, _run=kernel.run, **kwargs: (jit_calls.append(1),
-                                                                                      _run(*args, **kwargs))[1])
+        def counted_run(*args, _run=kernel.run, **kwargs):
+            jit_calls.append(1)
+            return _run(*args, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", counted_run)
     tile = tile or registry.dispatch("fp8_gemm", FP8_SCHEME.name, CUDA).tile_for(m, n)
     for call in range(3):
         a = random_fp8(m, k, device=CUDA)

@@ -235,6 +235,13 @@ def _load_error(path) -> str:
     return message
 
 
+def _tile_problems(lines: list[str], index: int, field: str) -> list[str]:
+    """The error lines about tiles[index].field, or with field "" those about tiles[index] as a whole."""
+    if field:
+        return [line for line in lines if f"tiles[{index}].{field}" in line]
+    return [line for line in lines if f"tiles[{index}]:" in line]
+
+
 def test_load_good_definition(tmp_path):
     path = _write(tmp_path, SCHEME + """
         [[variants]]
@@ -302,7 +309,7 @@ def test_deferred_rescale_tiles_are_checked(tmp_path):
     lines = _load_error(path).splitlines()
 
     def problems(index):
-        return [line for line in lines if f"tiles[{index}].deferred_rescale" in line]
+        return _tile_problems(lines, index, "deferred_rescale")
 
     assert any("one warpgroup per 64 rows" in line for line in problems(0))
     assert any("block_k = 128" in line for line in problems(1))
@@ -327,8 +334,7 @@ def test_edge_tiles_are_checked(tmp_path):
     lines = _load_error(path).splitlines()
 
     def problems(index, field="edge_tiles"):
-        return [line for line in lines if f"tiles[{index}].{field}" in line or
-                (field == "" and f"tiles[{index}]:" in line)]
+        return _tile_problems(lines, index, field)
 
     assert any("set deferred_rescale = true" in line for line in problems(0))
     assert any("set persistent = true" in line for line in problems(1))
