@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g32_gptq__splitk_sm80 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV; overlap_dequant tiles (Hopper, k_planes) overlap dequant and wgmma in Gluon)
 # scheme: gptq.int4.g32.gptq
 # arch: sm_80 and up
-# digest: fffaf84e526354d3 (sha256 of the definition file and the templates)
+# digest: 2f9548aceb4af7a3 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -482,8 +482,8 @@ def _gemv(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, row, cols, K, first, las
 
     One row has no use for an MMA, so weights never leave the registers they were loaded into;
     the scale is applied once per tile, and the sum over the tile's rows waits until the end.
-    HALF2_DOT (fp16 on the GPU): each word's 8 products in packed half2 math (_dot8_half2) on x
-    scaled by a power of two. Otherwise per nibble plane j, w_j = (2**23 + q) - (2**23 + zero)
+    HALF2_DOT (fp16 on the GPU; k_planes weights take _gemv_planes instead): each word's 8 products in
+    packed half2 math (_dot8_half2) on x scaled by a power of two. Otherwise per nibble plane j, w_j = (2**23 + q) - (2**23 + zero)
     is exact in fp32 and multiplies x's matching column.
     """
     per_row_groups: tl.constexpr = not UNIFORM_GROUP and not WORD_GROUPS
@@ -547,9 +547,11 @@ def gptq_gemm_prepared__int4_g32_gptq__splitk_sm80(
     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
     MAGIC_BITS: tl.constexpr, MAGIC_BIAS: tl.constexpr, FP32_MATH: tl.constexpr,
     ASM_DEQUANT: tl.constexpr, SWAP_AB: tl.constexpr, HALF2_DOT: tl.constexpr, SCALE_AFTER: tl.constexpr,
+    GEMV_K: tl.constexpr,
 ):
     """y[M, N] = x[M, perm] @ w[K, N] on prepared weights; SPLIT_K programs share each output tile.
-    BLOCK_M = 1 runs the CUDA-core GEMV, larger tiles the MMA."""
+    BLOCK_M = 1 runs the CUDA-core GEMV, larger tiles the MMA. GEMV_K: K again, as a compile-time size, for
+    the k_planes fp16 GEMV (HALF2_DOT), which unrolls its K steps; 0 elsewhere."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     tile_id = tl.program_id(0)
@@ -670,6 +672,7 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
            and bm >= 64)
     scale_after = False  # only the k_planes MMA applies it
     half2 = bm == 1 and x.dtype == torch.float16 and x.device.type == "cuda" and (uniform or word_groups)
+    gemv_k = 0  # only the k_planes GEMV unrolls over K
     gptq_gemm_prepared__int4_g32_gptq__splitk_sm80[(tiles, split_k)](
         x, qweight if perm is None else perm, qweight, zeros, scales, groups,
         y, workspace, counters,
@@ -679,5 +682,6 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tile["GROUP_M"], SPLIT_K=split_k,
         MAGIC_BITS=magic_bits, MAGIC_BIAS=magic_bias, FP32_MATH=x.device.type == "cpu",
         ASM_DEQUANT=asm, SWAP_AB=tile["swap_ab"], HALF2_DOT=half2, SCALE_AFTER=scale_after,
+        GEMV_K=gemv_k,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"],
     )

@@ -139,12 +139,17 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
               "stride_xm": I32, "stride_qwk": I32, "stride_zg": I32, "stride_sg": I32, "stride_ym": I32},
         constexprs={"HAS_PERM": lambda tile: True, "UNIFORM_GROUP": lambda tile: True,
                     "WORD_GROUPS": lambda tile: True,
-                    "BLOCK_M": "BLOCK_M", "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K", "GROUP_M": "GROUP_M",
+                    "BLOCK_M": "BLOCK_M", "BLOCK_N": "BLOCK_N", "GROUP_M": "GROUP_M",
+                    # As the launcher: the bf16 GEMV steps one 128-row plane tile at a time.
+                    "BLOCK_K": lambda tile: (min(tile["BLOCK_K"], 128) if tile["BLOCK_M"] == 1 and tile["out"] != "fp16"
+                                             else tile["BLOCK_K"]),
                     "SPLIT_K": lambda tile: max(tile["SPLIT_K"], 2),
                     "MAGIC_BITS": lambda tile: 0x6400, "MAGIC_BIAS": lambda tile: 1024,
                     "FP32_MATH": lambda tile: False, "ASM_DEQUANT": lambda tile: True, "SWAP_AB": "swap_ab",
                     "HALF2_DOT": lambda tile: tile["BLOCK_M"] == 1 and tile["out"] == "fp16",
-                    "SCALE_AFTER": lambda tile: tile["BLOCK_M"] <= 16},
+                    "SCALE_AFTER": lambda tile: tile["BLOCK_M"] <= 16,
+                    # The k_planes fp16 GEMV unrolls over a compile-time K: one of the bench's.
+                    "GEMV_K": lambda tile: 4096 if tile["BLOCK_M"] == 1 and tile["out"] == "fp16" else 0},
         options=("num_warps", "num_stages"),
         out_types=("fp16", "bf16"),
     ),

@@ -712,6 +712,24 @@ def test_k_planes_tiles_match_the_plane_tile(tmp_path):
     assert "variants[0].tiles[1].block_n: 256" in message and "128 columns" in message
 
 
+def test_k_planes_gemv_steps_over_whole_plane_tiles(tmp_path):
+    variant = """
+        [[variants]]
+        op = "gptq_gemm_prepared"
+        impl = "splitk"
+        min_arch = "sm_90"
+        layout = {{ zeros = "biased", weights = "k_planes" }}
+        tiles = [{{ m_max = 1, block_m = 1, block_n = 16, {gemv} }}, {{ block_m = 64, block_n = 128, {mma} }}]
+    """
+    load_definition(_write(tmp_path, GPTQ_SCHEME + variant.format(gemv="block_k = 4096", mma="block_k = 128"),
+                           name="ok.toml"))
+    message = _load_error(_write(tmp_path, GPTQ_SCHEME + variant.format(gemv="block_k = 64", mma="block_k = 256"),
+                                 name="bad.toml"))
+    assert "variants[0].tiles[0].block_k: 64 is not a multiple of 128" in message
+    # Only the GEMV steps over several plane tiles; an MMA tile still takes exactly one.
+    assert "variants[0].tiles[1].block_k: 256" in message and "block_k = 128" in message
+
+
 def test_mma_tile_below_16_rows_rejected(tmp_path):
     path = _write(tmp_path, GPTQ_SCHEME + """
         [[variants]]

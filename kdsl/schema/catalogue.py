@@ -46,6 +46,8 @@ def _fp8_gemm_tma_shared(scheme, tile) -> int:
 
 
 def _w4a16_gemm_shared(scheme, tile) -> int:
+    if tile.block_m == 1:
+        return 0  # the GEMV keeps its weights in registers and stages nothing through shared memory
     # fp16 activations (2 bytes) and packed int4 weights (half a byte) per stage.
     return tile.num_stages * (tile.block_m * tile.block_k * 2 + tile.block_k * tile.block_n // 2)
 

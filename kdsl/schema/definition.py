@@ -120,7 +120,11 @@ def _tile_problems(tile_where: str, variant: Variant, impl: KernelImpl, scheme, 
     if tile.edge_tiles:
         problems.extend(_edge_tiles_problems(tile_where, tile))
     if getattr(variant.layout, "weights", None) == "k_planes":
-        if tile.block_k != PLANE_TILE_K:
+        if impl.gemv_block_m and tile.block_m == 1:
+            if tile.block_k % PLANE_TILE_K:
+                problems.append(f"{tile_where}.block_k: {tile.block_k} is not a multiple of {PLANE_TILE_K}; the "
+                                "k_planes GEMV (block_m = 1) steps over whole plane tiles")
+        elif tile.block_k != PLANE_TILE_K:
             problems.append(f"{tile_where}.block_k: {tile.block_k}; the k_planes layout's tiles take "
                             f"block_k = {PLANE_TILE_K}")
         if PLANE_TILE_N % tile.block_n:
