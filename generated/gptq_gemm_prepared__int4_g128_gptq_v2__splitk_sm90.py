@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g128_gptq_v2__splitk_sm90 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV; overlap_dequant tiles (Hopper, k_planes) overlap dequant and wgmma in Gluon)
 # scheme: gptq.int4.g128.gptq_v2
 # arch: sm_90 .. sm_90
-# digest: 2f9548aceb4af7a3 (sha256 of the definition file and the templates)
+# digest: e3a99e6b7c3f1b25 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
