@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g64_gptq_v2__splitk_sm90 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV; overlap_dequant tiles (Hopper, k_planes) overlap dequant and wgmma in Gluon)
 # scheme: gptq.int4.g64.gptq_v2
 # arch: sm_90 .. sm_90
-# digest: e3a99e6b7c3f1b25 (sha256 of the definition file and the templates)
+# digest: 74c7c4b2322f687e (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -1059,14 +1059,14 @@ def _launch_overlap(x, qweight, scales, y, tile, split_k, workspace, counters):
 # Tiles per M bucket, from the definition: (largest M served or None for the rest,
 # smallest N served or None, launch parameters); the first that serves (M, N) is used.
 TILES = (
-    (1, 8192, {'BLOCK_M': 1, 'BLOCK_N': 16, 'BLOCK_K': 4096, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_tiles': False}),
-    (1, None, {'BLOCK_M': 1, 'BLOCK_N': 16, 'BLOCK_K': 2048, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_tiles': False}),
-    (16, None, {'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_tiles': False}),
-    (64, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': True, 'edge_tiles': False}),
-    (128, 8192, {'BLOCK_M': 128, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': True, 'edge_tiles': False}),
-    (128, None, {'BLOCK_M': 128, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': 1, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': True, 'edge_tiles': False}),
-    (None, 8192, {'BLOCK_M': 256, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': 1, 'num_warps': 8, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': True, 'edge_tiles': False}),
-    (None, None, {'BLOCK_M': 128, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': 1, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': True, 'edge_tiles': False}),
+    (1, 8192, {'BLOCK_M': 1, 'BLOCK_N': 16, 'BLOCK_K': 4096, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'split_min_steps': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_tiles': False}),
+    (1, None, {'BLOCK_M': 1, 'BLOCK_N': 16, 'BLOCK_K': 2048, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'split_min_steps': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_tiles': False}),
+    (16, None, {'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'split_min_steps': 8, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_tiles': False}),
+    (64, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'split_min_steps': 16, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': True, 'edge_tiles': False}),
+    (128, 8192, {'BLOCK_M': 128, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': 1, 'split_min_steps': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': True, 'edge_tiles': False}),
+    (128, None, {'BLOCK_M': 128, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': 1, 'split_min_steps': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': True, 'edge_tiles': False}),
+    (None, 8192, {'BLOCK_M': 256, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'split_fill': 1, 'split_min_steps': None, 'num_warps': 8, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': True, 'edge_tiles': False}),
+    (None, None, {'BLOCK_M': 128, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': 1, 'split_min_steps': None, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': True, 'edge_tiles': False}),
 )
 
 
@@ -1096,11 +1096,11 @@ PROGRAM_COST_STEPS = 6
 
 
 def split_for(tile: dict, k_steps: int, tiles: int, sms: int | None) -> int:
-    """The K split a tile launches with: at most the tile's SPLIT_K and one K step per split.
-    With an SM count, the split whose programs finish soonest, counted in waves of split_fill
-    programs per SM times each program's K steps plus its fixed cost; no split once the tiles
-    alone fill a wave (sms None, the interpreter: the tile's split)."""
-    cap = max(1, min(tile["SPLIT_K"], k_steps))
+    """The K split a tile launches with: at most the tile's SPLIT_K, and each split at least the tile's
+    split_min_steps K steps (one if unset). With an SM count, the split whose programs finish soonest,
+    counted in waves of split_fill programs per SM times each program's K steps plus its fixed cost;
+    no split once the tiles alone fill a wave (sms None, the interpreter: the largest split allowed)."""
+    cap = max(1, min(tile["SPLIT_K"], k_steps // (tile["split_min_steps"] or 1)))
     if sms is None:
         return cap
     slots = (tile["split_fill"] or SPLIT_FILL) * sms

@@ -74,6 +74,7 @@ def _list(args: argparse.Namespace) -> int:
             if bucket.n_min is not None:
                 bound += f", N >= {bucket.n_min}"
             extras = "" if p["split_fill"] is None else f" split_fill={p['split_fill']}"
+            extras += "" if p["split_min_steps"] is None else f" split_min_steps={p['split_min_steps']}"
             extras += " persistent" if p["persistent"] else ""
             print(f"    {bound:>20}: {p['BLOCK_M']}x{p['BLOCK_N']}x{p['BLOCK_K']} warps={p['num_warps']} "
                   f"stages={p['num_stages']} group_m={p['GROUP_M']} split_k={p['SPLIT_K']}{extras}")

@@ -201,8 +201,8 @@ def test_split_k_scratch_is_left_clean():
     assert int(counters.abs().sum()) == 0
 
 
-def _split_tile(split_k, split_fill=None):
-    return {"SPLIT_K": split_k, "split_fill": split_fill}
+def _split_tile(split_k, split_fill=None, split_min_steps=None):
+    return {"SPLIT_K": split_k, "split_fill": split_fill, "split_min_steps": split_min_steps}
 
 
 def test_mma_split_fills_whole_waves():
@@ -228,6 +228,16 @@ def test_tile_split_fill_sets_the_programs_per_sm():
     assert module.split_for(_split_tile(8, 3), 64, tiles=224, sms=132) == 3
     assert module.split_for(_split_tile(8, 3), 32, tiles=112, sms=132) == 3  # 336 programs: still one wave
     assert module.split_for(_split_tile(4, 1), 32, tiles=112, sms=None) == 4
+
+
+def test_tile_split_min_steps_keeps_programs_long():
+    """split_min_steps caps the split so each program keeps that many K steps, on the GPU and the CPU alike."""
+    module = kdsl.registry.select("gptq_gemm_prepared", "gptq.int4.g128.gptq", arch="sm_90").load()
+    assert module.split_for(_split_tile(8), 32, tiles=64, sms=132) == 4  # the wave rule alone: 8-step programs
+    assert module.split_for(_split_tile(8, None, 16), 32, tiles=64, sms=132) == 2
+    assert module.split_for(_split_tile(8, None, 16), 112, tiles=64, sms=132) == 4  # long K: the wave rule decides
+    assert module.split_for(_split_tile(8, None, 16), 12, tiles=64, sms=132) == 1   # shorter than one program's share
+    assert module.split_for(_split_tile(8, None, 16), 64, tiles=64, sms=None) == 4
 
 
 def test_cpu_fallback_without_interpreter(monkeypatch, launched):

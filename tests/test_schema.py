@@ -514,20 +514,22 @@ def test_unknown_knob_rejected(tmp_path):
     assert "variants[0].tiles[0].swap_ab" in message
 
 
-def test_split_fill_only_where_the_launcher_caps_the_split(tmp_path):
-    path = _write(tmp_path, SCHEME + """
+@pytest.mark.parametrize("knob", ["split_fill = 1", "split_min_steps = 8"])
+def test_split_knobs_only_where_the_launcher_caps_the_split(tmp_path, knob):
+    path = _write(tmp_path, SCHEME + f"""
         [[variants]]
         op = "fp8_gemm"
         impl = "portable"
         min_arch = "sm_89"
-        tiles = [{ block_m = 64, split_fill = 1 }]
+        tiles = [{{ block_m = 64, {knob} }}]
     """)
-    assert "variants[0].tiles[0].split_fill" in _load_error(path)
+    assert f"variants[0].tiles[0].{knob.split()[0]}" in _load_error(path)
 
 
-def test_split_fill_must_be_positive():
-    with pytest.raises(ValidationError, match="split_fill"):
-        Tile(split_fill=0)
+@pytest.mark.parametrize("knob", ["split_fill", "split_min_steps"])
+def test_split_knobs_must_be_positive(knob):
+    with pytest.raises(ValidationError, match=knob):
+        Tile(**{knob: 0})
 
 
 def test_unknown_field_in_tile_rejected(tmp_path):

@@ -19,7 +19,8 @@ from kdsl.schema.layout import PAIR_SPAN, PLANE_ROWS, PLANE_TILE_K, PLANE_TILE_N
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 6  # 2: tiles carry n_min and split_fill; 3: deferred_rescale; 4: overlap_dequant; 5: edge_split_k; 6: edge_tiles
+MANIFEST_FORMAT = 7  # 2: tiles carry n_min and split_fill; 3: deferred_rescale; 4: overlap_dequant; 5: edge_split_k; 6: edge_tiles
+# 7: split_min_steps
 
 
 @lru_cache(maxsize=1)
@@ -61,6 +62,7 @@ def tile_params(tile) -> dict:
     return {
         "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
         "GROUP_M": tile.group_m, "SPLIT_K": tile.split_k, "split_fill": tile.split_fill,
+        "split_min_steps": tile.split_min_steps,
         "num_warps": tile.num_warps, "num_stages": tile.num_stages,
         "persistent": tile.persistent, "tile_order": tile.tile_order,
         "swap_ab": tile.swap_ab, "warp_specialize": tile.warp_specialize,

@@ -10,7 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 GENERATED_ENV = "KDSL_GENERATED"
-SUPPORTED_FORMAT = 6
+SUPPORTED_FORMAT = 7
 
 
 def generated_dir() -> Path:

@@ -66,7 +66,8 @@ CATALOGUE: tuple[KernelImpl, ...] = (
                GEMM_KNOBS | {"tile_order"}, _fp8_gemm_shared,
                "pointer loads, grouped tile order, fp32 accumulation with per-step scales", min_block_m=16),
     KernelImpl("block_fp8", "fp8_gemm", "tma_persistent", "block_fp8/fp8_gemm_tma.py.j2", 90, 90,
-               GEMM_KNOBS | {"tile_order", "persistent", "warp_specialize", "split_k", "split_fill", "swap_ab",
+               GEMM_KNOBS | {"tile_order", "persistent", "warp_specialize", "split_k", "split_fill", "split_min_steps",
+                             "swap_ab",
                              "deferred_rescale", "edge_tiles"}, _fp8_gemm_tma_shared,
                "TMA tensor descriptors, persistent grid over SMs, wgmma through Triton; block_m = 1 is a "
                "CUDA-core GEMV; deferred_rescale tiles overlap wgmma and rescale in Gluon",
@@ -76,7 +77,7 @@ CATALOGUE: tuple[KernelImpl, ...] = (
                "W4A16: unpack int4 in registers, fp16/bf16 tensor-core dot, optional split-K with atomics",
                min_block_m=16),
     KernelImpl("gptq", "gptq_gemm_prepared", "splitk", "gptq/gptq_gemm_prepared.py.j2", 80, None,
-               GEMM_KNOBS | {"split_k", "split_fill", "overlap_dequant"}, _w4a16_gemm_shared,
+               GEMM_KNOBS | {"split_k", "split_fill", "split_min_steps", "overlap_dequant"}, _w4a16_gemm_shared,
                "W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced "
                "in-kernel; block_m = 1 is a CUDA-core GEMV; overlap_dequant tiles (Hopper, k_planes) overlap "
                "dequant and wgmma in Gluon",

@@ -41,6 +41,10 @@ class Tile(StrictModel):
         None, description="how many of the tile's programs fit on an SM at once (default 2): split K plans for "
         "this many per SM, and a persistent grid launches this many per SM"
     )
+    split_min_steps: PositiveInt | None = Field(
+        None, description="fewest K steps a program of a split takes: the split never cuts K into shorter runs, "
+        "whose partial sums' fixup costs more than their extra programs save"
+    )
     num_warps: Literal[1, 2, 4, 8, 16] = 4
     num_stages: int = Field(3, ge=1, le=8)
     persistent: bool = Field(
