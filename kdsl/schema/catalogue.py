@@ -67,8 +67,7 @@ CATALOGUE: tuple[KernelImpl, ...] = (
                "pointer loads, grouped tile order, fp32 accumulation with per-step scales", min_block_m=16),
     KernelImpl("block_fp8", "fp8_gemm", "tma_persistent", "block_fp8/fp8_gemm_tma.py.j2", 90, 90,
                GEMM_KNOBS | {"tile_order", "persistent", "warp_specialize", "split_k", "split_fill", "split_min_steps",
-                             "swap_ab",
-                             "deferred_rescale", "edge_tiles"}, _fp8_gemm_tma_shared,
+                             "swap_ab", "deferred_rescale", "edge_tiles"}, _fp8_gemm_tma_shared,
                "TMA tensor descriptors, persistent grid over SMs, wgmma through Triton; block_m = 1 is a "
                "CUDA-core GEMV; deferred_rescale tiles overlap wgmma and rescale in Gluon",
                min_block_m=16, gemv_block_m=True),

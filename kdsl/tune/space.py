@@ -25,8 +25,8 @@ from kdsl.schema.catalogue import BASE_KNOBS, KernelImpl, find_impl
 DEFAULT_MAX_CANDIDATES = 24
 # The fields a tile writes, in the order `kdsl tune` writes them.
 TILE_FIELDS = ("m_max", "n_min", "block_m", "block_n", "block_k", "group_m", "split_k", "split_fill",
-               "split_min_steps", "num_warps", "num_stages", "persistent", "tile_order", "swap_ab", "warp_specialize", "deferred_rescale",
-               "overlap_dequant", "edge_tiles")
+               "split_min_steps", "num_warps", "num_stages", "persistent", "tile_order", "swap_ab", "warp_specialize",
+               "deferred_rescale", "overlap_dequant", "edge_tiles")
 KNOBS = TILE_FIELDS[2:]  # what a candidate may vary; m_max and n_min are the bucket's
 
 GEMV, DECODE, MID, PREFILL = "gemv", "decode", "mid", "prefill"
