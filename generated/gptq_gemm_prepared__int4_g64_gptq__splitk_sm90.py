@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g64_gptq__splitk_sm90 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV; overlap_dequant tiles (Hopper, k_planes) overlap dequant and wgmma in Gluon)
 # scheme: gptq.int4.g64.gptq
 # arch: sm_90 .. sm_90
-# digest: 74c7c4b2322f687e (sha256 of the definition file and the templates)
+# digest: 8fa6bb5fb0e10371 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -446,8 +446,14 @@ def _x_pow2_scale(x_row, perm_ptr, K, k_start, k_end, HAS_PERM: tl.constexpr):
         in_range = offs_k < k_end
         cols = tl.load(perm_ptr + offs_k, mask=in_range, other=0) if HAS_PERM else offs_k
         amax = tl.maximum(amax, tl.abs(tl.load(x_row + cols, mask=in_range, other=0.0).to(tl.float32)))
+    return _pow2_factors(tl.max(amax))
+
+
+@triton.jit
+def _pow2_factors(amax):
+    """(s, 1 / s) in fp32 for an fp32 |x| maximum (any shape): as _x_pow2_scale says."""
     # amax in [2**(e - 127), 2**(e - 126)); s = 2**(136 - e), so e >= 121 caps it at 2**15.
-    e = tl.maximum((tl.max(amax).to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)
+    e = tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)
     return ((263 - e) << 23).to(tl.float32, bitcast=True), ((e - 9) << 23).to(tl.float32, bitcast=True)
 
 
@@ -596,9 +602,8 @@ def _plane_chunk_dot(words, scale, zero, x_pairs):
     x0, x1, x2, x3 = x_pairs
     amax = tl.max(tl.maximum(tl.maximum(_h2_abs_max(x0), _h2_abs_max(x1)),
                              tl.maximum(_h2_abs_max(x2), _h2_abs_max(x3))), axis=1)  # [TILES]
-    e = tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)
-    s16 = ((263 - e) << 23).to(tl.float32, bitcast=True).to(tl.float16)
-    unscale = ((e - 9) << 23).to(tl.float32, bitcast=True)[:, None]
+    s, unscale = _pow2_factors(amax)
+    s16 = s.to(tl.float16)
     s2 = _half2_bits(s16, s16)[:, None]
     # x expands into the words' layout (broadcast along columns), not the other way round.
     z2 = _half2_bits(zero, zero)
@@ -611,7 +616,7 @@ def _plane_chunk_dot(words, scale, zero, x_pairs):
          tl.broadcast_to(_h2_mul(x0, s2)[:, None, :], shape), tl.broadcast_to(_h2_mul(x1, s2)[:, None, :], shape),
          tl.broadcast_to(_h2_mul(x2, s2)[:, None, :], shape), tl.broadcast_to(_h2_mul(x3, s2)[:, None, :], shape)],
         dtype=tl.float32, is_pure=True, pack=1)
-    per_tile = tl.sum(d, axis=2) * scale.to(tl.float32) * unscale
+    per_tile = tl.sum(d, axis=2) * scale.to(tl.float32) * unscale[:, None]
     return tl.sum(per_tile, axis=0)
 
 
@@ -1134,7 +1139,6 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
     # The GEMV keeps its tile's split: its programs are light (H200 tune); no cap on the CPU either.
     sms = _sm_count(x.device) if x.device.type == "cuda" and bm > 1 else None
     split_k = split_for(tile, _cdiv(K, bk), tiles, sms)
-    workspace, counters = (y, y) if split_k == 1 else _splitk_scratch(y.device, tiles, split_k, bm * bn)
     magic_bits, magic_bias = MAGIC[x.dtype]
     uniform = contiguous_groups and GROUP_SIZE.value % PLANE_TILE_K.value == 0  # every plane tile inside one group
     # Contiguous groups of whole nibble-pair spans: one group per plane (a word spans the tile).
@@ -1153,7 +1157,7 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
         # tile at a time and splits K into runs of a few tiles (its tiles' shape before the chunked GEMV).
         bk = bk if half2 else PLANE_TILE_K.value
         split_k = 1 if half2 else _cdiv(_cdiv(K, bk), PER_PLANE_GEMV_TILES)
-        workspace, counters = (y, y) if split_k == 1 else _splitk_scratch(y.device, tiles, split_k, bm * bn)
+    workspace, counters = (y, y) if split_k == 1 else _splitk_scratch(y.device, tiles, split_k, bm * bn)
     if tile["overlap_dequant"] and asm and perm is None and bm > 1 and _tma_ready(x, scales):
         return _launch_overlap(x, qweight, scales, y, tile, split_k, workspace, counters)
     gptq_gemm_prepared__int4_g64_gptq__splitk_sm90[(tiles, split_k)](

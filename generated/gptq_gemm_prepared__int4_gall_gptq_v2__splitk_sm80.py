@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_gall_gptq_v2__splitk_sm80 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV; overlap_dequant tiles (Hopper, k_planes) overlap dequant and wgmma in Gluon)
 # scheme: gptq.int4.gall.gptq_v2
 # arch: sm_80 and up
-# digest: 74c7c4b2322f687e (sha256 of the definition file and the templates)
+# digest: 8fa6bb5fb0e10371 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -423,8 +423,14 @@ def _x_pow2_scale(x_row, perm_ptr, K, k_start, k_end, HAS_PERM: tl.constexpr):
         in_range = offs_k < k_end
         cols = tl.load(perm_ptr + offs_k, mask=in_range, other=0) if HAS_PERM else offs_k
         amax = tl.maximum(amax, tl.abs(tl.load(x_row + cols, mask=in_range, other=0.0).to(tl.float32)))
+    return _pow2_factors(tl.max(amax))
+
+
+@triton.jit
+def _pow2_factors(amax):
+    """(s, 1 / s) in fp32 for an fp32 |x| maximum (any shape): as _x_pow2_scale says."""
     # amax in [2**(e - 127), 2**(e - 126)); s = 2**(136 - e), so e >= 121 caps it at 2**15.
-    e = tl.maximum((tl.max(amax).to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)
+    e = tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)
     return ((263 - e) << 23).to(tl.float32, bitcast=True), ((e - 9) << 23).to(tl.float32, bitcast=True)
 
 
@@ -663,7 +669,6 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
     # The GEMV keeps its tile's split: its programs are light (H200 tune); no cap on the CPU either.
     sms = _sm_count(x.device) if x.device.type == "cuda" and bm > 1 else None
     split_k = split_for(tile, _cdiv(K, bk), tiles, sms)
-    workspace, counters = (y, y) if split_k == 1 else _splitk_scratch(y.device, tiles, split_k, bm * bn)
     magic_bits, magic_bias = MAGIC[x.dtype]
     uniform = contiguous_groups and GROUP_SIZE.value % bk == 0  # every K tile inside one group
     word_groups = contiguous_groups and GROUP_SIZE.value % PACK.value == 0  # one group per word
@@ -673,6 +678,7 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
     scale_after = False  # only the k_planes MMA applies it
     half2 = bm == 1 and x.dtype == torch.float16 and x.device.type == "cuda" and (uniform or word_groups)
     gemv_k = 0  # only the k_planes GEMV unrolls over K
+    workspace, counters = (y, y) if split_k == 1 else _splitk_scratch(y.device, tiles, split_k, bm * bn)
     gptq_gemm_prepared__int4_gall_gptq_v2__splitk_sm80[(tiles, split_k)](
         x, qweight if perm is None else perm, qweight, zeros, scales, groups,
         y, workspace, counters,
