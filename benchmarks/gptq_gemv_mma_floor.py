@@ -133,8 +133,7 @@ def gemv_mma_kernel(x_ptr, w_ptr, p_ptr, y_ptr, N, stride_pg, K: gl.constexpr, C
 def launch(x, prep, y, ch, warps, mode):
     K, N = x.shape[1], y.shape[1]
     assert x.shape[0] == 1 and K % (128 * warps * ch) == 0 and N % 16 == 0
-    s = prep.scales  # the low halves of the (scale, zero) pairs: view the pairs as int32 [G, N]
-    pairs = s.as_strided((s.shape[0], 2 * s.shape[1]), (s.stride(0), 1)).view(torch.int32)
+    pairs = _scale_zero_pairs(prep.scales)
     gemv_mma_kernel[(N // 16,)](x, prep.qweight, pairs, y, N, pairs.stride(0), K=K, CH=ch,
                                 PLANE_TILE_N=PLANE_TILE_N, MODE=mode, num_warps=warps)
 
@@ -149,7 +148,8 @@ if __name__ == "__main__":
         inp = T.gptq_gemm_inputs(1, n, k)
         prep = ops.gptq_prepare(inp.qweight, inp.qzeros, inp.scales, None, bits=4, group_size=128)
         module = registry.dispatch("gptq_gemm_prepared", prep.scheme, torch.device("cuda")).load()
-        _nibbles_asm, PLANE_TILE_N = module._nibbles_asm, module.PLANE_TILE_N.value
+        _nibbles_asm, _scale_zero_pairs = module._nibbles_asm, module._scale_zero_pairs
+        PLANE_TILE_N = module.PLANE_TILE_N.value
         w16 = inp.w_ref.half()
         t_cublas = g(lambda: torch.matmul(inp.x, w16))
         t_kdsl = g(lambda: ops.gptq_gemm(inp.x, prep))

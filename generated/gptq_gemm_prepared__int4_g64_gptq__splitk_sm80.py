@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g64_gptq__splitk_sm80 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV; overlap_dequant tiles (Hopper, k_planes) overlap dequant and wgmma in Gluon)
 # scheme: gptq.int4.g64.gptq
 # arch: sm_80 and up
-# digest: 8fa6bb5fb0e10371 (sha256 of the definition file and the templates)
+# digest: 2a825d235ba14143 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl

@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g64_gptq__splitk_sm90 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV; overlap_dequant tiles (Hopper, k_planes) overlap dequant and wgmma in Gluon)
 # scheme: gptq.int4.g64.gptq
 # arch: sm_90 .. sm_90
-# digest: 8fa6bb5fb0e10371 (sha256 of the definition file and the templates)
+# digest: 2a825d235ba14143 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -1046,12 +1046,16 @@ def _tma_ready(x, scales) -> bool:
             and scales.data_ptr() % 16 == 0 and (scales.stride(0) * scales.element_size()) % 16 == 0)
 
 
+def _scale_zero_pairs(scales):
+    """The (scale, zero) pairs as int32 [G, N]: scales is the low half of each pair (column stride 2)."""
+    return scales.as_strided((scales.shape[0], 2 * scales.shape[1]), (scales.stride(0), 1)).view(torch.int32)
+
+
 def _launch_overlap(x, qweight, scales, y, tile, split_k, workspace, counters):
     M, K = x.shape
     N = y.shape[1]
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
-    # scales is the low half of each (scale, zero) pair (column stride 2): the pairs as int32 [G, N].
-    pairs = scales.as_strided((scales.shape[0], 2 * scales.shape[1]), (scales.stride(0), 1)).view(torch.int32)
+    pairs = _scale_zero_pairs(scales)
     words = qweight.view(-1, PLANE_ROWS.value)
     gptq_gemm_prepared__int4_g64_gptq__splitk_sm90_overlap[(_cdiv(M, bm) * _cdiv(N, bn), split_k)](
         _gluon_descriptor(x, (bm, bk)), _gluon_descriptor(words, (bn, PLANE_ROWS.value)),
