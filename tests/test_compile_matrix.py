@@ -184,9 +184,9 @@ class GluonKernel:
     signature: KernelSignature
 
 
-# Implementations whose tiles with a knob set launch a Gluon kernel instead.
-GLUON_KERNELS: dict[tuple[str, str], GluonKernel] = {
-    ("fp8_gemm", "tma_persistent"): GluonKernel("deferred_rescale", "deferred", KernelSignature(
+# Implementations whose tiles with a knob set launch a Gluon kernel instead (the first whose knob is set).
+GLUON_KERNELS: dict[tuple[str, str], tuple[GluonKernel, ...]] = {
+    ("fp8_gemm", "tma_persistent"): (GluonKernel("deferred_rescale", "deferred", KernelSignature(
         args={**FP8_GEMM_DESCRIPTORS,
               "edge_b_desc": "tensordesc<fp8e4nv[{EDGE_BLOCK_N}, {BLOCK_K}]>",
               "edge_c_desc": "tensordesc<{out}[{BLOCK_M}, {EDGE_BLOCK_N}]>",
@@ -198,9 +198,9 @@ GLUON_KERNELS: dict[tuple[str, str], GluonKernel] = {
                     "num_warps": "num_warps"},
         out_types=("bf16", "fp16", "fp32"),
         gluon=True,
-    )),
+    )),),
     # x, the k_planes words (PLANE_ROWS = 16 per column) and the (scale, zero) pairs come by TMA.
-    ("gptq_gemm_prepared", "splitk"): GluonKernel("overlap_dequant", "overlap", KernelSignature(
+    ("gptq_gemm_prepared", "splitk"): (GluonKernel("overlap_dequant", "overlap", KernelSignature(
         args={"x_desc": "tensordesc<{out}[{BLOCK_M}, {BLOCK_K}]>", "w_desc": "tensordesc<i32[{BLOCK_N}, 16]>",
               "p_desc": "tensordesc<i32[1, {BLOCK_N}]>", "y_ptr": "*{out}", "ws_ptr": F32, "count_ptr": "*i32",
               "M": I32, "N": I32, "K": I32, "stride_ym": I32},
@@ -208,7 +208,16 @@ GLUON_KERNELS: dict[tuple[str, str], GluonKernel] = {
                     "NUM_STAGES": "num_stages", "num_warps": "num_warps"},
         out_types=("fp16", "bf16"),
         gluon=True,
-    )),
+    )), GluonKernel("mma_gemv", "gemv_mma", KernelSignature(
+        args={"x_ptr": "*{out}", "perm_ptr": "*i32", "w_ptr": "*i32", "p_ptr": "*i32", "y_ptr": "*{out}",
+              "M": I32, "N": I32, "stride_xm": I32, "stride_pg": I32, "stride_ym": I32},
+        # K unrolls at compile time: one that is not a whole number of plane tiles, so the masks past K and
+        # past the last warp's tiles are in the code, with act-order's gather of x.
+        constexprs={"K": lambda tile: 4160, "CHUNK_TILES": lambda tile: tile["BLOCK_K"] // 128,
+                    "HAS_PERM": lambda tile: True, "num_warps": "num_warps"},
+        out_types=("fp16", "bf16"),
+        gluon=True,
+    ))),
 }
 
 
@@ -216,9 +225,9 @@ def signature_of(entry: KernelEntry, tile: dict) -> tuple[KernelSignature, str]:
     """(signature, kernel function name) that launch() uses for this tile."""
     if tile["BLOCK_M"] == 1 and (entry.op, entry.impl) in GEMV_SIGNATURES:
         return GEMV_SIGNATURES[(entry.op, entry.impl)], f"{entry.name}_gemv"
-    gluon = GLUON_KERNELS.get((entry.op, entry.impl))
-    if gluon is not None and tile.get(gluon.knob):
-        return gluon.signature, f"{entry.name}_{gluon.suffix}"
+    for gluon in GLUON_KERNELS.get((entry.op, entry.impl), ()):
+        if tile.get(gluon.knob):
+            return gluon.signature, f"{entry.name}_{gluon.suffix}"
     return SIGNATURES[(entry.op, entry.impl)], entry.name
 
 
@@ -239,6 +248,9 @@ ENTRIES = {entry.name: entry for entry in load_manifest()}
 EXTRA_TILES: dict[str, dict] = {
     # The block-FP8 GEMV (block_m = 1): measured, then not picked for M = 1 (kernel_defs/block_fp8.toml).
     "fp8-gemv": tile_params(Tile(block_m=1, block_n=64, block_k=256, split_k=8)),
+    # The Triton GEMV of prepared GPTQ weights: mma_gemv tiles fall back to it off the GPU's fast path
+    # (groups that change inside a plane tile, more than 8 rows), and definitions without the knob take it.
+    "gptq-gemv": tile_params(Tile(block_m=1, block_n=16, block_k=2048, num_warps=4)),
 }
 
 
@@ -501,6 +513,29 @@ def test_overlap_dequant_keeps_one_wgmma_in_flight(job, compiled):
     waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
     assert waits.count("1") >= 2, f"no dequant overlaps a wgmma: waits {waits}"
     assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
+
+
+MMA_GEMV = [i for i, tile in enumerate(GPTQ_HOPPER.tiles) if tile.params["mma_gemv"]]
+
+
+@pytest.mark.parametrize("job", [Job(GPTQ_HOPPER.name, 90, i, out) for i in MMA_GEMV for out in ("fp16", "bf16")],
+                         ids=[f"tile{i}-{out}" for i in MMA_GEMV for out in ("fp16", "bf16")])
+def test_mma_gemv_feeds_mma_sync_from_16_byte_loads(job, compiled):
+    """The Gluon GEMV sums over K on mma.sync (m16n8k16, fp32 accumulators), not wgmma, and reads the
+    k_planes words four at a time."""
+    ptx = ptx_of(compiled, job)
+    out = job.out.replace("fp", "f")
+    assert re.search(rf"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.{out}\.{out}\.f32", ptx)
+    assert "wgmma" not in ptx
+    assert re.search(r"ld\.global\S*\.v4\.b32", ptx), "words are not loaded 16 bytes at a time"
+
+
+@pytest.mark.parametrize("job", [Job(GPTQ_HOPPER.name, 90, "gptq-gemv", out) for out in ("fp16", "bf16")],
+                         ids=["fp16", "bf16"])
+def test_prepared_triton_gemv_compiles(job, compiled):
+    """The Triton GEMV these tiles fall back to: CUDA cores only."""
+    ptx = ptx_of(compiled, job)
+    assert "wgmma" not in ptx and "mma.sync" not in ptx
 
 
 @pytest.mark.parametrize("job", [Job(TMA.name, 90, "fp8-gemv")], ids=["gemv"])

@@ -309,3 +309,93 @@ def test_prepared_overlap_dequant_falls_back_where_tma_cannot_read_x(checkpoints
                                     prepared.groups, prepared.contiguous_groups, y, tile)
     assert ref.rel_fro_error(y, x.float() @ ck["w"]) < TOL
     assert overlap_launches == []
+
+
+# ---------------------------------------------------------------------------------------------
+# mma_gemv tiles: the Gluon GEMV for M <= 8 on mma.sync, 16 columns per program, warps splitting K
+
+
+def _mma_gemv_tiles():
+    """The definition's mma_gemv tiles, and other chunk sizes and warp counts the kernel takes."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return []
+    tiles = [bucket.params for bucket in _prepared_entry().tiles if bucket.params["mma_gemv"]]
+    base = tiles[0] if tiles else None
+    extra = [dict(base, BLOCK_K=bk, num_warps=warps) for bk, warps in ((128, 4), (512, 8), (256, 2))] if base else []
+    return tiles + extra
+
+
+def _gemv_tile_id(tile):
+    return f"k{tile['BLOCK_K']}w{tile['num_warps']}"
+
+
+@pytest.fixture
+def mma_gemv_launches(monkeypatch):
+    """Count the Gluon GEMV's launches (the launcher falls back to the Triton GEMV where it cannot run)."""
+    calls = []
+    for group_size in (128, 64, -1):
+        module = _prepared_entry(group_size).load()
+        original = module._launch_gemv_mma
+
+        def spy(*args, _original=original, **kwargs):
+            calls.append(args[0].shape[0])
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, "_launch_gemv_mma", spy)
+    return calls
+
+
+def _launch_tile(ck, prepared, x, tile, group_size):
+    y = torch.full((x.shape[0], ck["w"].shape[1]), float("nan"), dtype=x.dtype, device="cuda")
+    _prepared_entry(group_size).load().launch(x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales,
+                                              prepared.groups, prepared.contiguous_groups, y, tile)
+    return y
+
+
+@pytest.mark.parametrize("tile", _mma_gemv_tiles(), ids=_gemv_tile_id)
+@pytest.mark.parametrize("m, k, n, group_size, g_idx, dtype", [
+    (1, 4096, 4096, 128, "default", torch.float16),
+    (8, 4096, 14336, 128, "default", torch.float16),   # every row of the MMA's x operand
+    (3, 14336, 4096, 128, "perm", torch.float16),      # act-order: x gathered through perm
+    (5, 4096, 4096, -1, "default", torch.bfloat16),
+    (1, 200, 136, -1, "default", torch.float16),       # K not a whole tile, N past the last 16 columns
+    (2, 1160, 2112, -1, "perm", torch.bfloat16),       # the last warps' K runs past K
+], ids=["M1", "M8-N14336", "M3-K14336-act_order", "M5-bf16", "M1-K200-N136", "M2-K1160-act_order-bf16"])
+def test_prepared_mma_gemv(checkpoints, mma_gemv_launches, tile, m, k, n, group_size, g_idx, dtype):
+    ck = checkpoints(k, n, group_size=group_size, g_idx=g_idx, scale_dtype=dtype)
+    prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"], group_size=group_size)
+    x = _x(m, k, dtype)
+    y = _launch_tile(ck, prepared, x, tile, group_size)
+    err = ref.rel_fro_error(y, x.float() @ ck["w"])
+    # bf16 weights in the MMA operand carry bf16's 8-bit mantissa; fp16's carry 11 bits.
+    tol = GEMV_TOL if dtype == torch.float16 else TOL
+    assert err < tol, f"{_gemv_tile_id(tile)} M={m} K={k} N={n}: rel err {err:.3g}"
+    assert mma_gemv_launches == [m], "the Gluon GEMV did not run"
+
+
+def test_prepared_mma_gemv_x_view(checkpoints, mma_gemv_launches):
+    """x rows that start 2-byte aligned, with a row stride that is no multiple of 8: narrower loads, same sums."""
+    tiles = _mma_gemv_tiles()
+    if not tiles:
+        pytest.skip("needs an sm_90 GPU")
+    ck = checkpoints(4096, 4096)
+    prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"])
+    x = _x(4, 4096 + 1)[:, 1:]
+    assert x.data_ptr() % 16 and x.stride(0) % 8
+    y = _launch_tile(ck, prepared, x, tiles[0], 128)
+    assert ref.rel_fro_error(y, x.float() @ ck["w"]) < GEMV_TOL
+    assert mma_gemv_launches == [4]
+
+
+@pytest.mark.parametrize("m, group_size", [(9, 128), (1, 64)], ids=["M9", "group64"])
+def test_prepared_mma_gemv_falls_back(checkpoints, mma_gemv_launches, m, group_size):
+    """More than 8 rows, or groups that change inside a plane tile: the Triton GEMV runs the tile."""
+    tiles = _mma_gemv_tiles()
+    if not tiles:
+        pytest.skip("needs an sm_90 GPU")
+    ck = checkpoints(4096, 4096, group_size=group_size)
+    prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"], group_size=group_size)
+    x = _x(m, 4096)
+    y = _launch_tile(ck, prepared, x, tiles[0], group_size)
+    assert ref.rel_fro_error(y, x.float() @ ck["w"]) < TOL
+    assert mma_gemv_launches == []

@@ -811,6 +811,46 @@ def test_overlap_dequant_needs_hopper_and_the_paired_k_planes_layout(tmp_path):
     assert "sm_90 only" in message and 'weights = "k_planes", zeros = "paired"' in message
 
 
+def test_mma_gemv_tiles_are_checked(tmp_path):
+    variant = """
+        [[variants]]
+        op = "gptq_gemm_prepared"
+        impl = "splitk"
+        min_arch = "sm_90"
+        max_arch = "sm_90"
+        layout = { zeros = "paired", weights = "k_planes" }
+        tiles = [{ m_max = 1, block_m = 1, block_n = 16, block_k = 256, num_warps = 8, mma_gemv = true },
+                 { m_max = 8, block_m = 1, block_n = 64, block_k = 128, split_k = 4, mma_gemv = true },
+                 { m_max = 16, block_m = 16, block_n = 16, block_k = 128, mma_gemv = true },
+                 { block_m = 64, block_n = 64, num_warps = 4 }]
+    """
+    lines = _load_error(_write(tmp_path, GPTQ_SCHEME + variant)).splitlines()
+
+    def problems(index):
+        return [line for line in lines if f"tiles[{index}].mma_gemv" in line]
+
+    assert not problems(0)  # the shipped kind of tile
+    assert any("block_n = 16 (got 64)" in line for line in problems(1))
+    assert any("drop split_k" in line for line in problems(1))
+    assert any("block_m = 1 (got 16)" in line for line in problems(2))
+    assert any("m_max <= 8 (got 16)" in line for line in problems(2))
+
+
+def test_mma_gemv_needs_the_paired_k_planes_layout(tmp_path):
+    variant = """
+        [[variants]]
+        op = "gptq_gemm_prepared"
+        impl = "splitk"
+        min_arch = "sm_80"
+        layout = { zeros = "biased" }
+        tiles = [{ m_max = 1, block_m = 1, block_n = 16, block_k = 128, mma_gemv = true },
+                 { block_m = 64, block_n = 64, num_warps = 4 }]
+    """
+    message = _load_error(_write(tmp_path, GPTQ_SCHEME + variant))
+    assert "variants[0].tiles[0].mma_gemv" in message
+    assert 'weights = "k_planes", zeros = "paired"' in message
+
+
 def test_overlap_dequant_is_a_knob_of_the_prepared_gemm_only(tmp_path):
     path = _write(tmp_path, GPTQ_SCHEME + """
         [[variants]]

@@ -20,8 +20,8 @@ from kdsl.schema.layout import PAIR_SPAN, PLANE_ROWS, PLANE_TILE_K, PLANE_TILE_N
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 MANIFEST = "manifest.json"
 # 2: tiles carry n_min and split_fill; 3: deferred_rescale; 4: overlap_dequant; 5: edge_split_k; 6: edge_tiles;
-# 7: split_min_steps
-MANIFEST_FORMAT = 7
+# 7: split_min_steps; 8: mma_gemv
+MANIFEST_FORMAT = 8
 
 
 @lru_cache(maxsize=1)
@@ -68,7 +68,7 @@ def tile_params(tile) -> dict:
         "persistent": tile.persistent, "tile_order": tile.tile_order,
         "swap_ab": tile.swap_ab, "warp_specialize": tile.warp_specialize,
         "deferred_rescale": tile.deferred_rescale, "overlap_dequant": tile.overlap_dequant,
-        "edge_tiles": tile.edge_tiles,
+        "edge_tiles": tile.edge_tiles, "mma_gemv": tile.mma_gemv,
     }
 
 

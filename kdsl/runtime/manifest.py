@@ -10,7 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 GENERATED_ENV = "KDSL_GENERATED"
-SUPPORTED_FORMAT = 7
+SUPPORTED_FORMAT = 8
 
 
 def generated_dir() -> Path:

@@ -76,10 +76,11 @@ CATALOGUE: tuple[KernelImpl, ...] = (
                "W4A16: unpack int4 in registers, fp16/bf16 tensor-core dot, optional split-K with atomics",
                min_block_m=16),
     KernelImpl("gptq", "gptq_gemm_prepared", "splitk", "gptq/gptq_gemm_prepared.py.j2", 80, None,
-               GEMM_KNOBS | {"split_k", "split_fill", "split_min_steps", "overlap_dequant"}, _w4a16_gemm_shared,
+               GEMM_KNOBS | {"split_k", "split_fill", "split_min_steps", "overlap_dequant", "mma_gemv"},
+               _w4a16_gemm_shared,
                "W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced "
-               "in-kernel; block_m = 1 is a CUDA-core GEMV; overlap_dequant tiles (Hopper, k_planes) overlap "
-               "dequant and wgmma in Gluon",
+               "in-kernel; block_m = 1 is a CUDA-core GEMV, or an mma.sync one in Gluon (mma_gemv, k_planes); "
+               "overlap_dequant tiles (Hopper, k_planes) overlap dequant and wgmma in Gluon",
                reads_prepared_weights=True, min_block_m=16, gemv_block_m=True),
     KernelImpl("gptq", "gptq_dequant", "blockwise", "gptq/gptq_dequant.py.j2", 80, None,
                frozenset({"block_n", "block_k"}), _no_shared, "unpack int4 checkpoint tensors to [N, K]"),

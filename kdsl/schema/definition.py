@@ -119,6 +119,8 @@ def _tile_problems(tile_where: str, variant: Variant, impl: KernelImpl, scheme, 
         problems.extend(_overlap_dequant_problems(tile_where, variant, tile))
     if tile.edge_tiles:
         problems.extend(_edge_tiles_problems(tile_where, tile))
+    if tile.mma_gemv:
+        problems.extend(_mma_gemv_problems(tile_where, variant, tile))
     if getattr(variant.layout, "weights", None) == "k_planes":
         if impl.gemv_block_m and tile.block_m == 1:
             if tile.block_k % PLANE_TILE_K:
@@ -198,6 +200,29 @@ def _overlap_dequant_problems(tile_where: str, variant, tile: Tile) -> list[str]
     if not 16 <= tile.block_m <= 256:
         problems.append(f"{where}: block_m = {tile.block_m} is not one wgmma's width (16 to 256); "
                         "the GEMV (block_m = 1) has no wgmma to overlap")
+    return problems
+
+
+def _mma_gemv_problems(tile_where: str, variant, tile: Tile) -> list[str]:
+    """The Gluon mma.sync GEMV: k_planes words with paired scales and zeros, 16 columns per program (one
+    MMA's rows), x as the MMA's 8-wide operand, whole plane tiles per chunk."""
+    problems = []
+    where = f"{tile_where}.mma_gemv"
+    if variant.min_cc < 80:
+        problems.append(f"{where}: mma.sync needs sm_80 or newer (the variant starts at {variant.min_arch})")
+    if getattr(variant.layout, "weights", None) != "k_planes" or getattr(variant.layout, "zeros", None) != "paired":
+        problems.append(f"{where}: needs the variant's layout = {{ weights = \"k_planes\", zeros = \"paired\" }}")
+    if tile.block_m != 1:
+        problems.append(f"{where}: is a GEMV tile; needs block_m = 1 (got {tile.block_m})")
+    if tile.m_max is None or tile.m_max > 8:
+        problems.append(f"{where}: x is the MMA's 8-wide operand, so the tile serves M up to 8; set m_max <= 8 "
+                        f"(got {tile.m_max if tile.m_max is not None else 'none'})")
+    if tile.block_n != 16:
+        problems.append(f"{where}: a program takes one MMA's 16 columns; needs block_n = 16 (got {tile.block_n})")
+    for knob, value in (("split_k", tile.split_k > 1), ("split_min_steps", tile.split_min_steps is not None),
+                        ("split_fill", tile.split_fill is not None)):
+        if value:
+            problems.append(f"{where}: the program's warps split K among themselves; drop {knob}")
     return problems
 
 

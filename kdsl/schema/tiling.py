@@ -67,6 +67,10 @@ class Tile(StrictModel):
         False, description="Gluon kernel (Hopper, k_planes weights): block k+1 is dequantized while block k's "
         "wgmma runs; one warpgroup per 64 columns"
     )
+    mma_gemv: bool = Field(
+        False, description="Gluon GEMV (k_planes weights, M up to 8): mma.sync on 16 columns per program, whose "
+        "warps split K in chunks of block_k rows and sum in shared memory"
+    )
 
 
 class Variant(StrictModel):

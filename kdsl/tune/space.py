@@ -26,7 +26,7 @@ DEFAULT_MAX_CANDIDATES = 24
 # The fields a tile writes, in the order `kdsl tune` writes them.
 TILE_FIELDS = ("m_max", "n_min", "block_m", "block_n", "block_k", "group_m", "split_k", "split_fill",
                "split_min_steps", "num_warps", "num_stages", "persistent", "tile_order", "swap_ab", "warp_specialize",
-               "deferred_rescale", "overlap_dequant", "edge_tiles")
+               "deferred_rescale", "overlap_dequant", "edge_tiles", "mma_gemv")
 KNOBS = TILE_FIELDS[2:]  # what a candidate may vary; m_max and n_min are the bucket's
 
 GEMV, DECODE, MID, PREFILL = "gemv", "decode", "mid", "prefill"
@@ -35,16 +35,19 @@ MID_MAX_M = 128
 
 # Values tried per knob and kind of bucket; knobs not listed keep the current tile's value.
 GRIDS: dict[str, dict[str, tuple]] = {
-    GEMV: {"block_m": (1,), "block_n": (32, 64, 128), "block_k": (128, 256, 512), "split_k": (1, 2, 4, 8),
-           "num_warps": (4, 8)},
+    # block_n 16 with mma_gemv: one mma.sync's columns per program.
+    GEMV: {"block_m": (1,), "block_n": (16, 32, 64, 128), "block_k": (128, 256, 512), "split_k": (1, 2, 4, 8),
+           "num_warps": (4, 8), "mma_gemv": (False, True)},
+    # mma_gemv is a GEMV's: MMA candidates of a bucket whose current tile is one turn it off.
     DECODE: {"block_n": (32, 64, 128), "block_k": (64, 128, 256), "split_k": (1, 2, 4, 8),
-             "num_warps": (4,), "num_stages": (3, 4, 5)},
+             "num_warps": (4,), "num_stages": (3, 4, 5), "mma_gemv": (False,)},
     MID: {"block_n": (64, 128, 256), "block_k": (64, 128), "split_k": (1, 2, 4),
           "num_warps": (4, 8), "num_stages": (3, 4), "deferred_rescale": (False, True),
-          "overlap_dequant": (False, True)},
+          "overlap_dequant": (False, True), "mma_gemv": (False,)},
     PREFILL: {"block_m": (64, 128, 256), "block_n": (64, 128, 256), "block_k": (64, 128), "split_k": (1, 2),
               "num_warps": (4, 8), "num_stages": (3, 4, 5), "persistent": (False, True),
-              "deferred_rescale": (False, True), "overlap_dequant": (False, True), "edge_tiles": (False, True)},
+              "deferred_rescale": (False, True), "overlap_dequant": (False, True), "edge_tiles": (False, True),
+              "mma_gemv": (False,)},
 }
 
 
