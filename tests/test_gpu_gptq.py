@@ -182,13 +182,29 @@ def test_prepared_bf16(checkpoints, m):
     _check_prepared(ck, m, dtype=torch.bfloat16)
 
 
-# The M = 1 GEMV sums fp16 products of four weights and activations at a time (packed half2
-# math); a power-of-two scale on x keeps those sums finite and clear of fp16's subnormals.
+# The CUDA-core M = 1 GEMV sums fp16 products of four weights and activations at a time (packed
+# half2 math); a power-of-two scale on x keeps those sums finite and clear of fp16's subnormals. The
+# mma.sync GEMV (mma_gemv) sums in fp32. Both must stay this close to the fp32 reference.
 GEMV_TOL = 2e-3
+# The GEMV the definition dispatches (mma_gemv on sm_90), and its tile with mma_gemv off: the CUDA-core
+# GEMV that definitions without the knob take.
+GEMVS = ["dispatched", "cuda_cores"]
 
 
+def _prepared_gemv(x, prepared, gemv, group_size=128):
+    if gemv == "dispatched":
+        return kdsl.ops.gptq_gemm(x, prepared)
+    entry = _prepared_entry(group_size)
+    tile = dict(entry.tile_for(x.shape[0], prepared.n), mma_gemv=False)
+    y = torch.empty(x.shape[0], prepared.n, dtype=x.dtype, device="cuda")
+    entry.load().launch(x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
+                        prepared.contiguous_groups, y, tile)
+    return y
+
+
+@pytest.mark.parametrize("gemv", GEMVS)
 @pytest.mark.parametrize("x_kind", ["outliers", "tiny"])
-def test_prepared_gemv_extreme_activations(checkpoints, x_kind):
+def test_prepared_gemv_extreme_activations(checkpoints, x_kind, gemv):
     ck = checkpoints(4096, 4096)
     k, n = ck["w"].shape
     x = _x(1, k).float()
@@ -202,34 +218,37 @@ def test_prepared_gemv_extreme_activations(checkpoints, x_kind):
     expected = x.float() @ ck["w"]
     assert expected.abs().max() < 60000, "the reference itself must fit fp16 for this test to mean anything"
     prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"])
-    y = kdsl.ops.gptq_gemm(x, prepared)
+    y = _prepared_gemv(x, prepared, gemv)
     assert torch.isfinite(y).all()
     err = ref.rel_fro_error(y, expected)
     assert err < GEMV_TOL, f"{x_kind}: rel err {err:.3g}"
 
 
+@pytest.mark.parametrize("gemv", GEMVS)
 @pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
-def test_prepared_gemv_precision(checkpoints, shape):
+def test_prepared_gemv_precision(checkpoints, shape, gemv):
     """The GEMV's fp16 products stay within a few fp16 ulps of the fp32 reference."""
     ck = checkpoints(*shape)
     prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"])
     x = _x(1, shape[0])
-    err = ref.rel_fro_error(kdsl.ops.gptq_gemm(x, prepared), x.float() @ ck["w"])
+    err = ref.rel_fro_error(_prepared_gemv(x, prepared, gemv), x.float() @ ck["w"])
     assert err < GEMV_TOL, f"rel err {err:.3g}"
 
 
 @pytest.mark.parametrize("k, n", [(4000, 2112), (200, 136)], ids=["K4000xN2112", "K200xN136"])
 @pytest.mark.parametrize("x_offset", [0, 1], ids=["aligned", "offset"])
-def test_prepared_gemv_ragged_k_and_x_alignment(checkpoints, k, n, x_offset):
-    """The GEMV reads x as 32-bit half2 pairs when x's row starts 4-byte aligned. One group
-    (group_size -1) lets K be any multiple of 8, not of the 128-row tile: pairs past K must read
-    as zero. An x view starting one fp16 in (2-byte aligned) must take the other path and agree."""
+@pytest.mark.parametrize("gemv", GEMVS)
+def test_prepared_gemv_ragged_k_and_x_alignment(checkpoints, k, n, x_offset, gemv):
+    """The CUDA-core GEMV reads x as 32-bit half2 pairs when x's row starts 4-byte aligned, the mma.sync
+    one 16 bytes at a time when it can. One group (group_size -1) lets K be any multiple of 8, not of the
+    128-row tile: rows past K must read as zero. An x view starting one fp16 in (2-byte aligned) must take
+    narrower loads and agree."""
     ck = checkpoints(k, n, group_size=-1)
     prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"], group_size=-1)
     x = _x(1, k + x_offset)[:, x_offset:]
     assert (x.data_ptr() % 4 == 0) == (x_offset == 0)
-    err = ref.rel_fro_error(kdsl.ops.gptq_gemm(x, prepared), x.float() @ ck["w"])
-    assert err < GEMV_TOL, f"K={k} N={n} x offset {x_offset}: rel err {err:.3g}"
+    err = ref.rel_fro_error(_prepared_gemv(x, prepared, gemv, group_size=-1), x.float() @ ck["w"])
+    assert err < GEMV_TOL, f"{gemv} K={k} N={n} x offset {x_offset}: rel err {err:.3g}"
 
 
 # ---------------------------------------------------------------------------------------------
