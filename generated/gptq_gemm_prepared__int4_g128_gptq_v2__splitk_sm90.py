@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g128_gptq_v2__splitk_sm90 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV, or an mma.sync one in Gluon (mma_gemv, k_planes); overlap_dequant tiles (Hopper, k_planes) overlap dequant and wgmma in Gluon)
 # scheme: gptq.int4.g128.gptq_v2
 # arch: sm_90 .. sm_90
-# digest: df323a6dd1c4b3d1 (sha256 of the definition file and the templates)
+# digest: 459e9800e09e7856 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -927,16 +927,25 @@ def _overlap_produce(x_desc, w_desc, p_desc, x_smem, w_smem, p_smem, ready, i, f
 
 
 @gluon.jit
+def _paired_nibbles(words, pairs, dtype: gl.constexpr):
+    """k_planes words [..., PLANE_ROWS] and their (scale, biased zero) pairs [...] -> the weights
+    (q - zero) * scale as [..., PLANE_ROWS, 2, 2, 2]: nibble p + 4 h of a word at trailing index
+    (h, p % 2, p // 2)."""
+    last: gl.constexpr = len(words.shape) - 1
+    scale = gl.broadcast(gl.expand_dims((pairs & 0xFFFF).to(gl.int16).to(dtype, bitcast=True), last), words)[0]
+    zero = gl.broadcast(gl.expand_dims((pairs >> 16).to(gl.int16).to(dtype, bitcast=True), last), words)[0]
+    w0, w1, w2, w3, w4, w5, w6, w7 = _nibbles_asm(words, scale, zero, True)
+    return gl.join(gl.join(gl.join(w0, w4), gl.join(w1, w5)), gl.join(gl.join(w2, w6), gl.join(w3, w7)))
+
+
+@gluon.jit
 def _overlap_dequant(words, pairs, dtype: gl.constexpr, a_layout: gl.constexpr):
     """[BLOCK_N, PLANE_ROWS] words and their [BLOCK_N] (scale, biased zero) pairs -> the [BLOCK_N, BLOCK_K]
     weights (q - zero) * scale, in the wgmma A operand's registers."""
-    scale = gl.broadcast((pairs & 0xFFFF).to(gl.int16).to(dtype, bitcast=True)[:, None], words)[0]
-    zero = gl.broadcast((pairs >> 16).to(gl.int16).to(dtype, bitcast=True)[:, None], words)[0]
-    w0, w1, w2, w3, w4, w5, w6, w7 = _nibbles_asm(words, scale, zero, True)
-    # Nibble p + 4 h of word (n, kk) is row PAIR_SPAN * p + 2 kk + h: stack as [n, kk, h, p % 2, p // 2],
-    # then order the axes as K counts them.
-    w = gl.join(gl.join(gl.join(w0, w4), gl.join(w1, w5)), gl.join(gl.join(w2, w6), gl.join(w3, w7)))
-    w = gl.reshape(gl.permute(w, (0, 4, 3, 1, 2)), (words.shape[0], 8 * words.shape[1]))
+    # Nibble p + 4 h of word (n, kk) is row PAIR_SPAN * p + 2 kk + h: order [n, kk, h, p % 2, p // 2]
+    # as K counts them.
+    w = gl.permute(_paired_nibbles(words, pairs, dtype), (0, 4, 3, 1, 2))
+    w = gl.reshape(w, (words.shape[0], 8 * words.shape[1]))
     return gl.convert_layout(w, a_layout)
 
 
@@ -1080,6 +1089,12 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 
 @gluon.constexpr_function
+def _gemv_mma_layout(num_warps):
+    """mma.sync's accumulators [warps, 16 columns, 8 rows of x]: one m16n8 tile per warp."""
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1, 1], instr_shape=[1, 16, 8])
+
+
+@gluon.constexpr_function
 def _gemv_words_layout(num_warps, chunk_tiles):
     """[warps, 16 columns, CHUNK_TILES, PLANE_ROWS words]: lane 4 g + t holds words 4 t .. 4 t + 3 of
     columns g and g + 8; warp s holds its own run of tiles."""
@@ -1129,8 +1144,6 @@ def _gemv_mma_loads(x_ptr, perm_ptr, strip, p_ptr, M, N, stride_xm, stride_pg, f
         words = gl.load(strip + at)
         pairs = gl.load(pair_at, mask=col < N, other=0)
 
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1, 1],
-                                                         instr_shape=[1, 16, 8])
     x_layout: gl.constexpr = _gemv_x_layout(num_warps, CHUNK_TILES)
     sx = gl.arange(0, num_warps, layout=gl.SliceLayout(1, gl.SliceLayout(2, x_layout)))
     kx = gl.arange(0, PLANE_TILE_K * CHUNK_TILES, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_layout)))
@@ -1147,7 +1160,7 @@ def _gemv_mma_loads(x_ptr, perm_ptr, strip, p_ptr, M, N, stride_xm, stride_pg, f
     # K row 128 c + 64 p1 + 32 p0 + 8 t + 4 i1 + 2 i0 + h goes to slot 128 c + 64 p1 + 32 p0 + 16 i1 + 8 i0 + 2 t + h,
     # where _gemv_mma_dot puts nibble p + 4 h of word 4 t + 2 i1 + i0.
     x = gl.permute(gl.reshape(x, (num_warps, CHUNK_TILES, 2, 2, 4, 2, 2, 2, 8)), (0, 1, 2, 3, 5, 6, 4, 7, 8))
-    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_layout, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=_gemv_mma_layout(num_warps), k_width=2)
     x = gl.convert_layout(gl.reshape(x, (num_warps, PLANE_TILE_K * CHUNK_TILES, 8)), b_layout)
     return words, pairs, x
 
@@ -1157,14 +1170,10 @@ def _gemv_mma_dot(words, pairs, x, acc):
     """acc + the chunk's dequantized words [warps, 16, CHUNK_TILES * PLANE_TILE_K] times x, on mma.sync."""
     S: gl.constexpr = words.shape[0]
     CHUNK_TILES: gl.constexpr = words.shape[2]
-    dtype: gl.constexpr = x.dtype
-    scale = gl.broadcast((pairs & 0xFFFF).to(gl.int16).to(dtype, bitcast=True)[:, :, :, None], words)[0]
-    zero = gl.broadcast((pairs >> 16).to(gl.int16).to(dtype, bitcast=True)[:, :, :, None], words)[0]
-    w0, w1, w2, w3, w4, w5, w6, w7 = _nibbles_asm(words, scale, zero, True)
     # Nibble p + 4 h of word 4 t + 2 i1 + i0 (it holds row PAIR_SPAN p + 2 (4 t + 2 i1 + i0) + h):
     # [s, n, c, t, i1, i0, h, p0, p1] -> slots [s, n, c, p1, p0, i1, i0, t, h].
-    w = gl.join(gl.join(gl.join(w0, w4), gl.join(w1, w5)), gl.join(gl.join(w2, w6), gl.join(w3, w7)))
-    w = gl.permute(gl.reshape(w, (S, 16, CHUNK_TILES, 4, 2, 2, 2, 2, 2)), (0, 1, 2, 8, 7, 4, 5, 3, 6))
+    w = gl.reshape(_paired_nibbles(words, pairs, x.dtype), (S, 16, CHUNK_TILES, 4, 2, 2, 2, 2, 2))
+    w = gl.permute(w, (0, 1, 2, 8, 7, 4, 5, 3, 6))
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
     return mma_v2(gl.convert_layout(gl.reshape(w, (S, 16, PLANE_TILE_K * CHUNK_TILES)), a_layout), x, acc)
 
@@ -1180,8 +1189,7 @@ def gptq_gemm_prepared__int4_g128_gptq_v2__splitk_sm90_gemv_mma(
     K_TILES: gl.constexpr = (K + PLANE_TILE_K - 1) // PLANE_TILE_K
     CHUNKS: gl.constexpr = ((K_TILES + num_warps - 1) // num_warps + CHUNK_TILES - 1) // CHUNK_TILES
     TILES_PER_WARP: gl.constexpr = CHUNKS * CHUNK_TILES
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1, 1],
-                                                         instr_shape=[1, 16, 8])
+    mma_layout: gl.constexpr = _gemv_mma_layout(num_warps)
     first_col = gl.program_id(0) * 16
     # This program's 16 columns lie in one plane tile (PLANE_TILE_N is a multiple of 16).
     strip = (w_ptr + (first_col // PLANE_TILE_N).to(gl.int64) * K_TILES * (PLANE_TILE_N * PLANE_ROWS)

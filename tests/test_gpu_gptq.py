@@ -194,12 +194,8 @@ GEMVS = ["dispatched", "cuda_cores"]
 def _prepared_gemv(x, prepared, gemv, group_size=128):
     if gemv == "dispatched":
         return kdsl.ops.gptq_gemm(x, prepared)
-    entry = _prepared_entry(group_size)
-    tile = dict(entry.tile_for(x.shape[0], prepared.n), mma_gemv=False)
-    y = torch.empty(x.shape[0], prepared.n, dtype=x.dtype, device="cuda")
-    entry.load().launch(x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
-                        prepared.contiguous_groups, y, tile)
-    return y
+    tile = dict(_prepared_entry(group_size).tile_for(x.shape[0], prepared.n), mma_gemv=False)
+    return _launch_tile(prepared, x, tile, group_size)
 
 
 @pytest.mark.parametrize("gemv", GEMVS)
@@ -259,6 +255,29 @@ def _prepared_entry(group_size=128):
     return kdsl.registry.dispatch("gptq_gemm_prepared", gptq_scheme_name(4, group_size, "gptq"), torch.device("cuda"))
 
 
+def _launch_tile(prepared, x, tile, group_size=128):
+    """y of the generated module's launch with `tile` (NaN-filled first, so unwritten outputs show)."""
+    y = torch.full((x.shape[0], prepared.n), float("nan"), dtype=x.dtype, device="cuda")
+    _prepared_entry(group_size).load().launch(x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales,
+                                              prepared.groups, prepared.contiguous_groups, y, tile)
+    return y
+
+
+def _spy_launches(monkeypatch, function, record, group_sizes):
+    """Wrap each prepared module's `function` (a Gluon launcher, which launch() skips where its kernel cannot
+    run); returns the list of record(args) of its calls."""
+    calls = []
+    for group_size in group_sizes:
+        module = _prepared_entry(group_size).load()
+
+        def spy(*args, _original=getattr(module, function), **kwargs):
+            calls.append(record(args))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, function, spy)
+    return calls
+
+
 def _overlap_tiles():
     """The definition's overlap_dequant tiles, and the other block shapes the kernel takes (one warpgroup
     per 64 columns, 16 to 256 rows), so a tuned definition's choice is covered before it ships."""
@@ -277,18 +296,8 @@ def _tile_id(tile):
 
 @pytest.fixture
 def overlap_launches(monkeypatch):
-    """Count the Gluon kernel's launches (the launcher falls back to the Triton MMA where it cannot run)."""
-    calls = []
-    for group_size in (128, -1):
-        module = _prepared_entry(group_size).load()
-        original = module._launch_overlap
-
-        def spy(*args, _original=original, **kwargs):
-            calls.append(args[4]["BLOCK_M"])
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(module, "_launch_overlap", spy)
-    return calls
+    """The Gluon kernel's launches, by BLOCK_M (the launcher falls back to the Triton MMA where it cannot run)."""
+    return _spy_launches(monkeypatch, "_launch_overlap", lambda args: args[4]["BLOCK_M"], (128, -1))
 
 
 @pytest.mark.parametrize("tile", _overlap_tiles(), ids=_tile_id)
@@ -302,13 +311,10 @@ def overlap_launches(monkeypatch):
 def test_prepared_overlap_dequant(checkpoints, overlap_launches, tile, m, k, n, group_size, dtype):
     ck = checkpoints(k, n, group_size=group_size, scale_dtype=dtype)
     prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"], group_size=group_size)
-    module = _prepared_entry(group_size).load()
     x = _x(m, k, dtype)
     expected = x.float() @ ck["w"]
     for attempt in range(2):  # twice: the split-K counters must be left clean for the next launch
-        y = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
-        module.launch(x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
-                      prepared.contiguous_groups, y, tile)
+        y = _launch_tile(prepared, x, tile, group_size)
         err = ref.rel_fro_error(y, expected)
         assert err < TOL, f"{_tile_id(tile)} M={m} K={k} N={n} call {attempt}: rel err {err:.3g}"
     assert overlap_launches == [tile["BLOCK_M"]] * 2, "the Gluon kernel did not run"
@@ -323,9 +329,7 @@ def test_prepared_overlap_dequant_falls_back_where_tma_cannot_read_x(checkpoints
     ck = checkpoints(4096, 4096)
     prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"])
     x = _x(64, 4096 + 1)[:, 1:]
-    y = torch.empty(64, 4096, dtype=torch.float16, device="cuda")
-    _prepared_entry().load().launch(x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales,
-                                    prepared.groups, prepared.contiguous_groups, y, tile)
+    y = _launch_tile(prepared, x, tile)
     assert ref.rel_fro_error(y, x.float() @ ck["w"]) < TOL
     assert overlap_launches == []
 
@@ -350,25 +354,8 @@ def _gemv_tile_id(tile):
 
 @pytest.fixture
 def mma_gemv_launches(monkeypatch):
-    """Count the Gluon GEMV's launches (the launcher falls back to the Triton GEMV where it cannot run)."""
-    calls = []
-    for group_size in (128, 64, -1):
-        module = _prepared_entry(group_size).load()
-        original = module._launch_gemv_mma
-
-        def spy(*args, _original=original, **kwargs):
-            calls.append(args[0].shape[0])
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(module, "_launch_gemv_mma", spy)
-    return calls
-
-
-def _launch_tile(ck, prepared, x, tile, group_size):
-    y = torch.full((x.shape[0], ck["w"].shape[1]), float("nan"), dtype=x.dtype, device="cuda")
-    _prepared_entry(group_size).load().launch(x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales,
-                                              prepared.groups, prepared.contiguous_groups, y, tile)
-    return y
+    """The Gluon GEMV's launches, by M (the launcher falls back to the Triton GEMV where it cannot run)."""
+    return _spy_launches(monkeypatch, "_launch_gemv_mma", lambda args: args[0].shape[0], (128, 64, -1))
 
 
 @pytest.mark.parametrize("tile", _mma_gemv_tiles(), ids=_gemv_tile_id)
@@ -384,7 +371,7 @@ def test_prepared_mma_gemv(checkpoints, mma_gemv_launches, tile, m, k, n, group_
     ck = checkpoints(k, n, group_size=group_size, g_idx=g_idx, scale_dtype=dtype)
     prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"], group_size=group_size)
     x = _x(m, k, dtype)
-    y = _launch_tile(ck, prepared, x, tile, group_size)
+    y = _launch_tile(prepared, x, tile, group_size)
     err = ref.rel_fro_error(y, x.float() @ ck["w"])
     # bf16 weights in the MMA operand carry bf16's 8-bit mantissa; fp16's carry 11 bits.
     tol = GEMV_TOL if dtype == torch.float16 else TOL
@@ -401,7 +388,7 @@ def test_prepared_mma_gemv_x_view(checkpoints, mma_gemv_launches):
     prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"])
     x = _x(4, 4096 + 1)[:, 1:]
     assert x.data_ptr() % 16 and x.stride(0) % 8
-    y = _launch_tile(ck, prepared, x, tiles[0], 128)
+    y = _launch_tile(prepared, x, tiles[0])
     assert ref.rel_fro_error(y, x.float() @ ck["w"]) < GEMV_TOL
     assert mma_gemv_launches == [4]
 
@@ -415,6 +402,6 @@ def test_prepared_mma_gemv_falls_back(checkpoints, mma_gemv_launches, m, group_s
     ck = checkpoints(4096, 4096, group_size=group_size)
     prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"], group_size=group_size)
     x = _x(m, 4096)
-    y = _launch_tile(ck, prepared, x, tiles[0], group_size)
+    y = _launch_tile(prepared, x, tiles[0], group_size)
     assert ref.rel_fro_error(y, x.float() @ ck["w"]) < TOL
     assert mma_gemv_launches == []
