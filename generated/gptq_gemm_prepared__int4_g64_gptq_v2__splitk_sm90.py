@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g64_gptq_v2__splitk_sm90 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV, or an mma.sync one in Gluon (mma_gemv, k_planes); overlap_dequant tiles (Hopper, k_planes) overlap dequant and wgmma in Gluon)
 # scheme: gptq.int4.g64.gptq_v2
 # arch: sm_90 .. sm_90
-# digest: 459e9800e09e7856 (sha256 of the definition file and the templates)
+# digest: 0d322546750b285a (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -1289,6 +1289,28 @@ PER_PLANE_GEMV_TILES = 4
 MAGIC = {torch.float16: (0x6400, 1024), torch.bfloat16: (0x4300, 128)}
 
 
+def tile_refusal(tile, x, contiguous_groups):
+    """Why `tile` should not serve x (None: it should); kdsl.ops passes a refused tile over for the next one
+    serving M and N. A block_m = 1 tile serves several rows well only through the mma.sync GEMV: the Triton
+    GEMV it would fall back to reads all the weights once per row."""
+    if tile["BLOCK_M"] > 1 or x.shape[0] == 1:
+        return None
+    return _gemv_mma_refusal(tile, x, contiguous_groups)
+
+
+def _gemv_mma_refusal(tile, x, contiguous_groups):
+    """Why the mma.sync GEMV cannot run `tile` on x (None: it can)."""
+    if not tile["mma_gemv"]:
+        return "the tile does not set mma_gemv"
+    if not contiguous_groups or GROUP_SIZE.value % PLANE_TILE_K.value:
+        return f"a group changes inside a {PLANE_TILE_K.value}-row plane tile, which the GEMV scales as one"
+    if x.shape[0] > 8:
+        return f"M = {x.shape[0]}: the GEMV takes at most 8 rows (x is the MMA's 8-wide operand)"
+    if x.device.type != "cuda":
+        return "the mma.sync GEMV is a Gluon kernel, which runs on the GPU only"
+    return None
+
+
 def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
     """x [M, K]; perm int32 [K] or None; qweight in prepared K order, as LAYOUT says;
     zeros and scales as LAYOUT says; groups int32 [K], the group of each prepared row;
@@ -1323,7 +1345,7 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
         # tile at a time and splits K into runs of a few tiles (its tiles' shape before the chunked GEMV).
         bk = bk if half2 else PLANE_TILE_K.value
         split_k = 1 if half2 else _cdiv(_cdiv(K, bk), PER_PLANE_GEMV_TILES)
-    if tile["mma_gemv"] and asm and M <= 8:
+    if _gemv_mma_refusal(tile, x, contiguous_groups) is None:
         return _launch_gemv_mma(x, perm, qweight, scales, y, tile)
     workspace, counters = (y, y) if split_k == 1 else _splitk_scratch(y.device, tiles, split_k, bm * bn)
     if tile["overlap_dequant"] and asm and perm is None and bm > 1 and _tma_ready(x, scales):

@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_gall_gptq__splitk_sm80 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV, or an mma.sync one in Gluon (mma_gemv, k_planes); overlap_dequant tiles (Hopper, k_planes) overlap dequant and wgmma in Gluon)
 # scheme: gptq.int4.gall.gptq
 # arch: sm_80 and up
-# digest: 459e9800e09e7856 (sha256 of the definition file and the templates)
+# digest: 0d322546750b285a (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -653,6 +653,20 @@ def split_for(tile: dict, k_steps: int, tiles: int, sms: int | None) -> int:
 LAYOUT = {'zeros': 'biased', 'weights': 'checkpoint'}
 # Bit patterns whose low mantissa bits take q directly, and the value they stand for.
 MAGIC = {torch.float16: (0x6400, 1024), torch.bfloat16: (0x4300, 128)}
+
+
+def tile_refusal(tile, x, contiguous_groups):
+    """Why `tile` should not serve x (None: it should); kdsl.ops passes a refused tile over for the next one
+    serving M and N. A block_m = 1 tile serves several rows well only through the mma.sync GEMV: the Triton
+    GEMV it would fall back to reads all the weights once per row."""
+    if tile["BLOCK_M"] > 1 or x.shape[0] == 1:
+        return None
+    return _gemv_mma_refusal(tile, x, contiguous_groups)
+
+
+def _gemv_mma_refusal(tile, x, contiguous_groups):
+    """Why the mma.sync GEMV cannot run `tile` on x (None: it can)."""
+    return "the layout has no (scale, zero) pairs, which the mma.sync GEMV reads"
 
 
 def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):

@@ -123,6 +123,28 @@ def test_tile_for_m_and_n(m, n, index):
     assert tiled.tile_for(m, n) == {"index": index}
 
 
+@pytest.mark.parametrize("m, n, refused, index", [
+    (4, 4096, (), 1),                   # nothing refused: the first tile serving M and N
+    (4, 4096, (1,), 2),                 # refused: the next tile serving M and N
+    (4, 20_000, (0,), 1),               # the wide tile refused: the bucket's tile for every N
+    (4, 4096, (1, 2), 3),
+    (4, 4096, (1, 2, 3), 3),            # every tile refused: the last
+    (100, None, (), 3),
+])
+def test_tile_for_passes_over_refused_tiles(m, n, refused, index):
+    import dataclasses
+    entry = registry.select("fp8_gemm", FP8_SCHEME, arch="sm_90")
+    tiled = dataclasses.replace(entry, tiles=_buckets((8, 16384), (8, None), (16, None), (None, None)))
+    asked = []
+
+    def refuses(params):
+        asked.append(params["index"])
+        return "refused" if params["index"] in refused else None
+
+    assert tiled.tile_for(m, n, refuses=refuses) == {"index": index}
+    assert all(tiled.tiles[i].serves(m, n) for i in asked), "only tiles serving M and N are asked"
+
+
 def test_explain_shows_the_tile_n_picks():
     entry = registry.select("gptq_gemm_prepared", "gptq.int4.g128.gptq", arch="sm_90")
     wide = [i for i, bucket in enumerate(entry.tiles) if bucket.n_min is not None]

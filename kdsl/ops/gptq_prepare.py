@@ -171,6 +171,8 @@ def gemm_prepared(x: torch.Tensor, prepared: GPTQPrepared) -> torch.Tensor:
     if entry.layout != prepared.layout:
         raise ValueError(f"prepared: weights are in layout {prepared.layout}, but {entry.name} reads "
                          f"{entry.layout}; prepare them again with kdsl.ops.gptq_prepare")
+    refusal = entry.load().tile_refusal
+    tile = entry.tile_for(x2.shape[0], n, refuses=lambda params: refusal(params, x2, prepared.contiguous_groups))
     entry.launch(x2, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
-                 prepared.contiguous_groups, y.view(-1, n), entry.tile_for(x2.shape[0], n))
+                 prepared.contiguous_groups, y.view(-1, n), tile)
     return y

@@ -25,6 +25,13 @@ class TileBucket:
     n_min: int | None
     params: dict = field(hash=False, compare=False)
 
+    def serves(self, m: int | None, n: int | None) -> bool:
+        """Whether this tile's bucket takes M rows (None: only the open-ended bucket does) and N columns
+        (None: only a tile for every N does)."""
+        serves_m = self.m_max is None or (m is not None and m <= self.m_max)
+        serves_n = self.n_min is None or (n is not None and n >= self.n_min)
+        return serves_m and serves_n
+
 
 @dataclass(frozen=True, eq=False)
 class KernelEntry:
@@ -42,16 +49,23 @@ class KernelEntry:
     source: str
     layout: dict | None = field(default=None, hash=False, compare=False)  # prepared-weight layout, if any
 
-    def tile_for(self, m: int, n: int | None = None) -> dict:
-        """Launch parameters for M rows (and N columns, where the definition tiles by N too)."""
-        return self.tiles[self.bucket_index(m, n)].params
+    def tile_for(self, m: int, n: int | None = None, refuses=None) -> dict:
+        """Launch parameters for M rows (and N columns, where the definition tiles by N too).
+
+        refuses(params), if given, says why a tile should not serve this call (None: it should): the first
+        tile serving M and N that it does not refuse is chosen, and the last tile if it refuses them all.
+        """
+        if refuses is None:
+            return self.tiles[self.bucket_index(m, n)].params
+        for bucket in self.tiles:
+            if bucket.serves(m, n) and not refuses(bucket.params):
+                return bucket.params
+        return self.tiles[-1].params
 
     def bucket_index(self, m: int | None, n: int | None = None) -> int:
         """The first tile serving M (None: the last bucket) and N (None: the bucket's tile for every N)."""
         for index, bucket in enumerate(self.tiles):
-            serves_m = bucket.m_max is None or (m is not None and m <= bucket.m_max)
-            serves_n = bucket.n_min is None or (n is not None and n >= bucket.n_min)
-            if serves_m and serves_n:
+            if bucket.serves(m, n):
                 return index
         return len(self.tiles) - 1
 
