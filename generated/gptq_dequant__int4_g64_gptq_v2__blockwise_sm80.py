@@ -3,7 +3,7 @@
 # kernel: gptq_dequant__int4_g64_gptq_v2__blockwise_sm80 (gptq_dequant/blockwise: unpack int4 checkpoint tensors to [N, K])
 # scheme: gptq.int4.g64.gptq_v2
 # arch: sm_80 and up
-# digest: 62b96eb9ea34ea87 (sha256 of the definition file and the templates)
+# digest: f68f64513a77932e (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl

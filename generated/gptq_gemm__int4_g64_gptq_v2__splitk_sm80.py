@@ -3,7 +3,7 @@
 # kernel: gptq_gemm__int4_g64_gptq_v2__splitk_sm80 (gptq_gemm/splitk: W4A16: unpack int4 in registers, fp16/bf16 tensor-core dot, optional split-K with atomics)
 # scheme: gptq.int4.g64.gptq_v2
 # arch: sm_80 and up
-# digest: e413a2b088df54b0 (sha256 of the definition file and the templates)
+# digest: 6ce6be242044d155 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl

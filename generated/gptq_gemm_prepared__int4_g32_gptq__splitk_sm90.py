@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g32_gptq__splitk_sm90 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV, or an mma.sync one in Gluon (mma_gemv, k_planes); overlap_dequant tiles (Hopper, k_planes) overlap dequant and wgmma in Gluon)
 # scheme: gptq.int4.g32.gptq
 # arch: sm_90 .. sm_90
-# digest: 0d322546750b285a (sha256 of the definition file and the templates)
+# digest: 6b1d38a6b0966e02 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl
@@ -1230,6 +1230,8 @@ def _launch_gemv_mma(x, perm, qweight, scales, y, tile):
 TILES = (
     (1, 8192, {'BLOCK_M': 1, 'BLOCK_N': 16, 'BLOCK_K': 512, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'split_min_steps': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_tiles': False, 'mma_gemv': True}),
     (1, None, {'BLOCK_M': 1, 'BLOCK_N': 16, 'BLOCK_K': 256, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'split_min_steps': None, 'num_warps': 8, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_tiles': False, 'mma_gemv': True}),
+    (8, 16384, {'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'split_min_steps': 8, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_tiles': False, 'mma_gemv': False}),
+    (8, None, {'BLOCK_M': 1, 'BLOCK_N': 16, 'BLOCK_K': 512, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'split_min_steps': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_tiles': False, 'mma_gemv': True}),
     (16, None, {'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'split_min_steps': 8, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_tiles': False, 'mma_gemv': False}),
     (64, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'split_fill': None, 'split_min_steps': 16, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': True, 'edge_tiles': False, 'mma_gemv': False}),
     (128, 8192, {'BLOCK_M': 128, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': 1, 'split_min_steps': None, 'num_warps': 4, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': True, 'edge_tiles': False, 'mma_gemv': False}),

@@ -3,7 +3,7 @@
 # kernel: gptq_gemm_prepared__int4_g64_gptq_v2__splitk_sm80 (gptq_gemm_prepared/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV, or an mma.sync one in Gluon (mma_gemv, k_planes); overlap_dequant tiles (Hopper, k_planes) overlap dequant and wgmma in Gluon)
 # scheme: gptq.int4.g64.gptq_v2
 # arch: sm_80 and up
-# digest: 0d322546750b285a (sha256 of the definition file and the templates)
+# digest: 6b1d38a6b0966e02 (sha256 of the definition file and the templates)
 import torch
 import triton
 import triton.language as tl

@@ -240,6 +240,30 @@ def test_tile_split_min_steps_keeps_programs_long():
     assert module.split_for(_split_tile(8, None, 16), 64, tiles=64, sms=None) == 4
 
 
+@pytest.mark.parametrize("group_size, contiguous, reason", [
+    (128, True, "GPU only"),             # the CPU: the Gluon kernel cannot run
+    (64, True, "plane tile"),            # two groups in each 128-row plane tile
+    (128, False, "plane tile"),          # groups of unequal size after act-order
+])
+def test_gemv_tiles_refuse_rows_the_mma_gemv_cannot_take(group_size, contiguous, reason):
+    """A block_m = 1 tile serves M > 1 only through the mma.sync GEMV; where that cannot run, the tile says why
+    and kdsl.ops passes it over for the next tile serving M."""
+    scheme = f"gptq.int4.g{group_size}.gptq"
+    entry = kdsl.registry.select("gptq_gemm_prepared", scheme, arch="sm_90")
+    module = entry.load()
+    gemv = entry.tile_for(4, 4096)
+    assert gemv["BLOCK_M"] == 1 and gemv["mma_gemv"], "the sm_90 definition's M <= 8 bucket is the mma.sync GEMV"
+    x = torch.zeros(4, 256, dtype=torch.float16)
+    assert reason in module.tile_refusal(gemv, x, contiguous)
+    assert module.tile_refusal(gemv, x[:1], contiguous) is None  # one row: the Triton GEMV serves it
+    if group_size == 128:
+        assert "at most 8 rows" in module.tile_refusal(gemv, torch.zeros(9, 256, dtype=torch.float16), True)
+    assert module.tile_refusal(dict(gemv, mma_gemv=False), x, True) == "the tile does not set mma_gemv"
+    chosen = entry.tile_for(4, 4096, refuses=lambda params: module.tile_refusal(params, x, contiguous))
+    assert chosen == entry.tile_for(16, 4096) and chosen["BLOCK_M"] > 1, "the M <= 16 MMA tile takes the rows"
+    assert module.tile_refusal(chosen, x, contiguous) is None
+
+
 def test_cpu_fallback_without_interpreter(monkeypatch, launched):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     ck = ref.make_checkpoint(256, 40, group_size=32, checkpoint_format="gptq_v2", g_idx="random")

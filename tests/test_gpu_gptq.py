@@ -342,7 +342,8 @@ def _mma_gemv_tiles():
     """The definition's mma_gemv tiles, and other chunk sizes and warp counts the kernel takes."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         return []
-    tiles = [bucket.params for bucket in _prepared_entry().tiles if bucket.params["mma_gemv"]]
+    tiles = list({_gemv_tile_id(bucket.params): bucket.params for bucket in _prepared_entry().tiles
+                  if bucket.params["mma_gemv"]}.values())
     base = tiles[0] if tiles else None
     extra = [dict(base, BLOCK_K=bk, num_warps=warps) for bk, warps in ((128, 4), (512, 8), (256, 2))] if base else []
     return tiles + extra
@@ -391,6 +392,29 @@ def test_prepared_mma_gemv_x_view(checkpoints, mma_gemv_launches):
     y = _launch_tile(prepared, x, tiles[0])
     assert ref.rel_fro_error(y, x.float() @ ck["w"]) < GEMV_TOL
     assert mma_gemv_launches == [4]
+
+
+@pytest.mark.parametrize("m, k, n, group_size, g_idx, gemv", [
+    (2, 4096, 4096, 128, "default", True),
+    (8, 4096, 14336, 128, "default", True),
+    (4, 4096, 4096, 128, "perm", True),      # act-order: groups still whole plane tiles after the sort
+    (4, 4096, 4096, 64, "default", False),   # two groups per plane tile: the M <= 16 MMA tile instead
+    (4, 256, 16384, 128, "default", False),  # the widest N: the bucket's MMA tile
+], ids=["M2", "M8-N14336", "M4-act_order", "M4-group64", "M4-N16384"])
+def test_prepared_gemm_rows_take_the_mma_gemv_where_it_runs(checkpoints, mma_gemv_launches, monkeypatch,
+                                                            m, k, n, group_size, g_idx, gemv):
+    """kdsl.ops at M = 2-8: the definition's GEMV bucket where the mma.sync GEMV can run, else an MMA tile
+    (never the Triton GEMV, which would run one row at a time)."""
+    if not _mma_gemv_tiles():
+        pytest.skip("needs an sm_90 GPU")
+    launched_rows = _spy_launches(monkeypatch, "launch", lambda args: args[-1]["BLOCK_M"], (128, 64))
+    ck = checkpoints(k, n, group_size=group_size, g_idx=g_idx)
+    prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"], group_size=group_size)
+    x = _x(m, k)
+    err = ref.rel_fro_error(kdsl.ops.gptq_gemm(x, prepared), x.float() @ ck["w"])
+    assert err < (GEMV_TOL if gemv else TOL), f"rel err {err:.3g}"
+    assert mma_gemv_launches == ([m] if gemv else [])
+    assert launched_rows == [1 if gemv else 16]
 
 
 @pytest.mark.parametrize("m, group_size", [(9, 128), (1, 64)], ids=["M9", "group64"])

@@ -24,6 +24,7 @@ from kdsl.codegen.render import tile_params
 from kdsl.schema import DefinitionError, KernelDefinition, Tile, load_definitions
 from kdsl.schema.arch import archs_in_range
 from kdsl.schema.catalogue import BASE_KNOBS, find_impl
+from kdsl.schema.tiling import MMA_GEMV_MAX_M
 from kdsl.tune import cli as tune_cli
 from kdsl.tune import search, space, target, write
 from kdsl.tune.search import Problem, Shape
@@ -102,22 +103,28 @@ def test_knobs_an_impl_ignores_stay_unset(definitions):
     assert {t.persistent for t in space.candidates(tma, rest, loaded.definition.schemes, 10_000)} == {False, True}
 
 
-def test_gemv_candidates_only_where_the_bucket_serves_one_row(definitions):
-    found_gemv = False
+def test_gemv_candidates_only_where_a_gemv_serves_the_bucket(definitions):
+    """One row: any GEMV; up to 8 rows: the mma.sync GEMV only (the CUDA-core one runs a row at a time)."""
+    found_gemv = found_rows = False
     for loaded, variant in tunable_variants(definitions):
+        impl = find_impl(variant.op, variant.impl)
         for bucket in space.buckets(variant):
             tiles = space.candidates(variant, bucket, loaded.definition.schemes, max_candidates=10_000)
             gemv = [t for t in tiles if t.block_m == 1]
-            if find_impl(variant.op, variant.impl).gemv_block_m and bucket.m_max == 1:
+            rows = bucket.m_max is not None and 1 < bucket.m_max <= MMA_GEMV_MAX_M and "mma_gemv" in impl.knobs
+            if impl.gemv_block_m and (bucket.m_max == 1 or rows):
                 assert gemv and any(t.block_m == 16 for t in tiles)  # GEMV and the smallest MMA compete
                 found_gemv = True
+                if rows:
+                    assert all(t.mma_gemv for t in gemv), (variant.op, bucket.label())
+                    found_rows = True
             else:
                 assert not gemv, (variant.op, bucket.label())
             if bucket.m_max is not None and bucket.m_max <= 16:
                 assert {t.block_m for t in tiles} <= {1, 16, bucket.tile.block_m}
             if bucket.m_max is None:  # prefill: big tiles
                 assert min(t.block_m for t in tiles) >= 64
-    assert found_gemv
+    assert found_gemv and found_rows
 
 
 def test_cap_keeps_the_current_tile_and_its_nearest_neighbours(definitions):

@@ -13,7 +13,7 @@ from kdsl.schema.arch import archs_in_range
 from kdsl.schema.catalogue import BASE_KNOBS, KernelImpl, find_impl, ops_of_family
 from kdsl.schema.layout import PLANE_TILE_K, PLANE_TILE_N
 from kdsl.schema.scheme import BlockFP8, Scheme
-from kdsl.schema.tiling import Tile, Variant
+from kdsl.schema.tiling import MMA_GEMV_MAX_M, Tile, Variant
 
 
 class KernelDefinition(StrictModel):
@@ -214,8 +214,9 @@ def _mma_gemv_problems(tile_where: str, variant, tile: Tile) -> list[str]:
         problems.append(f"{where}: needs the variant's layout = {{ weights = \"k_planes\", zeros = \"paired\" }}")
     if tile.block_m != 1:
         problems.append(f"{where}: is a GEMV tile; needs block_m = 1 (got {tile.block_m})")
-    if tile.m_max is None or tile.m_max > 8:
-        problems.append(f"{where}: x is the MMA's 8-wide operand, so the tile serves M up to 8; set m_max <= 8 "
+    if tile.m_max is None or tile.m_max > MMA_GEMV_MAX_M:
+        problems.append(f"{where}: x is the MMA's 8-wide operand, so the tile serves M up to {MMA_GEMV_MAX_M}; "
+                        f"set m_max <= {MMA_GEMV_MAX_M} "
                         f"(got {tile.m_max if tile.m_max is not None else 'none'})")
     if tile.block_n != 16:
         problems.append(f"{where}: a program takes one MMA's 16 columns; needs block_n = 16 (got {tile.block_n})")

@@ -21,6 +21,9 @@ def _arch_name(value: str) -> str:
     return value
 
 
+# The mma.sync GEMV (Tile.mma_gemv) takes x as one m16n8k16's 8-wide operand: it serves M up to this.
+MMA_GEMV_MAX_M = 8
+
 PowerOfTwo = Annotated[int, AfterValidator(_power_of_two)]
 ArchName = Annotated[str, AfterValidator(_arch_name)]
 

@@ -2,13 +2,15 @@
 
 A small grid per kind of bucket, varied only over the knobs the variant's implementation
 honours (kdsl.schema.catalogue); every other field stays unset. Each knob's values include
-the current tile's, and candidates are ordered nearest the current tile first, so a
---max-candidates cap keeps its neighbourhood. The current tile is always candidate 0, and
+the current tile's (GEMV candidates where an MMA tile serves take the grid's alone), and
+candidates are ordered nearest the current tile first, so a --max-candidates cap keeps its
+neighbourhood. The current tile is always candidate 0, and
 only tiles that validate for every scheme of the definition (kdsl.schema.tile_problems:
 knobs, MMA rows, block sizes, shared memory on every arch of the range) are kept.
 
 Kinds of bucket, by the largest M it serves:
-  gemv     m_max = 1 where the implementation has a block_m = 1 GEMV (gemv_block_m)
+  gemv     m_max = 1 where the implementation has a block_m = 1 GEMV (gemv_block_m), or m_max up to
+           MMA_GEMV_MAX_M where it also has the mma.sync GEMV (mma_gemv), the only GEMV serving M > 1
   decode   m_max <= 16: one MMA's rows, narrow N, split K
   mid      m_max <= 128: block_m up to M, some split K
   prefill  the last bucket or m_max > 128: big tiles, deeper pipelines, persistent grids
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 from kdsl.schema import Tile, Variant, tile_problems
 from kdsl.schema.catalogue import BASE_KNOBS, KernelImpl, find_impl
+from kdsl.schema.tiling import MMA_GEMV_MAX_M
 
 DEFAULT_MAX_CANDIDATES = 24
 # The fields a tile writes, in the order `kdsl tune` writes them.
@@ -94,13 +97,17 @@ def buckets(variant: Variant) -> list[Bucket]:
 
 
 def kinds(bucket: Bucket, impl: KernelImpl) -> list[str]:
-    """The kinds of candidate a bucket gets: GEMV candidates only where it serves M = 1 alone."""
+    """The kinds of candidate a bucket gets: GEMV candidates where a GEMV serves every M of it."""
     hi = bucket.m_max
     if hi is None or hi > MID_MAX_M:
         return [PREFILL]
     if hi <= DECODE_MAX_M:
-        return [GEMV, DECODE] if hi == 1 and impl.gemv_block_m else [DECODE]
+        return [GEMV, DECODE] if _gemv_serves(hi, impl) else [DECODE]
     return [MID]
+
+
+def _gemv_serves(m_max: int, impl: KernelImpl) -> bool:
+    return bool(impl.gemv_block_m) and (m_max == 1 or (m_max <= MMA_GEMV_MAX_M and "mma_gemv" in impl.knobs))
 
 
 def _mma_rows(bucket: Bucket, impl: KernelImpl, kind: str) -> tuple[int, ...]:
@@ -113,12 +120,19 @@ def _mma_rows(bucket: Bucket, impl: KernelImpl, kind: str) -> tuple[int, ...]:
 
 
 def knob_values(bucket: Bucket, impl: KernelImpl, kind: str) -> dict[str, tuple]:
-    """Values per honoured knob (the grid's and the current tile's); knobs the impl ignores are absent."""
+    """Values per honoured knob (the grid's and the current tile's, where the candidate is of its kind);
+    knobs the impl ignores are absent."""
     grid = dict(GRIDS[kind])
     if kind in (DECODE, MID):
         grid["block_m"] = _mma_rows(bucket, impl, kind)
+    several_rows = kind == GEMV and bucket.m_max > 1
+    if several_rows:
+        grid["mma_gemv"] = (True,)  # the CUDA-core GEMV runs one row at a time
     honoured = impl.knobs | BASE_KNOBS
     current = bucket.tile
+    # GEMV candidates where an MMA tile serves start from the grid and the defaults: the MMA tile's split
+    # and pipeline knobs are no GEMV's.
+    foreign = kind == GEMV and current.block_m != 1
     values = {}
     for knob in KNOBS:
         if knob not in honoured:
@@ -127,6 +141,8 @@ def knob_values(bucket: Bucket, impl: KernelImpl, kind: str) -> dict[str, tuple]
         mine = getattr(current, knob)
         if knob == "block_m" and (kind == GEMV or mine == 1):
             values[knob] = options  # GEMV candidates and MMA candidates never mix their row counts
+        elif foreign or (knob == "mma_gemv" and several_rows):
+            values[knob] = options or (Tile.model_fields[knob].default,)
         else:
             values[knob] = tuple(dict.fromkeys((*options, mine)))
     return values
