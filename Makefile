@@ -9,6 +9,8 @@ setup:
 	@# torch first and pinned: an unpinned `pip install torch` pulls GBs of CUDA wheels.
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -e ".[test]"
+	@# Fail here, naming the package, rather than at the first interpreted kernel.
+	$(PYTHON) -c "import numpy, triton, pydantic, jinja2, pytest"
 
 generate: setup
 	$(PYTHON) -m kdsl generate

@@ -3,17 +3,62 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
-DEFAULT_DEFS = Path("kernel_defs")
-DEFAULT_OUT = Path("generated")
+EPILOG = """\
+exit status:
+  0  done (a kernel fits, generated files are up to date, every result is correct)
+  1  the command ran but the answer is negative: no kernel fits, generated files are stale,
+     the definitions or a manifest do not load, a bench result is wrong
+  2  usage error: unknown op or scheme, bad arguments, nothing to run on (no GPU, no --arch)
+"""
+
+
+class UsageError(Exception):
+    """The user asked for something that does not exist: main prints it and exits 2."""
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type for sizes: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def arch(text: str) -> int:
+    """argparse type for --arch: 'sm_90' -> 90."""
+    from kdsl.naming import parse_arch
+
+    try:
+        return parse_arch(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _kernels(op: str | None) -> list:
+    """The registry's kernels (of op only, when given); an unknown op is a UsageError listing the known ones."""
+    from kdsl.registry import entries
+
+    kernels = list(entries())
+    if op is None:
+        return kernels
+    known = sorted({e.op for e in kernels})
+    if op not in known:
+        raise UsageError(f"unknown op {op!r}; known ops: {', '.join(known)}")
+    return [e for e in kernels if e.op == op]
 
 
 def _generate(args: argparse.Namespace) -> int:
     from kdsl.codegen import PlanError, compare, plan_kernels, render_all, write
     from kdsl.schema import DefinitionError, DefinitionGroupError, load_definitions
 
+    out = args.out.resolve()
     try:
         definitions = load_definitions(args.defs)
         kernels = plan_kernels(definitions)
@@ -21,32 +66,44 @@ def _generate(args: argparse.Namespace) -> int:
     except DefinitionGroupError as error:
         for each in error.errors:
             print(f"error: {each}", file=sys.stderr)
-        print(f"nothing written to {args.out}/", file=sys.stderr)
+        print(f"nothing written to {out}/", file=sys.stderr)
         return 1
     except (DefinitionError, PlanError) as error:
-        print(f"error: {error}\nnothing written to {args.out}/", file=sys.stderr)
+        print(f"error: {error}\nnothing written to {out}/", file=sys.stderr)
         return 1
     names = ", ".join(d.path.name for d in definitions)
     print(f"{len(kernels)} kernels from {len(definitions)} definition(s): {names}", file=sys.stderr)
     if args.check:
-        diff = compare(files, args.out)
+        diff = compare(files, out)
         if diff.clean:
-            print(f"{args.out}/ is up to date", file=sys.stderr)
+            print(f"{out}/ is up to date", file=sys.stderr)
             return 0
         for name in diff.changed:
-            print(f"stale: {args.out / name} (differs from what the definitions render)", file=sys.stderr)
+            print(f"stale: {out / name} (differs from what the definitions render)", file=sys.stderr)
         for name in diff.stale:
-            print(f"stale: {args.out / name} (no definition renders it)", file=sys.stderr)
+            print(f"stale: {out / name} (no definition renders it)", file=sys.stderr)
         print("run `python -m kdsl generate` and commit the result", file=sys.stderr)
         return 1
-    diff = write(files, args.out)
+    diff = write(files, out)
     for name in diff.changed:
-        print(f"wrote {args.out / name}", file=sys.stderr)
+        print(f"wrote {out / name}", file=sys.stderr)
     for name in diff.stale:
-        print(f"removed {args.out / name}", file=sys.stderr)
+        print(f"removed {out / name}", file=sys.stderr)
     unchanged = len(files) - len(diff.changed)
-    print(f"{len(diff.changed)} written, {len(diff.stale)} removed, {unchanged} unchanged in {args.out}/", file=sys.stderr)
+    print(f"{len(diff.changed)} written, {len(diff.stale)} removed, {unchanged} unchanged in {out}/", file=sys.stderr)
+    _warn_unless_read(out)
     return 0
+
+
+def _warn_unless_read(out: Path) -> None:
+    """Tell how to use a folder of kernels that the runtime does not search."""
+    from kdsl.registry import KERNEL_PATH_ENV, kernel_folders
+
+    if any(folder.resolve() == out for _, folder in kernel_folders()):
+        return
+    print(f"warning: kdsl does not read kernels from {out}/; to use them, either\n"
+          f"  export {KERNEL_PATH_ENV}={shlex.quote(str(out))}\n"
+          f'  or call kdsl.registry.add_generated("{out}") in Python', file=sys.stderr)
 
 
 def _schema(args: argparse.Namespace) -> int:
@@ -57,25 +114,19 @@ def _schema(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from kdsl.runtime.manifest import ManifestError
-    from kdsl.runtime.registry import entries
-
-    try:
-        kernels = [e for e in entries() if args.op is None or e.op == args.op]
-    except ManifestError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    kernels = _kernels(args.op)
     for entry in kernels:
         print(f"{entry.name}")
-        print(f"    op {entry.op}  impl {entry.impl}  scheme {entry.scheme}  arch {entry.arch_range()}")
+        print(f"    op {entry.op}  impl {entry.impl}  scheme {entry.scheme}  arch {entry.arch_range()}  "
+              f"from {entry.origin}")
         for bucket in entry.tiles:
             p = bucket.params
             bound = f"M <= {bucket.m_max}" if bucket.m_max is not None else "M rest"
             if bucket.n_min is not None:
                 bound += f", N >= {bucket.n_min}"
-            extras = "" if p["split_fill"] is None else f" split_fill={p['split_fill']}"
-            extras += "" if p["split_min_steps"] is None else f" split_min_steps={p['split_min_steps']}"
-            extras += " persistent" if p["persistent"] else ""
+            # The implementation's options that are set (switches by name), after the common geometry.
+            extras = "".join(f" {k}" if v is True else f" {k}={v}" for k, v in list(p.items())[7:]
+                             if v not in (None, False))
             print(f"    {bound:>20}: {p['BLOCK_M']}x{p['BLOCK_N']}x{p['BLOCK_K']} warps={p['num_warps']} "
                   f"stages={p['num_stages']} group_m={p['GROUP_M']} split_k={p['SPLIT_K']}{extras}")
     print(f"{len(kernels)} kernel(s)", file=sys.stderr)
@@ -83,14 +134,24 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
+    from kdsl.registry import NoKernelError, device_arch, explain, select
     from kdsl.runtime.manifest import ManifestError
-    from kdsl.runtime.registry import explain
 
+    schemes = sorted({e.scheme for e in _kernels(args.op)})
+    if args.scheme is not None and args.scheme not in schemes:
+        raise UsageError(f"unknown scheme {args.scheme!r} for op {args.op}; known schemes: {', '.join(schemes)}")
     try:
-        print(explain(args.op, args.scheme, arch=args.arch, m=args.m, n=args.n))
-    except (ManifestError, ValueError, RuntimeError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+        arch_number = device_arch() if args.arch is None else args.arch
+        print(explain(args.op, args.scheme, arch=arch_number, m=args.m, n=args.n))
+        select(args.op, args.scheme, arch=arch_number)
+    except NoKernelError:
+        return 1  # the trace above says why
+    except ManifestError:
+        raise
+    except ValueError as error:  # KDSL_ARCH is set to something that is not an arch
+        raise UsageError(str(error)) from None
+    except RuntimeError:  # from device_arch(): no GPU
+        raise UsageError("no CUDA device to select a kernel for: pass --arch sm_XX or set KDSL_ARCH") from None
     return 0
 
 
@@ -101,14 +162,22 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m kdsl", description=__doc__)
+    from kdsl import __version__
+    from kdsl.runtime.manifest import shipped_definitions_dir, shipped_dir
+
+    parser = argparse.ArgumentParser(prog="python -m kdsl", description=__doc__, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"kdsl {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    gen = commands.add_parser("generate", help="render kernel_defs/*.toml into generated/",
-                              description="Validate every definition, render every kernel, and write "
-                                          "generated/ (all or nothing: a bad definition writes nothing).")
-    gen.add_argument("--defs", type=Path, default=DEFAULT_DEFS, help="folder of *.toml definitions (default: %(default)s)")
-    gen.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: %(default)s)")
+    gen = commands.add_parser("generate", help="render kernel definitions (*.toml) into a folder of Triton kernels",
+                              description="Validate every definition, render every kernel, and write them with "
+                                          "their manifest.json into --out (all or nothing: a bad definition writes "
+                                          "nothing). Exit 1 if a definition is bad, or with --check if --out is stale.")
+    gen.add_argument("--defs", type=Path, default=shipped_definitions_dir(),
+                     help="folder of *.toml definitions (default: %(default)s)")
+    gen.add_argument("--out", type=Path, default=shipped_dir(),
+                     help="output folder (default: %(default)s, the kernels kdsl ships)")
     gen.add_argument("--check", action="store_true", help="write nothing; exit 1 listing stale files if --out differs")
     gen.set_defaults(func=_generate)
 
@@ -116,18 +185,22 @@ def build_parser() -> argparse.ArgumentParser:
                                  description="Print the JSON Schema of a kernel_defs/*.toml file, for editors.")
     schema.set_defaults(func=_schema)
 
-    lister = commands.add_parser("list", help="list the generated kernels",
-                                 description="List generated kernels: op, scheme, arch range and tiles per M bucket.")
+    lister = commands.add_parser("list", help="list the kernels the registry picks from",
+                                 description="List the kernels the registry picks from: op, scheme, arch range, "
+                                             "where each comes from (shipped, or a user folder) and its tiles per "
+                                             "M bucket. Exit 2 for an unknown --op.")
     lister.add_argument("--op", help="only this op")
     lister.set_defaults(func=_list)
 
     why = commands.add_parser("explain", help="show how the registry picks a kernel",
-                              description="Print every candidate kernel for OP and why it was chosen or refused.")
+                              description="Print every candidate kernel for OP and why it was chosen or refused. "
+                                          "Exit 1 if no kernel fits, 2 for an unknown op or scheme.")
     why.add_argument("op", metavar="OP", help="op name, e.g. fp8_gemm")
     why.add_argument("--scheme", help="scheme name, e.g. block_fp8.e4m3.w128x128.a128.f32 (default: any)")
-    why.add_argument("--arch", help="arch such as sm_90 (default: KDSL_ARCH, else this machine's GPU)")
-    why.add_argument("--m", type=int, help="rows of the problem, to show the tile bucket")
-    why.add_argument("--n", type=int, help="output columns of the problem, for definitions that tile by N too")
+    why.add_argument("--arch", type=arch, help="arch such as sm_90 (default: KDSL_ARCH, else this machine's GPU)")
+    why.add_argument("--m", type=non_negative_int, help="rows of the problem, to show the tile bucket")
+    why.add_argument("--n", type=non_negative_int,
+                     help="output columns of the problem, for definitions that tile by N too")
     why.set_defaults(func=_explain)
 
     demo = commands.add_parser("demo", help="run the generated kernels on a small example",
@@ -151,5 +224,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kdsl.runtime.manifest import ManifestError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except ManifestError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1

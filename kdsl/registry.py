@@ -1,12 +1,21 @@
-"""Public face of the kernel registry: `kdsl.registry.select(...)`, `explain(...)`, `reset()`."""
+"""Public face of the kernel registry: `kdsl.registry.select(...)`, `explain(...)`, `add_generated(...)`."""
 from kdsl.runtime.registry import (  # noqa: F401
     DISABLE_ENV,
     FORCE_ARCH_ENV,
+    GENERATED_ENV,
+    KERNEL_PATH_ENV,
     NoKernelError,
+    SchemeNotServedError,
+    add_generated,
     device_arch,
     dispatch,
     entries,
     explain,
+    kernel_folders,
+    remove_generated,
+    require_scheme,
     reset,
     select,
+    served_schemes,
+    shadowed,
 )

@@ -27,6 +27,7 @@ from reference import (
 import kdsl
 from kdsl import registry
 from kdsl.codegen.render import tile_params
+from kdsl.kernels.block_fp8.fp8_gemm_tma_persistent import IMPL as TMA_IMPL
 from kdsl.schema.tiling import Tile
 
 FP8_SCHEME = kdsl.BlockFP8()
@@ -343,7 +344,7 @@ def test_fp8_gemv_tiles(block_n, block_k, split_k, monkeypatch):
     activations are all zero (scale 0, as act_quant makes it) comes out exactly zero."""
     use_arch(monkeypatch, "sm_90")
     module = registry.dispatch("fp8_gemm", FP8_SCHEME.name, torch.device("cpu")).load()
-    tile = tile_params(Tile(block_m=1, block_n=block_n, block_k=block_k, split_k=split_k))
+    tile = tile_params(Tile(block_m=1, block_n=block_n, block_k=block_k, split_k=split_k), TMA_IMPL)
     torch.manual_seed(block_n + block_k + split_k)
     a, a_s, b, b_s = _gemm_operands((3,), 200, 640)
     a[1] = 0
@@ -580,14 +581,12 @@ def test_weight_dequant_bad_inputs(launched):
 
 
 def test_no_kernel_for_other_block_sizes_is_a_lookup_error():
-    """Argument checks pass, but no kernel was generated for 64x64 blocks (only when kernels run)."""
+    """Argument checks pass, but no kernel was generated for 64x64 blocks: refused on every path (the torch
+    fallback too), as a NoKernelError that is also a ValueError."""
     w = random_activations((72, 256), torch.bfloat16)
-    if not interpreting():
-        q, s = kdsl.ops.weight_quant(w, block_size=(64, 64))  # the torch fallback serves any block
-        assert s.shape == (2, 4)
-        return
-    with pytest.raises(kdsl.NoKernelError, match="weight_quant"):
+    with pytest.raises(kdsl.NoKernelError, match="weight_quant: block_size") as info:
         kdsl.ops.weight_quant(w, block_size=(64, 64))
+    assert isinstance(info.value, ValueError)
 
 
 @pytest.mark.skip(reason="mismatched devices need a second device; the CPU suite has only one")

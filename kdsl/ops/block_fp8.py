@@ -22,12 +22,20 @@ def act_quant(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, tor
 
     x [..., K] bf16/fp16/fp32 with K % group_size == 0. Returns q float8_e4m3fn [..., K]
     and s float32 [..., K // group_size]. An all-zero group gets a tiny finite scale and zeros.
+
+    NaN and inf (the same on the GPU, in Triton's interpreter and in the torch fallback): amax
+    leaves NaN elements out, so a NaN element's code is NaN (byte 0x7F) and the rest of its group
+    is quantized as if it were absent. A group holding +-inf gets amax = inf and s = +inf: the inf
+    elements' codes are NaN (inf / inf) and the finite ones 0, so every dequantized value of that
+    group (code * s) is NaN, and so is every fp8_gemm output that reads it.
     """
     check.tensor("x", x, FLOAT_INPUTS, min_ndim=1)
     check.positive_power_of_two("group_size", group_size)
     k = x.shape[-1]
     if k % group_size:
         raise ValueError(f"x: last dimension K = {k} must be a multiple of group_size = {group_size}")
+    scheme = _scheme(*DEFAULT_BLOCK, group_size)
+    registry.require_scheme("act_quant", scheme, f"group_size = {group_size}")
     # new_empty, and no views where x is already [M, K] rows: on a slow host each torch call costs
     # microseconds, and a launch this short waits for them (README, "Host time").
     q = x.new_empty(x.shape, dtype=FP8)
@@ -36,7 +44,7 @@ def act_quant(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, tor
         return q, s
     if not check.use_kernels(x.device):
         return fallback.act_quant(x, group_size)
-    entry = registry.dispatch("act_quant", _scheme(*DEFAULT_BLOCK, group_size), x.device)
+    entry = registry.dispatch("act_quant", scheme, x.device)
     if x.dim() == 2 and x.stride(1) == 1:
         entry.launch(x, q, s, entry.tile_for(x.shape[0]))
     else:
@@ -50,9 +58,16 @@ def weight_quant(w: torch.Tensor, block_size: tuple[int, int] = DEFAULT_BLOCK) -
 
     Returns q float8_e4m3fn [N, K] and s float32 [ceil(N / n), ceil(K / k)]; N and K need not
     be multiples of the block.
+
+    NaN and inf, per block as act_quant per group: NaN elements are left out of the amax and get
+    the NaN code (byte 0x7F), the rest of the block is quantized normally; a block holding +-inf
+    gets s = +inf, NaN codes for the inf elements and 0 for the finite ones, so the whole block
+    dequantizes to NaN, and every fp8_gemm output column that reads it is NaN.
     """
     check.tensor("w", w, FLOAT_INPUTS, ndim=2)
     block_n, block_k = _block("block_size", block_size)
+    scheme = _scheme(block_n, block_k, block_k)
+    registry.require_scheme("weight_quant", scheme, f"block_size = {(block_n, block_k)}")
     n, k = w.shape
     q = torch.empty((n, k), dtype=FP8, device=w.device)
     s = torch.empty((-(-n // block_n), -(-k // block_k)), dtype=torch.float32, device=w.device)
@@ -60,7 +75,7 @@ def weight_quant(w: torch.Tensor, block_size: tuple[int, int] = DEFAULT_BLOCK) -
         return q, s
     if not check.use_kernels(w.device):
         return fallback.weight_quant(w, block_n, block_k)
-    entry = registry.dispatch("weight_quant", _scheme(block_n, block_k, block_k), w.device)
+    entry = registry.dispatch("weight_quant", scheme, w.device)
     entry.launch(check.rows(w, k), q, s, entry.tile_for(n))
     return q, s
 
@@ -74,6 +89,8 @@ def weight_dequant(
     check.tensor("s", s, (torch.float32,), ndim=2)
     block_n, block_k = _block("block_size", block_size)
     check.out_dtype("out_dtype", out_dtype, FLOAT_INPUTS)
+    scheme = _scheme(block_n, block_k, block_k)
+    registry.require_scheme("weight_dequant", scheme, f"block_size = {(block_n, block_k)}")
     n, k = q.shape
     check.shape("s", s, (-(-n // block_n), -(-k // block_k)), f"one scale per {block_n}x{block_k} block of q")
     check.same_device(q=q, s=s)
@@ -82,8 +99,10 @@ def weight_dequant(
         return w
     if not check.use_kernels(q.device):
         return fallback.weight_dequant(q, s, block_n, block_k, out_dtype)
-    entry = registry.dispatch("weight_dequant", _scheme(block_n, block_k, block_k), q.device)
+    entry = registry.dispatch("weight_dequant", scheme, q.device)
     entry.launch(check.rows(q, k), s, w, entry.tile_for(n))
+    if q.device.type == "cpu":
+        w[_interpreter_lost_nan(q)] = float("nan")
     return w
 
 
@@ -129,7 +148,17 @@ def fp8_gemm(
     a2, a_s2, b, b_s = (_aligned(t) for t in (a2, a_s2, b, b_s))
     entry = registry.dispatch("fp8_gemm", _scheme(*DEFAULT_BLOCK, group), device)
     entry.launch(a2, a_s2, b, b_s, c if flat else c.view(-1, n), entry.tile_for(a2.shape[0], n))
+    if device.type == "cpu":
+        c2 = c if flat else c.view(-1, n)
+        c2[_interpreter_lost_nan(a2).any(dim=1)] = float("nan")
+        c2[:, _interpreter_lost_nan(b).any(dim=1)] = float("nan")
     return c
+
+
+def _interpreter_lost_nan(codes: torch.Tensor) -> torch.Tensor:
+    """Where e4m3 codes are NaN. Triton's CPU interpreter decodes the NaN code 0x7F as 480 (in tl.dot and
+    casts), so on the CPU the ops mark what read a NaN code, as the GPU's kernels compute it."""
+    return torch.isnan(codes.float())
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

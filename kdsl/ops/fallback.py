@@ -11,12 +11,24 @@ from kdsl.ops.gptq_checkpoint import unpack_rows, unpack_zeros
 
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-10  # same floor as the kernels: an all-zero group keeps a finite scale
+E4M3_NAN = 0x7F  # the NaN code the kernels write (torch's cast may keep a NaN's sign: 0xFF)
+
+
+def _amax(values: torch.Tensor, dim) -> torch.Tensor:
+    """max |values| over dim with NaN left out, floored like the kernels' (an inf gives inf)."""
+    return torch.where(values.isnan(), 0.0, values.abs()).amax(dim=dim).clamp_min(AMAX_FLOOR)
+
+
+def _to_e4m3(y: torch.Tensor) -> torch.Tensor:
+    """fp32 -> e4m3 with every NaN (a NaN input, or inf / inf) as the code E4M3_NAN."""
+    code = y.to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.where(y.isnan(), E4M3_NAN, code).view(torch.float8_e4m3fn)
 
 
 def act_quant(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     groups = x.float().unflatten(-1, (-1, group_size))
-    scale = groups.abs().amax(dim=-1).clamp_min(AMAX_FLOOR) / FP8_MAX
-    q = (groups / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).flatten(-2)
+    scale = _amax(groups, -1) / FP8_MAX
+    q = _to_e4m3(groups / scale.unsqueeze(-1)).flatten(-2)
     return q, scale
 
 
@@ -28,8 +40,8 @@ def weight_quant(w: torch.Tensor, block_n: int, block_k: int) -> tuple[torch.Ten
     n, k = w.shape
     padded = torch.nn.functional.pad(w.float(), (0, -k % block_k, 0, -n % block_n))
     blocks = padded.unflatten(0, (-1, block_n)).unflatten(2, (-1, block_k))  # [nb, bn, kb, bk]
-    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(AMAX_FLOOR) / FP8_MAX
-    q = (w.float() / _expand_blocks(scale, block_n, block_k, n, k)).to(torch.float8_e4m3fn)
+    scale = _amax(blocks, (1, 3)) / FP8_MAX
+    q = _to_e4m3(w.float() / _expand_blocks(scale, block_n, block_k, n, k))
     return q, scale
 
 

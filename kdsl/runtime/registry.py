@@ -5,9 +5,19 @@ max_arch] holds the arch and that are not disabled, the one with the highest
 min_arch wins (the most specialized); a capped range beats an open one at the
 same floor. Every refusal carries its reason, so a failed lookup explains itself.
 
+Kernel folders: the kernels kdsl ships, plus folders a user generated with
+`kdsl generate --defs my_defs --out my_kernels` and added through
+KDSL_KERNEL_PATH or add_generated(). Shadowing rule: a user folder's kernel with
+the same name as a shipped one replaces it (the first folder in search order
+wins: KDSL_KERNEL_PATH in its order, then add_generated() calls, latest first,
+then the shipped kernels); kernels with different names compete by the
+selection rule, and at equal arch ranges the earlier folder wins.
+
 Environment:
   KDSL_ARCH=sm_90        select as if the device were this arch (also on CPU)
   KDSL_DISABLE=a,b*      never pick kernels whose name matches (fnmatch patterns)
+  KDSL_KERNEL_PATH=d1:d2 extra folders of generated kernels, before the shipped ones
+  KDSL_GENERATED=dir     use this folder instead of the shipped kernels
 Read once; call reset() after changing them.
 """
 from __future__ import annotations
@@ -19,7 +29,17 @@ from dataclasses import dataclass
 import torch
 
 from kdsl.naming import format_arch, parse_arch
-from kdsl.runtime.manifest import KernelEntry, load_manifest
+from pathlib import Path
+
+from kdsl.runtime.manifest import (
+    GENERATED_ENV,
+    KERNEL_PATH_ENV,
+    SHIPPED,
+    KernelEntry,
+    extra_dirs_from_env,
+    load_manifest,
+    shipped_dir,
+)
 
 FORCE_ARCH_ENV = "KDSL_ARCH"
 DISABLE_ENV = "KDSL_DISABLE"
@@ -40,6 +60,17 @@ class NoKernelError(LookupError):
         super().__init__("\n".join(lines))
 
 
+
+
+class SchemeNotServedError(NoKernelError, ValueError):
+    """The op was asked for a scheme that no generated kernel serves, on any arch. Raised the same way
+    whether kernels or the torch fallback would run; a NoKernelError, and a ValueError (a bad argument)."""
+
+    def __init__(self, op: str, scheme: str, message: str):
+        self.op, self.scheme, self.arch, self.refusals = op, scheme, None, []
+        LookupError.__init__(self, message)
+
+
 @dataclass(frozen=True)
 class _Settings:
     forced_arch: int | None
@@ -47,11 +78,45 @@ class _Settings:
 
 
 _state: dict = {}
+_added: list[Path] = []  # add_generated() folders, latest first; kept across reset()
 
 
 def reset() -> None:
-    """Forget the manifest, the environment settings and the dispatch cache."""
+    """Forget the manifests, the environment settings and the dispatch cache (not add_generated folders)."""
     _state.clear()
+
+
+def add_generated(folder) -> None:
+    """Add a folder written by `kdsl generate --out FOLDER` to the kernels the registry picks from.
+
+    Its manifest is read now, so a wrong folder fails here, naming it. A kernel in it with the name of a
+    shipped kernel replaces that kernel (see the module docstring for the rule)."""
+    path = Path(folder).resolve()
+    load_manifest(path, origin=str(path))  # raises ManifestError naming the file
+    if path in _added:
+        _added.remove(path)
+    _added.insert(0, path)
+    reset()
+
+
+def remove_generated(folder) -> None:
+    """Undo add_generated(folder)."""
+    path = Path(folder).resolve()
+    if path in _added:
+        _added.remove(path)
+        reset()
+
+
+def kernel_folders() -> list[tuple[str, Path]]:
+    """(origin, folder) in search order: KDSL_KERNEL_PATH, add_generated() folders, the shipped kernels."""
+    user = [p.resolve() for p in extra_dirs_from_env()] + [p for p in _added]
+    seen, folders = set(), []
+    for path in user:
+        if path not in seen:
+            seen.add(path)
+            folders.append((str(path), path))
+    folders.append((SHIPPED, shipped_dir()))
+    return folders
 
 
 def _settings() -> _Settings:
@@ -68,10 +133,49 @@ def _settings() -> _Settings:
 
 
 def entries() -> tuple[KernelEntry, ...]:
+    """Every kernel the registry may pick, shadowed ones left out, in folder search order."""
     loaded = _state.get("entries")
     if loaded is None:
-        loaded = _state["entries"] = load_manifest()
+        picked: dict[str, KernelEntry] = {}
+        shadowed: dict[str, tuple[KernelEntry, KernelEntry]] = {}
+        for origin, folder in kernel_folders():
+            for entry in load_manifest(folder, origin=origin):
+                if entry.name in picked:
+                    shadowed[f"{entry.name}@{origin}"] = (entry, picked[entry.name])
+                else:
+                    picked[entry.name] = entry
+        loaded = _state["entries"] = tuple(picked.values())
+        _state["shadowed"] = tuple(shadowed.values())
     return loaded
+
+
+def shadowed() -> tuple[tuple[KernelEntry, KernelEntry], ...]:
+    """(hidden entry, the entry that replaces it) for every kernel a user folder shadows."""
+    entries()
+    return _state["shadowed"]
+
+
+def served_schemes(op: str | None = None) -> frozenset[str]:
+    """Scheme names some generated kernel serves for op (None: for any op)."""
+    served = _state.get("served")
+    if served is None:
+        served = {}
+        for entry in entries():
+            served.setdefault(entry.op, set()).add(entry.scheme)
+            served.setdefault(None, set()).add(entry.scheme)
+        served = _state["served"] = {key: frozenset(value) for key, value in served.items()}
+    return served.get(op, frozenset())
+
+
+def require_scheme(op: str, scheme: str, asked: str) -> None:
+    """Refuse a scheme no generated kernel serves, the same way whether kernels or the torch fallback
+    would run. `asked` names the arguments that chose the scheme, e.g. "group_size = 64"."""
+    served = served_schemes(op)
+    if scheme not in served:
+        raise SchemeNotServedError(op, scheme,
+            f"{op}: {asked} selects scheme {scheme}, which no generated kernel serves; "
+            f"served: {', '.join(sorted(served)) or 'none'} (add it to a definition and run `kdsl generate`)"
+        )
 
 
 def device_arch(device: torch.device | None = None) -> int:
@@ -105,7 +209,10 @@ def _arch_number(arch) -> int:
 
 
 def _specificity(entry: KernelEntry) -> tuple:
-    return (entry.min_arch, entry.max_arch is not None, -(entry.max_arch or 0), entry.name)
+    # At an equal arch range, a user folder beats the shipped kernels (earlier folders beat later ones).
+    rank = _state.setdefault("folder_rank", {o: -i for i, (o, _) in enumerate(kernel_folders())})
+    return (entry.min_arch, entry.max_arch is not None, -(entry.max_arch or 0), rank.get(entry.origin, -99),
+            entry.name)
 
 
 def _judge(op: str, scheme: str | None, arch: int) -> tuple[KernelEntry | None, list[tuple[str, str]]]:
@@ -115,13 +222,13 @@ def _judge(op: str, scheme: str | None, arch: int) -> tuple[KernelEntry | None, 
         if entry.op != op:
             continue
         if scheme is not None and entry.scheme != scheme:
-            verdicts.append((entry.name, f"refused: scheme {entry.scheme}, wanted {scheme}"))
+            verdicts.append((entry.label, f"refused: scheme {entry.scheme}, wanted {scheme}"))
         elif any(fnmatch.fnmatchcase(entry.name, pattern) for pattern in disabled):
-            verdicts.append((entry.name, f"refused: disabled by {DISABLE_ENV}"))
+            verdicts.append((entry.label, f"refused: disabled by {DISABLE_ENV}"))
         elif arch < entry.min_arch:
-            verdicts.append((entry.name, f"refused: needs {format_arch(entry.min_arch)} or newer"))
+            verdicts.append((entry.label, f"refused: needs {format_arch(entry.min_arch)} or newer"))
         elif entry.max_arch is not None and arch > entry.max_arch:
-            verdicts.append((entry.name, f"refused: runs only up to {format_arch(entry.max_arch)}"))
+            verdicts.append((entry.label, f"refused: runs only up to {format_arch(entry.max_arch)}"))
         else:
             fitting.append(entry)
     chosen = max(fitting, key=_specificity) if fitting else None
@@ -130,9 +237,9 @@ def _judge(op: str, scheme: str | None, arch: int) -> tuple[KernelEntry | None, 
             continue
         if entry.scheme != chosen.scheme:
             # No scheme was named: kernels of other schemes are not ranked against each other.
-            verdicts.append((entry.name, f"fits {entry.arch_range()} for scheme {entry.scheme}; name a scheme to pick it"))
+            verdicts.append((entry.label, f"fits {entry.arch_range()} for scheme {entry.scheme}; name a scheme to pick it"))
         else:
-            verdicts.append((entry.name, f"fits {entry.arch_range()}, but {chosen.name} is more specific"))
+            verdicts.append((entry.label, f"fits {entry.arch_range()}, but {chosen.name} is more specific"))
     return chosen, verdicts
 
 
@@ -154,8 +261,11 @@ def explain(op: str, scheme=None, arch: str | int | None = None, m: int | None =
              + ("" if n is None else f" n={n}")]
     if chosen is not None:
         bucket = chosen.bucket_index(m, n)
-        lines.append(f"  {chosen.name}: CHOSEN ({chosen.arch_range()}), tile bucket {bucket}: {chosen.tiles[bucket].params}")
+        lines.append(f"  {chosen.label}: CHOSEN ({chosen.arch_range()}), tile bucket {bucket}: {chosen.tiles[bucket].params}")
     lines += [f"  {entry_name}: {reason}" for entry_name, reason in verdicts]
+    for hidden, winner in shadowed():
+        if hidden.op == op:
+            lines.append(f"  {hidden.label}: shadowed by {winner.label}")
     if chosen is None:
         lines.append("  => no kernel fits" + ("" if verdicts else f": none generated for {op}"))
     return "\n".join(lines)

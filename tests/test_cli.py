@@ -1,0 +1,163 @@
+"""The command line: exit codes (0 ok, 1 negative answer, 2 usage error), messages, generate's defaults."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kdsl
+from kdsl import registry
+from kdsl.cli import build_parser, main
+from kdsl.runtime.manifest import shipped_definitions_dir, shipped_dir
+
+FP8_SCHEME = "block_fp8.e4m3.w128x128.a128.f32"
+
+
+@pytest.fixture(autouse=True)
+def _no_user_folders(monkeypatch):
+    """Only the shipped kernels, whatever the calling shell exports."""
+    monkeypatch.delenv(registry.KERNEL_PATH_ENV, raising=False)
+    monkeypatch.delenv(registry.GENERATED_ENV, raising=False)
+    registry.reset()
+
+
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    """main(args) in this process: (exit code, stdout, stderr); argparse's exits give their code."""
+    try:
+        code = main(list(args))
+    except SystemExit as done:
+        code = done.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def subprocess_kdsl(*args, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in (registry.KERNEL_PATH_ENV, registry.GENERATED_ENV)}
+    return subprocess.run([sys.executable, "-m", "kdsl", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_version(capsys, tmp_path):
+    assert run(capsys, "--version") == (0, f"kdsl {kdsl.__version__}\n", "")
+    done = subprocess_kdsl("--version", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"kdsl {kdsl.__version__}\n"
+
+
+def test_help_documents_exit_codes(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    epilog = out[out.index("exit status:"):]
+    for status in ("0", "1", "2"):
+        assert f"\n  {status}  " in epilog
+
+
+@pytest.mark.parametrize("args", [("explain", "fp8_gem", "--arch", "sm_90"), ("list", "--op", "nosuchop")])
+def test_unknown_op_lists_the_known_ops(capsys, args):
+    code, out, err = run(capsys, *args)
+    known = sorted({e.op for e in registry.entries()})
+    assert code == 2
+    assert out == ""
+    assert err.startswith("error: unknown op") and args[1 if args[0] == "explain" else 2] in err
+    assert ", ".join(known) in err
+
+
+def test_explain_exits_1_when_no_kernel_fits_and_0_when_one_does(capsys):
+    code, out, err = run(capsys, "explain", "fp8_gemm", "--arch", "sm_80")
+    assert code == 1
+    assert "no kernel fits" in out and "refused: needs sm_89 or newer" in out  # the trace is still printed
+    code, out, err = run(capsys, "explain", "fp8_gemm", "--arch", "sm_90", "--m", "1")
+    assert code == 0, err
+    assert "CHOSEN" in out
+
+
+def test_explain_unknown_scheme_lists_the_op_schemes(capsys):
+    code, out, err = run(capsys, "explain", "fp8_gemm", "--scheme", "block_fp8.e5m2", "--arch", "sm_90")
+    assert code == 2 and out == ""
+    assert err.startswith("error: unknown scheme 'block_fp8.e5m2' for op fp8_gemm")
+    schemes = sorted({e.scheme for e in registry.entries() if e.op == "fp8_gemm"})
+    assert ", ".join(schemes) in err
+    assert "gptq." not in err  # only the op's schemes
+
+
+def test_explain_bad_arch_is_a_usage_error(capsys):
+    code, out, err = run(capsys, "explain", "fp8_gemm", "--arch", "hopper")
+    assert code == 2
+    assert "error: argument --arch" in err and "sm_90" in err
+
+
+@pytest.mark.parametrize("option, value", [("--m", "-5"), ("--n", "-1")])
+def test_negative_sizes_are_refused(capsys, option, value):
+    code, _, err = run(capsys, "explain", "fp8_gemm", "--arch", "sm_90", option, value)
+    assert code == 2
+    assert f"argument {option}: must be >= 0" in err
+    assert run(capsys, "explain", "fp8_gemm", "--arch", "sm_90", option, "0")[0] == 0
+
+
+def test_explain_without_an_arch_to_select_for(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, _, err = run(capsys, "explain", "fp8_gemm")
+    assert code == 2
+    assert err.startswith("error: no CUDA device") and "--arch" in err
+    monkeypatch.setenv(registry.FORCE_ARCH_ENV, "hopper")
+    registry.reset()
+    code, _, err = run(capsys, "explain", "fp8_gemm", "--arch", "sm_90")
+    assert code == 2
+    assert err.startswith("error: KDSL_ARCH='hopper'")
+
+
+def test_list_says_where_each_kernel_comes_from(capsys, monkeypatch, tmp_path):
+    code, out, _ = run(capsys, "list")
+    assert code == 0
+    assert out.count("  from shipped\n") == len(registry.entries())
+    # A user folder (here a copy of the shipped kernels) shadows them: list names it.
+    user = tmp_path / "mine"
+    shutil.copytree(shipped_dir(), user, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setenv(registry.KERNEL_PATH_ENV, str(user))
+    registry.reset()
+    code, out, _ = run(capsys, "list", "--op", "act_quant")
+    assert code == 0
+    assert f"  from {user.resolve()}\n" in out and "from shipped" not in out
+
+
+def test_generate_defaults_are_the_shipped_folders(capsys, monkeypatch):
+    args = build_parser().parse_args(["generate"])
+    assert args.defs == shipped_definitions_dir() and args.out == shipped_dir()
+    monkeypatch.setenv("COLUMNS", "1000")  # keep the paths on one line of help
+    code, out, _ = run(capsys, "generate", "--help")
+    assert code == 0
+    assert f"(default: {shipped_definitions_dir()})" in out and f"(default: {shipped_dir()}" in out
+
+
+def test_generate_names_the_absolute_folder_and_how_to_use_it(capsys, monkeypatch, tmp_path, repo_root):
+    monkeypatch.chdir(tmp_path)
+    out_dir = (tmp_path / "mine").resolve()
+    code, _, err = run(capsys, "generate", "--defs", str(repo_root / "kernel_defs"), "--out", "mine")
+    assert code == 0, err
+    assert f"unchanged in {out_dir}/" in err
+    assert (out_dir / "manifest.json").is_file()
+    assert f"export KDSL_KERNEL_PATH={out_dir}" in err
+    assert f'kdsl.registry.add_generated("{out_dir}")' in err
+    # A folder the runtime already reads gets no warning.
+    monkeypatch.setenv(registry.KERNEL_PATH_ENV, str(out_dir))
+    code, _, err = run(capsys, "generate", "--defs", str(repo_root / "kernel_defs"), "--out", "mine")
+    assert code == 0, err
+    assert "warning" not in err
+
+
+def test_generate_from_another_directory(repo_root, tmp_path):
+    out_dir = (tmp_path / "kernels").resolve()
+    done = subprocess_kdsl("generate", "--defs", repo_root / "kernel_defs", "--out", out_dir, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"in {out_dir}/" in done.stderr
+    assert "warning:" in done.stderr and f"export KDSL_KERNEL_PATH={out_dir}" in done.stderr
+    assert (out_dir / "manifest.json").is_file()
+    # --defs defaults to the shipped definitions wherever the command runs.
+    done = subprocess_kdsl("generate", "--check", "--out", out_dir, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"{out_dir}/ is up to date" in done.stderr
