@@ -10,9 +10,8 @@ reference.
 import torch, triton, triton.testing
 import kdsl, kdsl.ops as ops
 from kdsl.bench import timing as T
-from kdsl.naming import gptq_scheme_name
 
-entry = kdsl.registry.dispatch("gptq_gemm_prepared", gptq_scheme_name(4, 128, "gptq"), torch.device("cuda"))
+entry = kdsl.registry.dispatch("w4a16_gemm", "w4a16.int4.g128", torch.device("cuda"))
 module = entry.load()
 g = lambda fn: triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
 print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)

@@ -1,6 +1,6 @@
 """Run the prepared GPTQ GEMM four times at M N K (argv) so Nsight Compute can profile one launch:
 
-    ncu --clock-control none -k regex:gptq_gemm_prepared --launch-skip 3 --launch-count 1 \
+    ncu --clock-control none -k regex:w4a16_gemm --launch-skip 3 --launch-count 1 \
         --section SpeedOfLight --section Occupancy --section WarpStateStats \
         python benchmarks/ncu_gptq.py 16 28672 8192
 

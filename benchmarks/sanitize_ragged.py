@@ -4,6 +4,7 @@ import torch
 import kdsl
 from kdsl import ops
 from kdsl.codegen.render import tile_params
+from kdsl.kernels.block_fp8.fp8_gemm_tma_persistent import IMPL as TMA_IMPL
 from kdsl.schema.tiling import Tile
 
 torch.manual_seed(0)
@@ -11,7 +12,7 @@ torch.manual_seed(0)
 # (1, 72, 384) ends mid-strip and mid-step. (40, 16400, 384): the wide-N tile of M <= 64 (n_min),
 # 16 columns past whole tiles. (300, 2112, 384) and (4100, 1000, 384): the Gluon deferred-rescale
 # tiles of M <= 512 and above, ragged in M and N, three K blocks (the odd tail); (520, 136, 256): two.
-gemv = tile_params(Tile(block_m=1, block_n=64, block_k=256, split_k=8))
+gemv = tile_params(Tile(block_m=1, block_n=64, block_k=256, split_k=8), TMA_IMPL)
 fp8_module = kdsl.registry.dispatch("fp8_gemm", kdsl.BlockFP8().name, torch.device("cuda")).load()
 for m, n, k in [(1, 2112, 7168), (3, 72, 256), (1, 576, 7168), (1, 72, 384), (100, 2112, 7168), (130, 72, 384), (40, 16400, 384),
                 (300, 2112, 384), (4100, 1000, 384), (520, 136, 256)]:

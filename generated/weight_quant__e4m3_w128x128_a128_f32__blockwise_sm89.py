@@ -3,7 +3,7 @@
 # kernel: weight_quant__e4m3_w128x128_a128_f32__blockwise_sm89 (weight_quant/blockwise: one program per weight block, amax scaling to e4m3)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 440314aa69a53c4a (sha256 of the definition file and the templates)
+# digest: bb24291f73ceaa9c (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -17,12 +17,17 @@ AMAX_FLOOR = tl.constexpr(1e-10)
 
 @triton.jit
 def _to_e4m3(x, dtype: tl.constexpr, ROUND_FIRST: tl.constexpr):
-    """x (fp32, within +-448) cast to e4m3. The GPU's cast rounds to nearest even; Triton's CPU
+    """x (fp32, within +-448, or NaN) cast to e4m3. The GPU's cast rounds to nearest even; Triton's CPU
     interpreter misrounds when rounding carries into the exponent, so there (ROUND_FIRST) x is
-    first rounded onto the e4m3 grid and the cast is exact: both give the same codes."""
+    first rounded onto the e4m3 grid and the cast is exact: both give the same codes.
+    A NaN x (a NaN input, or inf / inf in a group holding +-inf) gets e4m3's NaN code 0x7F on
+    both paths: the grid rounding's bit tricks would turn it into a finite code."""
     if ROUND_FIRST:
-        x = _round_to_e4m3_grid(x)
-    return x.to(dtype)
+        q = _round_to_e4m3_grid(x).to(dtype)
+    else:
+        q = x.to(dtype)
+    code = tl.where(x != x, 0x7F, q.to(tl.uint8, bitcast=True)).to(tl.uint8)
+    return code.to(dtype, bitcast=True)
 
 
 @triton.jit
@@ -40,6 +45,15 @@ def _round_to_e4m3_grid(x):
 
 
 @triton.jit
+def _abs_nan_as_zero(x):
+    """|x| with NaN elements as 0, for an amax that leaves NaN out: tl.maximum's default (maxnum)
+    returns the non-NaN operand, on the GPU and in the interpreter alike; tl.max's own NaN handling,
+    which differs between them, is not relied on. (tl.where(x == x, tl.abs(x), 0.0) gives the same,
+    but made weight_quant 1.2x slower on an H100.)"""
+    return tl.maximum(tl.abs(x), 0.0)
+
+
+@triton.jit
 def weight_quant__e4m3_w128x128_a128_f32__blockwise_sm89(w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_sn, ROUND_FIRST: tl.constexpr):
     """One program quantizes one BLOCK_N x BLOCK_K weight block (edge blocks are masked)."""
     pid_n = tl.program_id(0)
@@ -49,7 +63,8 @@ def weight_quant__e4m3_w128x128_a128_f32__blockwise_sm89(w_ptr, q_ptr, s_ptr, N,
     inside = (rows[:, None] < N) & (cols[None, :] < K)
 
     w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.max(tl.abs(w), axis=1), axis=0), AMAX_FLOOR)
+    # NaN elements are left out of amax and get NaN codes (_to_e4m3); an inf makes amax and scale inf.
+    amax = tl.maximum(tl.max(tl.max(_abs_nan_as_zero(w), axis=1), axis=0), AMAX_FLOOR)
     scale = tl.div_rn(amax, FP8_MAX)
     q = _to_e4m3(tl.div_rn(w, scale), q_ptr.dtype.element_ty, ROUND_FIRST)
 
@@ -60,7 +75,7 @@ def weight_quant__e4m3_w128x128_a128_f32__blockwise_sm89(w_ptr, q_ptr, s_ptr, N,
 # Tiles per M bucket, from the definition: (largest M served or None for the rest,
 # smallest N served or None, launch parameters); the first that serves (M, N) is used.
 TILES = (
-    (None, None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'split_fill': None, 'split_min_steps': None, 'num_warps': 8, 'num_stages': 3, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'deferred_rescale': False, 'overlap_dequant': False, 'edge_tiles': False, 'mma_gemv': False}),
+    (None, None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 8, 'num_stages': 3}),
 )
 
 

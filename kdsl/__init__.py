@@ -12,7 +12,29 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 from kdsl import ops, registry  # noqa: E402
 from kdsl.runtime.registry import NoKernelError  # noqa: E402
-from kdsl.schema import GPTQ, BlockFP8, scheme_from_hf  # noqa: E402
+from kdsl.runtime.registry import SchemeNotServedError, served_schemes  # noqa: E402
+from kdsl.schema import GPTQ, BlockFP8  # noqa: E402
+from kdsl.schema import scheme_from_hf as _scheme_from_config  # noqa: E402
 
-__all__ = ["BlockFP8", "GPTQ", "scheme_from_hf", "NoKernelError", "ops", "registry"]
+
+def scheme_from_hf(config: dict) -> BlockFP8 | GPTQ:
+    """Map a Hugging Face ``quantization_config`` dict to a kdsl scheme that generated kernels serve.
+
+    Keys that do not affect kernels are ignored. What kdsl cannot express raises ValueError naming the
+    key; a valid scheme that no generated kernel serves (weight_block_size [64, 64], say) raises
+    SchemeNotServedError (a ValueError) naming it and the schemes that are served.
+    """
+    scheme = _scheme_from_config(config)
+    missing = [name for name in scheme.kernel_schemes if name not in served_schemes()]
+    if missing:
+        family = missing[0].split(".")[0]
+        served = sorted(s for s in served_schemes() if s.split(".")[0] == family)
+        raise SchemeNotServedError(None, scheme.name,
+            f"quantization_config selects scheme {scheme.name}, whose kernels ({', '.join(missing)}) were not "
+            f"generated; served: {', '.join(served) or 'none'} (add it to a definition and run `kdsl generate`)"
+        )
+    return scheme
+
+
+__all__ = ["BlockFP8", "GPTQ", "scheme_from_hf", "NoKernelError", "SchemeNotServedError", "ops", "registry"]
 __version__ = "0.1.0"

@@ -39,6 +39,16 @@ def gptq_scheme_name(bits: int, group_size: int, checkpoint_format: str) -> str:
     return f"gptq.int{bits}.{group}.{checkpoint_format}"
 
 
+def w4a16_scheme_name(bits: int, group_size: int) -> str:
+    """Prepared W4A16 weights, whatever checkpoint they came from (GPTQ v1/v2, AWQ), e.g. 'w4a16.int4.g128'.
+
+    Preparation folds each format's zero convention and packing into one layout, so the
+    kernels that read it are keyed by bits and group size only.
+    """
+    group = "gall" if group_size == -1 else f"g{group_size}"
+    return f"w4a16.int{bits}.{group}"
+
+
 def kernel_name(op: str, scheme_name: str, variant: str, min_arch: int) -> str:
     """CUTLASS-style procedural name: op, scheme, variant and the lowest arch it runs on."""
     scheme_part = scheme_name.split(".", 1)[1].replace(".", "_")

@@ -34,13 +34,14 @@ from typing import Callable
 import pytest
 
 from kdsl.codegen.render import tile_params
+from kdsl.kernels import find_impl
 from kdsl.runtime.manifest import KernelEntry, load_manifest
 from kdsl.schema.tiling import Tile
 
 pytestmark = pytest.mark.slow
 
 COMPILE_ARCHS = (80, 86, 89, 90)
-FULL_GPTQ_SCHEME = "gptq.int4.g128.gptq"
+FULL_GPTQ_SCHEMES = ("gptq.int4.g128.gptq", "w4a16.int4.g128")
 
 # ---------------------------------------------------------------------------------------------
 # Signatures, as launch() in each generated module calls the kernel.
@@ -132,7 +133,7 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
     ),
     # Prepared GPTQ: act-order resolved (HAS_PERM, groups contiguous) with the GPU's asm unpack;
     # split-K of at least 2 so the in-kernel reduction is in the compiled code.
-    ("gptq_gemm_prepared", "splitk"): KernelSignature(
+    ("w4a16_gemm", "splitk"): KernelSignature(
         args={"x_ptr": "*{out}", "perm_ptr": "*i32", "qw_ptr": "*i32", "z_ptr": "*{out}", "s_ptr": "*{out}",
               "g_ptr": "*i32", "y_ptr": "*{out}", "ws_ptr": F32, "count_ptr": "*i32",
               "M": I32, "N": I32, "K": I32,
@@ -145,7 +146,7 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
                                              else tile["BLOCK_K"]),
                     "SPLIT_K": lambda tile: max(tile["SPLIT_K"], 2),
                     "MAGIC_BITS": lambda tile: 0x6400, "MAGIC_BIAS": lambda tile: 1024,
-                    "FP32_MATH": lambda tile: False, "ASM_DEQUANT": lambda tile: True, "SWAP_AB": "swap_ab",
+                    "FP32_MATH": lambda tile: False, "ASM_DEQUANT": lambda tile: True,
                     "HALF2_DOT": lambda tile: tile["BLOCK_M"] == 1 and tile["out"] == "fp16",
                     "SCALE_AFTER": lambda tile: tile["BLOCK_M"] <= 16,
                     # The k_planes fp16 GEMV unrolls over a compile-time K: one of the bench's.
@@ -200,7 +201,7 @@ GLUON_KERNELS: dict[tuple[str, str], tuple[GluonKernel, ...]] = {
         gluon=True,
     )),),
     # x, the k_planes words (PLANE_ROWS = 16 per column) and the (scale, zero) pairs come by TMA.
-    ("gptq_gemm_prepared", "splitk"): (GluonKernel("overlap_dequant", "overlap", KernelSignature(
+    ("w4a16_gemm", "splitk"): (GluonKernel("overlap_dequant", "overlap", KernelSignature(
         args={"x_desc": "tensordesc<{out}[{BLOCK_M}, {BLOCK_K}]>", "w_desc": "tensordesc<i32[{BLOCK_N}, 16]>",
               "p_desc": "tensordesc<i32[1, {BLOCK_N}]>", "y_ptr": "*{out}", "ws_ptr": F32, "count_ptr": "*i32",
               "M": I32, "N": I32, "K": I32, "stride_ym": I32},
@@ -247,10 +248,12 @@ ENTRIES = {entry.name: entry for entry in load_manifest()}
 # Tiles the templates take but no shipped definition uses, compiled by name (Job.tile).
 EXTRA_TILES: dict[str, dict] = {
     # The block-FP8 GEMV (block_m = 1): measured, then not picked for M = 1 (kernel_defs/block_fp8.toml).
-    "fp8-gemv": tile_params(Tile(block_m=1, block_n=64, block_k=256, split_k=8)),
+    "fp8-gemv": tile_params(Tile(block_m=1, block_n=64, block_k=256, split_k=8),
+                            find_impl("fp8_gemm", "tma_persistent")),
     # The Triton GEMV of prepared GPTQ weights: mma_gemv tiles fall back to it off the GPU's fast path
     # (groups that change inside a plane tile, more than 8 rows), and definitions without the knob take it.
-    "gptq-gemv": tile_params(Tile(block_m=1, block_n=16, block_k=2048, num_warps=4)),
+    "gptq-gemv": tile_params(Tile(block_m=1, block_n=16, block_k=2048, num_warps=4),
+                             find_impl("w4a16_gemm", "splitk")),
 }
 
 
@@ -396,7 +399,7 @@ def _matrix():
             reason = f"no signature for {entry.op}/{entry.impl}: add a row to SIGNATURES in tests/test_compile_matrix.py"
             yield pytest.param(Job(entry.name, 0, 0), id=f"{entry.name}-no-signature", marks=pytest.mark.skip(reason=reason))
             continue
-        if entry.scheme.startswith("gptq.") and entry.scheme != FULL_GPTQ_SCHEME:
+        if entry.scheme.startswith(("gptq.", "w4a16.")) and entry.scheme not in FULL_GPTQ_SCHEMES:
             # The GPTQ schemes differ only in baked constants: one scheme gets the whole
             # matrix, the others one compile each (newest arch, prefill tile) to keep CI short.
             cc, index = archs_of(entry)[-1], len(entry.tiles) - 1
@@ -497,7 +500,7 @@ def test_deferred_rescale_keeps_one_wgmma_in_flight(job, compiled):
 
 
 GPTQ_HOPPER = next(e for e in ENTRIES.values()
-                   if e.op == "gptq_gemm_prepared" and e.scheme == FULL_GPTQ_SCHEME and e.min_arch == 90)
+                   if e.op == "w4a16_gemm" and e.scheme == "w4a16.int4.g128" and e.min_arch == 90)
 OVERLAP = [i for i, tile in enumerate(GPTQ_HOPPER.tiles) if tile.params["overlap_dequant"]]
 
 

@@ -16,8 +16,11 @@ import torch
 import kdsl
 import reference_gptq as ref
 from kdsl.codegen.render import tile_params
+from kdsl.kernels.w4a16.splitk import IMPL as W4A16_IMPL
 from kdsl.ops import gptq_prepare
-from kdsl.ops.gptq_prepare import checkpoint_rows, pack_planes, unpack_planes
+from conftest import REPO_ROOT
+from kdsl.ops.gptq_checkpoint import unpack_zeros
+from kdsl.ops.w4a16 import checkpoint_rows, pack_planes, unpack_planes
 from kdsl.schema.tiling import Tile
 
 TOL = 1e-2
@@ -92,7 +95,7 @@ def test_prepared_gemm_matches_reference_and_raw(fmt, group_size, g_idx, m, weig
 
 
 def _tile(block_m, block_n, block_k, split_k):
-    return tile_params(Tile(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k, num_stages=1))
+    return tile_params(Tile(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k, num_stages=1), W4A16_IMPL)
 
 
 @pytest.mark.parametrize("group_size, g_idx, block_k", [
@@ -111,7 +114,7 @@ def test_gemv_tile_over_many_k_blocks(group_size, g_idx, block_k, split_k, dtype
     ck = ref.make_checkpoint(k, n, group_size=group_size, checkpoint_format="gptq", g_idx=g_idx, scale_dtype=dtype)
     prepared = _prepare(ck, group_size, "gptq")
     x = torch.randn(1, k).to(dtype)
-    entry = kdsl.registry.select("gptq_gemm_prepared", prepared.scheme, arch="sm_89")
+    entry = kdsl.registry.select("w4a16_gemm", prepared.scheme, arch="sm_89")
     y = torch.full((1, n), float("nan"), dtype=dtype)
     entry.launch(x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
                  prepared.contiguous_groups, y, _tile(1, 64, block_k, split_k))
@@ -160,7 +163,7 @@ def test_every_planes_tile_matches_reference(g_idx, weights_layout):
     k, n = 384, 136
     ck = ref.make_checkpoint(k, n, group_size=128, checkpoint_format="gptq", g_idx=g_idx)
     prepared = _prepare(ck, 128, "gptq")
-    entry = kdsl.registry.select("gptq_gemm_prepared", prepared.scheme)
+    entry = kdsl.registry.select("w4a16_gemm", prepared.scheme)
     assert any(bucket.n_min is not None for bucket in entry.tiles)
     for bucket in entry.tiles:
         m = bucket.m_max if bucket.m_max is not None else 70
@@ -185,7 +188,7 @@ def test_prepared_gemm_dtypes_and_batch_dims(dtype, weights_layout):
 def test_prepared_runs_the_prepared_kernel(launched):
     ck = ref.make_checkpoint(256, 16, group_size=128, checkpoint_format="gptq")
     kdsl.ops.gptq_gemm(torch.randn(1, 256).half(), _prepare(ck, 128, "gptq"))
-    assert launched == ["gptq_gemm_prepared__int4_g128_gptq__splitk_sm80"]
+    assert launched == ["w4a16_gemm__int4_g128__splitk_sm80"]
 
 
 def test_split_k_scratch_is_left_clean():
@@ -196,7 +199,7 @@ def test_split_k_scratch_is_left_clean():
     first = kdsl.ops.gptq_gemm(x, prepared)
     second = kdsl.ops.gptq_gemm(x, prepared)
     assert torch.equal(first, second)
-    module = kdsl.registry.select("gptq_gemm_prepared", prepared.scheme, arch="sm_89").load()
+    module = kdsl.registry.select("w4a16_gemm", prepared.scheme, arch="sm_89").load()
     _, counters = module._SPLITK_SCRATCH[x.device]
     assert int(counters.abs().sum()) == 0
 
@@ -209,7 +212,7 @@ def test_mma_split_fills_whole_waves():
     """split_k is an upper bound: the split whose programs finish soonest in waves of two programs
     per SM, counting a fixed cost per program; never below one split or past one K block per
     split; without an SM count (the interpreter) the tile's split stands."""
-    module = kdsl.registry.select("gptq_gemm_prepared", "gptq.int4.g128.gptq", arch="sm_90").load()
+    module = kdsl.registry.select("w4a16_gemm", "w4a16.int4.g128", arch="sm_90").load()
     assert module.SPLIT_FILL == 2 and module.PROGRAM_COST_STEPS == 6
     assert module.split_for(_split_tile(8), 32, tiles=32, sms=132) == 8     # 4096 columns / 128: 256 programs, one wave
     assert module.split_for(_split_tile(8), 32, tiles=112, sms=132) == 2    # 14336 columns: a third split starts a second wave
@@ -221,7 +224,7 @@ def test_mma_split_fills_whole_waves():
 
 def test_tile_split_fill_sets_the_programs_per_sm():
     """A tile's split_fill replaces the default two programs per SM."""
-    module = kdsl.registry.select("gptq_gemm_prepared", "gptq.int4.g128.gptq", arch="sm_90").load()
+    module = kdsl.registry.select("w4a16_gemm", "w4a16.int4.g128", arch="sm_90").load()
     assert module.split_for(_split_tile(4, 1), 32, tiles=112, sms=132) == 1  # one program per SM: 112 already
     assert module.split_for(_split_tile(4, 1), 32, tiles=32, sms=132) == 4   # 128 programs
     # Three per SM, 224 tiles of 64 steps: two waves of 22-step programs beat one of 64 or three of 16.
@@ -232,7 +235,7 @@ def test_tile_split_fill_sets_the_programs_per_sm():
 
 def test_tile_split_min_steps_keeps_programs_long():
     """split_min_steps caps the split so each program keeps that many K steps, on the GPU and the CPU alike."""
-    module = kdsl.registry.select("gptq_gemm_prepared", "gptq.int4.g128.gptq", arch="sm_90").load()
+    module = kdsl.registry.select("w4a16_gemm", "w4a16.int4.g128", arch="sm_90").load()
     assert module.split_for(_split_tile(8), 32, tiles=64, sms=132) == 4  # the wave rule alone: 8-step programs
     assert module.split_for(_split_tile(8, None, 16), 32, tiles=64, sms=132) == 2
     assert module.split_for(_split_tile(8, None, 16), 112, tiles=64, sms=132) == 4  # long K: the wave rule decides
@@ -248,8 +251,8 @@ def test_tile_split_min_steps_keeps_programs_long():
 def test_gemv_tiles_refuse_rows_the_mma_gemv_cannot_take(group_size, contiguous, reason):
     """A block_m = 1 tile serves M > 1 only through the mma.sync GEMV; where that cannot run, the tile says why
     and kdsl.ops passes it over for the next tile serving M."""
-    scheme = f"gptq.int4.g{group_size}.gptq"
-    entry = kdsl.registry.select("gptq_gemm_prepared", scheme, arch="sm_90")
+    scheme = f"w4a16.int4.g{group_size}"
+    entry = kdsl.registry.select("w4a16_gemm", scheme, arch="sm_90")
     module = entry.load()
     gemv = entry.tile_for(4, 4096)
     assert gemv["BLOCK_M"] == 1 and gemv["mma_gemv"], "the sm_90 definition's M <= 8 bucket is the mma.sync GEMV"
@@ -309,12 +312,12 @@ def test_layout_mismatch_is_refused(monkeypatch):
 
 
 def test_packed_zeros_layout(tmp_path, monkeypatch):
-    """A definition may declare zeros = "packed": prepare keeps qzeros, the template unpacks them."""
-    source = (kdsl.__file__.rsplit("/", 2)[0] + "/kernel_defs/gptq_int4.toml")
-    text = open(source).read().replace('layout = { zeros = "biased" }', 'layout = { zeros = "packed" }')
+    """A definition may declare zeros = "packed": prepare packs the real zeros, the template unpacks them."""
     defs = tmp_path / "defs"
     defs.mkdir()
-    (defs / "gptq_int4.toml").write_text(text)
+    for source in (REPO_ROOT / "kernel_defs").glob("*.toml"):
+        text = source.read_text().replace('layout = { zeros = "biased" }', 'layout = { zeros = "packed" }')
+        (defs / source.name).write_text(text)
     from kdsl.cli import main
     assert main(["generate", "--defs", str(defs), "--out", str(tmp_path / "out")]) == 0
     monkeypatch.setenv("KDSL_GENERATED", str(tmp_path / "out"))
@@ -322,7 +325,8 @@ def test_packed_zeros_layout(tmp_path, monkeypatch):
     ck = ref.make_checkpoint(256, 80, group_size=32, checkpoint_format="gptq", g_idx="perm")
     prepared = _prepare(ck, 32, "gptq")
     assert prepared.layout == {"zeros": "packed", "weights": "checkpoint"}
-    assert torch.equal(prepared.zeros, ck["qzeros"])
+    # "gptq" stores zero - 1; prepared zeros are the real ones, whatever the format
+    assert torch.equal(unpack_zeros(prepared.zeros, 4, 0), unpack_zeros(ck["qzeros"], 4, 1))
     for m in (1, 33, 70):
         x = torch.randn(m, 256).half()
         assert ref.rel_fro_error(kdsl.ops.gptq_gemm(x, prepared), _ref(x, ck, 32, "gptq")) < TOL

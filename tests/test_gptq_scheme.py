@@ -129,7 +129,7 @@ def test_scheme_from_hf_wrong_types(key, value):
 
 def test_scheme_from_hf_unknown_method():
     with pytest.raises(ValueError, match="quant_method"):
-        kdsl.scheme_from_hf({**HF_GPTQ, "quant_method": "awq"})
+        kdsl.scheme_from_hf({**HF_GPTQ, "quant_method": "squeezellm"})
 
 
 # ---------------------------------------------------------------------------------------------

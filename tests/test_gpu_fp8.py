@@ -27,6 +27,7 @@ from triton import next_power_of_2 as triton_next_power_of_2
 import kdsl
 from kdsl import registry
 from kdsl.codegen.render import tile_params
+from kdsl.kernels.block_fp8.fp8_gemm_tma_persistent import IMPL as TMA_IMPL
 from kdsl.schema.tiling import Tile
 
 pytestmark = pytest.mark.gpu
@@ -139,7 +140,7 @@ def test_fp8_gemm_out_dtypes(m, out_dtype):
     assert rel_fro_error(c, fp8_gemm_ref(a, a_s, b, b_s)) < limit
 
 
-GEMV_TILE = tile_params(Tile(block_m=1, block_n=64, block_k=256, split_k=8))
+GEMV_TILE = tile_params(Tile(block_m=1, block_n=64, block_k=256, split_k=8), TMA_IMPL)
 
 
 @pytest.mark.parametrize("m, tile", [(2, GEMV_TILE), (16, None), (512, None), (4096, None)],

@@ -15,7 +15,7 @@ import torch
 
 import kdsl
 import reference_gptq as ref
-from kdsl.naming import gptq_scheme_name
+from kdsl.naming import gptq_scheme_name, w4a16_scheme_name
 
 pytestmark = pytest.mark.gpu
 
@@ -252,7 +252,7 @@ def test_prepared_gemv_ragged_k_and_x_alignment(checkpoints, k, n, x_offset, gem
 
 
 def _prepared_entry(group_size=128):
-    return kdsl.registry.dispatch("gptq_gemm_prepared", gptq_scheme_name(4, group_size, "gptq"), torch.device("cuda"))
+    return kdsl.registry.dispatch("w4a16_gemm", w4a16_scheme_name(4, group_size), torch.device("cuda"))
 
 
 def _launch_tile(prepared, x, tile, group_size=128):

@@ -146,14 +146,14 @@ def test_tile_for_passes_over_refused_tiles(m, n, refused, index):
 
 
 def test_explain_shows_the_tile_n_picks():
-    entry = registry.select("gptq_gemm_prepared", "gptq.int4.g128.gptq", arch="sm_90")
+    entry = registry.select("w4a16_gemm", "w4a16.int4.g128", arch="sm_90")
     wide = [i for i, bucket in enumerate(entry.tiles) if bucket.n_min is not None]
     assert wide, "the sm_90 prepared GPTQ variant tiles its last M bucket by N"
     bucket = entry.tiles[wide[0]]
     m = bucket.m_max or 4096
-    text = registry.explain("gptq_gemm_prepared", "gptq.int4.g128.gptq", arch="sm_90", m=m, n=bucket.n_min)
+    text = registry.explain("w4a16_gemm", "w4a16.int4.g128", arch="sm_90", m=m, n=bucket.n_min)
     assert f"tile bucket {wide[0]}:" in text and f"n={bucket.n_min}" in text
-    narrow = registry.explain("gptq_gemm_prepared", "gptq.int4.g128.gptq", arch="sm_90", m=m, n=bucket.n_min - 1)
+    narrow = registry.explain("w4a16_gemm", "w4a16.int4.g128", arch="sm_90", m=m, n=bucket.n_min - 1)
     assert f"tile bucket {wide[0]}:" not in narrow
 
 
@@ -301,9 +301,9 @@ def test_cli_explain_bad_arch(repo_root):
 
 
 def test_prepared_gptq_has_hopper_tiles_and_a_fallback_range():
-    """The shipped definition tunes gptq_gemm_prepared for sm_90 and keeps an sm_80+ variant."""
-    hopper = registry.select("gptq_gemm_prepared", kdsl.GPTQ(), arch="sm_90")
-    ampere = registry.select("gptq_gemm_prepared", kdsl.GPTQ(), arch="sm_86")
+    """The shipped definition tunes w4a16_gemm for sm_90 and keeps an sm_80+ variant."""
+    hopper = registry.select("w4a16_gemm", "w4a16.int4.g128", arch="sm_90")
+    ampere = registry.select("w4a16_gemm", "w4a16.int4.g128", arch="sm_86")
     assert hopper.name.endswith("_sm90") and ampere.name.endswith("_sm80")
-    assert registry.select("gptq_gemm_prepared", kdsl.GPTQ(), arch="sm_100").name == ampere.name
+    assert registry.select("w4a16_gemm", "w4a16.int4.g128", arch="sm_100").name == ampere.name
     assert hopper.tile_for(1)["BLOCK_M"] == 1  # the GEMV bucket

@@ -99,7 +99,7 @@ def test_scheme_from_hf_static_activation_refused():
         kdsl.scheme_from_hf({**DEEPSEEK_V3, "activation_scheme": "static"})
 
 
-@pytest.mark.parametrize("method", ["awq", "bitsandbytes", None])
+@pytest.mark.parametrize("method", ["squeezellm", "bitsandbytes", None])
 def test_scheme_from_hf_unknown_quant_method(method):
     config = {**DEEPSEEK_V3, "quant_method": method}
     with pytest.raises(ValueError, match="quant_method"):
@@ -235,10 +235,16 @@ def _load_error(path) -> str:
     return message
 
 
+OPTIONS = {"persistent", "tile_order", "swap_ab", "warp_specialize", "deferred_rescale", "edge_tiles", "split_fill",
+           "split_min_steps", "overlap_dequant", "mma_gemv"}
+
+
 def _tile_problems(lines: list[str], index: int, field: str) -> list[str]:
-    """The error lines about tiles[index].field, or with field "" those about tiles[index] as a whole."""
+    """The error lines about tiles[index].field (an implementation's option: tiles[index].options.field),
+    or with field "" those about tiles[index] as a whole."""
     if field:
-        return [line for line in lines if f"tiles[{index}].{field}" in line]
+        where = f"tiles[{index}].options.{field}" if field in OPTIONS else f"tiles[{index}].{field}"
+        return [line for line in lines if where in line]
     return [line for line in lines if f"tiles[{index}]:" in line]
 
 
@@ -285,11 +291,11 @@ def test_warp_specialize_with_split_k_rejected(tmp_path):
         impl = "tma_persistent"
         min_arch = "sm_90"
         max_arch = "sm_90"
-        tiles = [{ m_max = 128, block_m = 64, split_k = 4, persistent = true, warp_specialize = true },
-                 { block_m = 64, persistent = true, warp_specialize = true }]
+        tiles = [{ m_max = 128, block_m = 64, split_k = 4, options = { persistent = true, warp_specialize = true } },
+                 { block_m = 64, options = { persistent = true, warp_specialize = true } }]
     """)
     message = _load_error(path)
-    assert "variants[0].tiles[0].warp_specialize" in message and "split_k = 4" in message
+    assert "variants[0].tiles[0].options.warp_specialize" in message and "split_k = 4" in message
     assert "tiles[1]" not in message  # warp specialization alone stays allowed
 
 
@@ -300,11 +306,11 @@ def test_deferred_rescale_tiles_are_checked(tmp_path):
         impl = "tma_persistent"
         min_arch = "sm_90"
         max_arch = "sm_90"
-        tiles = [{ m_max = 128, block_m = 64, num_warps = 8, deferred_rescale = true },
-                 { m_max = 256, block_m = 64, block_k = 64, deferred_rescale = true },
-                 { m_max = 512, block_m = 64, block_n = 256, deferred_rescale = true },
-                 { m_max = 1024, block_m = 64, split_k = 2, persistent = true, deferred_rescale = true },
-                 { block_m = 128, num_warps = 8, num_stages = 4, deferred_rescale = true }]
+        tiles = [{ m_max = 128, block_m = 64, num_warps = 8, options = { deferred_rescale = true } },
+                 { m_max = 256, block_m = 64, block_k = 64, options = { deferred_rescale = true } },
+                 { m_max = 512, block_m = 64, block_n = 256, options = { deferred_rescale = true } },
+                 { m_max = 1024, block_m = 64, split_k = 2, options = { persistent = true, deferred_rescale = true } },
+                 { block_m = 128, num_warps = 8, num_stages = 4, options = { deferred_rescale = true } }]
     """)
     lines = _load_error(path).splitlines()
 
@@ -326,10 +332,10 @@ def test_edge_tiles_are_checked(tmp_path):
         impl = "tma_persistent"
         min_arch = "sm_90"
         max_arch = "sm_90"
-        tiles = [{ m_max = 128, block_m = 64, block_n = 64, persistent = true, edge_tiles = true },
-                 { m_max = 512, block_m = 64, block_n = 128, deferred_rescale = true, edge_tiles = true },
-                 { m_max = 1024, block_m = 128, num_warps = 8, num_stages = 6, persistent = true, deferred_rescale = true, edge_tiles = true },
-                 { block_m = 128, block_n = 128, num_warps = 8, persistent = true, deferred_rescale = true, edge_tiles = true }]
+        tiles = [{ m_max = 128, block_m = 64, block_n = 64, options = { persistent = true, edge_tiles = true } },
+                 { m_max = 512, block_m = 64, block_n = 128, options = { deferred_rescale = true, edge_tiles = true } },
+                 { m_max = 1024, block_m = 128, num_warps = 8, num_stages = 6, options = { persistent = true, deferred_rescale = true, edge_tiles = true } },
+                 { block_m = 128, block_n = 128, num_warps = 8, options = { persistent = true, deferred_rescale = true, edge_tiles = true } }]
     """)
     lines = _load_error(path).splitlines()
 
@@ -346,9 +352,9 @@ def test_edge_tiles_are_checked(tmp_path):
         op = "fp8_gemm"
         impl = "portable"
         min_arch = "sm_89"
-        tiles = [{ block_m = 64, edge_tiles = true }]
+        tiles = [{ block_m = 64, options = { edge_tiles = true } }]
     """, name="portable.toml"))
-    assert "variants[0].tiles[0].edge_tiles" in message and "does not implement this knob" in message
+    assert "variants[0].tiles[0].options.edge_tiles" in message and "has no option" in message
 
 
 def test_deferred_rescale_is_a_knob_of_the_hopper_gemm_only(tmp_path):
@@ -357,10 +363,10 @@ def test_deferred_rescale_is_a_knob_of_the_hopper_gemm_only(tmp_path):
         op = "fp8_gemm"
         impl = "portable"
         min_arch = "sm_89"
-        tiles = [{ block_m = 64, deferred_rescale = true }]
+        tiles = [{ block_m = 64, options = { deferred_rescale = true } }]
     """)
     message = _load_error(path)
-    assert "variants[0].tiles[0].deferred_rescale" in message and "does not implement this knob" in message
+    assert "variants[0].tiles[0].options.deferred_rescale" in message and "has no option" in message
 
 
 def test_block_k_not_dividing_group_rejected(tmp_path):
@@ -508,10 +514,10 @@ def test_unknown_knob_rejected(tmp_path):
         op = "fp8_gemm"
         impl = "portable"
         min_arch = "sm_89"
-        tiles = [{ block_m = 64, swap_ab = true }]
+        tiles = [{ block_m = 64, options = { swap_ab = true } }]
     """)
     message = _load_error(path)
-    assert "variants[0].tiles[0].swap_ab" in message
+    assert "variants[0].tiles[0].options.swap_ab" in message
 
 
 @pytest.mark.parametrize("knob", ["split_fill = 1", "split_min_steps = 8"])
@@ -521,15 +527,17 @@ def test_split_knobs_only_where_the_launcher_caps_the_split(tmp_path, knob):
         op = "fp8_gemm"
         impl = "portable"
         min_arch = "sm_89"
-        tiles = [{{ block_m = 64, {knob} }}]
+        tiles = [{{ block_m = 64, options = {{ {knob} }} }}]
     """)
-    assert f"variants[0].tiles[0].{knob.split()[0]}" in _load_error(path)
+    message = _load_error(path)
+    assert f"variants[0].tiles[0].options.{knob.split()[0]}" in message and "has no option" in message
 
 
 @pytest.mark.parametrize("knob", ["split_fill", "split_min_steps"])
 def test_split_knobs_must_be_positive(knob):
+    from kdsl.kernels.block_fp8.fp8_gemm_tma_persistent import Options
     with pytest.raises(ValidationError, match=knob):
-        Tile(**{knob: 0})
+        Options(**{knob: 0})
 
 
 def test_unknown_field_in_tile_rejected(tmp_path):
@@ -634,11 +642,17 @@ kind = "gptq"
 group_size = 128
 """
 
+W4A16_SCHEME = """
+[[schemes]]
+kind = "w4a16"
+group_size = 128
+"""
+
 
 def test_prepared_gptq_variant_needs_a_layout(tmp_path):
-    path = _write(tmp_path, GPTQ_SCHEME + """
+    path = _write(tmp_path, W4A16_SCHEME + """
         [[variants]]
-        op = "gptq_gemm_prepared"
+        op = "w4a16_gemm"
         impl = "splitk"
         min_arch = "sm_80"
         tiles = [{ block_m = 16 }]
@@ -660,9 +674,9 @@ def test_layout_refused_on_checkpoint_kernels(tmp_path):
 
 
 def test_layout_values_are_checked(tmp_path):
-    path = _write(tmp_path, GPTQ_SCHEME + """
+    path = _write(tmp_path, W4A16_SCHEME + """
         [[variants]]
-        op = "gptq_gemm_prepared"
+        op = "w4a16_gemm"
         impl = "splitk"
         min_arch = "sm_80"
         layout = { zeros = "interleaved" }
@@ -673,9 +687,9 @@ def test_layout_values_are_checked(tmp_path):
 
 
 def test_k_planes_layout_takes_biased_zeros(tmp_path):
-    path = _write(tmp_path, GPTQ_SCHEME + """
+    path = _write(tmp_path, W4A16_SCHEME + """
         [[variants]]
-        op = "gptq_gemm_prepared"
+        op = "w4a16_gemm"
         impl = "splitk"
         min_arch = "sm_90"
         layout = { zeros = "packed", weights = "k_planes" }
@@ -686,9 +700,9 @@ def test_k_planes_layout_takes_biased_zeros(tmp_path):
 
 
 def test_paired_zeros_take_k_planes(tmp_path):
-    path = _write(tmp_path, GPTQ_SCHEME + """
+    path = _write(tmp_path, W4A16_SCHEME + """
         [[variants]]
-        op = "gptq_gemm_prepared"
+        op = "w4a16_gemm"
         impl = "splitk"
         min_arch = "sm_90"
         layout = { zeros = "paired" }
@@ -701,14 +715,14 @@ def test_paired_zeros_take_k_planes(tmp_path):
 def test_k_planes_tiles_match_the_plane_tile(tmp_path):
     variant = """
         [[variants]]
-        op = "gptq_gemm_prepared"
+        op = "w4a16_gemm"
         impl = "splitk"
         min_arch = "sm_90"
         layout = {{ zeros = "biased", weights = "k_planes" }}
         tiles = [{{ m_max = 1, block_m = 1, block_n = 64, block_k = 128 }}, {{ block_m = 64, {rest} }}]
     """
-    load_definition(_write(tmp_path, GPTQ_SCHEME + variant.format(rest="block_n = 128, block_k = 128"), name="ok.toml"))
-    message = _load_error(_write(tmp_path, GPTQ_SCHEME + variant.format(rest="block_n = 256, block_k = 64"),
+    load_definition(_write(tmp_path, W4A16_SCHEME + variant.format(rest="block_n = 128, block_k = 128"), name="ok.toml"))
+    message = _load_error(_write(tmp_path, W4A16_SCHEME + variant.format(rest="block_n = 256, block_k = 64"),
                                  name="bad.toml"))
     assert "variants[0].tiles[1].block_k: 64" in message and "block_k = 128" in message
     assert "variants[0].tiles[1].block_n: 256" in message and "128 columns" in message
@@ -717,15 +731,15 @@ def test_k_planes_tiles_match_the_plane_tile(tmp_path):
 def test_k_planes_gemv_steps_over_whole_plane_tiles(tmp_path):
     variant = """
         [[variants]]
-        op = "gptq_gemm_prepared"
+        op = "w4a16_gemm"
         impl = "splitk"
         min_arch = "sm_90"
         layout = {{ zeros = "biased", weights = "k_planes" }}
         tiles = [{{ m_max = 1, block_m = 1, block_n = 16, {gemv} }}, {{ block_m = 64, block_n = 128, {mma} }}]
     """
-    load_definition(_write(tmp_path, GPTQ_SCHEME + variant.format(gemv="block_k = 4096", mma="block_k = 128"),
+    load_definition(_write(tmp_path, W4A16_SCHEME + variant.format(gemv="block_k = 4096", mma="block_k = 128"),
                            name="ok.toml"))
-    message = _load_error(_write(tmp_path, GPTQ_SCHEME + variant.format(gemv="block_k = 64", mma="block_k = 256"),
+    message = _load_error(_write(tmp_path, W4A16_SCHEME + variant.format(gemv="block_k = 64", mma="block_k = 256"),
                                  name="bad.toml"))
     assert "variants[0].tiles[0].block_k: 64 is not a multiple of 128" in message
     # Only the GEMV steps over several plane tiles; an MMA tile still takes exactly one.
@@ -747,14 +761,14 @@ def test_mma_tile_below_16_rows_rejected(tmp_path):
 def test_prepared_gptq_takes_block_m_1_as_gemv_but_not_8(tmp_path):
     variant = """
         [[variants]]
-        op = "gptq_gemm_prepared"
+        op = "w4a16_gemm"
         impl = "splitk"
         min_arch = "sm_80"
         layout = {{ zeros = "biased" }}
         tiles = [{{ m_max = 1, block_m = 1 }}, {{ block_m = {rows} }}]
     """
-    load_definition(_write(tmp_path, GPTQ_SCHEME + variant.format(rows=64), name="ok.toml"))
-    message = _load_error(_write(tmp_path, GPTQ_SCHEME + variant.format(rows=8), name="bad.toml"))
+    load_definition(_write(tmp_path, W4A16_SCHEME + variant.format(rows=64), name="ok.toml"))
+    message = _load_error(_write(tmp_path, W4A16_SCHEME + variant.format(rows=8), name="bad.toml"))
     assert "variants[0].tiles[1].block_m" in message and "GEMV" in message
 
 
@@ -776,20 +790,20 @@ def test_one_op_tuned_per_arch_range_but_not_twice_for_one_range(tmp_path):
 def test_overlap_dequant_tiles_are_checked(tmp_path):
     variant = """
         [[variants]]
-        op = "gptq_gemm_prepared"
+        op = "w4a16_gemm"
         impl = "splitk"
         min_arch = "sm_90"
         max_arch = "sm_90"
         layout = { zeros = "paired", weights = "k_planes" }
-        tiles = [{ m_max = 1, block_m = 1, block_n = 64, overlap_dequant = true },
-                 { m_max = 16, block_m = 16, block_n = 128, num_warps = 4, overlap_dequant = true },
-                 { m_max = 64, block_m = 64, block_n = 64, num_warps = 4, split_k = 8, overlap_dequant = true },
-                 { block_m = 256, block_n = 128, num_warps = 8, num_stages = 2, overlap_dequant = true }]
+        tiles = [{ m_max = 1, block_m = 1, block_n = 64, options = { overlap_dequant = true } },
+                 { m_max = 16, block_m = 16, block_n = 128, num_warps = 4, options = { overlap_dequant = true } },
+                 { m_max = 64, block_m = 64, block_n = 64, num_warps = 4, split_k = 8, options = { overlap_dequant = true } },
+                 { block_m = 256, block_n = 128, num_warps = 8, num_stages = 2, options = { overlap_dequant = true } }]
     """
-    lines = _load_error(_write(tmp_path, GPTQ_SCHEME + variant)).splitlines()
+    lines = _load_error(_write(tmp_path, W4A16_SCHEME + variant)).splitlines()
 
     def problems(index):
-        return [line for line in lines if f"tiles[{index}].overlap_dequant" in line]
+        return [line for line in lines if f"tiles[{index}].options.overlap_dequant" in line]
 
     assert any("GEMV" in line for line in problems(0))
     assert any("one warpgroup per 64 columns" in line and "block_n = 128, num_warps = 4" in line
@@ -800,34 +814,34 @@ def test_overlap_dequant_tiles_are_checked(tmp_path):
 def test_overlap_dequant_needs_hopper_and_the_paired_k_planes_layout(tmp_path):
     variant = """
         [[variants]]
-        op = "gptq_gemm_prepared"
+        op = "w4a16_gemm"
         impl = "splitk"
         min_arch = "sm_80"
         layout = {{ {layout} }}
-        tiles = [{{ block_m = 64, block_n = 64, num_warps = 4, overlap_dequant = true }}]
+        tiles = [{{ block_m = 64, block_n = 64, num_warps = 4, options = {{ overlap_dequant = true }} }}]
     """
-    message = _load_error(_write(tmp_path, GPTQ_SCHEME + variant.format(layout='zeros = "biased"')))
-    assert "variants[0].tiles[0].overlap_dequant" in message
+    message = _load_error(_write(tmp_path, W4A16_SCHEME + variant.format(layout='zeros = "biased"')))
+    assert "variants[0].tiles[0].options.overlap_dequant" in message
     assert "sm_90 only" in message and 'weights = "k_planes", zeros = "paired"' in message
 
 
 def test_mma_gemv_tiles_are_checked(tmp_path):
     variant = """
         [[variants]]
-        op = "gptq_gemm_prepared"
+        op = "w4a16_gemm"
         impl = "splitk"
         min_arch = "sm_90"
         max_arch = "sm_90"
         layout = { zeros = "paired", weights = "k_planes" }
-        tiles = [{ m_max = 1, block_m = 1, block_n = 16, block_k = 256, num_warps = 8, mma_gemv = true },
-                 { m_max = 8, block_m = 1, block_n = 64, block_k = 128, split_k = 4, mma_gemv = true },
-                 { m_max = 16, block_m = 16, block_n = 16, block_k = 128, mma_gemv = true },
+        tiles = [{ m_max = 1, block_m = 1, block_n = 16, block_k = 256, num_warps = 8, options = { mma_gemv = true } },
+                 { m_max = 8, block_m = 1, block_n = 64, block_k = 128, split_k = 4, options = { mma_gemv = true } },
+                 { m_max = 16, block_m = 16, block_n = 16, block_k = 128, options = { mma_gemv = true } },
                  { block_m = 64, block_n = 64, num_warps = 4 }]
     """
-    lines = _load_error(_write(tmp_path, GPTQ_SCHEME + variant)).splitlines()
+    lines = _load_error(_write(tmp_path, W4A16_SCHEME + variant)).splitlines()
 
     def problems(index):
-        return [line for line in lines if f"tiles[{index}].mma_gemv" in line]
+        return [line for line in lines if f"tiles[{index}].options.mma_gemv" in line]
 
     assert not problems(0)  # the shipped kind of tile
     assert any("block_n = 16 (got 64)" in line for line in problems(1))
@@ -839,15 +853,15 @@ def test_mma_gemv_tiles_are_checked(tmp_path):
 def test_mma_gemv_needs_the_paired_k_planes_layout(tmp_path):
     variant = """
         [[variants]]
-        op = "gptq_gemm_prepared"
+        op = "w4a16_gemm"
         impl = "splitk"
         min_arch = "sm_80"
         layout = { zeros = "biased" }
-        tiles = [{ m_max = 1, block_m = 1, block_n = 16, block_k = 128, mma_gemv = true },
+        tiles = [{ m_max = 1, block_m = 1, block_n = 16, block_k = 128, options = { mma_gemv = true } },
                  { block_m = 64, block_n = 64, num_warps = 4 }]
     """
-    message = _load_error(_write(tmp_path, GPTQ_SCHEME + variant))
-    assert "variants[0].tiles[0].mma_gemv" in message
+    message = _load_error(_write(tmp_path, W4A16_SCHEME + variant))
+    assert "variants[0].tiles[0].options.mma_gemv" in message
     assert 'weights = "k_planes", zeros = "paired"' in message
 
 
@@ -857,7 +871,7 @@ def test_overlap_dequant_is_a_knob_of_the_prepared_gemm_only(tmp_path):
         op = "gptq_gemm"
         impl = "splitk"
         min_arch = "sm_80"
-        tiles = [{ block_m = 64, overlap_dequant = true }]
+        tiles = [{ block_m = 64, options = { overlap_dequant = true } }]
     """)
     message = _load_error(path)
-    assert "variants[0].tiles[0].overlap_dequant" in message and "does not implement this knob" in message
+    assert "variants[0].tiles[0].options.overlap_dequant" in message and "has no option" in message

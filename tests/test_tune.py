@@ -23,8 +23,8 @@ from kdsl.cli import build_parser
 from kdsl.codegen.render import tile_params
 from kdsl.schema import DefinitionError, KernelDefinition, Tile, load_definitions
 from kdsl.schema.arch import archs_in_range
-from kdsl.schema.catalogue import BASE_KNOBS, find_impl
-from kdsl.schema.tiling import MMA_GEMV_MAX_M
+from kdsl.kernels import BASE_KNOBS, find_impl
+from kdsl.kernels.w4a16.splitk import MMA_GEMV_MAX_M
 from kdsl.tune import cli as tune_cli
 from kdsl.tune import search, space, target, write
 from kdsl.tune.search import Problem, Shape
@@ -74,14 +74,22 @@ def test_every_candidate_validates_honours_knobs_and_fits_shared_memory(definiti
             tiles = space.candidates(variant, bucket, loaded.definition.schemes, max_candidates=10_000)
             assert tiles[0] == bucket.tile and len(tiles) > 1, (variant.op, bucket.label())
             assert len({space.tile_key(t) for t in tiles}) == len(tiles)  # no duplicates
+            # No two candidates launch alike (the same common fields and the same options, defaults filled).
+            assert len({tuple(tile_params(t, impl).items()) for t in tiles}) == len(tiles)
             for tile in tiles:
                 assert tile.m_max == bucket.m_max and tile.n_min == bucket.n_min
-                assert tile.model_fields_set - BASE_KNOBS <= impl.knobs, (variant.op, variant.impl, tile)
+                common = tile.model_fields_set - BASE_KNOBS - {"options"}
+                assert common <= impl.tile_knobs, (variant.op, variant.impl, tile)
+                # Options are the implementation's own, and validate against its Options model.
+                assert set(tile.options) <= set(impl.options.model_fields), (variant.op, variant.impl, tile)
+                options = impl.resolve(tile)
                 for scheme in loaded.definition.schemes:
-                    assert impl.shared_bytes(scheme, tile) <= limit
+                    assert impl.shared_bytes(scheme, tile, options) <= limit
                 assert tile.block_m >= impl.min_block_m or (impl.gemv_block_m and tile.block_m == 1)
             # The whole variant, with each candidate in the bucket's place, validates as a definition.
             for tile in tiles[1:]:
+                # Candidates name only options that differ from the implementation's defaults.
+                assert all(v != space.knob_default(impl, k) for k, v in tile.options.items()), tile
                 doc = dict(raw, variants=[dict(raw["variants"][v_index])])
                 doc["variants"][0]["tiles"] = [
                     dict(write.tile_fields(t)) for t in
@@ -93,14 +101,23 @@ def test_every_candidate_validates_honours_knobs_and_fits_shared_memory(definiti
 
 def test_knobs_an_impl_ignores_stay_unset(definitions):
     (loaded, portable), = [(d, v) for d, v in tunable_variants(definitions) if v.impl == "portable"]
+    impl = find_impl("fp8_gemm", "portable")
     for bucket in space.buckets(portable):
         for tile in space.candidates(portable, bucket, loaded.definition.schemes, max_candidates=10_000):
-            assert not {"split_k", "persistent", "warp_specialize", "swap_ab"} & tile.model_fields_set
-            assert (tile.split_k, tile.persistent) == (1, False)
+            assert "split_k" not in tile.model_fields_set and tile.split_k == 1
+            assert not {"persistent", "warp_specialize", "swap_ab", "split_fill", "mma_gemv"} & set(tile.options)
+            assert set(tile.options) <= {"tile_order"}
+            # The launch carries the portable kernel's options only: no other implementation's knobs.
+            params = tile_params(tile, impl)
+            assert not {"persistent", "warp_specialize", "swap_ab"} & set(params) and "tile_order" in params
     # ...and a knob the impl honours is varied: the TMA kernel tries persistent grids for prefill.
     (loaded, tma), = [(d, v) for d, v in tunable_variants(definitions) if v.impl == "tma_persistent"]
+    tma_impl = find_impl("fp8_gemm", "tma_persistent")
     rest = space.buckets(tma)[-1]
-    assert {t.persistent for t in space.candidates(tma, rest, loaded.definition.schemes, 10_000)} == {False, True}
+    tiles = space.candidates(tma, rest, loaded.definition.schemes, 10_000)
+    assert {space.knob_value(t, tma_impl, "persistent") for t in tiles} == {False, True}
+    assert {t.options.get("persistent", False) for t in tiles} == {False, True}
+    assert {tile_params(t, tma_impl)["persistent"] for t in tiles} == {False, True}
 
 
 def test_gemv_candidates_only_where_a_gemv_serves_the_bucket(definitions):
@@ -111,12 +128,13 @@ def test_gemv_candidates_only_where_a_gemv_serves_the_bucket(definitions):
         for bucket in space.buckets(variant):
             tiles = space.candidates(variant, bucket, loaded.definition.schemes, max_candidates=10_000)
             gemv = [t for t in tiles if t.block_m == 1]
-            rows = bucket.m_max is not None and 1 < bucket.m_max <= MMA_GEMV_MAX_M and "mma_gemv" in impl.knobs
+            rows = (bucket.m_max is not None and 1 < bucket.m_max <= MMA_GEMV_MAX_M
+                    and "mma_gemv" in impl.options.model_fields)
             if impl.gemv_block_m and (bucket.m_max == 1 or rows):
                 assert gemv and any(t.block_m == 16 for t in tiles)  # GEMV and the smallest MMA compete
                 found_gemv = True
                 if rows:
-                    assert all(t.mma_gemv for t in gemv), (variant.op, bucket.label())
+                    assert all(t.options.get("mma_gemv", False) for t in gemv), (variant.op, bucket.label())
                     found_rows = True
             else:
                 assert not gemv, (variant.op, bucket.label())
@@ -129,6 +147,7 @@ def test_gemv_candidates_only_where_a_gemv_serves_the_bucket(definitions):
 
 def test_cap_keeps_the_current_tile_and_its_nearest_neighbours(definitions):
     (loaded, variant), = [(d, v) for d, v in tunable_variants(definitions) if v.impl == "tma_persistent"]
+    impl = find_impl(variant.op, variant.impl)
     schemes = loaded.definition.schemes
     for bucket in space.buckets(variant):
         full = space.candidates(variant, bucket, schemes, max_candidates=10_000)
@@ -136,7 +155,7 @@ def test_cap_keeps_the_current_tile_and_its_nearest_neighbours(definitions):
         assert capped == full[:5] and len(capped) == 5
         assert space.candidates(variant, bucket, schemes, max_candidates=1) == [bucket.tile]
         # Neighbours first: every tile in the cap changes no more knobs than any tile left out.
-        changed = [space._distance(t, bucket.tile)[0] for t in full]
+        changed = [space._distance(t, bucket.tile, impl)[0] for t in full]
         assert max(changed[1:5]) <= min(changed[5:])
     assert len(space.candidates(variant, space.buckets(variant)[0], schemes)) == space.DEFAULT_MAX_CANDIDATES
     with pytest.raises(ValueError, match="at least 1"):
@@ -151,6 +170,21 @@ def test_current_tile_outside_the_grid_is_still_candidate_zero(definitions):
     assert tiles[0] is odd and all(t.num_warps in (2, 4) for t in tiles)
 
 
+@pytest.mark.parametrize("op,impl,knob", [("fp8_gemm", "tma_persistent", "swap_ab"),
+                                           ("w4a16_gemm", "splitk", "overlap_dequant")])
+def test_an_option_written_at_its_default_adds_no_candidate(definitions, op, impl, knob):
+    """`options = { swap_ab = false }` launches as the same tile without it: no second candidate times it."""
+    unit = find_impl(op, impl)
+    loaded, variant = next((d, v) for d, v in tunable_variants(definitions) if (v.op, v.impl) == (op, impl))
+    last = space.buckets(variant)[-1]
+    current = last.tile.model_copy(update={"options": {**last.tile.options, knob: space.knob_default(unit, knob)}})
+    bucket = space.Bucket(last.index, last.lo, last.m_max, current, last.n_min, last.n_below)
+    tiles = space.candidates(variant, bucket, loaded.definition.schemes, max_candidates=10_000)
+    assert tiles[0] is current and len(tiles) > 1
+    launches = [tuple(tile_params(t, unit).items()) for t in tiles]
+    assert len(set(launches)) == len(launches)
+
+
 # ---- shapes of a bucket ----
 
 def test_shapes_come_from_the_preset_m_values_in_the_bucket():
@@ -161,7 +195,7 @@ def test_shapes_come_from_the_preset_m_values_in_the_bucket():
     assert len(decode) == 2 * len(fp8_pairs)
     assert {s.m for s in search.shapes_for_bucket("fp8_gemm", cases, space.Bucket(1, 16, 128, Tile(m_max=128)))} == {64, 128}
     assert {s.m for s in search.shapes_for_bucket("fp8_gemm", cases, space.Bucket(2, 128, None, Tile()))} == {512, 4096}
-    gemv = search.shapes_for_bucket("gptq_gemm_prepared", cases, space.Bucket(0, 0, 1, Tile(m_max=1)))
+    gemv = search.shapes_for_bucket("w4a16_gemm", cases, space.Bucket(0, 0, 1, Tile(m_max=1)))
     gptq_pairs = {(c.n, c.k) for c in cases if c.op == "gptq_gemm"}
     assert {s.m for s in gemv} == {1} and {(s.n, s.k) for s in gemv} == gptq_pairs
     # No preset M inside: the bucket's m_max; the last bucket, twice the previous m_max.
@@ -171,9 +205,9 @@ def test_shapes_come_from_the_preset_m_values_in_the_bucket():
 
 def _variant_tiled_by_n():
     from kdsl.schema import Variant
-    return Variant(op="gptq_gemm_prepared", impl="splitk", min_arch="sm_90", max_arch="sm_90",
+    return Variant(op="w4a16_gemm", impl="splitk", min_arch="sm_90", max_arch="sm_90",
                    layout={"zeros": "paired", "weights": "k_planes"},
-                   tiles=[Tile(m_max=16, block_m=16), Tile(n_min=8192, block_m=256, split_fill=1), Tile(n_min=4096),
+                   tiles=[Tile(m_max=16, block_m=16), Tile(n_min=8192, block_m=256, options={"split_fill": 1}), Tile(n_min=4096),
                           Tile()])
 
 
@@ -188,20 +222,22 @@ def test_candidates_keep_the_bucket_n_min():
     import kdsl
     variant = _variant_tiled_by_n()
     wide = space.buckets(variant)[1]
-    tiles = space.candidates(variant, wide, [kdsl.GPTQ()], max_candidates=8)
+    tiles = space.candidates(variant, wide, [kdsl.schema.W4A16()], max_candidates=8)
     assert len(tiles) == 8 and all(t.n_min == 8192 and t.m_max is None for t in tiles)
-    assert tiles[0].split_fill == 1  # the current tile's knobs stay among the values
+    assert tiles[0].options["split_fill"] == 1  # the current tile's knobs stay among the values
+    # split_fill is on no grid: every candidate keeps the current tile's value, as an option.
+    assert all(t.options.get("split_fill") == 1 for t in tiles)
 
 
 def test_shapes_of_a_bucket_tiled_by_n():
     cases = preset_cases("deepseek-v3")
     pairs = {(c.n, c.k) for c in cases if c.op == "gptq_gemm"}
-    wide = search.shapes_for_bucket("gptq_gemm_prepared", cases, space.Bucket(3, 64, None, Tile(n_min=8192), 8192))
+    wide = search.shapes_for_bucket("w4a16_gemm", cases, space.Bucket(3, 64, None, Tile(n_min=8192), 8192))
     assert {(s.n, s.k) for s in wide} == {p for p in pairs if p[0] >= 8192} and {s.m for s in wide} == {256}
-    narrow = search.shapes_for_bucket("gptq_gemm_prepared", cases, space.Bucket(4, 64, None, Tile(), None, 8192))
+    narrow = search.shapes_for_bucket("w4a16_gemm", cases, space.Bucket(4, 64, None, Tile(), None, 8192))
     assert {(s.n, s.k) for s in narrow} == {p for p in pairs if p[0] < 8192} and narrow
     # No preset N in range: the preset's K at the range's edge.
-    edge = search.shapes_for_bucket("gptq_gemm_prepared", cases, space.Bucket(3, 64, None, Tile(n_min=65536), 65536))
+    edge = search.shapes_for_bucket("w4a16_gemm", cases, space.Bucket(3, 64, None, Tile(n_min=65536), 65536))
     assert {s.n for s in edge} == {65536} and {s.k for s in edge} == {k for _, k in pairs}
 
 
@@ -210,6 +246,7 @@ def test_shapes_of_a_bucket_tiled_by_n():
 T = [Tile(m_max=16, block_m=16, block_n=bn, num_warps=4) for bn in (64, 32, 128, 256, 16)]
 SHAPES = [Shape(16, 256, 512), Shape(8, 512, 1024)]
 BUCKET = space.Bucket(0, 0, 16, T[0])
+IMPL = find_impl("gptq_gemm", "splitk")  # the implementation whose launch parameters the fake reads
 
 
 class Fake:
@@ -254,7 +291,7 @@ def test_geometric_mean_scoring_picks_the_winner():
                  128: (1.0, 3.0),     # 0.5, 0.75: geomean 0.612
                  256: (0.2, 12.0),    # 0.1, 3: geomean 0.548 (the worst arithmetic mean, yet the winner)
                  16: (2.0, 4.0)})
-    result = search.search_bucket(BUCKET, T, SHAPES, fake.factory, fake.timer)
+    result = search.search_bucket(BUCKET, T, SHAPES, fake.factory, fake.timer, impl=IMPL)
     scores = {o.tile.block_n: o.score for o in result.outcomes}
     assert scores[64] == pytest.approx(1.0) and scores[32] == pytest.approx(1.0)
     assert scores[128] == pytest.approx(math.sqrt(0.375)) and scores[256] == pytest.approx(math.sqrt(0.3))
@@ -266,7 +303,7 @@ def test_geometric_mean_scoring_picks_the_winner():
 
 def test_ties_keep_the_current_tile():
     fake = Fake({bn: (1.0, 2.0) for bn in (64, 32, 128, 256, 16)})
-    result = search.search_bucket(BUCKET, T, SHAPES, fake.factory, fake.timer)
+    result = search.search_bucket(BUCKET, T, SHAPES, fake.factory, fake.timer, impl=IMPL)
     assert result.winner is result.current and not result.changed and result.speedup == 1.0
     assert tune_cli.winners([BUCKET], [result]) == [T[0]]
 
@@ -275,7 +312,8 @@ def test_wrong_and_failing_candidates_are_dropped_and_reported():
     fake = Fake({64: (2.0, 2.0), 32: (0.1, 0.1), 128: (0.1, 0.1), 256: (0.1, 0.1), 16: (1.0, 1.0)},
                 wrong=(32,), raise_check=(128,), raise_time={256: (1,)})
     lines: list[str] = []
-    result = search.search_bucket(BUCKET, T, SHAPES, fake.factory, fake.timer, progress=lines.append)
+    result = search.search_bucket(BUCKET, T, SHAPES, fake.factory, fake.timer, progress=lines.append,
+                                  impl=IMPL)
     dropped = {o.tile.block_n: o.dropped for o in result.dropped}
     assert set(dropped) == {32, 128, 256}
     assert dropped[32] == "WRONG at M=16 N=256 K=512: rel err 0.3 > 0.02"
@@ -295,7 +333,7 @@ def test_wrong_and_failing_candidates_are_dropped_and_reported():
 
 def test_a_failing_current_tile_still_ranks_the_others():
     fake = Fake({64: (1.0, 1.0), 32: (2.0, 4.0), 128: (1.0, 2.0), 256: (4.0, 4.0), 16: (1.0, 8.0)}, wrong=(64,))
-    result = search.search_bucket(BUCKET, T, SHAPES, fake.factory, fake.timer)
+    result = search.search_bucket(BUCKET, T, SHAPES, fake.factory, fake.timer, impl=IMPL)
     assert not result.current.ok and result.winner.tile is T[2] and result.speedup is None
     assert result.winner.score == pytest.approx(1.0)  # against the fastest survivor per shape
     assert tune_cli.winners([BUCKET], [result]) == [T[2]]
@@ -303,7 +341,7 @@ def test_a_failing_current_tile_still_ranks_the_others():
 
 def test_bad_timer_values_drop_the_candidate():
     fake = Fake({64: (1.0, 1.0), 32: (float("nan"), 1.0), 128: (0.0, 1.0), 256: (1.0, 1.0), 16: (1.0, 1.0)})
-    result = search.search_bucket(BUCKET, T, SHAPES, fake.factory, fake.timer)
+    result = search.search_bucket(BUCKET, T, SHAPES, fake.factory, fake.timer, impl=IMPL)
     assert {o.tile.block_n for o in result.dropped} == {32, 128}
 
 
@@ -313,8 +351,17 @@ def test_launch_gets_the_tile_params_of_the_candidate():
     def factory(shape):
         return Problem(launch=lambda p: got.append(p), check=lambda p: (0.0, None))
 
-    search.search_bucket(BUCKET, T[:2], SHAPES[:1], factory, lambda fn, m: (fn(), 1.0)[1])
-    assert got == [tile_params(T[0]), tile_params(T[1])]
+    search.search_bucket(BUCKET, T[:2], SHAPES[:1], factory, lambda fn, m: (fn(), 1.0)[1], impl=IMPL)
+    assert got == [tile_params(T[0], IMPL), tile_params(T[1], IMPL)]
+    # The implementation's options reach the launch, defaults filled; another implementation's stay out.
+    got.clear()
+    tma = find_impl("fp8_gemm", "tma_persistent")
+    tiles = [T[0], T[1].model_copy(update={"options": {"persistent": True, "split_fill": 1}})]
+    search.search_bucket(BUCKET, tiles, SHAPES[:1], factory, lambda fn, m: (fn(), 1.0)[1], impl=tma)
+    assert got == [tile_params(tiles[0], tma), tile_params(tiles[1], tma)]
+    assert (got[0]["persistent"], got[0]["split_fill"]) == (False, None)
+    assert (got[1]["persistent"], got[1]["split_fill"], got[1]["BLOCK_N"]) == (True, 1, 32)
+    assert "mma_gemv" not in got[1] and "mma_gemv" in tile_params(T[0], find_impl("w4a16_gemm", "splitk"))
 
 
 # ---- problems: the bench's inputs bound to the generated launch (Triton's interpreter) ----
@@ -342,13 +389,14 @@ def test_problems_launch_the_generated_kernel_and_check_it(interpreted, definiti
     bucket = space.buckets(chosen.variant)[0]
     tiles = space.candidates(chosen.variant, bucket, chosen.loaded.definition.schemes, max_candidates=2)
     shape = Shape(bucket.m_max, 64, 256)
+    impl = find_impl(chosen.variant.op, chosen.variant.impl)
     result = search.search_bucket(bucket, tiles, [shape], problems.problem_factory(op, chosen.entry),
-                                  timer=lambda fn, m: (fn(), 1.0)[1])
+                                  timer=lambda fn, m: (fn(), 1.0)[1], impl=impl)
     assert [o.dropped for o in result.outcomes] == [None, None]
     assert all(o.errors[shape] < 2e-2 for o in result.outcomes)
     # A launch that writes nothing fails: the output is poisoned before the check.
     idle = types.SimpleNamespace(launch=lambda *args: None, layout=chosen.entry.layout, name="idle")
-    err, why = problems.problem_factory(op, idle)(shape).check(tile_params(tiles[0]))
+    err, why = problems.problem_factory(op, idle)(shape).check(tile_params(tiles[0], impl))
     assert math.isnan(err) and why == "rel err nan > 0.02"
 
 
@@ -379,7 +427,7 @@ NOTE = write.note("NVIDIA H200", "2025-01-01")
 
 @pytest.mark.parametrize("op,impl,min_arch", [
     ("fp8_gemm", "tma_persistent", "sm_90"), ("fp8_gemm", "portable", "sm_89"), ("gptq_gemm", "splitk", "sm_80"),
-    ("gptq_gemm_prepared", "splitk", "sm_90"), ("gptq_gemm_prepared", "splitk", "sm_80")])
+    ("w4a16_gemm", "splitk", "sm_90"), ("w4a16_gemm", "splitk", "sm_80")])
 def test_write_back_changes_only_the_variants_tiles(defs_copy, op, impl, min_arch):
     loaded, index, variant = variant_of(defs_copy, op, impl, min_arch)
     path = loaded.path
@@ -471,13 +519,76 @@ def test_write_back_keeps_comments_and_replaces_its_own_note(tmp_path):
     assert text.endswith(COMMENTED[COMMENTED.index("# prefill, introduced"):])
 
 
+WITH_OPTIONS = """\
+[[schemes]]
+kind = "block_fp8"
+
+[[variants]]
+op = "fp8_gemm"
+impl = "tma_persistent"
+min_arch = "sm_90"
+max_arch = "sm_90"
+
+[[variants.tiles]]  # decode
+m_max = 16
+block_m = 16
+block_n = 64
+split_k = 8
+options = { swap_ab = true }  # wide N on the MMA's M side
+
+[[variants.tiles]]  # prefill
+block_m = 128
+num_warps = 8
+
+[[variants]]
+op = "fp8_gemm"
+impl = "portable"
+min_arch = "sm_89"
+tiles = [{ m_max = 16, block_m = 16, options = { tile_order = "n_major" } }, { block_m = 128 }]
+"""
+
+
+def test_write_back_writes_options_as_one_inline_table(tmp_path):
+    """An implementation's knobs go back as one `options = { ... }` line, after the common fields."""
+    path = tmp_path / "fp8.toml"
+    path.write_text(WITH_OPTIONS)
+    decode = Tile(m_max=16, block_m=16, block_n=64, split_k=8, num_stages=4, options={"swap_ab": True})
+    prefill = Tile(block_m=128, num_warps=8, options={"persistent": True, "split_fill": 1})
+    write.write_tiles(path, "fp8_gemm", "tma_persistent", "sm_90", [decode, prefill], NOTE)
+    # The unchanged options line keeps its comment; the new one comes last, in the tile's order.
+    assert path.read_text() == WITH_OPTIONS.replace(
+        "[[variants.tiles]]  # decode\n", f"{NOTE}\n[[variants.tiles]]  # decode\n").replace(
+        "split_k = 8\noptions = { swap_ab = true }  # wide N on the MMA's M side\n",
+        "split_k = 8\nnum_stages = 4\noptions = { swap_ab = true }  # wide N on the MMA's M side\n").replace(
+        "num_warps = 8\n", "num_warps = 8\noptions = { persistent = true, split_fill = 1 }\n", 1)
+    (loaded,) = load_definitions(tmp_path)
+    assert list(loaded.definition.variants[0].tiles) == [decode, prefill]
+    # A changed options value is written anew and drops its comment; options back at their defaults go.
+    swapped = decode.model_copy(update={"options": {"swap_ab": True, "tile_order": "n_major"}})
+    cleared = prefill.model_copy(update={"options": {}})
+    write.write_tiles(path, "fp8_gemm", "tma_persistent", "sm_90", [swapped, cleared], NOTE)
+    text = path.read_text()
+    assert "split_k = 8\nnum_stages = 4\noptions = { swap_ab = true, tile_order = \"n_major\" }\n\n" in text
+    assert "wide N on the MMA's M side" not in text
+    assert "[[variants.tiles]]  # prefill\nblock_m = 128\nnum_warps = 8\n\n" in text and "persistent = true" not in text
+    # Inline tiles: options as a nested inline table, after the common fields.
+    tiles = [Tile(m_max=16, block_m=16, block_n=32, options={"tile_order": "n_major"}), Tile(block_m=128)]
+    write.write_tiles(path, "fp8_gemm", "portable", "sm_89", tiles, NOTE)
+    text = path.read_text()
+    assert ('tiles = [\n    { m_max = 16, block_m = 16, block_n = 32, options = { tile_order = "n_major" } },\n'
+            "    { block_m = 128 },\n]\n") in text
+    (loaded,) = load_definitions(tmp_path)
+    assert list(loaded.definition.variants[1].tiles) == tiles
+    assert list(loaded.definition.variants[0].tiles) == [swapped, Tile(block_m=128, num_warps=8)]
+
+
 def test_invalid_winner_writes_nothing_and_names_the_file(defs_copy):
     loaded, index, variant = variant_of(defs_copy, "gptq_gemm", "splitk", "sm_80")
     path = loaded.path
     before = path.read_bytes()
     bad = [
         variant.tiles[0].model_copy(update={"block_m": 8}),  # below one MMA
-        Tile(m_max=16, block_m=16, persistent=True),  # a knob gptq_gemm does not implement
+        Tile(m_max=16, block_m=16, options={"persistent": True}),  # a knob gptq_gemm does not implement
         Tile(m_max=16, block_m=128, block_n=256, block_k=256, num_stages=8),  # over 99 KB of sm_86
     ]
     for tile in bad:
@@ -485,7 +596,7 @@ def test_invalid_winner_writes_nothing_and_names_the_file(defs_copy):
             write.write_tiles(path, "gptq_gemm", "splitk", "sm_80", [tile, *variant.tiles[1:]], NOTE)
         assert str(path) in str(info.value) and "nothing written" in str(info.value)
         assert path.read_bytes() == before
-    assert sorted(p.name for p in defs_copy.iterdir()) == ["block_fp8.toml", "gptq_int4.toml"]  # no temp files
+    assert sorted(p.name for p in defs_copy.iterdir()) == ["block_fp8.toml", "gptq_int4.toml", "w4a16.toml"]  # no temp files
     with pytest.raises(DefinitionError, match="0 variants with op 'gptq_gemm', impl 'splitk', min_arch 'sm_90'"):
         write.write_tiles(path, "gptq_gemm", "splitk", "sm_90", list(variant.tiles), NOTE)
     with pytest.raises(DefinitionError, match=f"has {len(variant.tiles)} M buckets, got 1 tiles"):
@@ -557,8 +668,8 @@ def test_multiline_inline_tiles_and_crlf(tmp_path, newline):
     ("fp8_gemm", "sm_90", "tma_persistent", "sm_90", "block_fp8.toml"),
     ("fp8_gemm", "sm_89", "portable", "sm_89", "block_fp8.toml"),
     ("gptq_gemm", "sm_90", "splitk", "sm_80", "gptq_int4.toml"),
-    ("gptq_gemm_prepared", "sm_90", "splitk", "sm_90", "gptq_int4.toml"),
-    ("gptq_gemm_prepared", "sm_80", "splitk", "sm_80", "gptq_int4.toml"),
+    ("w4a16_gemm", "sm_90", "splitk", "sm_90", "w4a16.toml"),
+    ("w4a16_gemm", "sm_80", "splitk", "sm_80", "w4a16.toml"),
 ])
 def test_target_is_the_registrys_pick_and_its_variant(definitions, op, arch, impl, min_arch, file):
     chosen = target.select_target(op, definitions, arch=arch)
@@ -572,11 +683,13 @@ def test_stale_tiles_compares_generated_with_the_definition(definitions):
     from kdsl.runtime.manifest import TileBucket
 
     chosen = target.select_target("gptq_gemm", definitions, arch="sm_80")
+    impl = find_impl(chosen.variant.op, chosen.variant.impl)
     tiles = chosen.variant.tiles
-    fresh = dataclasses.replace(chosen.entry, tiles=tuple(TileBucket(t.m_max, t.n_min, tile_params(t)) for t in tiles))
+    fresh = dataclasses.replace(chosen.entry,
+                                tiles=tuple(TileBucket(t.m_max, t.n_min, tile_params(t, impl)) for t in tiles))
     assert not target.stale_tiles(target.Target(fresh, chosen.loaded, chosen.variant_index))
     other = tiles[0].model_copy(update={"num_stages": tiles[0].num_stages + 1})
-    old = dataclasses.replace(chosen.entry, tiles=(TileBucket(other.m_max, other.n_min, tile_params(other)),
+    old = dataclasses.replace(chosen.entry, tiles=(TileBucket(other.m_max, other.n_min, tile_params(other, impl)),
                                                   *fresh.tiles[1:]))
     assert target.stale_tiles(target.Target(old, chosen.loaded, chosen.variant_index))
 
@@ -599,7 +712,7 @@ def test_help_names_every_option(capsys):
     out = capsys.readouterr().out
     for option in ("--op", "--defs", "--shapes", "--bucket", "--max-candidates", "--write"):
         assert option in out
-    assert "usage: python -m kdsl tune" in out and "gptq_gemm_prepared" in out
+    assert "usage: python -m kdsl tune" in out and "w4a16_gemm" in out
     main_help = build_parser().format_help()
     assert "tune" in main_help and "search tiles on a CUDA GPU" in main_help
 
@@ -621,7 +734,7 @@ def test_argument_errors_exit_2(capsys, tmp_path):
 
 def test_without_cuda_exits_2_with_a_clear_message(monkeypatch, capsys, defs_copy):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert tune_cli.run(parse("--op", "gptq_gemm_prepared", "--defs", str(defs_copy), "--write")) == 2
+    assert tune_cli.run(parse("--op", "w4a16_gemm", "--defs", str(defs_copy), "--write")) == 2
     err = capsys.readouterr().err
     assert "kdsl tune: error: needs a CUDA GPU, but torch.cuda.is_available() is False" in err
     assert not list(defs_copy.glob(".*"))
@@ -667,9 +780,10 @@ def test_command_end_to_end_on_cpu_stand_ins(cpu_tune, defs_copy, capsys):
     bucket = all_buckets[0]
     tiles = space.candidates(variant, bucket, loaded.definition.schemes, max_candidates=6)
     shapes = search.shapes_for_bucket("fp8_gemm", preset_cases("deepseek-v3"), bucket)
+    impl = find_impl("fp8_gemm", "tma_persistent")
     wrong, fast = tiles[1], tiles[4]
-    cpu_tune.wrong = lambda p: p == tile_params(wrong)
-    cpu_tune.fast = lambda p: p == tile_params(fast)
+    cpu_tune.wrong = lambda p: p == tile_params(wrong, impl)
+    cpu_tune.fast = lambda p: p == tile_params(fast, impl)
     path = loaded.path
     old = path.read_text()
 
@@ -700,30 +814,31 @@ def test_command_end_to_end_on_cpu_stand_ins(cpu_tune, defs_copy, capsys):
 def test_command_tunes_each_tile_of_a_bucket_tiled_by_n(cpu_tune, defs_copy, capsys):
     """--bucket rest names every tile of the last M bucket; each is timed on the preset's shapes in
     its own N range and written back with its n_min."""
-    loaded, _, variant = variant_of(defs_copy, "gptq_gemm_prepared", "splitk", "sm_90")
+    loaded, _, variant = variant_of(defs_copy, "w4a16_gemm", "splitk", "sm_90")
     rest = [b for b in space.buckets(variant) if b.name() == "rest"]
     assert len(rest) == 2 and rest[0].n_min is not None and rest[1].n_min is None
     wide, narrow = rest
     fast = space.candidates(variant, wide, loaded.definition.schemes, max_candidates=3)[2]
-    cpu_tune.fast = lambda p: p == tile_params(fast)
-    args = ("--op", "gptq_gemm_prepared", "--defs", str(defs_copy), "--bucket", "rest", "--max-candidates", "3")
+    impl = find_impl("w4a16_gemm", "splitk")
+    cpu_tune.fast = lambda p: p == tile_params(fast, impl)
+    args = ("--op", "w4a16_gemm", "--defs", str(defs_copy), "--bucket", "rest", "--max-candidates", "3")
     assert tune_cli.run(parse(*args, "--write")) == 0
     err = capsys.readouterr().err
     for bucket in rest:
-        shapes = search.shapes_for_bucket("gptq_gemm_prepared", preset_cases("deepseek-v3"), bucket)
+        shapes = search.shapes_for_bucket("w4a16_gemm", preset_cases("deepseek-v3"), bucket)
         assert shapes and all(bucket.holds_n(s.n) for s in shapes)
         assert f"kdsl tune: bucket {bucket.label()}: 3 candidates on {len(shapes)} shapes" in err
-    written = variant_of(defs_copy, "gptq_gemm_prepared", "splitk", "sm_90")[2].tiles
+    written = variant_of(defs_copy, "w4a16_gemm", "splitk", "sm_90")[2].tiles
     assert written[wide.index] == fast and fast.n_min == wide.n_min
     assert written[narrow.index].n_min is None
     assert list(written[:wide.index]) == list(variant.tiles[:wide.index])
 
 
 def test_command_refuses_unknown_buckets(cpu_tune, defs_copy, capsys):
-    variant = variant_of(defs_copy, "gptq_gemm_prepared", "splitk", "sm_90")[2]
+    variant = variant_of(defs_copy, "w4a16_gemm", "splitk", "sm_90")[2]
     names = ", ".join(dict.fromkeys(b.name() for b in space.buckets(variant)))  # one name per M bucket
     assert names.endswith("64, 128, rest")
-    assert tune_cli.run(parse("--op", "gptq_gemm_prepared", "--defs", str(defs_copy), "--bucket", "0")) == 2
+    assert tune_cli.run(parse("--op", "w4a16_gemm", "--defs", str(defs_copy), "--bucket", "0")) == 2
     assert f"--bucket 0: the variant's buckets are {names}" in capsys.readouterr().err
 
 
@@ -739,7 +854,7 @@ def test_command_exits_1_when_the_current_tile_is_wrong(cpu_tune, defs_copy, cap
     out = capsys.readouterr().out
     assert "no candidate ran correctly: the bucket keeps its tile" in out and "nothing to write" in out
 
-    cpu_tune.wrong = lambda p: p == tile_params(bucket.tile)
+    cpu_tune.wrong = lambda p: p == tile_params(bucket.tile, find_impl("gptq_gemm", "splitk"))
     assert tune_cli.run(parse(*args, "--write")) == 1
     out = capsys.readouterr().out
     assert f"the current tile failed (WRONG at {shape.label()}: rel err 1 > 0.02); the winner replaces it" in out
@@ -751,7 +866,7 @@ def test_command_exits_1_when_the_current_tile_is_wrong(cpu_tune, defs_copy, cap
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("op", ["fp8_gemm", "gptq_gemm_prepared"])
+@pytest.mark.parametrize("op", ["fp8_gemm", "w4a16_gemm"])
 def test_real_search_on_a_tiny_space_writes_a_valid_definition(op, defs_copy, tmp_path, capsys):
     chosen = target.select_target(op, load_definitions(defs_copy))
     first = space.buckets(chosen.variant)[0]

@@ -6,12 +6,13 @@ the same module, so the registry picks a module by arch and a tile by M.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from kdsl.kernels import KernelImpl, find_impl
 from kdsl.naming import kernel_name
 from kdsl.schema import LoadedDefinition, Tile
-from kdsl.schema.catalogue import KernelImpl, find_impl
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class PlannedKernel:
     tiles: tuple[Tile, ...]
     layout: object | None  # a GPTQLayout for kernels that read prepared weights
     source: str  # definition file, as a path relative to where generate ran
-    definition_digest: str  # sha256 of the definition file's text
+    definition_digest: str  # sha256 of what renders it: its scheme and variant (not the whole file)
 
     @property
     def module(self) -> str:
@@ -37,9 +38,9 @@ def plan_kernels(definitions: list[LoadedDefinition]) -> list[PlannedKernel]:
     for loaded in definitions:
         # "kernel_defs/block_fp8.toml" whatever the working directory: headers stay byte-stable.
         source = f"{loaded.path.parent.name}/{loaded.path.name}"
-        digest = hashlib.sha256(loaded.source_text.encode()).hexdigest()
         for scheme in loaded.definition.schemes:
             for variant in loaded.definition.variants:
+                digest = _render_inputs_digest(scheme, variant)
                 impl = find_impl(variant.op, variant.impl)
                 assert impl is not None, "validated definitions name catalogued implementations"
                 planned.append(PlannedKernel(
@@ -50,6 +51,14 @@ def plan_kernels(definitions: list[LoadedDefinition]) -> list[PlannedKernel]:
                 ))
     _refuse_name_clashes(planned)
     return sorted(planned, key=lambda k: k.name)
+
+
+def _render_inputs_digest(scheme, variant) -> str:
+    """sha256 of the validated scheme and variant: an edit elsewhere in the file (another variant, a
+    comment) leaves this kernel's digest, and so its module, unchanged."""
+    canonical = json.dumps({"scheme": scheme.model_dump(mode="json"), "variant": variant.model_dump(mode="json")},
+                           sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 class PlanError(Exception):

@@ -20,8 +20,9 @@ from kdsl.schema.layout import PAIR_SPAN, PLANE_ROWS, PLANE_TILE_K, PLANE_TILE_N
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 MANIFEST = "manifest.json"
 # 2: tiles carry n_min and split_fill; 3: deferred_rescale; 4: overlap_dequant; 5: edge_split_k; 6: edge_tiles;
-# 7: split_min_steps; 8: mma_gemv
-MANIFEST_FORMAT = 8
+# 7: split_min_steps; 8: mma_gemv; 9: w4a16_gemm keyed by layout, zero_bias and refusal declared,
+# tiles carry only their implementation's options
+MANIFEST_FORMAT = 9
 
 
 @lru_cache(maxsize=1)
@@ -58,17 +59,14 @@ def kernel_digest(kernel: PlannedKernel) -> str:
     return digest.hexdigest()[:16]
 
 
-def tile_params(tile) -> dict:
-    """Launch parameters a generated module reads from a tile, in a fixed key order."""
+def tile_params(tile, impl) -> dict:
+    """Launch parameters a generated module reads from a tile: the common geometry in a fixed key order,
+    then the implementation's options (its Options model's fields, defaults filled)."""
     return {
         "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
-        "GROUP_M": tile.group_m, "SPLIT_K": tile.split_k, "split_fill": tile.split_fill,
-        "split_min_steps": tile.split_min_steps,
+        "GROUP_M": tile.group_m, "SPLIT_K": tile.split_k,
         "num_warps": tile.num_warps, "num_stages": tile.num_stages,
-        "persistent": tile.persistent, "tile_order": tile.tile_order,
-        "swap_ab": tile.swap_ab, "warp_specialize": tile.warp_specialize,
-        "deferred_rescale": tile.deferred_rescale, "overlap_dequant": tile.overlap_dequant,
-        "edge_tiles": tile.edge_tiles, "mma_gemv": tile.mma_gemv,
+        **impl.resolve(tile).model_dump(mode="json"),
     }
 
 
@@ -80,7 +78,7 @@ def render_module(kernel: PlannedKernel) -> str:
         scheme=kernel.scheme,
         digest=kernel_digest(kernel),
         arch_range=f"sm_{kernel.min_arch}" + (f" .. sm_{kernel.max_arch}" if kernel.max_arch else " and up"),
-        tiles=[(tile.m_max, tile.n_min, tile_params(tile)) for tile in kernel.tiles],
+        tiles=[(tile.m_max, tile.n_min, tile_params(tile, kernel.impl)) for tile in kernel.tiles],
         layout=kernel.layout,
         layout_dict=None if kernel.layout is None else kernel.layout.model_dump(mode="json"),
         plane_tile_n=PLANE_TILE_N,
@@ -99,8 +97,11 @@ def manifest_entry(kernel: PlannedKernel) -> dict:
         "scheme_definition": kernel.scheme.model_dump(mode="json"),
         "min_arch": kernel.min_arch,
         "max_arch": kernel.max_arch,
-        "tiles": [{"m_max": tile.m_max, "n_min": tile.n_min, **tile_params(tile)} for tile in kernel.tiles],
+        "tiles": [{"m_max": tile.m_max, "n_min": tile.n_min, **tile_params(tile, kernel.impl)} for tile in kernel.tiles],
         "layout": None if kernel.layout is None else kernel.layout.model_dump(mode="json"),
+        "zero_bias": None if kernel.layout is None else kernel.layout.zero_bias(),
+        # Optional: a function (tile params, x, contiguous_groups) -> reason or None that passes a tile over.
+        "refusal": kernel.impl.refusal,
         "module": f"{kernel.module}.py",
         "function": "launch",
         "source": kernel.source,

@@ -1,6 +1,10 @@
 """The tensor API. Every op checks its arguments, then launches the kernel the registry picks."""
 from kdsl.ops.block_fp8 import act_quant, fp8_gemm, weight_dequant, weight_quant
-from kdsl.ops.gptq import gptq_dequant, gptq_gemm, gptq_quantize
-from kdsl.ops.gptq_prepare import GPTQPrepared, gptq_prepare
+from kdsl.ops.gptq import gptq_dequant, gptq_gemm, gptq_prepare, gptq_quantize
+from kdsl.ops.w4a16 import GPTQPrepared, W4A16Prepared, w4a16_gemm
 
-__all__ = ["act_quant", "weight_quant", "weight_dequant", "fp8_gemm", "gptq_quantize", "gptq_dequant", "gptq_gemm", "gptq_prepare", "GPTQPrepared"]
+__all__ = [
+    "act_quant", "weight_quant", "weight_dequant", "fp8_gemm",
+    "gptq_quantize", "gptq_dequant", "gptq_gemm", "gptq_prepare",
+    "w4a16_gemm", "W4A16Prepared", "GPTQPrepared",
+]

@@ -13,13 +13,15 @@ from kdsl.ops.gptq_checkpoint import (
     default_g_idx,
     pack_rows,
     scheme_args,
+    unpack_rows,
+    unpack_zeros,
 )
-from kdsl.ops.gptq_prepare import GPTQPrepared, gemm_prepared
+from kdsl.ops.w4a16 import W4A16Prepared, prepare, w4a16_gemm
 from kdsl.runtime import registry
 
 
 def gptq_gemm(
-    x: torch.Tensor, qweight: torch.Tensor | GPTQPrepared, qzeros: torch.Tensor | None = None,
+    x: torch.Tensor, qweight: torch.Tensor | W4A16Prepared, qzeros: torch.Tensor | None = None,
     scales: torch.Tensor | None = None, g_idx: torch.Tensor | None = None, *,
     bits: int = 4, group_size: int = 128, checkpoint_format: str = "gptq",
 ) -> torch.Tensor:
@@ -30,15 +32,15 @@ def gptq_gemm(
     g_idx None means row k is in group k // group_size; any permuted g_idx (act-order) works.
     Symmetric checkpoints still carry qzeros, and they are used.
     """
-    if isinstance(qweight, GPTQPrepared):
+    if isinstance(qweight, W4A16Prepared):
         for name, value in (("qzeros", qzeros), ("scales", scales), ("g_idx", g_idx)):
             if value is not None:
                 raise ValueError(f"{name}: prepared weights carry their own; call gptq_gemm(x, prepared)")
-        return gemm_prepared(x, qweight)
+        return w4a16_gemm(x, qweight)
     if qzeros is None or scales is None:
         missing = "qzeros" if qzeros is None else "scales"
         raise TypeError(f"{missing}: required with checkpoint tensors (or pass weights from kdsl.ops.gptq_prepare)")
-    scheme_args(bits, group_size, checkpoint_format)
+    scheme = _served_scheme("gptq_gemm", bits, group_size, checkpoint_format)
     check.tensor("x", x, ACTIVATIONS, min_ndim=1)
     k = x.shape[-1]
     _, n, _ = checkpoint_shapes(qweight, qzeros, scales, g_idx, k, bits, group_size)
@@ -52,7 +54,7 @@ def gptq_gemm(
     if not check.use_kernels(device):
         groups = g_idx if g_idx is not None else default_g_idx(k, group_size, device)
         return fallback.gptq_gemm(x2, qweight, qzeros, scales, groups, bits, ZERO_OFFSET[checkpoint_format]).view(y.shape)
-    entry = registry.dispatch("gptq_gemm", gptq_scheme_name(bits, group_size, checkpoint_format), device)
+    entry = registry.dispatch("gptq_gemm", scheme, device)
     entry.launch(x2, qweight.contiguous(), qzeros.contiguous(), scales.contiguous(),
                  None if g_idx is None else g_idx.contiguous(), y.view(-1, n), entry.tile_for(x2.shape[0], n))
     return y
@@ -63,7 +65,7 @@ def gptq_dequant(
     bits: int = 4, group_size: int = 128, checkpoint_format: str = "gptq",
 ) -> torch.Tensor:
     """w [N, K] in scales' dtype (nn.Linear's layout): x @ w.T matches gptq_gemm up to rounding."""
-    scheme_args(bits, group_size, checkpoint_format)
+    scheme = _served_scheme("gptq_dequant", bits, group_size, checkpoint_format)
     k, n, _ = checkpoint_shapes(qweight, qzeros, scales, g_idx, None, bits, group_size)
     device = check.same_device(qweight=qweight, qzeros=qzeros, scales=scales, g_idx=g_idx)
     w = torch.empty((n, k), dtype=scales.dtype, device=device)
@@ -72,10 +74,23 @@ def gptq_dequant(
     if not check.use_kernels(device):
         groups = g_idx if g_idx is not None else default_g_idx(k, group_size, device)
         return fallback.gptq_dequant(qweight, qzeros, scales, groups, bits, ZERO_OFFSET[checkpoint_format], scales.dtype)
-    entry = registry.dispatch("gptq_dequant", gptq_scheme_name(bits, group_size, checkpoint_format), device)
+    entry = registry.dispatch("gptq_dequant", scheme, device)
     entry.launch(qweight.contiguous(), qzeros.contiguous(), scales.contiguous(),
                  None if g_idx is None else g_idx.contiguous(), w, entry.tile_for(n))
     return w
+
+
+def gptq_prepare(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None = None, *,
+    bits: int = 4, group_size: int = 128, checkpoint_format: str = "gptq",
+) -> W4A16Prepared:
+    """Prepare a GPTQ checkpoint's tensors once for kdsl.ops.w4a16_gemm (or gptq_gemm(x, prepared));
+    activations must then come in scales' dtype. Act-order (a permuted g_idx) is resolved here, once."""
+    scheme_args(bits, group_size, checkpoint_format)
+    k, n, _ = checkpoint_shapes(qweight, qzeros, scales, g_idx, None, bits, group_size)
+    check.same_device(qweight=qweight, qzeros=qzeros, scales=scales, g_idx=g_idx)
+    return prepare(unpack_rows(qweight.contiguous(), bits), unpack_zeros(qzeros, bits, ZERO_OFFSET[checkpoint_format]),
+                   scales, g_idx, bits=bits, group_size=group_size, source=checkpoint_format)
 
 
 def gptq_quantize(w: torch.Tensor, *, bits: int = 4, group_size: int = 128, sym: bool = True) -> dict[str, torch.Tensor]:
@@ -115,3 +130,12 @@ def gptq_quantize(w: torch.Tensor, *, bits: int = 4, group_size: int = 128, sym:
         "scales": scale,
         "g_idx": default_g_idx(k, group_size, w.device),
     }
+
+
+def _served_scheme(op: str, bits: int, group_size: int, checkpoint_format: str) -> str:
+    """The scheme these arguments select, refused (on the fallback path too) unless a kernel serves it."""
+    scheme_args(bits, group_size, checkpoint_format)
+    scheme = gptq_scheme_name(bits, group_size, checkpoint_format)
+    registry.require_scheme(op, scheme, f"bits = {bits}, group_size = {group_size}, "
+                                        f"checkpoint_format = {checkpoint_format!r}")
+    return scheme

@@ -1,11 +1,12 @@
-"""GPTQ weights prepared once for the fast W4A16 kernel, in the layout its definition declares.
+"""Int4 weights prepared once for the fast W4A16 kernels, whatever checkpoint they came from.
 
-`gptq_prepare` takes the checkpoint tensors (layout: kdsl.ops.gptq_checkpoint), asks the
-registry which prepared kernel serves the device, and writes the weights the way that
-kernel's `layout` (kdsl.schema.layout.GPTQLayout) says: K sorted by group, so act-order
+`prepare` takes unpacked integer weights, real zeros and scales (kdsl.ops.gptq_prepare and
+kdsl.ops.awq_prepare unpack their checkpoint formats into these), asks the registry which
+w4a16_gemm kernel serves the device, and writes the weights the way that kernel's `layout`
+(declared in its definition, listed in the manifest) says: K sorted by group, so act-order
 costs a gather of x's columns instead of a gather of scales per element; zeros either
-unpacked and biased for the kernel's dequant, or left packed. Validation that needs the
-tensors' values (g_idx's range) happens here, once, not on every call.
+unpacked and biased for the kernel's dequant, or packed as real values. The kernels are keyed
+by bits and group size only (scheme w4a16.int4.gNNN), so GPTQ v1/v2 and AWQ share them.
 """
 from __future__ import annotations
 
@@ -13,42 +14,34 @@ from dataclasses import dataclass
 
 import torch
 
-from kdsl.naming import gptq_scheme_name
+from kdsl.naming import w4a16_scheme_name
 from kdsl.ops import _checks as check
 from kdsl.ops import fallback
-from kdsl.ops.gptq_checkpoint import (
-    ACTIVATIONS,
-    ZERO_OFFSET,
-    checkpoint_shapes,
-    default_g_idx,
-    pack_rows,
-    scheme_args,
-    unpack_rows,
-    unpack_zeros,
-)
+from kdsl.ops.gptq_checkpoint import ACTIVATIONS, default_g_idx, pack_rows, unpack_zeros
 from kdsl.runtime import registry
-from kdsl.schema.layout import PAIR_SPAN, PLANE_ROWS, PLANE_TILE_K, PLANE_TILE_N
+from kdsl.packing import PLANE_ROWS, PLANE_TILE_K, PLANE_TILE_N
 
-PREPARED_OP = "gptq_gemm_prepared"
+PREPARED_OP = "w4a16_gemm"
 
 
 @dataclass(frozen=True, eq=False)
-class GPTQPrepared:
-    """Weights of one GPTQ linear layer, ready for `kdsl.ops.gptq_gemm(x, prepared)`.
+class W4A16Prepared:
+    """Weights of one int4 linear layer, ready for `kdsl.ops.w4a16_gemm(x, prepared)`.
 
     qweight, rows in prepared order (row k holds input column perm[k]): int32 [K / 8, N] in the
     "checkpoint" weights layout, or int32 [N tiles, K tiles, PLANE_TILE_N, 16] in "k_planes"
     (see `pack_planes`);
     zeros [G, N] in `dtype` (layout zeros="biased": zero + the kernel's magic bias) or int32
-    [G, N / 8] (zeros="packed", as the checkpoint stores them); scales [G, N] in `dtype`
+    [G, N / 8] (zeros="packed": the real zeros, packed along N as GPTQ packs qzeros); scales [G, N] in `dtype`
     (zeros="paired": biased zeros and scales are views, column stride 2, of one [G, N, 2] tensor);
     groups int32 [K], the group of each prepared row; perm int32 [K] or None when the
     checkpoint's order is already sorted.
     """
 
-    scheme: str
+    scheme: str  # the kernels' scheme, e.g. "w4a16.int4.g128"
+    source: str  # the checkpoint format prepared from ("gptq", "gptq_v2", "awq")
     bits: int
-    zero_offset: int  # added to stored zeros by the checkpoint format ("gptq": 1)
+    group_size: int
     layout: dict
     dtype: torch.dtype
     k: int
@@ -65,49 +58,60 @@ class GPTQPrepared:
     def device(self) -> torch.device:
         return self.qweight.device
 
+    def __repr__(self) -> str:
+        return (f"W4A16Prepared({self.source} -> {self.scheme}, K={self.k}, N={self.n}, "
+                f"dtype={check.dtype_name(self.dtype)}, layout={self.layout}, act_order={self.perm is not None})")
 
-def gptq_prepare(
-    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None = None, *,
-    bits: int = 4, group_size: int = 128, checkpoint_format: str = "gptq",
-) -> GPTQPrepared:
-    """Prepare a GPTQ checkpoint's tensors once; activations must then come in scales' dtype."""
-    scheme_args(bits, group_size, checkpoint_format)
-    k, n, groups = checkpoint_shapes(qweight, qzeros, scales, g_idx, None, bits, group_size)
-    device = check.same_device(qweight=qweight, qzeros=qzeros, scales=scales, g_idx=g_idx)
-    scheme = gptq_scheme_name(bits, group_size, checkpoint_format)
+
+GPTQPrepared = W4A16Prepared  # the name before AWQ shared these kernels
+
+
+def prepare(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, row_groups: torch.Tensor | None, *,
+            bits: int, group_size: int, source: str) -> W4A16Prepared:
+    """q int [K, N] in [0, 2**bits), zeros int [G, N] (real values), scales [G, N] fp16/bf16, row_groups
+    int32 [K] (None: row k is in group k // group_size); source names the checkpoint format for repr.
+    Shapes and ranges are the caller's to check (each checkpoint format words its own errors)."""
+    k, n = q.shape
+    device = q.device
+    scheme = w4a16_scheme_name(bits, group_size)
+    registry.require_scheme(PREPARED_OP, scheme, f"bits = {bits}, group_size = {group_size}")
     entry = registry.dispatch(PREPARED_OP, scheme, device)
     layout = dict(entry.layout)
 
-    row_groups = default_g_idx(k, group_size, device) if g_idx is None else g_idx.to(torch.int32)
+    default_groups = default_g_idx(k, group_size, device)
     perm = None
-    q = unpack_rows(qweight.contiguous(), bits)  # [K, N]
-    if g_idx is not None and k:
+    if row_groups is None:
+        row_groups = default_groups
+    elif k:
+        row_groups = row_groups.to(torch.int32)
         order = torch.argsort(row_groups, stable=True)
         if not torch.equal(order, torch.arange(k, device=device)):
             perm = order.to(torch.int32)
             row_groups = row_groups[order]
             q = q[order]
-    contiguous = torch.equal(row_groups, default_g_idx(k, group_size, device))
+    contiguous = torch.equal(row_groups, default_groups)
 
     zero_bias = 0
     scales = scales.contiguous()
     if layout["zeros"] != "packed":  # "biased", or "paired" with the scales
         # The kernel makes (bias + q) from q's bits and subtracts (bias + zero): both exact.
-        zero_bias = entry.load().MAGIC[scales.dtype][1]
-        zeros = (unpack_zeros(qzeros, bits, ZERO_OFFSET[checkpoint_format]) + zero_bias).to(scales.dtype).contiguous()
+        zero_bias = entry.zero_bias[check.dtype_name(scales.dtype)]
+        packed_zeros = (zeros + zero_bias).to(scales.dtype).contiguous()
         if layout["zeros"] == "paired":
-            pairs = torch.stack((scales, zeros), dim=-1)  # [G, N, 2]: one 32-bit (scale, zero) per column
-            scales, zeros = pairs[..., 0], pairs[..., 1]
+            pairs = torch.stack((scales, packed_zeros), dim=-1)  # [G, N, 2]: one 32-bit (scale, zero) per column
+            scales, packed_zeros = pairs[..., 0], pairs[..., 1]
     else:
-        zeros = qzeros.contiguous()
+        if zeros.numel() and (int(zeros.min()) < 0 or int(zeros.max()) > 2**bits - 1):
+            raise ValueError(f"zeros: layout {layout} packs real zeros in {bits} bits, but they span "
+                             f"[{int(zeros.min())}, {int(zeros.max())}]")
+        packed_zeros = pack_rows(zeros.T.contiguous().to(torch.int64), bits).T.contiguous()
     if layout.get("weights") == "k_planes":
         packed = pack_planes(q.to(torch.int64))
     else:
-        packed = pack_rows(q.to(torch.int64), bits) if perm is not None else qweight.contiguous()
-    return GPTQPrepared(
-        scheme=scheme, bits=bits, zero_offset=ZERO_OFFSET[checkpoint_format], layout=layout, dtype=scales.dtype, k=k, n=n,
-        qweight=packed,
-        zeros=zeros, scales=scales, groups=row_groups.contiguous(), perm=perm,
+        packed = pack_rows(q.to(torch.int64), bits).contiguous()
+    return W4A16Prepared(
+        scheme=scheme, source=source, bits=bits, group_size=group_size, layout=layout, dtype=scales.dtype,
+        k=k, n=n, qweight=packed, zeros=packed_zeros, scales=scales, groups=row_groups.contiguous(), perm=perm,
         contiguous_groups=contiguous, zero_bias=zero_bias,
     )
 
@@ -139,15 +143,18 @@ def unpack_planes(words: torch.Tensor, k: int, n: int) -> torch.Tensor:
     return rows.reshape(k_tiles * PLANE_TILE_K, n_tiles * PLANE_TILE_N)[:k, :n]
 
 
-def checkpoint_rows(prepared: GPTQPrepared) -> torch.Tensor:
+def checkpoint_rows(prepared: W4A16Prepared) -> torch.Tensor:
     """The prepared weights as int32 [K / 8, N] words in prepared row order, whatever the layout."""
     if prepared.layout.get("weights") == "k_planes":
         return pack_rows(unpack_planes(prepared.qweight, prepared.k, prepared.n).to(torch.int64), prepared.bits)
     return prepared.qweight
 
 
-def gemm_prepared(x: torch.Tensor, prepared: GPTQPrepared) -> torch.Tensor:
-    """y [..., N] = x [..., K] @ w, w from prepared weights, in x's dtype."""
+def w4a16_gemm(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ w in x's dtype, w from kdsl.ops.gptq_prepare or kdsl.ops.awq_prepare."""
+    if not isinstance(prepared, W4A16Prepared):
+        raise TypeError(f"prepared: expected weights from kdsl.ops.gptq_prepare or awq_prepare, "
+                        f"got {type(prepared).__name__}")
     check.tensor("x", x, ACTIVATIONS, min_ndim=1)
     if x.dtype != prepared.dtype:
         raise TypeError(f"x: expected dtype {check.dtype_name(prepared.dtype)} (the weights were prepared "
@@ -164,14 +171,14 @@ def gemm_prepared(x: torch.Tensor, prepared: GPTQPrepared) -> torch.Tensor:
     x2 = check.rows(x, k)
     if not check.use_kernels(device):
         zeros = (prepared.zeros.float() - prepared.zero_bias if prepared.layout["zeros"] != "packed"
-                 else unpack_zeros(prepared.zeros, prepared.bits, prepared.zero_offset))
+                 else unpack_zeros(prepared.zeros, prepared.bits, 0))
         return fallback.gptq_gemm_sorted(x2, checkpoint_rows(prepared), zeros, prepared.scales, prepared.groups,
                                          prepared.perm, prepared.bits).view(y.shape)
     entry = registry.dispatch(PREPARED_OP, prepared.scheme, device)
     if entry.layout != prepared.layout:
         raise ValueError(f"prepared: weights are in layout {prepared.layout}, but {entry.name} reads "
-                         f"{entry.layout}; prepare them again with kdsl.ops.gptq_prepare")
-    refusal = entry.load().tile_refusal
+                         f"{entry.layout}; prepare them again")
+    refusal = entry.refusal
     tile = entry.tile_for(x2.shape[0], n, refuses=lambda params: refusal(params, x2, prepared.contiguous_groups))
     entry.launch(x2, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
                  prepared.contiguous_groups, y.view(-1, n), tile)

@@ -1,6 +1,7 @@
 """Read generated/manifest.json into plain, immutable entries; import their modules on demand."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -9,14 +10,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-GENERATED_ENV = "KDSL_GENERATED"
-SUPPORTED_FORMAT = 8
+GENERATED_ENV = "KDSL_GENERATED"  # replaces the shipped kernels' folder
+KERNEL_PATH_ENV = "KDSL_KERNEL_PATH"  # extra folders of generated kernels, searched before the shipped ones
+SUPPORTED_FORMAT = 9
+SHIPPED = "shipped"
+
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 
-def generated_dir() -> Path:
-    """$KDSL_GENERATED, else the generated/ folder beside the kdsl package."""
+def shipped_dir() -> Path:
+    """The kernels kdsl ships: $KDSL_GENERATED if set; else kdsl/generated/ inside an installed wheel;
+    else the repository's generated/ beside the kdsl package (a checkout or an editable install)."""
     override = os.environ.get(GENERATED_ENV)
-    return Path(override) if override else Path(__file__).resolve().parents[2] / "generated"
+    if override:
+        return Path(override)
+    installed = _PACKAGE_DIR / "generated"
+    return installed if (installed / "manifest.json").is_file() else _PACKAGE_DIR.parent / "generated"
+
+
+def shipped_definitions_dir() -> Path:
+    """The definitions the shipped kernels were rendered from (kdsl/kernel_defs/ in a wheel)."""
+    installed = _PACKAGE_DIR / "kernel_defs"
+    return installed if installed.is_dir() else _PACKAGE_DIR.parent / "kernel_defs"
+
+
+def extra_dirs_from_env() -> list[Path]:
+    """$KDSL_KERNEL_PATH: folders written by `kdsl generate --out`, separated like PATH."""
+    return [Path(p) for p in os.environ.get(KERNEL_PATH_ENV, "").split(os.pathsep) if p.strip()]
+
+
+generated_dir = shipped_dir  # the name earlier releases used
 
 
 @dataclass(frozen=True)
@@ -48,6 +71,9 @@ class KernelEntry:
     function: str
     source: str
     layout: dict | None = field(default=None, hash=False, compare=False)  # prepared-weight layout, if any
+    origin: str = SHIPPED  # "shipped", or the folder a user added it from
+    zero_bias: dict | None = field(default=None, hash=False, compare=False)  # per dtype name, biased-zero layouts
+    refusal_function: str | None = None  # the module's "should this tile serve this call" function, if any
 
     def tile_for(self, m: int, n: int | None = None, refuses=None) -> dict:
         """Launch parameters for M rows (and N columns, where the definition tiles by N too).
@@ -72,13 +98,25 @@ class KernelEntry:
     def load(self) -> ModuleType:
         module = _MODULES.get(self.module_path)
         if module is None:
-            module = _import_file(f"kdsl_generated.{self.name}", self.module_path)
+            package = "kdsl_generated" if self.origin == SHIPPED else (
+                "kdsl_user_" + hashlib.sha256(self.origin.encode()).hexdigest()[:12])
+            module = _import_file(f"{package}.{self.name}", self.module_path)
             _MODULES[self.module_path] = module
         return module
 
     @property
     def launch(self):
         return getattr(self.load(), self.function)
+
+    @property
+    def refusal(self):
+        """(tile params, x, contiguous_groups) -> reason or None, or None when the kernel declares none."""
+        return None if self.refusal_function is None else getattr(self.load(), self.refusal_function)
+
+    @property
+    def label(self) -> str:
+        """The name, and the folder it came from unless it is a shipped kernel."""
+        return self.name if self.origin == SHIPPED else f"{self.name} [{self.origin}]"
 
     def arch_range(self) -> str:
         return f"sm_{self.min_arch}..sm_{self.max_arch}" if self.max_arch else f"sm_{self.min_arch}+"
@@ -101,8 +139,8 @@ class ManifestError(RuntimeError):
     """generated/ is missing, unreadable or from another kdsl."""
 
 
-def load_manifest(folder: Path | None = None) -> tuple[KernelEntry, ...]:
-    folder = folder or generated_dir()
+def load_manifest(folder: Path | None = None, origin: str = SHIPPED) -> tuple[KernelEntry, ...]:
+    folder = folder or shipped_dir()
     path = folder / "manifest.json"
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -123,6 +161,7 @@ def load_manifest(folder: Path | None = None) -> tuple[KernelEntry, ...]:
             name=raw["name"], op=raw["op"], impl=raw["impl"], scheme=raw["scheme"],
             min_arch=raw["min_arch"], max_arch=raw["max_arch"], tiles=tiles,
             module_path=folder / raw["module"], function=raw["function"], source=raw["source"],
-            layout=raw.get("layout"),
+            layout=raw.get("layout"), origin=origin, zero_bias=raw.get("zero_bias"),
+            refusal_function=raw.get("refusal"),
         ))
     return tuple(entries)

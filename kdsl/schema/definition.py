@@ -7,13 +7,12 @@ from pathlib import Path
 
 from pydantic import Field, ValidationError, model_validator
 
+from kdsl.kernels import BASE_KNOBS, KernelImpl, find_impl, ops_of_family
 from kdsl.naming import format_arch
 from kdsl.schema._base import StrictModel
 from kdsl.schema.arch import archs_in_range
-from kdsl.schema.catalogue import BASE_KNOBS, KernelImpl, find_impl, ops_of_family
-from kdsl.schema.layout import PLANE_TILE_K, PLANE_TILE_N
 from kdsl.schema.scheme import BlockFP8, Scheme
-from kdsl.schema.tiling import MMA_GEMV_MAX_M, Tile, Variant
+from kdsl.schema.tiling import Tile, Variant
 
 
 class KernelDefinition(StrictModel):
@@ -88,9 +87,13 @@ def tile_problems(variant: Variant, tile: Tile, scheme, where: str = "tile") -> 
 
 def _tile_problems(tile_where: str, variant: Variant, impl: KernelImpl, scheme, tile: Tile) -> list[str]:
     problems = []
-    for knob in sorted(tile.model_fields_set - BASE_KNOBS - impl.knobs):
+    for knob in sorted(tile.model_fields_set - BASE_KNOBS - impl.tile_knobs - {"options"}):
         problems.append(f"{tile_where}.{knob}: {variant.op}/{variant.impl} does not implement this knob")
-    if "block_k" in impl.knobs and isinstance(scheme, BlockFP8):
+    try:
+        options = impl.resolve(tile)
+    except ValidationError as error:
+        return problems + [_option_problem(tile_where, variant, impl, e) for e in error.errors()]
+    if "block_k" in impl.tile_knobs and isinstance(scheme, BlockFP8):
         group = scheme.quant_group_k
         if impl.gemv_block_m and tile.block_m == 1:
             # The GEMV scales whole groups per K step, and one weight block's scale serves its columns.
@@ -108,33 +111,10 @@ def _tile_problems(tile_where: str, variant: Variant, impl: KernelImpl, scheme, 
         also = " (or 1 for its CUDA-core GEMV)" if impl.gemv_block_m else ""
         problems.append(f"{tile_where}.block_m: {tile.block_m} is below the {impl.min_block_m} rows of one MMA; "
                         f"{variant.op}/{variant.impl} takes {impl.min_block_m} or more{also}")
-    if tile.warp_specialize and tile.split_k > 1:
-        # Measured on an H200 with Triton 3.6: the warp-specialized loop runs the split-K fixup's
-        # atomics so that its counters are left non-zero, and every later split-K launch is wrong.
-        problems.append(f"{tile_where}.warp_specialize: cannot be combined with split_k = {tile.split_k} "
-                        "(Triton's warp-specialized loop leaves the split-K counters dirty); use one or the other")
-    if tile.deferred_rescale:
-        problems.extend(_deferred_rescale_problems(tile_where, scheme, tile))
-    if tile.overlap_dequant:
-        problems.extend(_overlap_dequant_problems(tile_where, variant, tile))
-    if tile.edge_tiles:
-        problems.extend(_edge_tiles_problems(tile_where, tile))
-    if tile.mma_gemv:
-        problems.extend(_mma_gemv_problems(tile_where, variant, tile))
-    if getattr(variant.layout, "weights", None) == "k_planes":
-        if impl.gemv_block_m and tile.block_m == 1:
-            if tile.block_k % PLANE_TILE_K:
-                problems.append(f"{tile_where}.block_k: {tile.block_k} is not a multiple of {PLANE_TILE_K}; the "
-                                "k_planes GEMV (block_m = 1) steps over whole plane tiles")
-        elif tile.block_k != PLANE_TILE_K:
-            problems.append(f"{tile_where}.block_k: {tile.block_k}; the k_planes layout's tiles take "
-                            f"block_k = {PLANE_TILE_K}")
-        if PLANE_TILE_N % tile.block_n:
-            problems.append(f"{tile_where}.block_n: {tile.block_n} does not divide the k_planes layout's "
-                            f"{PLANE_TILE_N} columns per tile")
-    if impl.family == "gptq" and "block_k" in impl.knobs and tile.block_k < scheme.pack_factor:
+    if hasattr(scheme, "pack_factor") and "block_k" in impl.tile_knobs and tile.block_k < scheme.pack_factor:
         problems.append(f"{tile_where}.block_k: {tile.block_k} is smaller than one packed int32 ({scheme.pack_factor} rows)")
-    need = impl.shared_bytes(scheme, tile)
+    problems.extend(impl.problems(tile_where, scheme, variant, tile, options))
+    need = impl.shared_bytes(scheme, tile, options)
     for facts in archs_in_range(variant.min_cc, variant.max_cc):
         if need > facts.max_shared_bytes:
             problems.append(
@@ -146,85 +126,14 @@ def _tile_problems(tile_where: str, variant: Variant, impl: KernelImpl, scheme, 
     return problems
 
 
-def _warpgroup_per_64(where: str, what: str, field: str, size: int, num_warps: int) -> list[str]:
-    """The Gluon kernels give each warpgroup (4 warps) one wgmma of 64 rows of the tile's `field`."""
-    if size == 16 * num_warps and num_warps in (4, 8):
-        return []
-    return [f"{where}: needs one warpgroup per 64 {what}: {field} = 64 with num_warps = 4 or "
-            f"{field} = 128 with num_warps = 8 (got {field} = {size}, num_warps = {num_warps})"]
-
-
-def _deferred_rescale_problems(tile_where: str, scheme, tile: Tile) -> list[str]:
-    """The Gluon deferred-rescale kernel: one warpgroup per 64 rows, one scale group per K block, one
-    weight block across the tile's columns, whole tiles per program in m_major order."""
-    problems = []
-    where = f"{tile_where}.deferred_rescale"
-    problems.extend(_warpgroup_per_64(where, "rows", "block_m", tile.block_m, tile.num_warps))
-    if isinstance(scheme, BlockFP8):
-        if tile.block_k != scheme.quant_group_k:
-            problems.append(f"{where}: needs block_k = {scheme.quant_group_k}, one scale group per K block "
-                            f"(got {tile.block_k})")
-        if scheme.weight_block[0] % tile.block_n or tile.block_n < 8:
-            problems.append(f"{where}: needs block_n to divide the weight block's {scheme.weight_block[0]} rows "
-                            f"(got {tile.block_n})")
-    for knob, value in (("split_k", tile.split_k > 1), ("swap_ab", tile.swap_ab),
-                        ("warp_specialize", tile.warp_specialize), ("tile_order", tile.tile_order != "m_major")):
-        if value:
-            problems.append(f"{where}: the Gluon kernel computes whole tiles in m_major order; drop {knob}")
-    return problems
-
-
-def _edge_tiles_problems(tile_where: str, tile: Tile) -> list[str]:
-    """The Gluon deferred-rescale kernel cuts the edge column into narrow tiles for a persistent grid's
-    programs that have a round to spare."""
-    where = f"{tile_where}.edge_tiles"
-    problems = []
-    if not tile.persistent:
-        problems.append(f"{where}: only a persistent grid has programs with a round to spare; set persistent = true")
-    if not tile.deferred_rescale:
-        problems.append(f"{where}: the edge tiles are part of the Gluon kernel; set deferred_rescale = true")
-    return problems
-
-
-def _overlap_dequant_problems(tile_where: str, variant, tile: Tile) -> list[str]:
-    """The Gluon overlapped-dequant kernel: wgmma (Hopper only), k_planes words with paired scales and
-    zeros (one TMA load each per K block), one warpgroup per 64 columns, MMA rows."""
-    problems = []
-    where = f"{tile_where}.overlap_dequant"
-    if variant.min_cc != 90 or variant.max_cc != 90:
-        problems.append(f"{where}: the Gluon kernel uses wgmma; the variant must cover sm_90 only "
-                        f"(min_arch = max_arch = \"sm_90\", got {variant.min_arch} .. {variant.max_arch or 'any'})")
-    if getattr(variant.layout, "weights", None) != "k_planes" or getattr(variant.layout, "zeros", None) != "paired":
-        problems.append(f"{where}: needs the variant's layout = {{ weights = \"k_planes\", zeros = \"paired\" }}")
-    problems.extend(_warpgroup_per_64(where, "columns", "block_n", tile.block_n, tile.num_warps))
-    if not 16 <= tile.block_m <= 256:
-        problems.append(f"{where}: block_m = {tile.block_m} is not one wgmma's width (16 to 256); "
-                        "the GEMV (block_m = 1) has no wgmma to overlap")
-    return problems
-
-
-def _mma_gemv_problems(tile_where: str, variant, tile: Tile) -> list[str]:
-    """The Gluon mma.sync GEMV: k_planes words with paired scales and zeros, 16 columns per program (one
-    MMA's rows), x as the MMA's 8-wide operand, whole plane tiles per chunk."""
-    problems = []
-    where = f"{tile_where}.mma_gemv"
-    if variant.min_cc < 80:
-        problems.append(f"{where}: mma.sync needs sm_80 or newer (the variant starts at {variant.min_arch})")
-    if getattr(variant.layout, "weights", None) != "k_planes" or getattr(variant.layout, "zeros", None) != "paired":
-        problems.append(f"{where}: needs the variant's layout = {{ weights = \"k_planes\", zeros = \"paired\" }}")
-    if tile.block_m != 1:
-        problems.append(f"{where}: is a GEMV tile; needs block_m = 1 (got {tile.block_m})")
-    if tile.m_max is None or tile.m_max > MMA_GEMV_MAX_M:
-        problems.append(f"{where}: x is the MMA's 8-wide operand, so the tile serves M up to {MMA_GEMV_MAX_M}; "
-                        f"set m_max <= {MMA_GEMV_MAX_M} "
-                        f"(got {tile.m_max if tile.m_max is not None else 'none'})")
-    if tile.block_n != 16:
-        problems.append(f"{where}: a program takes one MMA's 16 columns; needs block_n = 16 (got {tile.block_n})")
-    for knob, value in (("split_k", tile.split_k > 1), ("split_min_steps", tile.split_min_steps is not None),
-                        ("split_fill", tile.split_fill is not None)):
-        if value:
-            problems.append(f"{where}: the program's warps split K among themselves; drop {knob}")
-    return problems
+def _option_problem(tile_where: str, variant: Variant, impl: KernelImpl, error: dict) -> str:
+    """One error of the implementation's Options model, naming the option and what the implementation takes."""
+    name = ".".join(str(part) for part in error["loc"])
+    if error["type"] == "extra_forbidden":
+        known = ", ".join(impl.options.model_fields) or "none"
+        return (f"{tile_where}.options.{name}: {variant.op}/{variant.impl} has no option {name!r} "
+                f"(its options: {known})")
+    return f"{tile_where}.options.{name}: {error['msg']} (got {error.get('input')!r})"
 
 
 class DefinitionError(Exception):
@@ -271,7 +180,7 @@ def _describe(error: dict) -> str:
     for part in error["loc"]:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif part in ("block_fp8", "gptq") and path.endswith("]"):
+        elif part in ("block_fp8", "gptq", "w4a16") and path.endswith("]"):
             continue  # the discriminator's own level adds nothing for a reader
         else:
             path += f".{part}" if path else str(part)

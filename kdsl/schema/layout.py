@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from kdsl.packing import PAIR_SPAN, PLANE_ROWS, PLANE_TILE_K, PLANE_TILE_N, ZERO_BIAS  # noqa: F401
 from kdsl.schema._base import StrictModel
 
 
@@ -52,13 +53,10 @@ class GPTQLayout(StrictModel):
             raise ValueError('zeros = "paired" is read only by the weights = "k_planes" kernel')
         return self
 
+    def zero_bias(self) -> dict[str, int] | None:
+        """What preparation adds to each zero, per activation dtype (None: zeros stay packed)."""
+        return None if self.zeros == "packed" else dict(ZERO_BIAS)
+
     def key(self) -> str:
         """Readable identity, stamped on prepared weights and checked at launch."""
         return f"zeros={self.zeros},weights={self.weights}"
-
-
-# Tile of the "k_planes" weights: 128 columns by 8 planes of 16 rows.
-PLANE_TILE_N = 128
-PLANE_TILE_K = 128
-PLANE_ROWS = PLANE_TILE_K // 8  # words per column of a tile; a word holds 8 of the column's rows
-PAIR_SPAN = 2 * PLANE_ROWS  # rows the nibble pair (p, p + 4) covers over one column's words

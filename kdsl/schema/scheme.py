@@ -7,9 +7,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BeforeValidator, Field, PositiveInt, field_validator
+from pydantic import AfterValidator, BeforeValidator, Field, PositiveInt, field_validator
 
-from kdsl.naming import block_fp8_scheme_name, gptq_scheme_name, is_gptq_group_size
+from kdsl.naming import (
+    block_fp8_scheme_name,
+    gptq_scheme_name,
+    is_gptq_group_size,
+    w4a16_scheme_name,
+)
 from kdsl.schema._base import StrictModel
 
 
@@ -53,6 +58,11 @@ class BlockFP8(StrictModel):
         return block_fp8_scheme_name(self.fmt, n, k, self.act_group, "f32")
 
     @property
+    def kernel_schemes(self) -> tuple[str, ...]:
+        """Scheme names of the generated kernels a model in this scheme runs on."""
+        return (self.name,)
+
+    @property
     def quant_group_k(self) -> int:
         """The K extent every GEMM K-step must stay inside (one scale per step)."""
         return min(self.weight_block[1], self.act_group)
@@ -61,12 +71,28 @@ class BlockFP8(StrictModel):
 SUPPORTED_GPTQ_BITS = (4,)
 
 
+def _supported_bits(value: int) -> int:
+    if value not in SUPPORTED_GPTQ_BITS:
+        raise ValueError(f"bits = {value} is not supported; supported: {list(SUPPORTED_GPTQ_BITS)}")
+    return value
+
+
+def _group_size(value: int) -> int:
+    if not is_gptq_group_size(value):
+        raise ValueError(f"group_size = {value} must be a power of two >= 16, or -1 for one group over K")
+    return value
+
+
+IntBits = Annotated[int, AfterValidator(_supported_bits)]
+GroupSize = Annotated[int, AfterValidator(_group_size)]
+
+
 class GPTQ(StrictModel):
     """GPTQ weight-only integer quantization with per-group scales and zeros (W4A16)."""
 
     kind: Literal["gptq"] = "gptq"
-    bits: int = Field(4, description="bits per weight; 4 today")
-    group_size: int = Field(128, description="rows of K sharing a scale/zero; a power of two >= 16, or -1 for all of K")
+    bits: IntBits = Field(4, description="bits per weight; 4 today")
+    group_size: GroupSize = Field(128, description="rows of K sharing a scale/zero; a power of two >= 16, or -1 for all of K")
     sym: bool = Field(True, description="symmetric quantization (qzeros still stored and used)")
     desc_act: bool = Field(False, description="act-order: rows permuted, group of each row in g_idx")
     checkpoint_format: Literal["gptq", "gptq_v2"] = Field(
@@ -74,30 +100,46 @@ class GPTQ(StrictModel):
     )
     act_dtype: Literal["float16", "bfloat16"] = Field("float16", description="activation and output dtype")
 
-    @field_validator("bits")
-    @classmethod
-    def _supported_bits(cls, value: int) -> int:
-        if value not in SUPPORTED_GPTQ_BITS:
-            raise ValueError(f"bits = {value} is not supported; supported: {list(SUPPORTED_GPTQ_BITS)}")
-        return value
-
-    @field_validator("group_size")
-    @classmethod
-    def _group_size(cls, value: int) -> int:
-        if not is_gptq_group_size(value):
-            raise ValueError(f"group_size = {value} must be a power of two >= 16, or -1 for one group over K")
-        return value
-
     @property
     def name(self) -> str:
         return gptq_scheme_name(self.bits, self.group_size, self.checkpoint_format)
+
+    @property
+    def kernel_schemes(self) -> tuple[str, ...]:
+        """Its checkpoint kernels, and the w4a16 ones that gptq_prepare's weights run on."""
+        return self.name, w4a16_scheme_name(self.bits, self.group_size)
 
     @property
     def pack_factor(self) -> int:
         return 32 // self.bits
 
 
-Scheme = Annotated[Union[BlockFP8, GPTQ], Field(discriminator="kind")]
+class W4A16(StrictModel):
+    """Int4 weights prepared for the fast W4A16 kernels (kdsl.ops.gptq_prepare / awq_prepare write them).
+
+    Every checkpoint format prepares into the same layout (zeros as real values, K sorted by
+    group), so these kernels are keyed by bits and group size alone and serve them all.
+    """
+
+    kind: Literal["w4a16"] = "w4a16"
+    bits: IntBits = Field(4, description="bits per weight; 4 today")
+    group_size: GroupSize = Field(128, description="rows of K sharing a scale/zero; a power of two >= 16, or -1 for all of K")
+
+    @property
+    def name(self) -> str:
+        return w4a16_scheme_name(self.bits, self.group_size)
+
+    @property
+    def pack_factor(self) -> int:
+        return 32 // self.bits
+
+    @property
+    def kernel_schemes(self) -> tuple[str, ...]:
+        return (self.name,)
+
+
+Scheme = Annotated[Union[BlockFP8, GPTQ, W4A16], Field(discriminator="kind")]
+
 
 def scheme_from_hf(config: dict) -> BlockFP8 | GPTQ:
     """Map a Hugging Face ``quantization_config`` dict to a kdsl scheme.

@@ -1,7 +1,7 @@
 """How a kernel is tiled: per M bucket, inside an arch range."""
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, PositiveInt, field_validator, model_validator
 
@@ -21,15 +21,13 @@ def _arch_name(value: str) -> str:
     return value
 
 
-# The mma.sync GEMV (Tile.mma_gemv) takes x as one m16n8k16's 8-wide operand: it serves M up to this.
-MMA_GEMV_MAX_M = 8
-
 PowerOfTwo = Annotated[int, AfterValidator(_power_of_two)]
 ArchName = Annotated[str, AfterValidator(_arch_name)]
 
 
 class Tile(StrictModel):
-    """Launch parameters for one M bucket. Fields an implementation ignores must stay unset."""
+    """Launch parameters for one M bucket: the geometry every GEMM shares, and `options`, the knobs of
+    the variant's implementation. Fields an implementation ignores must stay unset."""
 
     m_max: PositiveInt | None = Field(None, description="serves M up to this (inclusive); omit on the last bucket")
     n_min: PositiveInt | None = Field(
@@ -40,39 +38,11 @@ class Tile(StrictModel):
     block_k: PowerOfTwo = 128
     group_m: PositiveInt = Field(8, description="rows of tiles walked together for L2 reuse")
     split_k: PositiveInt = Field(1, description="programs sharing one output tile along K (clamped to K's blocks)")
-    split_fill: PositiveInt | None = Field(
-        None, description="how many of the tile's programs fit on an SM at once (default 2): split K plans for "
-        "this many per SM, and a persistent grid launches this many per SM"
-    )
-    split_min_steps: PositiveInt | None = Field(
-        None, description="fewest K steps a program of a split takes: the split never cuts K into shorter runs, "
-        "whose partial sums' fixup costs more than their extra programs save"
-    )
     num_warps: Literal[1, 2, 4, 8, 16] = 4
     num_stages: int = Field(3, ge=1, le=8)
-    persistent: bool = Field(
-        False, description="split_fill programs per SM loop over the tiles, instead of one program per tile"
-    )
-    tile_order: Literal["m_major", "n_major"] = Field(
-        "m_major", description="m_major walks down M inside a group (reuses B); n_major walks along N (reuses A)"
-    )
-    swap_ab: bool = Field(False, description="compute C^T = B A^T so wide N fills the MMA's M side")
-    warp_specialize: bool = Field(False, description="producer/consumer warps in the K loop (Hopper)")
-    deferred_rescale: bool = Field(
-        False, description="Gluon kernel (Hopper): block k's wgmma runs while block k-1's product is scaled "
-        "into the accumulator; one warpgroup per 64 rows"
-    )
-    edge_tiles: bool = Field(
-        False, description="persistent deferred_rescale tiles: N's partial last column, in tiles only as wide as "
-        "it, goes to the programs with a whole tile fewer, when that saves the grid a round"
-    )
-    overlap_dequant: bool = Field(
-        False, description="Gluon kernel (Hopper, k_planes weights): block k+1 is dequantized while block k's "
-        "wgmma runs; one warpgroup per 64 columns"
-    )
-    mma_gemv: bool = Field(
-        False, description="Gluon GEMV (k_planes weights, M up to 8): mma.sync on 16 columns per program, whose "
-        "warps split K in chunks of block_k rows and sum in shared memory"
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="knobs of the variant's implementation only, validated by its Options "
+        "model (kdsl/kernels/<family>/<impl>.py), e.g. { persistent = true, swap_ab = true }"
     )
 
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from kdsl.bench.shapes import PRESETS, ShapeFileError, resolve_shapes
+from kdsl.kernels import find_impl
 from kdsl.tune import search
 from kdsl.tune.space import DEFAULT_MAX_CANDIDATES, Bucket, buckets, candidates
 
@@ -23,7 +24,7 @@ For each M bucket of the variant (or those named by --bucket), and inside one ti
               implementation honours, validated like the definition itself (knobs, MMA rows,
               block sizes, shared memory on every arch of the variant's range), nearest the
               current tile first, at most --max-candidates in all; block_m = 1 GEMV candidates
-              only in an m_max = 1 bucket of gptq_gemm_prepared
+              only in an m_max = 1 bucket of w4a16_gemm
   shapes      every (N, K) of the --shapes preset for the op in the tile's N range, at the
               preset's M values that fall in the bucket (or at the bucket's m_max if none does)
   timing      the generated module's launch with each candidate tile; median of
@@ -146,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
         tiles = candidates(variant, bucket, chosen.loaded.definition.schemes, args.max_candidates)
         shapes = search.shapes_for_bucket(args.op, cases, bucket)
         print(f"kdsl tune: bucket {bucket.label()}: {len(tiles)} candidates on {len(shapes)} shapes", file=sys.stderr)
-        results.append(search.search_bucket(bucket, tiles, shapes, make_problem, search.default_timer, _progress))
+        results.append(search.search_bucket(bucket, tiles, shapes, make_problem, search.default_timer, _progress,
+                                            impl=find_impl(variant.op, variant.impl)))
 
     from kdsl.tune.report import format_results
 

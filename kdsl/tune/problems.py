@@ -19,7 +19,7 @@ from kdsl.tune.search import Problem, ProblemFactory, Shape
 
 def problem_factory(op: str, entry) -> ProblemFactory:
     """Shape -> Problem for `entry` (a kdsl.runtime KernelEntry of `op`), on timing.DEVICE."""
-    builders = {"fp8_gemm": _fp8_gemm, "gptq_gemm": _gptq_gemm, "gptq_gemm_prepared": _gptq_gemm_prepared}
+    builders = {"fp8_gemm": _fp8_gemm, "gptq_gemm": _gptq_gemm, "w4a16_gemm": _w4a16_gemm}
     build = builders[op]
 
     def make(shape: Shape) -> Problem:
@@ -59,7 +59,7 @@ def _gptq_gemm(entry, shape: Shape) -> Problem:
                     lambda p: entry.launch(x, qweight, qzeros, scales, None, y, p))
 
 
-def _gptq_gemm_prepared(entry, shape: Shape) -> Problem:
+def _w4a16_gemm(entry, shape: Shape) -> Problem:
     from kdsl.ops import gptq_prepare
 
     inputs = timing.gptq_gemm_inputs(shape.m, shape.n, shape.k)

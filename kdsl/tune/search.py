@@ -25,7 +25,7 @@ from kdsl.schema import Tile
 from kdsl.tune.space import Bucket
 
 # Shapes of a bench preset: gptq_gemm's serve both GPTQ GEMMs.
-SHAPE_OPS = {"fp8_gemm": "fp8_gemm", "gptq_gemm": "gptq_gemm", "gptq_gemm_prepared": "gptq_gemm"}
+SHAPE_OPS = {"fp8_gemm": "fp8_gemm", "gptq_gemm": "gptq_gemm", "w4a16_gemm": "gptq_gemm"}
 TUNABLE_OPS = tuple(SHAPE_OPS)
 
 Check = tuple[float, "str | None"]  # (relative error, why it is wrong or None)
@@ -150,25 +150,25 @@ def score(outcomes: list[Outcome], shapes: list[Shape]) -> None:
 
 def compact(tile: Tile) -> str:
     """One short line per tile for progress: 64x128x128 split_k=4 w4 s4 persistent."""
-    p = tile_params(tile)
-    parts = [f"{p['BLOCK_M']}x{p['BLOCK_N']}x{p['BLOCK_K']}"]
-    parts += [f"split_k={p['SPLIT_K']}"] if p["SPLIT_K"] != 1 else []
-    parts += [f"group_m={p['GROUP_M']}"] if p["GROUP_M"] != Tile.model_fields["group_m"].default else []
-    parts += [f"w{p['num_warps']}", f"s{p['num_stages']}"]
-    parts += [p["tile_order"]] if p["tile_order"] != "m_major" else []
-    # Every on/off knob the tile sets, named as the definition names it.
-    parts += [name for name, field in Tile.model_fields.items() if field.annotation is bool and getattr(tile, name)]
+    parts = [f"{tile.block_m}x{tile.block_n}x{tile.block_k}"]
+    parts += [f"split_k={tile.split_k}"] if tile.split_k != 1 else []
+    parts += [f"group_m={tile.group_m}"] if tile.group_m != Tile.model_fields["group_m"].default else []
+    parts += [f"w{tile.num_warps}", f"s{tile.num_stages}"]
+    # Every option the tile sets, named as the definition names it; switches by their name alone.
+    parts += [name if value is True else f"{name}={value}" for name, value in tile.options.items()
+              if value not in (False, None)]
     return " ".join(parts)
 
 
 def search_bucket(bucket: Bucket, tiles: list[Tile], shapes: list[Shape], make_problem: ProblemFactory,
-                  timer: Timer = default_timer, progress: Progress | None = None) -> BucketResult:
-    """Check and time every tile on every shape (tiles[0] is the current tile); score the survivors."""
+                  timer: Timer = default_timer, progress: Progress | None = None, *, impl) -> BucketResult:
+    """Check and time every tile on every shape (tiles[0] is the current tile); score the survivors.
+    impl: the implementation (kdsl.kernels) whose tiles they are, which turns them into launch parameters."""
     if not tiles or not shapes:
         raise ValueError("a bucket needs at least one tile and one shape")
     say = progress or (lambda line: None)
     outcomes = [Outcome(tile) for tile in tiles]
-    params = [tile_params(tile) for tile in tiles]
+    params = [tile_params(tile, impl) for tile in tiles]
     for s_index, shape in enumerate(shapes, 1):
         problem = make_problem(shape)
         try:

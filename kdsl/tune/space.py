@@ -1,7 +1,7 @@
 """The candidate tiles for one M bucket of a variant.
 
 A small grid per kind of bucket, varied only over the knobs the variant's implementation
-honours (kdsl.schema.catalogue); every other field stays unset. Each knob's values include
+honours (its unit in kdsl.kernels: common tile fields and its options); every other field stays unset. Each knob's values include
 the current tile's (GEMV candidates where an MMA tile serves take the grid's alone), and
 candidates are ordered nearest the current tile first, so a --max-candidates cap keeps its
 neighbourhood. The current tile is always candidate 0, and
@@ -21,16 +21,31 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from kdsl.kernels import BASE_KNOBS, KernelImpl, find_impl
+from kdsl.kernels.w4a16.splitk import MMA_GEMV_MAX_M
 from kdsl.schema import Tile, Variant, tile_problems
-from kdsl.schema.catalogue import BASE_KNOBS, KernelImpl, find_impl
-from kdsl.schema.tiling import MMA_GEMV_MAX_M
 
 DEFAULT_MAX_CANDIDATES = 24
-# The fields a tile writes, in the order `kdsl tune` writes them.
-TILE_FIELDS = ("m_max", "n_min", "block_m", "block_n", "block_k", "group_m", "split_k", "split_fill",
-               "split_min_steps", "num_warps", "num_stages", "persistent", "tile_order", "swap_ab", "warp_specialize",
-               "deferred_rescale", "overlap_dequant", "edge_tiles", "mma_gemv")
-KNOBS = TILE_FIELDS[2:]  # what a candidate may vary; m_max and n_min are the bucket's
+# The fields a tile writes, in the order `kdsl tune` writes them (its options last, as one inline table).
+TILE_FIELDS = tuple(name for name in Tile.model_fields if name != "options") + ("options",)
+COMMON_KNOBS = TILE_FIELDS[2:-1]  # what a candidate may vary besides options; m_max and n_min are the bucket's
+
+
+def knobs_of(impl: KernelImpl) -> tuple[str, ...]:
+    """Every knob a candidate of this implementation may vary: common tile fields, then its options."""
+    return COMMON_KNOBS + tuple(impl.options.model_fields)
+
+
+def knob_value(tile: Tile, impl: KernelImpl, knob: str):
+    """A common field's value, or an option's (its default where the tile leaves it unset)."""
+    if knob in COMMON_KNOBS:
+        return getattr(tile, knob)
+    return tile.options.get(knob, impl.options.model_fields[knob].default)
+
+
+def knob_default(impl: KernelImpl, knob: str):
+    fields = Tile.model_fields if knob in COMMON_KNOBS else impl.options.model_fields
+    return fields[knob].default
 
 GEMV, DECODE, MID, PREFILL = "gemv", "decode", "mid", "prefill"
 DECODE_MAX_M = 16
@@ -107,7 +122,7 @@ def kinds(bucket: Bucket, impl: KernelImpl) -> list[str]:
 
 
 def _gemv_serves(m_max: int, impl: KernelImpl) -> bool:
-    return bool(impl.gemv_block_m) and (m_max == 1 or (m_max <= MMA_GEMV_MAX_M and "mma_gemv" in impl.knobs))
+    return bool(impl.gemv_block_m) and (m_max == 1 or (m_max <= MMA_GEMV_MAX_M and "mma_gemv" in impl.options.model_fields))
 
 
 def _mma_rows(bucket: Bucket, impl: KernelImpl, kind: str) -> tuple[int, ...]:
@@ -128,21 +143,21 @@ def knob_values(bucket: Bucket, impl: KernelImpl, kind: str) -> dict[str, tuple]
     several_rows = kind == GEMV and bucket.m_max > 1
     if several_rows:
         grid["mma_gemv"] = (True,)  # the CUDA-core GEMV runs one row at a time
-    honoured = impl.knobs | BASE_KNOBS
+    honoured = impl.tile_knobs | BASE_KNOBS | set(impl.options.model_fields)
     current = bucket.tile
     # GEMV candidates where an MMA tile serves start from the grid and the defaults: the MMA tile's split
     # and pipeline knobs are no GEMV's.
     foreign = kind == GEMV and current.block_m != 1
     values = {}
-    for knob in KNOBS:
+    for knob in knobs_of(impl):
         if knob not in honoured:
             continue
         options = grid.get(knob, ())
-        mine = getattr(current, knob)
+        mine = knob_value(current, impl, knob)
         if knob == "block_m" and (kind == GEMV or mine == 1):
             values[knob] = options  # GEMV candidates and MMA candidates never mix their row counts
         elif foreign or (knob == "mma_gemv" and several_rows):
-            values[knob] = options or (Tile.model_fields[knob].default,)
+            values[knob] = options or (knob_default(impl, knob),)
         else:
             values[knob] = tuple(dict.fromkeys((*options, mine)))
     return values
@@ -150,14 +165,14 @@ def knob_values(bucket: Bucket, impl: KernelImpl, kind: str) -> dict[str, tuple]
 
 def tile_key(tile: Tile) -> tuple:
     """What a tile launches with: equal keys, same kernel."""
-    return tuple(getattr(tile, f) for f in TILE_FIELDS)
+    return tuple(getattr(tile, f) for f in TILE_FIELDS[:-1]) + (tuple(sorted(tile.options.items())),)
 
 
-def _distance(tile: Tile, current: Tile) -> tuple[int, float]:
+def _distance(tile: Tile, current: Tile, impl: KernelImpl) -> tuple[int, float]:
     """(knobs changed, how far in powers of two): near the current tile first."""
     changed, far = 0, 0.0
-    for knob in KNOBS:
-        a, b = getattr(tile, knob), getattr(current, knob)
+    for knob in knobs_of(impl):
+        a, b = knob_value(tile, impl, knob), knob_value(current, impl, knob)
         if a == b:
             continue
         changed += 1
@@ -167,10 +182,13 @@ def _distance(tile: Tile, current: Tile) -> tuple[int, float]:
     return changed, far
 
 
-def _make_tile(bucket: Bucket, knobs: dict[str, object]) -> Tile | None:
+def _make_tile(bucket: Bucket, impl: KernelImpl, knobs: dict[str, object]) -> Tile | None:
+    """A Tile with the common knobs as fields and the implementation's as options (defaults left out)."""
     fields = {name: value for name, value in (("m_max", bucket.m_max), ("n_min", bucket.n_min)) if value is not None}
+    common = {k: v for k, v in knobs.items() if k in COMMON_KNOBS}
+    options = {k: v for k, v in knobs.items() if k not in COMMON_KNOBS and v != knob_default(impl, k)}
     try:
-        return Tile(**fields, **knobs)
+        return Tile(**fields, **common, options=options)
     except ValueError:  # pydantic's ValidationError is a ValueError
         return None
 
@@ -184,18 +202,21 @@ def candidates(variant: Variant, bucket: Bucket, schemes, max_candidates: int = 
     if impl is None:
         raise ValueError(f"{variant.op}/{variant.impl} is not in the catalogue")
     current = bucket.tile
-    seen = {tile_key(current)}
+    # Candidates leave options at their defaults out; an option the current tile writes at its default
+    # launches the same kernel, so it counts as left out here too.
+    not_default = {k: v for k, v in current.options.items() if v != knob_default(impl, k)}
+    seen = {tile_key(current.model_copy(update={"options": not_default}))}
     found: list[tuple[tuple, int, Tile]] = []
     for kind in kinds(bucket, impl):
         values = knob_values(bucket, impl, kind)
         names = list(values)
         for combo in itertools.product(*(values[n] for n in names)):
-            tile = _make_tile(bucket, dict(zip(names, combo)))
+            tile = _make_tile(bucket, impl, dict(zip(names, combo)))
             if tile is None or tile_key(tile) in seen:
                 continue
             seen.add(tile_key(tile))
             if any(tile_problems(variant, tile, scheme) for scheme in schemes):
                 continue
-            found.append((_distance(tile, current), len(found), tile))
+            found.append((_distance(tile, current, impl), len(found), tile))
     found.sort(key=lambda item: item[:2])
     return [current, *(tile for _, _, tile in found)][:max_candidates]

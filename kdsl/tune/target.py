@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kdsl.schema import GPTQ, BlockFP8, LoadedDefinition, Variant
+from kdsl.schema import GPTQ, W4A16, BlockFP8, LoadedDefinition, Variant
 
 # The scheme each op is timed with: the bench's.
-TUNE_SCHEMES = {"fp8_gemm": BlockFP8(), "gptq_gemm": GPTQ(), "gptq_gemm_prepared": GPTQ()}
+TUNE_SCHEMES = {"fp8_gemm": BlockFP8(), "gptq_gemm": GPTQ(), "w4a16_gemm": W4A16()}
 
 
 class TargetError(LookupError):
@@ -62,7 +62,9 @@ def select_target(op: str, definitions: list[LoadedDefinition], arch: str | int 
 def stale_tiles(target: Target) -> bool:
     """True when generated/ launches other tiles than the definition holds (regenerate first)."""
     from kdsl.codegen.render import tile_params
+    from kdsl.kernels import find_impl
 
+    impl = find_impl(target.entry.op, target.entry.impl)
     have = [(b.m_max, b.n_min, b.params) for b in target.entry.tiles]
-    want = [(t.m_max, t.n_min, tile_params(t)) for t in target.variant.tiles]
+    want = [(t.m_max, t.n_min, tile_params(t, impl)) for t in target.variant.tiles]
     return have != want

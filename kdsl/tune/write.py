@@ -38,6 +38,8 @@ def note(gpu: str, date: str) -> str:
 
 
 def format_value(value: object) -> str:
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {format_value(v)}" for k, v in value.items()) + " }"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
@@ -50,7 +52,7 @@ def format_value(value: object) -> str:
 def tile_fields(tile: Tile) -> list[tuple[str, object]]:
     """The fields that differ from their defaults, in TILE_FIELDS order."""
     return [(name, getattr(tile, name)) for name in TILE_FIELDS
-            if getattr(tile, name) != Tile.model_fields[name].default]
+            if getattr(tile, name) != Tile.model_fields[name].get_default(call_default_factory=True)]
 
 
 def inline_table(tile: Tile) -> str:

@@ -1,0 +1,37 @@
+"""The kernel implementations kdsl can render: one unit each (kdsl.kernels.base.KernelImpl).
+
+A definition's variant names an (op, impl) pair from CATALOGUE; validation checks the variant's
+arch range, its tiles' common fields and each tile's `options` against the unit. Adding a kernel
+adds a unit here and its template; nothing else lists knobs.
+"""
+from __future__ import annotations
+
+from kdsl.kernels import block_fp8, gptq, w4a16  # noqa: F401  (families)
+from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, NoOptions
+from kdsl.kernels.block_fp8 import fp8_gemm_portable, fp8_gemm_tma_persistent, quant
+from kdsl.kernels.gptq import checkpoint
+from kdsl.kernels.w4a16 import splitk
+
+# Tile fields every implementation reads.
+BASE_KNOBS = frozenset({"m_max", "num_warps"})
+
+CATALOGUE: tuple[KernelImpl, ...] = (
+    quant.ACT_QUANT_ROWWISE, quant.WEIGHT_QUANT_BLOCKWISE, quant.WEIGHT_DEQUANT_BLOCKWISE,
+    fp8_gemm_portable.IMPL, fp8_gemm_tma_persistent.IMPL,
+    checkpoint.GEMM_SPLITK, checkpoint.DEQUANT_BLOCKWISE,
+    splitk.IMPL,
+)
+
+
+def find_impl(op: str, impl: str) -> KernelImpl | None:
+    for entry in CATALOGUE:
+        if entry.op == op and entry.impl == impl:
+            return entry
+    return None
+
+
+def ops_of_family(family: str) -> list[str]:
+    return sorted({entry.op for entry in CATALOGUE if entry.family == family})
+
+
+__all__ = ["BASE_KNOBS", "CATALOGUE", "GEMM_KNOBS", "KernelImpl", "NoOptions", "find_impl", "ops_of_family"]

@@ -1,0 +1,61 @@
+"""What a kernel implementation declares: the unit kdsl generates, validates, dispatches and tunes.
+
+An implementation is one module under kdsl/kernels/<family>/: its `Options` model (the knobs only
+it honours, validated there), the common tile fields it reads, its arch range, its shared-memory
+estimate, its own validation rules, its template, and the name of the run-time refusal function
+its generated module carries. Tile geometry every GEMM shares (block sizes, warps, stages,
+group_m, split_k) lives in kdsl.schema.Tile; everything else is an option of one implementation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kdsl.schema._base import StrictModel
+
+
+class NoOptions(StrictModel):
+    """An implementation with no knobs of its own."""
+
+
+def _no_shared(scheme, tile, options) -> int:
+    return 0
+
+
+def _no_problems(where: str, scheme, variant, tile, options) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True)
+class KernelImpl:
+    family: str  # the scheme kind it serves
+    op: str
+    impl: str
+    template: str  # path under kdsl/codegen/templates
+    min_arch: int  # hardware floor, e.g. 89 for fp8 tensor cores
+    max_arch: int | None  # hardware cap, e.g. 90 for wgmma
+    summary: str
+    tile_knobs: frozenset[str]  # common Tile fields it reads, beyond m_max and num_warps
+    options: type[StrictModel] = NoOptions
+    shared_bytes: Callable[[object, object, object], int] = _no_shared  # (scheme, tile, options) -> bytes/program
+    problems: Callable[..., list[str]] = field(default=_no_problems)  # (where, scheme, variant, tile, options)
+    reads_prepared_weights: bool = False  # its variants must declare a `layout`
+    min_block_m: int = 1  # 16 where block_m rows feed an MMA (tl.dot's smallest M)
+    gemv_block_m: bool = False  # block_m = 1 selects a GEMV instead of the MMA
+    refusal: str | None = None  # generated-module function: why a tile should not serve a call (None: it should)
+
+    def resolve(self, tile) -> StrictModel:
+        """The tile's options, validated by this implementation's model, defaults filled."""
+        return self.options.model_validate(tile.options)
+
+
+# n_min: GEMM call sites pass N to the tile selection (kdsl.runtime KernelEntry.tile_for).
+GEMM_KNOBS = frozenset({"block_m", "block_n", "block_k", "group_m", "num_stages", "n_min"})
+
+
+def warpgroup_per_64(where: str, what: str, field_name: str, size: int, num_warps: int) -> list[str]:
+    """The Gluon kernels give each warpgroup (4 warps) one wgmma of 64 rows of the tile's `field_name`."""
+    if size == 16 * num_warps and num_warps in (4, 8):
+        return []
+    return [f"{where}: needs one warpgroup per 64 {what}: {field_name} = 64 with num_warps = 4 or "
+            f"{field_name} = 128 with num_warps = 8 (got {field_name} = {size}, num_warps = {num_warps})"]

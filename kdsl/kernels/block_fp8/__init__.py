@@ -1,0 +1,1 @@
+"""Block-FP8 (DeepSeek-V3) implementations."""

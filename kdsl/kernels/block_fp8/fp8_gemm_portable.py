@@ -1,0 +1,24 @@
+"""fp8_gemm/portable: pointer loads, grouped tile order, fp32 accumulation with per-step scales (sm_89+)."""
+from typing import Literal
+
+from pydantic import Field
+
+from kdsl.kernels.base import GEMM_KNOBS, KernelImpl
+from kdsl.schema._base import StrictModel
+
+TILE_ORDER_HELP = "m_major walks down M inside a group (reuses B); n_major walks along N (reuses A)"
+
+
+class Options(StrictModel):
+    tile_order: Literal["m_major", "n_major"] = Field("m_major", description=TILE_ORDER_HELP)
+
+
+def operand_ring_bytes(scheme, tile, options) -> int:
+    # fp8 operands are one byte; a ring of num_stages (A, B) tile pairs.
+    return tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k
+
+
+IMPL = KernelImpl(
+    "block_fp8", "fp8_gemm", "portable", "block_fp8/fp8_gemm_portable.py.j2", 89, None,
+    "pointer loads, grouped tile order, fp32 accumulation with per-step scales",
+    tile_knobs=GEMM_KNOBS, options=Options, shared_bytes=operand_ring_bytes, min_block_m=16)

@@ -1,0 +1,1 @@
+"""GPTQ implementations that read checkpoint tensors as they ship."""
