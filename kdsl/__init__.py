@@ -14,10 +14,11 @@ from kdsl import ops, registry  # noqa: E402
 from kdsl.runtime.registry import NoKernelError  # noqa: E402
 from kdsl.runtime.registry import SchemeNotServedError, served_schemes  # noqa: E402
 from kdsl.schema import GPTQ, BlockFP8  # noqa: E402
+from kdsl.schema.scheme import AWQ  # noqa: E402
 from kdsl.schema import scheme_from_hf as _scheme_from_config  # noqa: E402
 
 
-def scheme_from_hf(config: dict) -> BlockFP8 | GPTQ:
+def scheme_from_hf(config: dict) -> BlockFP8 | GPTQ | AWQ:
     """Map a Hugging Face ``quantization_config`` dict to a kdsl scheme that generated kernels serve.
 
     Keys that do not affect kernels are ignored. What kdsl cannot express raises ValueError naming the
@@ -36,5 +37,5 @@ def scheme_from_hf(config: dict) -> BlockFP8 | GPTQ:
     return scheme
 
 
-__all__ = ["BlockFP8", "GPTQ", "scheme_from_hf", "NoKernelError", "SchemeNotServedError", "ops", "registry"]
+__all__ = ["BlockFP8", "GPTQ", "AWQ", "scheme_from_hf", "NoKernelError", "SchemeNotServedError", "ops", "registry"]
 __version__ = "0.1.0"

@@ -49,6 +49,11 @@ def w4a16_scheme_name(bits: int, group_size: int) -> str:
     return f"w4a16.int{bits}.{group}"
 
 
+def awq_scheme_name(bits: int, group_size: int) -> str:
+    """An AutoAWQ "gemm" checkpoint, e.g. 'awq.int4.g128'; its kernels are the w4a16 ones it prepares into."""
+    return f"awq.int{bits}.g{group_size}"
+
+
 def kernel_name(op: str, scheme_name: str, variant: str, min_arch: int) -> str:
     """CUTLASS-style procedural name: op, scheme, variant and the lowest arch it runs on."""
     scheme_part = scheme_name.split(".", 1)[1].replace(".", "_")

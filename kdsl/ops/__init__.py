@@ -1,4 +1,5 @@
 """The tensor API. Every op checks its arguments, then launches the kernel the registry picks."""
+from kdsl.ops.awq import awq_dequant, awq_gemm, awq_prepare
 from kdsl.ops.block_fp8 import act_quant, fp8_gemm, weight_dequant, weight_quant
 from kdsl.ops.gptq import gptq_dequant, gptq_gemm, gptq_prepare, gptq_quantize
 from kdsl.ops.w4a16 import GPTQPrepared, W4A16Prepared, w4a16_gemm
@@ -6,5 +7,6 @@ from kdsl.ops.w4a16 import GPTQPrepared, W4A16Prepared, w4a16_gemm
 __all__ = [
     "act_quant", "weight_quant", "weight_dequant", "fp8_gemm",
     "gptq_quantize", "gptq_dequant", "gptq_gemm", "gptq_prepare",
+    "awq_gemm", "awq_dequant", "awq_prepare",
     "w4a16_gemm", "W4A16Prepared", "GPTQPrepared",
 ]

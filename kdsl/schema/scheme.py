@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import AfterValidator, BeforeValidator, Field, PositiveInt, field_validator
 
 from kdsl.naming import (
+    awq_scheme_name,
     block_fp8_scheme_name,
     gptq_scheme_name,
     is_gptq_group_size,
@@ -138,10 +139,42 @@ class W4A16(StrictModel):
         return (self.name,)
 
 
+def _awq_group_size(value: int) -> int:
+    if value == -1 or not is_gptq_group_size(value):
+        raise ValueError(f"group_size = {value} must be a power of two >= 16 (AWQ has no one-group-over-K form)")
+    return value
+
+
+class AWQ(StrictModel):
+    """AutoAWQ "gemm" checkpoints: qweight int32 [K, N / 8] packed along N in the column order
+    [0, 2, 4, 6, 1, 3, 5, 7], qzeros int32 [G, N / 8] packed the same way, scales [G, N];
+    w = (q - zero) * scale with no offset and no act-order. Served by the w4a16 kernels it
+    prepares into (kdsl.ops.awq_prepare)."""
+
+    kind: Literal["awq"] = "awq"
+    bits: IntBits = Field(4, description="bits per weight; 4 today")
+    group_size: Annotated[int, AfterValidator(_awq_group_size)] = Field(128, description="rows of K sharing a scale/zero")
+    zero_point: Literal[True] = Field(True, description="asymmetric with stored zeros (AutoAWQ's default; False is not served)")
+    version: Literal["gemm"] = Field("gemm", description="AutoAWQ packing; 'gemv' packs differently and is not served")
+
+    @property
+    def name(self) -> str:
+        return awq_scheme_name(self.bits, self.group_size)
+
+    @property
+    def kernel_schemes(self) -> tuple[str, ...]:
+        """AWQ has no kernels of its own: awq_prepare's weights run on the w4a16 ones."""
+        return (w4a16_scheme_name(self.bits, self.group_size),)
+
+    @property
+    def pack_factor(self) -> int:
+        return 32 // self.bits
+
+
 Scheme = Annotated[Union[BlockFP8, GPTQ, W4A16], Field(discriminator="kind")]
 
 
-def scheme_from_hf(config: dict) -> BlockFP8 | GPTQ:
+def scheme_from_hf(config: dict) -> BlockFP8 | GPTQ | AWQ:
     """Map a Hugging Face ``quantization_config`` dict to a kdsl scheme.
 
     Keys that do not affect kernels are ignored; anything kdsl cannot serve
@@ -154,7 +187,29 @@ def scheme_from_hf(config: dict) -> BlockFP8 | GPTQ:
         return _block_fp8_from_hf(config)
     if method == "gptq":
         return _gptq_from_hf(config)
-    raise ValueError(f"quantization_config.quant_method = {method!r} is not supported; supported: 'fp8', 'gptq'")
+    if method == "awq":
+        return _awq_from_hf(config)
+    raise ValueError(f"quantization_config.quant_method = {method!r} is not supported; supported: 'fp8', 'gptq', 'awq'")
+
+
+def _awq_from_hf(config: dict) -> AWQ:
+    version = config.get("version", "gemm")
+    if not isinstance(version, str) or version.lower() != "gemm":
+        raise ValueError(f"quantization_config.version = {version!r} is not supported; supported: 'gemm' "
+                         "(AutoAWQ's 'gemv' and 'marlin' pack the weights differently)")
+    zero_point = config.get("zero_point", True)
+    if zero_point is not True:
+        raise ValueError(f"quantization_config.zero_point = {zero_point!r} is not supported; AWQ checkpoints "
+                         "served here store zeros (zero_point = true)")
+    bits, group_size = config.get("bits", config.get("w_bit", 4)), config.get("group_size", config.get("q_group_size", 128))
+    for key, value in (("bits", bits), ("group_size", group_size)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"quantization_config.{key} must be int, got {value!r}")
+    if bits not in SUPPORTED_GPTQ_BITS:
+        raise ValueError(f"quantization_config.bits = {bits} is not supported; supported: 4")
+    if group_size == -1 or not is_gptq_group_size(group_size):
+        raise ValueError(f"quantization_config.group_size = {group_size} must be a power of two >= 16")
+    return AWQ(bits=bits, group_size=group_size)
 
 
 def _block_fp8_from_hf(config: dict) -> BlockFP8:
