@@ -114,3 +114,16 @@ def test_scheme_from_hf():
             kdsl.scheme_from_hf({**config, key: value})
     with pytest.raises(kdsl.SchemeNotServedError, match=r"w4a16\.int4\.g16"):
         kdsl.scheme_from_hf({**config, "group_size": 16})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_prepared_awq_on_the_gpu(group_size):
+    """The GPU's w4a16 kernels (k_planes on sm_90: GEMVs at M <= 8, MMAs above) on AWQ weights."""
+    qweight, qzeros, scales, w = checkpoint(group_size)
+    prepared = kdsl.ops.awq_prepare(qweight.cuda(), qzeros.cuda(), scales.cuda(), group_size=group_size)
+    for m in (1, 4, 16, 64, 300):
+        x = torch.randn(m, K).half()
+        ref = x.double() @ w
+        y = kdsl.ops.w4a16_gemm(x.cuda(), prepared).cpu().double()
+        assert (y - ref).norm() < 2e-2 * ref.norm(), m

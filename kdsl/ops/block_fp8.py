@@ -37,7 +37,7 @@ def act_quant(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, tor
     scheme = _scheme(*DEFAULT_BLOCK, group_size)
     registry.require_scheme("act_quant", scheme, f"group_size = {group_size}")
     # new_empty, and no views where x is already [M, K] rows: on a slow host each torch call costs
-    # microseconds, and a launch this short waits for them (README, "Host time").
+    # microseconds, and a launch this short waits for them (docs/kernels.md, host time).
     q = x.new_empty(x.shape, dtype=FP8)
     s = x.new_empty((*x.shape[:-1], k // group_size), dtype=torch.float32)
     if x.numel() == 0:
@@ -135,6 +135,8 @@ def fp8_gemm(
     check.shape("a_s", a_s, (*a.shape[:-1], k // group), "one scale per token per 128 of K")
     check.shape("b_s", b_s, (-(-n // DEFAULT_BLOCK[0]), k // group), "one scale per 128x128 block of b")
     device = check.same_device(a=a, a_s=a_s, b=b, b_s=b_s)
+    scheme = _scheme(*DEFAULT_BLOCK, group)
+    registry.require_scheme("fp8_gemm", scheme, f"{DEFAULT_BLOCK[0]}x{DEFAULT_BLOCK[1]} weight blocks")
     c = a.new_empty((*a.shape[:-1], n), dtype=out_dtype)  # new_empty: see act_quant
     if c.numel() == 0:
         return c
@@ -146,7 +148,7 @@ def fp8_gemm(
         return fallback.fp8_gemm(a2, a_s2, b, b_s, group, *DEFAULT_BLOCK, out_dtype).view(c.shape)
     # TMA wants contiguous, 16-byte aligned operands; the portable kernel is happy with them too.
     a2, a_s2, b, b_s = (_aligned(t) for t in (a2, a_s2, b, b_s))
-    entry = registry.dispatch("fp8_gemm", _scheme(*DEFAULT_BLOCK, group), device)
+    entry = registry.dispatch("fp8_gemm", scheme, device)
     entry.launch(a2, a_s2, b, b_s, c if flat else c.view(-1, n), entry.tile_for(a2.shape[0], n))
     if device.type == "cpu":
         c2 = c if flat else c.view(-1, n)
