@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_g32__splitk_sm80 (w4a16_gemm/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV, or an mma.sync one in Gluon (mma_gemv, k_planes); overlap_dequant tiles (Hopper, k_planes) overlap dequant and wgmma in Gluon)
 # scheme: w4a16.int4.g32
 # arch: sm_80 and up
-# digest: e823f3f05693de18 (sha256 of this kernel's scheme, variant and templates)
+# digest: 3014ac51af018076 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -650,16 +650,17 @@ LAYOUT = {'zeros': 'biased', 'weights': 'checkpoint'}
 MAGIC = {torch.float16: (0x6400, 1024), torch.bfloat16: (0x4300, 128)}
 
 
-def tile_refusal(tile, x, contiguous_groups):
-    """Why `tile` should not serve x (None: it should); kdsl.ops passes a refused tile over for the next one
+def tile_refusal(tile, m, device_type, contiguous_groups):
+    """Why `tile` should not serve m rows on a device_type ("cuda"/"cpu") device with weights whose groups are
+    contiguous or not (None: it should); kdsl.ops passes a refused tile over for the next one
     serving M and N. A block_m = 1 tile serves several rows well only through the mma.sync GEMV: the Triton
     GEMV it would fall back to reads all the weights once per row."""
-    if tile["BLOCK_M"] > 1 or x.shape[0] == 1:
+    if tile["BLOCK_M"] > 1 or m == 1:
         return None
-    return _gemv_mma_refusal(tile, x, contiguous_groups)
+    return _gemv_mma_refusal(tile, m, device_type, contiguous_groups)
 
 
-def _gemv_mma_refusal(tile, x, contiguous_groups):
+def _gemv_mma_refusal(tile, m, device_type, contiguous_groups):
     """Why the mma.sync GEMV cannot run `tile` on x (None: it can)."""
     return "the layout has no (scale, zero) pairs, which the mma.sync GEMV reads"
 

@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_g64__splitk_sm90 (w4a16_gemm/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV, or an mma.sync one in Gluon (mma_gemv, k_planes); overlap_dequant tiles (Hopper, k_planes) overlap dequant and wgmma in Gluon)
 # scheme: w4a16.int4.g64
 # arch: sm_90 .. sm_90
-# digest: 0c29a2211dea6a1e (sha256 of this kernel's scheme, variant and templates)
+# digest: 1fb94db952ae5cb9 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -1286,24 +1286,25 @@ PER_PLANE_GEMV_TILES = 4
 MAGIC = {torch.float16: (0x6400, 1024), torch.bfloat16: (0x4300, 128)}
 
 
-def tile_refusal(tile, x, contiguous_groups):
-    """Why `tile` should not serve x (None: it should); kdsl.ops passes a refused tile over for the next one
+def tile_refusal(tile, m, device_type, contiguous_groups):
+    """Why `tile` should not serve m rows on a device_type ("cuda"/"cpu") device with weights whose groups are
+    contiguous or not (None: it should); kdsl.ops passes a refused tile over for the next one
     serving M and N. A block_m = 1 tile serves several rows well only through the mma.sync GEMV: the Triton
     GEMV it would fall back to reads all the weights once per row."""
-    if tile["BLOCK_M"] > 1 or x.shape[0] == 1:
+    if tile["BLOCK_M"] > 1 or m == 1:
         return None
-    return _gemv_mma_refusal(tile, x, contiguous_groups)
+    return _gemv_mma_refusal(tile, m, device_type, contiguous_groups)
 
 
-def _gemv_mma_refusal(tile, x, contiguous_groups):
+def _gemv_mma_refusal(tile, m, device_type, contiguous_groups):
     """Why the mma.sync GEMV cannot run `tile` on x (None: it can)."""
     if not tile["mma_gemv"]:
         return "the tile does not set mma_gemv"
     if not contiguous_groups or GROUP_SIZE.value % PLANE_TILE_K.value:
         return f"a group changes inside a {PLANE_TILE_K.value}-row plane tile, which the GEMV scales as one"
-    if x.shape[0] > 8:
-        return f"M = {x.shape[0]}: the GEMV takes at most 8 rows (x is the MMA's 8-wide operand)"
-    if x.device.type != "cuda":
+    if m > 8:
+        return f"M = {m}: the GEMV takes at most 8 rows (x is the MMA's 8-wide operand)"
+    if device_type != "cuda":
         return "the mma.sync GEMV is a Gluon kernel, which runs on the GPU only"
     return None
 
@@ -1342,7 +1343,7 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
         # tile at a time and splits K into runs of a few tiles (its tiles' shape before the chunked GEMV).
         bk = bk if half2 else PLANE_TILE_K.value
         split_k = 1 if half2 else _cdiv(_cdiv(K, bk), PER_PLANE_GEMV_TILES)
-    if _gemv_mma_refusal(tile, x, contiguous_groups) is None:
+    if _gemv_mma_refusal(tile, M, x.device.type, contiguous_groups) is None:
         return _launch_gemv_mma(x, perm, qweight, scales, y, tile)
     workspace, counters = (y, y) if split_k == 1 else _splitk_scratch(y.device, tiles, split_k, bm * bn)
     if tile["overlap_dequant"] and asm and perm is None and bm > 1 and _tma_ready(x, scales):

@@ -257,14 +257,14 @@ def test_gemv_tiles_refuse_rows_the_mma_gemv_cannot_take(group_size, contiguous,
     gemv = entry.tile_for(4, 4096)
     assert gemv["BLOCK_M"] == 1 and gemv["mma_gemv"], "the sm_90 definition's M <= 8 bucket is the mma.sync GEMV"
     x = torch.zeros(4, 256, dtype=torch.float16)
-    assert reason in module.tile_refusal(gemv, x, contiguous)
-    assert module.tile_refusal(gemv, x[:1], contiguous) is None  # one row: the Triton GEMV serves it
+    assert reason in module.tile_refusal(gemv, x.shape[0], x.device.type, contiguous)
+    assert module.tile_refusal(gemv, 1, x.device.type, contiguous) is None  # one row: the Triton GEMV serves it
     if group_size == 128:
-        assert "at most 8 rows" in module.tile_refusal(gemv, torch.zeros(9, 256, dtype=torch.float16), True)
-    assert module.tile_refusal(dict(gemv, mma_gemv=False), x, True) == "the tile does not set mma_gemv"
-    chosen = entry.tile_for(4, 4096, refuses=lambda params: module.tile_refusal(params, x, contiguous))
+        assert "at most 8 rows" in module.tile_refusal(gemv, 9, "cuda", True)
+    assert module.tile_refusal(dict(gemv, mma_gemv=False), x.shape[0], "cuda", True) == "the tile does not set mma_gemv"
+    chosen = entry.tile_for(4, 4096, refuses=lambda params: module.tile_refusal(params, x.shape[0], x.device.type, contiguous))
     assert chosen == entry.tile_for(16, 4096) and chosen["BLOCK_M"] > 1, "the M <= 16 MMA tile takes the rows"
-    assert module.tile_refusal(chosen, x, contiguous) is None
+    assert module.tile_refusal(chosen, x.shape[0], x.device.type, contiguous) is None
 
 
 def test_cpu_fallback_without_interpreter(monkeypatch, launched):

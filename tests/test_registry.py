@@ -307,3 +307,19 @@ def test_prepared_gptq_has_hopper_tiles_and_a_fallback_range():
     assert hopper.name.endswith("_sm90") and ampere.name.endswith("_sm80")
     assert registry.select("w4a16_gemm", "w4a16.int4.g128", arch="sm_100").name == ampere.name
     assert hopper.tile_for(1)["BLOCK_M"] == 1  # the GEMV bucket
+
+
+def test_explain_shows_the_tiles_the_kernel_passes_over_at_run_time():
+    """Group 64 changes inside the k_planes GEMV's 128-row plane tiles: at M = 4 the mma.sync GEMV tile refuses,
+    and explain names it, its reason, and the MMA tile that runs instead (the one kdsl.ops launches)."""
+    entry = registry.select("w4a16_gemm", "w4a16.int4.g64", arch="sm_90")
+    gemv = entry.bucket_index(4, 4096)
+    assert entry.tiles[gemv].params["mma_gemv"]
+    text = registry.explain("w4a16_gemm", "w4a16.int4.g64", arch="sm_90", m=4, n=4096)
+    runs = entry.tile_for(4, 4096, refuses=lambda params: entry.refusal(params, 4, "cuda", True))
+    ran = next(i for i, bucket in enumerate(entry.tiles) if bucket.params is runs)
+    assert ran != gemv
+    assert f"CHOSEN (sm_90..sm_90), tile bucket {ran}:" in text
+    assert f"tile bucket {gemv} passed over at run time" in text and "plane tile" in text
+    plain = registry.explain("w4a16_gemm", "w4a16.int4.g128", arch="sm_90", m=4, n=4096)
+    assert f"tile bucket {gemv}:" in plain and "passed over" not in plain

@@ -17,7 +17,8 @@ from jinja2 import meta
 from kdsl.codegen.plan import PlannedKernel
 from kdsl.schema.layout import PAIR_SPAN, PLANE_ROWS, PLANE_TILE_K, PLANE_TILE_N
 
-TEMPLATE_DIR = Path(__file__).parent / "templates"
+TEMPLATE_DIR = Path(__file__).parent / "templates"  # includes every kernel shares (common/)
+KERNELS_DIR = Path(__file__).parents[1] / "kernels"  # each implementation's template, beside its unit
 MANIFEST = "manifest.json"
 # 2: tiles carry n_min and split_fill; 3: deferred_rescale; 4: overlap_dequant; 5: edge_split_k; 6: edge_tiles;
 # 7: split_min_steps; 8: mma_gemv; 9: w4a16_gemm keyed by layout, zero_bias and refusal declared,
@@ -28,7 +29,7 @@ MANIFEST_FORMAT = 9
 @lru_cache(maxsize=1)
 def _environment() -> jinja2.Environment:
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(TEMPLATE_DIR),
+        loader=jinja2.FileSystemLoader([KERNELS_DIR, TEMPLATE_DIR]),
         undefined=jinja2.StrictUndefined,  # a misspelt variable is an error, not an empty string
         trim_blocks=True,
         lstrip_blocks=True,
@@ -100,7 +101,8 @@ def manifest_entry(kernel: PlannedKernel) -> dict:
         "tiles": [{"m_max": tile.m_max, "n_min": tile.n_min, **tile_params(tile, kernel.impl)} for tile in kernel.tiles],
         "layout": None if kernel.layout is None else kernel.layout.model_dump(mode="json"),
         "zero_bias": None if kernel.layout is None else kernel.layout.zero_bias(),
-        # Optional: a function (tile params, x, contiguous_groups) -> reason or None that passes a tile over.
+        # Optional: a function (tile params, m, device_type, contiguous_groups) -> reason or None that passes a
+        # tile over at run time; kdsl.ops and explain call it.
         "refusal": kernel.impl.refusal,
         "module": f"{kernel.module}.py",
         "function": "launch",

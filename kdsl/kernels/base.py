@@ -31,7 +31,7 @@ class KernelImpl:
     family: str  # the scheme kind it serves
     op: str
     impl: str
-    template: str  # path under kdsl/codegen/templates
+    template: str  # path under kdsl/kernels (beside the unit); shared includes come from kdsl/codegen/templates
     min_arch: int  # hardware floor, e.g. 89 for fp8 tensor cores
     max_arch: int | None  # hardware cap, e.g. 90 for wgmma
     summary: str

@@ -179,7 +179,8 @@ def w4a16_gemm(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
         raise ValueError(f"prepared: weights are in layout {prepared.layout}, but {entry.name} reads "
                          f"{entry.layout}; prepare them again")
     refusal = entry.refusal
-    tile = entry.tile_for(x2.shape[0], n, refuses=lambda params: refusal(params, x2, prepared.contiguous_groups))
+    m = x2.shape[0]
+    tile = entry.tile_for(m, n, refuses=lambda params: refusal(params, m, device.type, prepared.contiguous_groups))
     entry.launch(x2, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
                  prepared.contiguous_groups, y.view(-1, n), tile)
     return y

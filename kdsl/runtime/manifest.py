@@ -110,7 +110,7 @@ class KernelEntry:
 
     @property
     def refusal(self):
-        """(tile params, x, contiguous_groups) -> reason or None, or None when the kernel declares none."""
+        """(tile params, m, device_type, contiguous_groups) -> reason or None; None when the kernel declares none."""
         return None if self.refusal_function is None else getattr(self.load(), self.refusal_function)
 
     @property

@@ -260,8 +260,10 @@ def explain(op: str, scheme=None, arch: str | int | None = None, m: int | None =
     lines = [f"select {op} scheme={name or 'any'} arch={format_arch(arch_number)} m={m if m is not None else 'any'}"
              + ("" if n is None else f" n={n}")]
     if chosen is not None:
-        bucket = chosen.bucket_index(m, n)
+        passed_over, bucket = _run_time_refusals(chosen, m, n)
         lines.append(f"  {chosen.label}: CHOSEN ({chosen.arch_range()}), tile bucket {bucket}: {chosen.tiles[bucket].params}")
+        lines += [f"    tile bucket {index} passed over at run time (on the GPU, groups contiguous): {reason}"
+                  for index, reason in passed_over]
     lines += [f"  {entry_name}: {reason}" for entry_name, reason in verdicts]
     for hidden, winner in shadowed():
         if hidden.op == op:
@@ -269,6 +271,21 @@ def explain(op: str, scheme=None, arch: str | int | None = None, m: int | None =
     if chosen is None:
         lines.append("  => no kernel fits" + ("" if verdicts else f": none generated for {op}"))
     return "\n".join(lines)
+
+
+def _run_time_refusals(entry: KernelEntry, m: int | None, n: int | None) -> tuple[list[tuple[int, str]], int]:
+    """The tiles serving (M, N) that the kernel's own refusal function passes over on a GPU, with their reasons,
+    and the bucket that then runs: what kdsl.ops does at run time, for weights without act-order."""
+    if entry.refusal_function is None or m is None:
+        return [], entry.bucket_index(m, n)
+    refusal, passed_over = entry.refusal, []
+    for index, bucket in enumerate(entry.tiles):
+        if bucket.serves(m, n):
+            reason = refusal(bucket.params, m, "cuda", True)
+            if reason is None:
+                return passed_over, index
+            passed_over.append((index, reason))
+    return passed_over, len(entry.tiles) - 1
 
 
 def dispatch(op: str, scheme_name: str, device: torch.device) -> KernelEntry:

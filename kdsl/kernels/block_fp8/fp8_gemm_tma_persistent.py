@@ -74,7 +74,7 @@ def _deferred_rescale_problems(where: str, scheme, tile, options: Options) -> li
 
 
 IMPL = KernelImpl(
-    "block_fp8", "fp8_gemm", "tma_persistent", "block_fp8/fp8_gemm_tma.py.j2", 90, 90,
+    "block_fp8", "fp8_gemm", "tma_persistent", "block_fp8/fp8_gemm_tma_persistent.py.j2", 90, 90,
     "TMA tensor descriptors, persistent grid over SMs, wgmma through Triton; block_m = 1 is a CUDA-core GEMV; "
     "deferred_rescale tiles overlap wgmma and rescale in Gluon",
     tile_knobs=GEMM_KNOBS | {"split_k"}, options=Options, shared_bytes=shared_bytes, problems=problems,

@@ -78,7 +78,7 @@ def _mma_gemv_problems(at: str, variant, tile, options: Options, paired: bool) -
 
 
 IMPL = KernelImpl(
-    "w4a16", "w4a16_gemm", "splitk", "gptq/gptq_gemm_prepared.py.j2", 80, None,
+    "w4a16", "w4a16_gemm", "splitk", "w4a16/splitk.py.j2", 80, None,
     "W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; "
     "block_m = 1 is a CUDA-core GEMV, or an mma.sync one in Gluon (mma_gemv, k_planes); overlap_dequant tiles "
     "(Hopper, k_planes) overlap dequant and wgmma in Gluon",
