@@ -172,3 +172,58 @@ def test_scheme_from_hf_refuses_a_scheme_no_kernel_serves():
     with pytest.raises(kdsl.SchemeNotServedError, match=r"block_fp8\.e4m3\.w64x64\.a64\.f32.*served: block_fp8\.e4m3\.w128x128"):
         kdsl.scheme_from_hf({"quant_method": "fp8", "weight_block_size": [64, 64], "activation_scheme": "dynamic"})
     assert kdsl.scheme_from_hf({"quant_method": "fp8", "weight_block_size": [128, 128]}).weight_block == (128, 128)
+
+
+USER_FP8_SCHEME = """
+description = "block FP8 with 128x64 weight blocks and 64-wide activation groups"
+
+[[schemes]]
+kind = "block_fp8"
+weight_block = [128, 64]
+act_group = 64
+
+[[variants]]
+op = "act_quant"
+impl = "rowwise"
+min_arch = "sm_89"
+tiles = [{ block_m = 4, num_warps = 2 }]
+
+[[variants]]
+op = "weight_quant"
+impl = "blockwise"
+min_arch = "sm_89"
+tiles = [{ num_warps = 4 }]
+
+[[variants]]
+op = "fp8_gemm"
+impl = "portable"
+min_arch = "sm_89"
+tiles = [{ block_m = 16, block_n = 64, block_k = 64, num_stages = 2 }]
+"""
+
+
+def test_ops_take_block_and_group_sizes_from_a_generated_scheme(tmp_path):
+    """A user's scheme with 128x64 weight blocks and 64-wide groups: the ops pick it from the manifest by the
+    arguments and the scale tensors' shapes, with no block size of theirs in kdsl.ops' code."""
+    defs = tmp_path / "defs"
+    defs.mkdir()
+    (defs / "fp8_128x64.toml").write_text(USER_FP8_SCHEME)
+    _generate(defs, tmp_path / "kernels")
+    with pytest.raises(kdsl.SchemeNotServedError, match="group_size = 64"):
+        kdsl.ops.act_quant(torch.randn(2, 128), group_size=64)
+    kdsl.registry.add_generated(tmp_path / "kernels")
+    try:
+        x, w = torch.randn(3, 256), torch.randn(200, 256)
+        q, s = kdsl.ops.act_quant(x, group_size=64)
+        wq, ws = kdsl.ops.weight_quant(w, block_size=(128, 64))
+        assert s.shape == (3, 4) and ws.shape == (2, 4)
+        y = kdsl.ops.fp8_gemm(q, s, wq, ws, out_dtype=torch.float32)
+        ref = (q.float() * s.repeat_interleave(64, 1)) @ (
+            wq.float() * ws.repeat_interleave(128, 0)[:200].repeat_interleave(64, 1)).T
+        assert torch.allclose(y, ref, rtol=1e-4, atol=1e-3), (y - ref).abs().max()
+        # the shipped 128x128 scheme still serves its own shapes
+        q2, s2 = kdsl.ops.act_quant(x)
+        wq2, ws2 = kdsl.ops.weight_quant(w)
+        assert kdsl.ops.fp8_gemm(q2, s2, wq2, ws2).shape == (3, 200)
+    finally:
+        kdsl.registry.remove_generated(tmp_path / "kernels")

@@ -1,20 +1,34 @@
-"""Block-FP8 tensor ops (DeepSeek-V3 layout): check arguments, then launch the registry's kernel."""
+"""Block-FP8 tensor ops (DeepSeek-V3 layout): check arguments, then launch the registry's kernel.
+
+Block sizes, group sizes and the fp8 format come from the schemes the manifest lists for each op
+(kdsl.registry.scheme_fields), not from this file: an argument or a tensor's shape picks the served
+scheme it matches, and what matches none is refused the same way on every path."""
 from __future__ import annotations
 
 import torch
 
-from kdsl.naming import block_fp8_scheme_name
 from kdsl.ops import _checks as check
 from kdsl.ops import fallback
 from kdsl.runtime import registry
 
-FP8 = torch.float8_e4m3fn
+FP8 = torch.float8_e4m3fn  # "e4m3", the one fp8 format BlockFP8 schemes declare today
 FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 DEFAULT_BLOCK = (128, 128)
 
 
-def _scheme(block_n: int, block_k: int, act_group: int) -> str:
-    return block_fp8_scheme_name("e4m3", block_n, block_k, act_group, "f32")
+def _scheme(op: str, asked: str, **want) -> tuple[str, dict]:
+    """The served scheme of op whose manifest fields equal `want` (the first by name), as (name, fields).
+    None served: SchemeNotServedError naming `asked`, whichever path (kernels or fallback) would run."""
+    def find():
+        for name, fields in registry.scheme_fields(op).items():
+            if all(fields.get(key) == value for key, value in want.items()):
+                return name, fields
+        return None
+    found = registry.memo((op, tuple(sorted((k, str(v)) for k, v in want.items()))), find)
+    if found is None:
+        wanted = ", ".join(f"{key} = {value}" for key, value in want.items())
+        registry.require_scheme(op, f"block_fp8 with {wanted}", asked)  # raises, listing what is served
+    return found
 
 
 def act_quant(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,8 +48,7 @@ def act_quant(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, tor
     k = x.shape[-1]
     if k % group_size:
         raise ValueError(f"x: last dimension K = {k} must be a multiple of group_size = {group_size}")
-    scheme = _scheme(*DEFAULT_BLOCK, group_size)
-    registry.require_scheme("act_quant", scheme, f"group_size = {group_size}")
+    scheme, _ = _scheme("act_quant", f"group_size = {group_size}", act_group=group_size)
     # new_empty, and no views where x is already [M, K] rows: on a slow host each torch call costs
     # microseconds, and a launch this short waits for them (docs/kernels.md, host time).
     q = x.new_empty(x.shape, dtype=FP8)
@@ -66,8 +79,7 @@ def weight_quant(w: torch.Tensor, block_size: tuple[int, int] = DEFAULT_BLOCK) -
     """
     check.tensor("w", w, FLOAT_INPUTS, ndim=2)
     block_n, block_k = _block("block_size", block_size)
-    scheme = _scheme(block_n, block_k, block_k)
-    registry.require_scheme("weight_quant", scheme, f"block_size = {(block_n, block_k)}")
+    scheme, _ = _scheme("weight_quant", f"block_size = {(block_n, block_k)}", weight_block=[block_n, block_k])
     n, k = w.shape
     q = torch.empty((n, k), dtype=FP8, device=w.device)
     s = torch.empty((-(-n // block_n), -(-k // block_k)), dtype=torch.float32, device=w.device)
@@ -89,8 +101,7 @@ def weight_dequant(
     check.tensor("s", s, (torch.float32,), ndim=2)
     block_n, block_k = _block("block_size", block_size)
     check.out_dtype("out_dtype", out_dtype, FLOAT_INPUTS)
-    scheme = _scheme(block_n, block_k, block_k)
-    registry.require_scheme("weight_dequant", scheme, f"block_size = {(block_n, block_k)}")
+    scheme, _ = _scheme("weight_dequant", f"block_size = {(block_n, block_k)}", weight_block=[block_n, block_k])
     n, k = q.shape
     check.shape("s", s, (-(-n // block_n), -(-k // block_k)), f"one scale per {block_n}x{block_k} block of q")
     check.same_device(q=q, s=s)
@@ -117,7 +128,6 @@ def fp8_gemm(
     checkpoint's weight_scale_inv). K must be a multiple of 128 and N of 8 (2112, 576, 72);
     any M, including 0.
     """
-    group = DEFAULT_BLOCK[1]
     check.tensor("a", a, (FP8,), min_ndim=1)
     check.tensor("a_s", a_s, (torch.float32,), min_ndim=1)
     check.tensor("b", b, (FP8,), ndim=2)
@@ -125,6 +135,7 @@ def fp8_gemm(
     check.out_dtype("out_dtype", out_dtype, FLOAT_INPUTS)
     k = a.shape[-1]
     n = b.shape[0]
+    scheme, group, (block_n, block_k) = _gemm_scheme(k, n, a_s.shape[-1], tuple(b_s.shape))
     if k % group:
         raise ValueError(f"a: last dimension K = {k} must be a multiple of {group}")
     if b.shape[1] != k:
@@ -132,11 +143,9 @@ def fp8_gemm(
     if n % 8:
         # TMA stores need 16-byte rows: N * 2 bytes of bf16 output.
         raise ValueError(f"b: N = {n} must be a multiple of 8")
-    check.shape("a_s", a_s, (*a.shape[:-1], k // group), "one scale per token per 128 of K")
-    check.shape("b_s", b_s, (-(-n // DEFAULT_BLOCK[0]), k // group), "one scale per 128x128 block of b")
+    check.shape("a_s", a_s, (*a.shape[:-1], k // group), f"one scale per token per {group} of K")
+    check.shape("b_s", b_s, (-(-n // block_n), -(-k // block_k)), f"one scale per {block_n}x{block_k} block of b")
     device = check.same_device(a=a, a_s=a_s, b=b, b_s=b_s)
-    scheme = _scheme(*DEFAULT_BLOCK, group)
-    registry.require_scheme("fp8_gemm", scheme, f"{DEFAULT_BLOCK[0]}x{DEFAULT_BLOCK[1]} weight blocks")
     c = a.new_empty((*a.shape[:-1], n), dtype=out_dtype)  # new_empty: see act_quant
     if c.numel() == 0:
         return c
@@ -145,7 +154,7 @@ def fp8_gemm(
     flat = a.dim() == 2  # already [M, K]: no views (host time, as in act_quant)
     a2, a_s2 = (a, a_s) if flat else (a.reshape(-1, k), a_s.reshape(-1, k // group))
     if not check.use_kernels(device):
-        return fallback.fp8_gemm(a2, a_s2, b, b_s, group, *DEFAULT_BLOCK, out_dtype).view(c.shape)
+        return fallback.fp8_gemm(a2, a_s2, b, b_s, group, block_n, block_k, out_dtype).view(c.shape)
     # TMA wants contiguous, 16-byte aligned operands; the portable kernel is happy with them too.
     a2, a_s2, b, b_s = (_aligned(t) for t in (a2, a_s2, b, b_s))
     entry = registry.dispatch("fp8_gemm", scheme, device)
@@ -155,6 +164,22 @@ def fp8_gemm(
         c2[_interpreter_lost_nan(a2).any(dim=1)] = float("nan")
         c2[:, _interpreter_lost_nan(b).any(dim=1)] = float("nan")
     return c
+
+
+def _gemm_scheme(k: int, n: int, a_groups: int, b_blocks: tuple) -> tuple[str, int, tuple[int, int]]:
+    """(scheme, act_group, (block_n, block_k)) of the served fp8_gemm scheme whose scale shapes a_s and b_s
+    have; where none has them, the first served one, whose numbers then word the shape errors."""
+    def find():
+        served = registry.scheme_fields("fp8_gemm")
+        if not served:
+            registry.require_scheme("fp8_gemm", "block_fp8", "any block-FP8 scheme")  # raises
+        for name, fields in served.items():
+            group, (block_n, block_k) = fields["act_group"], fields["weight_block"]
+            if k % group == 0 and a_groups == k // group and b_blocks == (-(-n // block_n), -(-k // block_k)):
+                return name, group, (block_n, block_k)
+        name, fields = next(iter(served.items()))
+        return name, fields["act_group"], tuple(fields["weight_block"])
+    return registry.memo(("fp8_gemm", k, n, a_groups, b_blocks), find)
 
 
 def _interpreter_lost_nan(codes: torch.Tensor) -> torch.Tensor:

@@ -74,6 +74,7 @@ class KernelEntry:
     origin: str = SHIPPED  # "shipped", or the folder a user added it from
     zero_bias: dict | None = field(default=None, hash=False, compare=False)  # per dtype name, biased-zero layouts
     refusal_function: str | None = None  # the module's "should this tile serve this call" function, if any
+    scheme_fields: dict = field(default_factory=dict, hash=False, compare=False)  # the scheme as the manifest lists it
 
     def tile_for(self, m: int, n: int | None = None, refuses=None) -> dict:
         """Launch parameters for M rows (and N columns, where the definition tiles by N too).
@@ -162,6 +163,6 @@ def load_manifest(folder: Path | None = None, origin: str = SHIPPED) -> tuple[Ke
             min_arch=raw["min_arch"], max_arch=raw["max_arch"], tiles=tiles,
             module_path=folder / raw["module"], function=raw["function"], source=raw["source"],
             layout=raw.get("layout"), origin=origin, zero_bias=raw.get("zero_bias"),
-            refusal_function=raw.get("refusal"),
+            refusal_function=raw.get("refusal"), scheme_fields=raw.get("scheme_definition", {}),
         ))
     return tuple(entries)

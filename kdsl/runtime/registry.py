@@ -167,6 +167,24 @@ def served_schemes(op: str | None = None) -> frozenset[str]:
     return served.get(op, frozenset())
 
 
+def scheme_fields(op: str) -> dict[str, dict]:
+    """{scheme name: its fields as the manifest declares them} for every scheme some kernel of op serves,
+    so the ops take block sizes, group sizes and formats from the definitions rather than their own code."""
+    cache = _state.setdefault("scheme_fields", {})
+    fields = cache.get(op)
+    if fields is None:
+        fields = cache[op] = {e.scheme: e.scheme_fields for e in sorted(entries(), key=lambda e: e.scheme) if e.op == op}
+    return fields
+
+
+def memo(key, compute):
+    """compute(), remembered under key until reset() (for choices the ops derive from the manifest)."""
+    cache = _state.setdefault("memo", {})
+    if key not in cache:
+        cache[key] = compute()
+    return cache[key]
+
+
 def require_scheme(op: str, scheme: str, asked: str) -> None:
     """Refuse a scheme no generated kernel serves, the same way whether kernels or the torch fallback
     would run. `asked` names the arguments that chose the scheme, e.g. "group_size = 64"."""
