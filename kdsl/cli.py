@@ -20,15 +20,21 @@ class UsageError(Exception):
     """The user asked for something that does not exist: main prints it and exits 2."""
 
 
-def non_negative_int(text: str) -> int:
-    """argparse type for sizes: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+def int_at_least(minimum: int):
+    """argparse type: an integer >= minimum, refused with a message that says so."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    parse.__name__ = "non-negative integer" if minimum == 0 else f"integer >= {minimum}"
+    return parse
+
+
+non_negative_int = int_at_least(0)  # sizes
 
 
 def arch(text: str) -> int:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from kdsl.bench.shapes import PRESETS, ShapeFileError, resolve_shapes
+from kdsl.cli import int_at_least
 from kdsl.kernels import find_impl
 from kdsl.tune import search
 from kdsl.tune.space import DEFAULT_MAX_CANDIDATES, Bucket, buckets, candidates
@@ -42,16 +43,6 @@ exit status: 0 done, 1 a bucket had no tile that ran correctly or its current ti
 """
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "tune", help="search tiles on a CUDA GPU and write the winners into the definition",
@@ -65,7 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--bucket", action="extend", nargs="+", metavar="M_MAX",
                         help="tune only these buckets, named by their m_max ('rest' for the last one), every "
                              "tile of each; default: every bucket")
-    parser.add_argument("--max-candidates", type=_positive, default=DEFAULT_MAX_CANDIDATES, metavar="N",
+    parser.add_argument("--max-candidates", type=int_at_least(1), default=DEFAULT_MAX_CANDIDATES, metavar="N",
                         help="at most N tiles per bucket, the current one included (default: %(default)s)")
     parser.add_argument("--write", action="store_true",
                         help="write the winners into the definition file (default: only print the TOML)")
