@@ -10,7 +10,8 @@ import os
 # Triton 3.9 warns on every compile unless this is set; fusing multiply-adds is its default anyway.
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
-from kdsl import ops, registry  # noqa: E402
+from kdsl import nn, ops, registry  # noqa: E402
+from kdsl.nn import load_quantized, quantize_  # noqa: E402
 from kdsl.runtime.registry import NoKernelError  # noqa: E402
 from kdsl.runtime.registry import SchemeNotServedError, served_schemes  # noqa: E402
 from kdsl.schema import GPTQ, BlockFP8  # noqa: E402
@@ -37,5 +38,6 @@ def scheme_from_hf(config: dict) -> BlockFP8 | GPTQ | AWQ:
     return scheme
 
 
-__all__ = ["BlockFP8", "GPTQ", "AWQ", "scheme_from_hf", "NoKernelError", "SchemeNotServedError", "ops", "registry"]
+__all__ = ["BlockFP8", "GPTQ", "AWQ", "scheme_from_hf", "NoKernelError", "SchemeNotServedError", "ops", "registry", "nn",
+           "quantize_", "load_quantized"]
 __version__ = "0.1.0"
