@@ -148,8 +148,8 @@ def test_command_line_is_recorded_as_typed():
 def hand_made_results() -> list[Result]:
     gemm = Case("fp8_gemm", m=16, n=2112, k=7168)
     flops = 2 * 16 * 2112 * 7168
-    fast = Result(gemm, "fp8_gemm", Timing(eager_ms=0.010, graph_ms=0.008),
-                  {"cublas_blockwise": Timing(eager_ms=0.020, graph_ms=0.012, rel_err=3e-3),
+    fast = Result(gemm, "fp8_gemm", Timing(eager_ms=0.010, graph_ms=0.008, host_us=50.0),
+                  {"cublas_blockwise": Timing(eager_ms=0.020, graph_ms=0.012, host_us=40.0, rel_err=3e-3),
                    "bf16_matmul": Timing(eager_ms=0.030)}, flops=flops, bytes_moved=10**7, rel_err=4e-3, tolerance=2e-2)
     no_cublas = Result(Case("fp8_gemm", m=1, n=2112, k=7168), "fp8_gemm", Timing(eager_ms=0.010),
                        {"cublas_blockwise": Timing(error="RuntimeError: Invalid scaling configuration"),
@@ -216,7 +216,7 @@ def test_json_document_structure(tmp_path):
                           "ceiling_fraction", "kdsl", "baselines"}
     assert first["shape"] == {"m": 16, "n": 2112, "k": 7168} and first["status"] == "ok"
     assert isinstance(first["flops"], int) and isinstance(first["kdsl"]["tflops"], float)
-    assert set(first["kdsl"]) == {"eager_ms", "graph_ms", "tflops", "tbps", "error", "rel_err"}
+    assert set(first["kdsl"]) == {"eager_ms", "graph_ms", "host_us", "tflops", "tbps", "error", "rel_err"}
     cublas = first["baselines"]["cublas_blockwise"]
     assert cublas["ratio_eager"] == pytest.approx(2.0) and cublas["ratio_graph"] == pytest.approx(1.5)
     assert cublas["rel_err"] == pytest.approx(3e-3)
@@ -441,3 +441,12 @@ def test_tiny_fp8_gemm_bench_end_to_end(tmp_path, capsys):
     assert result["kdsl"]["eager_ms"] > 0 and result["flops"] == 2 * 16 * 256 * 512
     assert set(result["baselines"]) == {"cublas_blockwise", "bf16_matmul"}
     assert result["baselines"]["bf16_matmul"]["ratio_eager"] > 0
+
+
+def test_table_shows_host_time_and_its_multiple_of_the_first_baseline():
+    table = report.format_table(hand_made_results())
+    assert "host us (x cublas_blockwise)" in table
+    assert "50.0 (1.25x)" in table
+    doc = report.build_document(hand_made_results(), shapes="deepseek-v3", ops=["fp8_gemm"], command="c",
+                                environment={})
+    assert doc["results"][0]["kdsl"]["host_us"] == 50.0

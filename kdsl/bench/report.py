@@ -22,7 +22,7 @@ JSON document (SCHEMA_VERSION 1); non-finite numbers are written as null:
         "kdsl": TIMING,
         "baselines": {"cublas_blockwise": TIMING + {"ratio_eager", "ratio_graph"}, ...}}]}
 
-    TIMING = {"eager_ms": float|null, "graph_ms": float|null, "tflops": float|null,
+    TIMING = {"eager_ms": float|null, "graph_ms": float|null, "host_us": float|null, "tflops": float|null,
               "tbps": float|null, "error": str|null, "rel_err": float|null}
 
 ratio_* = baseline time / kdsl time (> 1: kdsl faster), null where either side has no time.
@@ -70,6 +70,17 @@ def _ratio_cell(r: Result, name: str) -> str:
     return _num(eager, ".2f", "x") + (f" / {graph:.2f}x" if graph is not None else "")
 
 
+def _host_cell(r: Result, name: str | None) -> str:
+    """kdsl's host time per call, and its multiple of the first baseline's (<= 1.25 is the bar)."""
+    mine = r.kdsl.host_us
+    base = r.baselines.get(name) if name else None
+    if mine is None:
+        return "-"
+    if base is None or not base.host_us:
+        return _num(mine, ".1f")
+    return f"{mine:.1f} ({mine / base.host_us:.2f}x)"
+
+
 def _ceiling_cell(r: Result) -> str:
     fraction = r.ceiling_fraction()
     if r.memory_bound:
@@ -90,13 +101,16 @@ def format_op_table(op: str, results: list[Result]) -> str:
     unit = "TB/s" if memory_bound else "TFLOP/s"
     # Memory-bound ops have a measured ceiling (copy); GEMMs are held against their fastest baseline.
     ceiling = "of copy BW" if memory_bound else "vs best"
-    header = ["shape", "impl", "kdsl ms", "graph ms", unit, ceiling, *(f"vs {n}" for n in names), "rel err", "status"]
+    host = f"host us (x {names[0]})" if names else "host us"
+    header = ["shape", "impl", "kdsl ms", "graph ms", unit, ceiling, *(f"vs {n}" for n in names), host, "rel err",
+              "status"]
     rows = []
     for r in results:
         rows.append([r.case.label(), r.impl, _num(r.kdsl.eager_ms, ".4f"), _num(r.kdsl.graph_ms, ".4f"),
                      _num(r.rate(r.kdsl.eager_ms), ".2f" if memory_bound else ".1f"),
                      _ceiling_cell(r),
-                     *(_ratio_cell(r, n) for n in names), _num(r.rel_err, ".2e"), _STATUS_CELL[r.status]])
+                     *(_ratio_cell(r, n) for n in names), _host_cell(r, names[0] if names else None),
+                     _num(r.rel_err, ".2e"), _STATUS_CELL[r.status]])
     title = f"== {op} ==  ratios = baseline time / kdsl time (>1: kdsl faster), eager / cuda-graph"
     notes = [f"  {r.case.label()} {r.impl}: {r.status}: {r.detail}" for r in results if r.status != OK]
     seen: dict[tuple[str, str], list[str]] = {}
@@ -124,7 +138,8 @@ def _finite(value: float | None) -> float | None:
 
 
 def _timing_doc(r: Result, t: Timing) -> dict[str, object]:
-    return {"eager_ms": _finite(t.eager_ms), "graph_ms": _finite(t.graph_ms), "tflops": _finite(r.tflops(t.eager_ms)),
+    return {"eager_ms": _finite(t.eager_ms), "graph_ms": _finite(t.graph_ms), "host_us": _finite(t.host_us),
+            "tflops": _finite(r.tflops(t.eager_ms)),
             "tbps": _finite(r.tbps(t.eager_ms)), "error": t.error, "rel_err": _finite(t.rel_err)}
 
 

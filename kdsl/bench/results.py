@@ -20,6 +20,7 @@ class Timing:
 
     eager_ms: float | None = None
     graph_ms: float | None = None  # CUDA-graph replay, measured for M <= 128 (gptq_gemm: every M)
+    host_us: float | None = None  # host time per call, GPU idle, where graph_ms is measured (decode sizes)
     error: str | None = None
     rel_err: float | None = None  # baselines computing the same quantized product report theirs
 

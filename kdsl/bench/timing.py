@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -335,6 +337,24 @@ def full_fp32_matmul() -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32 = saved
 
 
+HOST_CALLS = 100
+
+
+def host_time_us(fn: Callable[[], object], calls: int = HOST_CALLS) -> float:
+    """Host time per call: `calls` back-to-back calls on the host clock, the GPU idle before each batch and
+    synchronized after (outside the timed region); median of three batches. At decode sizes the kernels
+    finish sooner than the host issues them, so this is what an eager model waits for."""
+    times = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def measure(fn: Callable[[], object], graph: bool) -> Timing:
     try:
         eager = triton.testing.do_bench(fn, return_mode="median")
@@ -346,7 +366,8 @@ def measure(fn: Callable[[], object], graph: bool) -> Timing:
             graph_ms = triton.testing.do_bench_cudagraph(fn, return_mode="median")
         except Exception:  # noqa: BLE001 - not every op can be captured; eager still counts
             graph_ms = None
-    return Timing(eager_ms=float(eager), graph_ms=None if graph_ms is None else float(graph_ms))
+    host_us = host_time_us(fn) if graph else None
+    return Timing(eager_ms=float(eager), graph_ms=None if graph_ms is None else float(graph_ms), host_us=host_us)
 
 
 def run_once(fn: Callable[[], object], check: Callable[[object], Check] | None) -> Check:
