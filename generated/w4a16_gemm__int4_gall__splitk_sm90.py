@@ -3,11 +3,11 @@
 # kernel: w4a16_gemm__int4_gall__splitk_sm90 (w4a16_gemm/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV, or an mma.sync one in Gluon (mma_gemv, k_planes); overlap_dequant tiles (Hopper, k_planes) overlap dequant and wgmma in Gluon)
 # scheme: w4a16.int4.gall
 # arch: sm_90 .. sm_90
-# digest: 9de7c8ee9cd333ea (sha256 of this kernel's scheme, variant and templates)
+# digest: 8e1ff6e848f3c1b4 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
-
+import os
 BITS = tl.constexpr(4)
 PACK = tl.constexpr(8)  # values per int32
 MAX_Q = tl.constexpr(15)
@@ -33,6 +33,49 @@ PAIR_SPAN = tl.constexpr(32)
 def _nibble_rows(j):
     """The row of nibble j of a word, counted from the row of its nibble 0 (j may be a tensor)."""
     return (j % 4) * PAIR_SPAN + j // 4
+
+
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+# Triton's JIT call works out the kernel's specialization from every argument on each launch: about
+# 20 us of host time per call on the lent H100's host, which a short eager launch waits for. _launch keys
+# the kernel that call returns on everything that specialization reads, and launches it directly next time.
+_COMPILED: dict = {}
+_COMPILED_LIMIT = 1024  # keys hold exact sizes: a server's many prefill lengths must not grow it forever
+
+
+def _specialization(arg):
+    """What Triton can specialize a kernel on, of one argument: a superset of its rules (exact integers,
+    dtypes, 16-byte alignment of every base, descriptors' sizes and blocks), so equal keys share a kernel."""
+    if type(arg) is int or type(arg) is bool:
+        return arg
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    block_shape = getattr(arg, "block_shape", None)
+    if block_shape is None:
+        return arg
+    # A TMA descriptor; a Gluon one's shared layout is a function of its block and dtype.
+    return _specialization(arg.base), tuple(arg.shape), tuple(arg.strides), tuple(block_shape), arg.padding
+
+
+def _launch(kernel, grid: tuple, params: tuple, options: dict) -> None:
+    """kernel[grid](*params, **options): params are the kernel's leading arguments in signature order,
+    options the keyword rest (constexprs and launch options such as num_warps); grid has three entries."""
+    if _INTERPRETING:
+        kernel[grid](*params, **options)
+        return
+    key = (kernel, torch.cuda.current_device(), *options.items(), *map(_specialization, params))
+    cached = _COMPILED.get(key)
+    if cached is not None:
+        compiled, keyword_params = cached
+        compiled[grid](*params, *keyword_params)
+        return
+    compiled = kernel[grid](*params, **options)
+    if compiled is None:
+        return
+    if len(_COMPILED) >= _COMPILED_LIMIT:
+        _COMPILED.clear()
+    # The compiled kernel takes every signature argument positionally, constexprs included.
+    _COMPILED[key] = compiled, tuple(options[name] for name in kernel.arg_names[len(params):])
 
 
 @triton.jit
@@ -1348,10 +1391,11 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
     workspace, counters = (y, y) if split_k == 1 else _splitk_scratch(y.device, tiles, split_k, bm * bn)
     if tile["overlap_dequant"] and asm and perm is None and bm > 1 and _tma_ready(x, scales):
         return _launch_overlap(x, qweight, scales, y, tile, split_k, workspace, counters)
-    w4a16_gemm__int4_gall__splitk_sm90[(tiles, split_k)](
+    _launch(w4a16_gemm__int4_gall__splitk_sm90, (tiles, split_k, 1), (
         x, qweight if perm is None else perm, qweight, zeros, scales, groups,
         y, workspace, counters,
         M, N, K, x.stride(0), qweight.stride(0), zeros.stride(0), scales.stride(0), y.stride(0),
+    ), dict(
         HAS_PERM=perm is not None, UNIFORM_GROUP=uniform,
         WORD_GROUPS=word_groups,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tile["GROUP_M"], SPLIT_K=split_k,
@@ -1359,4 +1403,4 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
         ASM_DEQUANT=asm, HALF2_DOT=half2, SCALE_AFTER=scale_after,
         GEMV_K=gemv_k,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"],
-    )
+    ))
