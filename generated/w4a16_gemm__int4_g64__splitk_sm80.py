@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_g64__splitk_sm80 (w4a16_gemm/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV, or an mma.sync one in Gluon (mma_gemv, k_planes); overlap_dequant tiles (Hopper, k_planes) overlap dequant and wgmma in Gluon)
 # scheme: w4a16.int4.g64
 # arch: sm_80 and up
-# digest: 78d0bc5b424e632e (sha256 of this kernel's scheme, variant and templates)
+# digest: 0f56c35f2b1733da (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl

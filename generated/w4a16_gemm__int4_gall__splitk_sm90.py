@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_gall__splitk_sm90 (w4a16_gemm/splitk: W4A16 on prepared weights: one load per 8 weights, magic-number dequant, split-K reduced in-kernel; block_m = 1 is a CUDA-core GEMV, or an mma.sync one in Gluon (mma_gemv, k_planes); overlap_dequant tiles (Hopper, k_planes) overlap dequant and wgmma in Gluon)
 # scheme: w4a16.int4.gall
 # arch: sm_90 .. sm_90
-# digest: 8e1ff6e848f3c1b4 (sha256 of this kernel's scheme, variant and templates)
+# digest: b39be253990ff1ba (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -1255,12 +1255,11 @@ def _launch_gemv_mma(x, perm, qweight, scales, y, tile):
     M, K = x.shape
     N = y.shape[1]
     pairs = _scale_zero_pairs(scales)
-    w4a16_gemm__int4_gall__splitk_sm90_gemv_mma[(_cdiv(N, 16),)](
+    _launch(w4a16_gemm__int4_gall__splitk_sm90_gemv_mma, (_cdiv(N, 16), 1, 1), (
         x, qweight if perm is None else perm, qweight, pairs, y,
         M, N, x.stride(0), pairs.stride(0), y.stride(0),
-        K=K, CHUNK_TILES=tile["BLOCK_K"] // PLANE_TILE_K.value, HAS_PERM=perm is not None,
-        num_warps=tile["num_warps"],
-    )
+    ), dict(K=K, CHUNK_TILES=tile["BLOCK_K"] // PLANE_TILE_K.value, HAS_PERM=perm is not None,
+            num_warps=tile["num_warps"]))
 
 
 # Tiles per M bucket, from the definition: (largest M served or None for the rest,
