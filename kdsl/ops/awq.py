@@ -13,7 +13,7 @@ import torch
 from kdsl.naming import awq_scheme_name, w4a16_scheme_name
 from kdsl.ops import _checks as check
 from kdsl.ops.gptq_checkpoint import ACTIVATIONS
-from kdsl.ops.w4a16 import PREPARED_OP, W4A16Prepared, prepare, w4a16_gemm
+from kdsl.ops.w4a16 import PREPARED_OP, W4A16Prepared, _w4a16_gemm_impl, prepare
 from kdsl.runtime import registry
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column (within 8) held by nibble i
@@ -69,21 +69,45 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
     Prepares the weights on every call: for a layer called more than once, `awq_prepare` once and
     call `w4a16_gemm(x, prepared)`.
     """
+    if torch.compiler.is_compiling():  # one opaque op for Dynamo; see kdsl.ops.block_fp8.act_quant
+        return torch.ops.kdsl.awq_gemm(x, qweight, qzeros, scales, group_size)
+    return _awq_gemm_impl(x, qweight, qzeros, scales, group_size)
+
+
+def _awq_gemm_outputs(x, qweight, qzeros, scales, group_size: int) -> torch.Tensor:
+    """awq_gemm's checks and empty output (the fake kernel under torch.compile too)."""
     _scheme(group_size)
     check.tensor("x", x, ACTIVATIONS, min_ndim=1)
-    k, _, _ = _shapes(qweight, qzeros, scales, group_size)
+    k, n, _ = _shapes(qweight, qzeros, scales, group_size)
     if x.shape[-1] != k:
         raise ValueError(f"x: expected K = {k} in the last dimension (qweight's rows), got shape {tuple(x.shape)}")
     check.same_device(x=x, qweight=qweight)
-    return w4a16_gemm(x, awq_prepare(qweight, qzeros, scales.to(x.dtype), group_size=group_size))
+    return torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+
+
+def _awq_gemm_impl(x, qweight, qzeros, scales, group_size: int) -> torch.Tensor:
+    _awq_gemm_outputs(x, qweight, qzeros, scales, group_size)
+    return _w4a16_gemm_impl(x, awq_prepare(qweight, qzeros, scales.to(x.dtype), group_size=group_size))
 
 
 def awq_dequant(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, *,
                 group_size: int = 128) -> torch.Tensor:
     """w [N, K] in scales' dtype (nn.Linear's layout): x @ w.T matches awq_gemm up to rounding.
     A load-time conversion, computed with torch ops on the tensors' device."""
+    if torch.compiler.is_compiling():  # see kdsl.ops.block_fp8.act_quant
+        return torch.ops.kdsl.awq_dequant(qweight, qzeros, scales, group_size)
+    return _awq_dequant_impl(qweight, qzeros, scales, group_size)
+
+
+def _awq_dequant_outputs(qweight, qzeros, scales, group_size: int) -> torch.Tensor:
+    """awq_dequant's checks and empty output (the fake kernel under torch.compile too)."""
     _scheme(group_size)
     k, n, _ = _shapes(qweight, qzeros, scales, group_size)
+    return torch.empty((n, k), dtype=scales.dtype, device=scales.device)
+
+
+def _awq_dequant_impl(qweight, qzeros, scales, group_size: int) -> torch.Tensor:
+    _awq_dequant_outputs(qweight, qzeros, scales, group_size)
     q = unpack_columns(qweight).float()  # [K, N]
     zeros = unpack_columns(qzeros).float().repeat_interleave(group_size, 0)
     w = (q - zeros) * scales.float().repeat_interleave(group_size, 0)

@@ -43,6 +43,17 @@ def act_quant(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, tor
     elements' codes are NaN (inf / inf) and the finite ones 0, so every dequantized value of that
     group (code * s) is NaN, and so is every fp8_gemm output that reads it.
     """
+    # Under torch.compile Dynamo must see one opaque op, torch.ops.kdsl.act_quant (kdsl.ops.library),
+    # whose fake kernel gives the outputs' shapes, so no Python of ours (%, tile choice by M) is traced.
+    # Eagerly the implementation is called directly: the dispatcher costs host microseconds per call,
+    # and eager decode is launch-bound (the host, not the GPU, sets the pace).
+    if torch.compiler.is_compiling():
+        return torch.ops.kdsl.act_quant(x, group_size)
+    return _act_quant_impl(x, group_size)
+
+
+def _act_quant_outputs(x: torch.Tensor, group_size: int) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """act_quant's argument checks and its empty outputs (the fake kernel under torch.compile too)."""
     check.tensor("x", x, FLOAT_INPUTS, min_ndim=1)
     check.positive_power_of_two("group_size", group_size)
     k = x.shape[-1]
@@ -53,10 +64,17 @@ def act_quant(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, tor
     # microseconds, and a launch this short waits for them (docs/kernels.md, host time).
     q = x.new_empty(x.shape, dtype=FP8)
     s = x.new_empty((*x.shape[:-1], k // group_size), dtype=torch.float32)
+    return scheme, q, s
+
+
+def _act_quant_impl(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    scheme, q, s = _act_quant_outputs(x, group_size)
+    k = x.shape[-1]
     if x.numel() == 0:
         return q, s
     if not check.use_kernels(x.device):
-        return fallback.act_quant(x, group_size)
+        q, s = fallback.act_quant(x, group_size)
+        return q.contiguous(), s.contiguous()  # contiguous as the kernels' (and the fake kernel's) outputs
     entry = registry.dispatch("act_quant", scheme, x.device)
     if x.dim() == 2 and x.stride(1) == 1:
         entry.launch(x, q, s, entry.tile_for(x.shape[0]))
@@ -77,16 +95,30 @@ def weight_quant(w: torch.Tensor, block_size: tuple[int, int] = DEFAULT_BLOCK) -
     gets s = +inf, NaN codes for the inf elements and 0 for the finite ones, so the whole block
     dequantizes to NaN, and every fp8_gemm output column that reads it is NaN.
     """
+    block_n, block_k = _pair("block_size", block_size)
+    if torch.compiler.is_compiling():  # see act_quant
+        return torch.ops.kdsl.weight_quant(w, block_n, block_k)
+    return _weight_quant_impl(w, block_n, block_k)
+
+
+def _weight_quant_outputs(w: torch.Tensor, block_n: int, block_k: int) -> tuple[str, torch.Tensor, torch.Tensor]:
     check.tensor("w", w, FLOAT_INPUTS, ndim=2)
-    block_n, block_k = _block("block_size", block_size)
+    block_n, block_k = _block("block_size", (block_n, block_k))
     scheme, _ = _scheme("weight_quant", f"block_size = {(block_n, block_k)}", weight_block=[block_n, block_k])
     n, k = w.shape
     q = torch.empty((n, k), dtype=FP8, device=w.device)
     s = torch.empty((-(-n // block_n), -(-k // block_k)), dtype=torch.float32, device=w.device)
+    return scheme, q, s
+
+
+def _weight_quant_impl(w: torch.Tensor, block_n: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    scheme, q, s = _weight_quant_outputs(w, block_n, block_k)
+    n, k = w.shape
     if w.numel() == 0:
         return q, s
     if not check.use_kernels(w.device):
-        return fallback.weight_quant(w, block_n, block_k)
+        q, s = fallback.weight_quant(w, block_n, block_k)
+        return q.contiguous(), s.contiguous()
     entry = registry.dispatch("weight_quant", scheme, w.device)
     entry.launch(check.rows(w, k), q, s, entry.tile_for(n))
     return q, s
@@ -97,19 +129,33 @@ def weight_dequant(
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """w [N, K] = q * s expanded over (n, k) blocks, in out_dtype (bf16, fp16 or fp32)."""
+    block_n, block_k = _pair("block_size", block_size)
+    if torch.compiler.is_compiling():  # see act_quant
+        return torch.ops.kdsl.weight_dequant(q, s, block_n, block_k, out_dtype)
+    return _weight_dequant_impl(q, s, block_n, block_k, out_dtype)
+
+
+def _weight_dequant_outputs(q: torch.Tensor, s: torch.Tensor, block_n: int, block_k: int,
+                            out_dtype: torch.dtype) -> tuple[str, torch.Tensor]:
     check.tensor("q", q, (FP8,), ndim=2)
     check.tensor("s", s, (torch.float32,), ndim=2)
-    block_n, block_k = _block("block_size", block_size)
+    block_n, block_k = _block("block_size", (block_n, block_k))
     check.out_dtype("out_dtype", out_dtype, FLOAT_INPUTS)
     scheme, _ = _scheme("weight_dequant", f"block_size = {(block_n, block_k)}", weight_block=[block_n, block_k])
     n, k = q.shape
     check.shape("s", s, (-(-n // block_n), -(-k // block_k)), f"one scale per {block_n}x{block_k} block of q")
     check.same_device(q=q, s=s)
-    w = torch.empty((n, k), dtype=out_dtype, device=q.device)
+    return scheme, torch.empty((n, k), dtype=out_dtype, device=q.device)
+
+
+def _weight_dequant_impl(q: torch.Tensor, s: torch.Tensor, block_n: int, block_k: int,
+                         out_dtype: torch.dtype) -> torch.Tensor:
+    scheme, w = _weight_dequant_outputs(q, s, block_n, block_k, out_dtype)
+    n, k = q.shape
     if q.numel() == 0:
         return w
     if not check.use_kernels(q.device):
-        return fallback.weight_dequant(q, s, block_n, block_k, out_dtype)
+        return fallback.weight_dequant(q, s, block_n, block_k, out_dtype).contiguous()
     entry = registry.dispatch("weight_dequant", scheme, q.device)
     entry.launch(check.rows(q, k), s, w, entry.tile_for(n))
     if q.device.type == "cpu":
@@ -128,6 +174,15 @@ def fp8_gemm(
     checkpoint's weight_scale_inv). K must be a multiple of 128 and N of 8 (2112, 576, 72);
     any M, including 0.
     """
+    if torch.compiler.is_compiling():  # see act_quant
+        return torch.ops.kdsl.fp8_gemm(a, a_s, b, b_s, out_dtype)
+    return _fp8_gemm_impl(a, a_s, b, b_s, out_dtype)
+
+
+def _fp8_gemm_outputs(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
+                      out_dtype: torch.dtype, symbolic: bool = False) -> tuple[str, int, int, int, torch.Tensor]:
+    """fp8_gemm's checks and empty output: (scheme, act_group, block_n, block_k, c). symbolic: sizes may be
+    SymInts (the fake kernel under torch.compile), so the scheme is looked up without the memo's hashing."""
     check.tensor("a", a, (FP8,), min_ndim=1)
     check.tensor("a_s", a_s, (torch.float32,), min_ndim=1)
     check.tensor("b", b, (FP8,), ndim=2)
@@ -135,7 +190,7 @@ def fp8_gemm(
     check.out_dtype("out_dtype", out_dtype, FLOAT_INPUTS)
     k = a.shape[-1]
     n = b.shape[0]
-    scheme, group, (block_n, block_k) = _gemm_scheme(k, n, a_s.shape[-1], tuple(b_s.shape))
+    scheme, group, (block_n, block_k) = _gemm_scheme(k, n, a_s.shape[-1], tuple(b_s.shape), symbolic)
     if k % group:
         raise ValueError(f"a: last dimension K = {k} must be a multiple of {group}")
     if b.shape[1] != k:
@@ -145,8 +200,17 @@ def fp8_gemm(
         raise ValueError(f"b: N = {n} must be a multiple of 8")
     check.shape("a_s", a_s, (*a.shape[:-1], k // group), f"one scale per token per {group} of K")
     check.shape("b_s", b_s, (-(-n // block_n), -(-k // block_k)), f"one scale per {block_n}x{block_k} block of b")
-    device = check.same_device(a=a, a_s=a_s, b=b, b_s=b_s)
+    check.same_device(a=a, a_s=a_s, b=b, b_s=b_s)
     c = a.new_empty((*a.shape[:-1], n), dtype=out_dtype)  # new_empty: see act_quant
+    return scheme, group, block_n, block_k, c
+
+
+def _fp8_gemm_impl(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    scheme, group, block_n, block_k, c = _fp8_gemm_outputs(a, a_s, b, b_s, out_dtype)
+    device = a.device
+    k = a.shape[-1]
+    n = b.shape[0]
     if c.numel() == 0:
         return c
     if k == 0:
@@ -166,9 +230,11 @@ def fp8_gemm(
     return c
 
 
-def _gemm_scheme(k: int, n: int, a_groups: int, b_blocks: tuple) -> tuple[str, int, tuple[int, int]]:
+def _gemm_scheme(k: int, n: int, a_groups: int, b_blocks: tuple,
+                 symbolic: bool = False) -> tuple[str, int, tuple[int, int]]:
     """(scheme, act_group, (block_n, block_k)) of the served fp8_gemm scheme whose scale shapes a_s and b_s
-    have; where none has them, the first served one, whose numbers then word the shape errors."""
+    have; where none has them, the first served one, whose numbers then word the shape errors.
+    symbolic (SymInt sizes, which do not hash): no memo; the comparisons become guards, not specializations."""
     def find():
         served = registry.scheme_fields("fp8_gemm")
         if not served:
@@ -179,6 +245,8 @@ def _gemm_scheme(k: int, n: int, a_groups: int, b_blocks: tuple) -> tuple[str, i
                 return name, group, (block_n, block_k)
         name, fields = next(iter(served.items()))
         return name, fields["act_group"], tuple(fields["weight_block"])
+    if symbolic:
+        return find()
     return registry.memo(("fp8_gemm", k, n, a_groups, b_blocks), find)
 
 
@@ -196,7 +264,13 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def _block(name: str, block) -> tuple[int, int]:
+def _pair(name: str, block) -> tuple:
+    """block as (n, k), unchecked beyond being two things (the op checks them: kdsl.ops.library)."""
     if not (isinstance(block, (tuple, list)) and len(block) == 2):
         raise ValueError(f"{name}: expected (n, k), got {block!r}")
+    return block[0], block[1]
+
+
+def _block(name: str, block) -> tuple[int, int]:
+    block = _pair(name, block)
     return check.positive_power_of_two(f"{name}[0]", block[0]), check.positive_power_of_two(f"{name}[1]", block[1])

@@ -40,12 +40,29 @@ def gptq_gemm(
     if qzeros is None or scales is None:
         missing = "qzeros" if qzeros is None else "scales"
         raise TypeError(f"{missing}: required with checkpoint tensors (or pass weights from kdsl.ops.gptq_prepare)")
+    if torch.compiler.is_compiling():  # one opaque op for Dynamo; see kdsl.ops.block_fp8.act_quant
+        return torch.ops.kdsl.gptq_gemm(x, qweight, qzeros, scales, g_idx, bits, group_size, checkpoint_format)
+    return _gptq_gemm_impl(x, qweight, qzeros, scales, g_idx, bits, group_size, checkpoint_format)
+
+
+def _gptq_gemm_outputs(x, qweight, qzeros, scales, g_idx, bits: int, group_size: int, checkpoint_format: str,
+                       values: bool = True) -> tuple[str, torch.Tensor]:
+    """gptq_gemm's checks and empty output. values=False (the fake kernel under torch.compile, which has no
+    data): g_idx's dtype and shape are checked but not the range of its values, which the op checks when it runs."""
     scheme = _served_scheme("gptq_gemm", bits, group_size, checkpoint_format)
     check.tensor("x", x, ACTIVATIONS, min_ndim=1)
     k = x.shape[-1]
-    _, n, _ = checkpoint_shapes(qweight, qzeros, scales, g_idx, k, bits, group_size)
+    n = _checkpoint_shapes(qweight, qzeros, scales, g_idx, k, bits, group_size, values)[1]
     device = check.same_device(x=x, qweight=qweight, qzeros=qzeros, scales=scales, g_idx=g_idx)
-    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=device)
+    return scheme, torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=device)
+
+
+def _gptq_gemm_impl(x, qweight, qzeros, scales, g_idx, bits: int, group_size: int,
+                    checkpoint_format: str) -> torch.Tensor:
+    scheme, y = _gptq_gemm_outputs(x, qweight, qzeros, scales, g_idx, bits, group_size, checkpoint_format)
+    device = y.device
+    k = x.shape[-1]
+    n = y.shape[-1]
     if y.numel() == 0:
         return y
     if k == 0:
@@ -65,19 +82,47 @@ def gptq_dequant(
     bits: int = 4, group_size: int = 128, checkpoint_format: str = "gptq",
 ) -> torch.Tensor:
     """w [N, K] in scales' dtype (nn.Linear's layout): x @ w.T matches gptq_gemm up to rounding."""
+    if torch.compiler.is_compiling():  # see kdsl.ops.block_fp8.act_quant
+        return torch.ops.kdsl.gptq_dequant(qweight, qzeros, scales, g_idx, bits, group_size, checkpoint_format)
+    return _gptq_dequant_impl(qweight, qzeros, scales, g_idx, bits, group_size, checkpoint_format)
+
+
+def _gptq_dequant_outputs(qweight, qzeros, scales, g_idx, bits: int, group_size: int, checkpoint_format: str,
+                          values: bool = True) -> tuple[str, torch.Tensor]:
+    """gptq_dequant's checks and empty output; values as in _gptq_gemm_outputs."""
     scheme = _served_scheme("gptq_dequant", bits, group_size, checkpoint_format)
-    k, n, _ = checkpoint_shapes(qweight, qzeros, scales, g_idx, None, bits, group_size)
+    k, n, _ = _checkpoint_shapes(qweight, qzeros, scales, g_idx, None, bits, group_size, values)
     device = check.same_device(qweight=qweight, qzeros=qzeros, scales=scales, g_idx=g_idx)
-    w = torch.empty((n, k), dtype=scales.dtype, device=device)
+    return scheme, torch.empty((n, k), dtype=scales.dtype, device=device)
+
+
+def _gptq_dequant_impl(qweight, qzeros, scales, g_idx, bits: int, group_size: int,
+                       checkpoint_format: str) -> torch.Tensor:
+    scheme, w = _gptq_dequant_outputs(qweight, qzeros, scales, g_idx, bits, group_size, checkpoint_format)
+    device = w.device
+    n, k = w.shape
     if w.numel() == 0:
         return w
     if not check.use_kernels(device):
         groups = g_idx if g_idx is not None else default_g_idx(k, group_size, device)
-        return fallback.gptq_dequant(qweight, qzeros, scales, groups, bits, ZERO_OFFSET[checkpoint_format], scales.dtype)
+        # contiguous [N, K] as the kernel writes it (and the fake kernel says), not the transposed [K, N]
+        return fallback.gptq_dequant(qweight, qzeros, scales, groups, bits, ZERO_OFFSET[checkpoint_format],
+                                     scales.dtype).contiguous()
     entry = registry.dispatch("gptq_dequant", scheme, device)
     entry.launch(qweight.contiguous(), qzeros.contiguous(), scales.contiguous(),
                  None if g_idx is None else g_idx.contiguous(), w, entry.tile_for(n))
     return w
+
+
+def _checkpoint_shapes(qweight, qzeros, scales, g_idx, k, bits: int, group_size: int, values: bool):
+    """checkpoint_shapes; values=False leaves out the one data-dependent check, g_idx's range."""
+    if values:
+        return checkpoint_shapes(qweight, qzeros, scales, g_idx, k, bits, group_size)
+    shapes = checkpoint_shapes(qweight, qzeros, scales, None, k, bits, group_size)
+    if g_idx is not None:
+        check.tensor("g_idx", g_idx, (torch.int32,), ndim=1)
+        check.shape("g_idx", g_idx, (shapes[0],), "the group of each of the K input rows")
+    return shapes
 
 
 def gptq_prepare(

@@ -155,6 +155,38 @@ def w4a16_gemm(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
     if not isinstance(prepared, W4A16Prepared):
         raise TypeError(f"prepared: expected weights from kdsl.ops.gptq_prepare or awq_prepare, "
                         f"got {type(prepared).__name__}")
+    if torch.compiler.is_compiling():  # one opaque op for Dynamo; see kdsl.ops.block_fp8.act_quant
+        # A Python object cannot cross the op boundary: its tensors and fields do (kdsl.ops.library).
+        return torch.ops.kdsl.w4a16_gemm(x, *prepared_args(prepared))
+    return _w4a16_gemm_impl(x, prepared)
+
+
+def prepared_args(prepared: W4A16Prepared) -> tuple:
+    """The fields of prepared in the order of torch.ops.kdsl.w4a16_gemm's arguments after x
+    (prepared_from_args rebuilds the object from them)."""
+    return (prepared.qweight, prepared.zeros, prepared.scales, prepared.groups, prepared.perm,
+            prepared.scheme, prepared.source, prepared.bits, prepared.group_size,
+            prepared.layout["zeros"], prepared.layout.get("weights", ""), prepared.k, prepared.n,
+            prepared.contiguous_groups, prepared.zero_bias)
+
+
+def prepared_from_args(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, groups: torch.Tensor,
+                       perm: torch.Tensor | None, scheme: str, source: str, bits: int, group_size: int,
+                       layout_zeros: str, layout_weights: str, k: int, n: int, contiguous_groups: bool,
+                       zero_bias: int) -> W4A16Prepared:
+    """prepared_args' inverse: the W4A16Prepared the op's implementation and fake kernel work on."""
+    layout = {"zeros": layout_zeros}
+    if layout_weights:
+        layout["weights"] = layout_weights
+    return W4A16Prepared(
+        scheme=scheme, source=source, bits=bits, group_size=group_size, layout=layout, dtype=scales.dtype,
+        k=k, n=n, qweight=qweight, zeros=zeros, scales=scales, groups=groups, perm=perm,
+        contiguous_groups=contiguous_groups, zero_bias=zero_bias,
+    )
+
+
+def _w4a16_gemm_outputs(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
+    """w4a16_gemm's checks and empty output (the fake kernel under torch.compile too)."""
     check.tensor("x", x, ACTIVATIONS, min_ndim=1)
     if x.dtype != prepared.dtype:
         raise TypeError(f"x: expected dtype {check.dtype_name(prepared.dtype)} (the weights were prepared "
@@ -162,8 +194,13 @@ def w4a16_gemm(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
     if x.shape[-1] != prepared.k:
         raise ValueError(f"x: expected K = {prepared.k} in the last dimension (the prepared weights), got shape {tuple(x.shape)}")
     device = check.same_device(x=x, prepared=prepared.qweight)
+    return torch.empty((*x.shape[:-1], prepared.n), dtype=x.dtype, device=device)
+
+
+def _w4a16_gemm_impl(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
+    y = _w4a16_gemm_outputs(x, prepared)
+    device = y.device
     k, n = prepared.k, prepared.n
-    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=device)
     if y.numel() == 0:
         return y
     if k == 0:
