@@ -14,6 +14,9 @@ import reference_gptq as gptq_ref
 from test_awq import pack_awq
 
 DIM, HIDDEN, OUT = 256, 512, 72
+# The model's bf16 LayerNorm and the reference's fp32 one can round an activation to the other side of an
+# e4m3 step, which the next layer's fp8 quantization then keeps: FP8 models get more room.
+TOL = {"fp8": 3e-2, "gptq": 2e-2, "gptq_v2": 2e-2, "awq": 2e-2}
 
 
 class TinyMLP(nn.Module):
@@ -98,8 +101,8 @@ def test_load_quantized_runs_eager_like_the_checkpoint(kind, tmp_path):
     assert type(model.head) is nn.Linear and torch.equal(model.head.weight, ckpt["head.weight"])
     x = torch.randn(5, DIM).to(dtype)
     ref = reference(kind, ckpt, x)
-    assert fp8_ref.rel_fro_error(model(x), ref) < 2e-2
-    assert fp8_ref.rel_fro_error(model(x.reshape(1, 5, DIM)).reshape(5, OUT), ref) < 2e-2
+    assert fp8_ref.rel_fro_error(model(x), ref) < TOL[kind]
+    assert fp8_ref.rel_fro_error(model(x.reshape(1, 5, DIM)).reshape(5, OUT), ref) < TOL[kind]
 
 
 def test_repr_shows_scheme_and_kernel(tmp_path):
@@ -174,7 +177,7 @@ def test_load_quantized_on_the_gpu_eager_and_captured(kind, tmp_path):
         ref = reference(kind, ckpt, x)
         static = x.cuda()
         eager = model(static)
-        assert fp8_ref.rel_fro_error(eager.cpu(), ref) < 2e-2, m
+        assert fp8_ref.rel_fro_error(eager.cpu(), ref) < TOL[kind], m
         model(static)  # warm: compile and pick every kernel before capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -183,3 +186,30 @@ def test_load_quantized_on_the_gpu_eager_and_captured(kind, tmp_path):
         graph.replay()
         torch.cuda.synchronize()
         assert fp8_ref.rel_fro_error(captured, eager) < 1e-3, m  # split-K may add partials in another order
+
+
+@pytest.mark.parametrize("kind", ["fp8", "gptq"])
+def test_a_loaded_model_compiles_without_graph_breaks(kind, tmp_path):
+    ckpt, dtype = write_checkpoint(tmp_path / kind, kind)
+    model = kdsl.load_quantized(TinyMLP(dtype), tmp_path / kind, device="cpu")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
+    with torch.no_grad():  # inference: the quantized ops have no backward
+        for m in (3, 7):
+            x = torch.randn(m, DIM).to(dtype)
+            assert torch.equal(compiled(x), model(x)), m
+            assert fp8_ref.rel_fro_error(compiled(x), reference(kind, ckpt, x)) < TOL[kind]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["fp8", "gptq", "awq"])
+def test_a_loaded_model_compiles_with_cuda_graphs_on_the_gpu(kind, tmp_path):
+    ckpt, dtype = write_checkpoint(tmp_path / kind, kind)
+    model = kdsl.load_quantized(TinyMLP(dtype), tmp_path / kind, device="cuda")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+    x = torch.randn(4, DIM).to(dtype)
+    with torch.no_grad():
+        for _ in range(3):  # warm-up, record, replay
+            y = compiled(x.cuda()).clone()
+    assert fp8_ref.rel_fro_error(y.cpu(), reference(kind, ckpt, x)) < TOL[kind]
