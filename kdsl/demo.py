@@ -77,5 +77,35 @@ def run_demo() -> int:
     all_ok &= _report("gptq_gemm vs x @ dequant(w).T", registry.select("gptq_gemm", gptq, arch=arch).name,
                       _rel_err(y4, xh.float() @ w4.float().T), 1e-2, seconds)
     all_ok &= _report("int4 path vs fp16 matmul", "quantization error", _rel_err(y4, x.float() @ w.float().T), 0.2, 0.0)
+    all_ok &= _model_demo(device, k=512 if device.type == "cpu" else 4096)
     print("all results match their references" if all_ok else "SOME RESULTS ARE WRONG")
     return 0 if all_ok else 1
+
+
+def _model_demo(device: torch.device, k: int) -> bool:
+    """The user path: a float model, kdsl.quantize_, then eager and torch.compile(fullgraph=True) runs."""
+    from torch import nn
+
+    ok = True
+    # Round-to-nearest int4 keeps about 10% relative error on random weights, fp8 about 5%.
+    for scheme, dtype, limit in ((kdsl.GPTQ(group_size=128), torch.float16, 0.15),
+                                 (kdsl.BlockFP8(), torch.bfloat16, 0.08)):
+        model = nn.Sequential(nn.Linear(k, 2 * k), nn.SiLU(), nn.Linear(2 * k, k)).to(device, dtype)
+        x = torch.randn(4, k, device=device, dtype=dtype)
+        with torch.no_grad():
+            dense = model(x).float()
+            kdsl.quantize_(model, scheme)
+            print(f"model: quantize_(..., {scheme.name}) -> {model[0]}")
+            start = time.perf_counter()
+            eager = model(x)
+            seconds = time.perf_counter() - start
+            ok &= _report("eager model vs float model", type(model[0]).__name__, _rel_err(eager, dense), limit, seconds)
+            # On the CPU, aot_eager: inductor's C++ compile would take minutes on a small machine.
+            backend = "inductor" if device.type == "cuda" else "aot_eager"
+            compiled = torch.compile(model, fullgraph=True, backend=backend)
+            start = time.perf_counter()
+            traced = compiled(x)
+            seconds = time.perf_counter() - start
+            ok &= _report(f"compiled ({backend}) vs eager", "torch.ops.kdsl, no graph break",
+                          _rel_err(traced, eager.float()), 1e-2, seconds)
+    return ok
