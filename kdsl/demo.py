@@ -23,7 +23,7 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _report(label: str, entry_name: str, err: float, limit: float, seconds: float) -> bool:
     ok = err < limit
-    print(f"  {'ok  ' if ok else 'FAIL'} {label:<28} rel err {err:.2e} (< {limit:.0e})  {seconds * 1e3:8.1f} ms  via {entry_name}")
+    print(f"  {'ok  ' if ok else 'FAIL'} {label:<28} rel err {err:.2e} (< {limit:.2g})  {seconds * 1e3:8.1f} ms  via {entry_name}")
     return ok
 
 
@@ -106,6 +106,8 @@ def _model_demo(device: torch.device, k: int) -> bool:
             start = time.perf_counter()
             traced = compiled(x)
             seconds = time.perf_counter() - start
-            ok &= _report(f"compiled ({backend}) vs eager", "torch.ops.kdsl, no graph break",
-                          _rel_err(traced, eager.float()), 1e-2, seconds)
+            # Inductor fuses the SiLU in fp32, so the next layer may quantize a few activations to the
+            # neighbouring fp8 code: the compiled model is held to the float model, as the eager one is.
+            ok &= _report(f"compiled ({backend}) vs float", "torch.ops.kdsl, no graph break",
+                          _rel_err(traced, dense), limit, seconds)
     return ok
