@@ -1,38 +1,21 @@
 """Host time per call of kdsl ops against the torch ops they replace, GPU idle, in one process.
 
-    python benchmarks/host_time.py [--calls 300] [--repeats 5] [--json PATH]
+    python benchmarks/host_time.py [--calls 300] [--json PATH]
 
 Each figure: N back-to-back calls timed on the host clock (time.perf_counter), then one synchronize
-outside the timed region; the GPU is idle before each batch, and the shapes are decode-sized, so the
-kernels finish sooner than the host issues them and the host is what is measured. Median of the
-repeats. Works with any kdsl tree that has act_quant, weight_quant, fp8_gemm, gptq_quantize,
-gptq_prepare and gptq_gemm, so two trees can be compared call for call.
+outside the timed region (kdsl.bench.timing.host_time_us, the same measure `kdsl bench` prints); the
+shapes are decode-sized, so the kernels finish sooner than the host issues them and the host is what is
+measured. The cases beyond the bench's: act_quant + fp8_gemm against one bf16 F.linear.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
 import kdsl
-
-
-def host_us(fn, calls: int, repeats: int) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(times)
+from kdsl.bench.timing import host_time_us
 
 
 def cases():
@@ -63,13 +46,12 @@ def cases():
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=300)
-    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     rows = []
     for name, fn, base_name, base in cases():
-        mine = host_us(fn, args.calls, args.repeats)
-        theirs = host_us(base, args.calls, args.repeats) if base else None
+        mine = host_time_us(fn, args.calls)
+        theirs = host_time_us(base, args.calls) if base else None
         rows.append({"case": name, "kdsl_us": mine, "baseline": base_name, "baseline_us": theirs})
         ratio = f"{mine / theirs:5.2f}x" if theirs else "   - "
         print(f"{name:38s} kdsl {mine:7.1f} us   {base_name:24s} {theirs or float('nan'):7.1f} us   {ratio}")
