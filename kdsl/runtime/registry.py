@@ -25,15 +25,14 @@ from __future__ import annotations
 import fnmatch
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from kdsl.naming import format_arch, parse_arch
-from pathlib import Path
-
 from kdsl.runtime.manifest import (
-    GENERATED_ENV,
-    KERNEL_PATH_ENV,
+    GENERATED_ENV,  # noqa: F401 (kdsl.registry re-exports it)
+    KERNEL_PATH_ENV,  # noqa: F401 (kdsl.registry re-exports it)
     SHIPPED,
     KernelEntry,
     extra_dirs_from_env,
@@ -58,8 +57,6 @@ class NoKernelError(LookupError):
             lines.append("  no kernel for this op was generated: add a variant to kernel_defs/ and run `python -m kdsl generate`")
         lines += [f"  {name}: {reason}" for name, reason in refusals]
         super().__init__("\n".join(lines))
-
-
 
 
 class SchemeNotServedError(NoKernelError, ValueError):
@@ -228,7 +225,9 @@ def _arch_number(arch) -> int:
 
 def _specificity(entry: KernelEntry) -> tuple:
     # At an equal arch range, a user folder beats the shipped kernels (earlier folders beat later ones).
-    rank = _state.setdefault("folder_rank", {o: -i for i, (o, _) in enumerate(kernel_folders())})
+    rank = _state.get("folder_rank")
+    if rank is None:
+        rank = _state["folder_rank"] = {origin: -i for i, (origin, _) in enumerate(kernel_folders())}
     return (entry.min_arch, entry.max_arch is not None, -(entry.max_arch or 0), rank.get(entry.origin, -99),
             entry.name)
 
