@@ -213,3 +213,16 @@ def test_a_loaded_model_compiles_with_cuda_graphs_on_the_gpu(kind, tmp_path):
         for _ in range(3):  # warm-up, record, replay
             y = compiled(x.cuda()).clone()
     assert fp8_ref.rel_fro_error(y.cpu(), reference(kind, ckpt, x)) < TOL[kind]
+
+
+def test_a_model_built_on_the_meta_device_loads_without_a_second_copy(tmp_path):
+    """Built on 'meta', the model holds no weights of its own: every tensor it ends with is the one read from
+    the checkpoint (assigned, not copied), so a large model is in memory once."""
+    ckpt, dtype = write_checkpoint(tmp_path, "gptq_v2")
+    with torch.device("meta"):
+        model = TinyMLP(dtype)
+    kdsl.load_quantized(model, tmp_path, device="cpu")
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    x = torch.randn(3, DIM).to(dtype)
+    with torch.no_grad():
+        assert fp8_ref.rel_fro_error(model(x), reference("gptq_v2", ckpt, x)) < TOL["gptq_v2"]
