@@ -230,15 +230,103 @@ def _fp8_gemm_impl(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: tor
     return c
 
 
+def fp8_bmm(
+    a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """C [B, M, N] = (a[g] * a_s[g]) @ (b[g] * b_s[g])^T for each batch g, block scaling as fp8_gemm.
+
+    a [B, M, K] float8_e4m3fn, any strides with unit stride along K (MLA's `x.transpose(0, 1)` of
+    [M, B, K] runs without a copy); a_s float32 [B, M, K / 128], any strides; b [B, N, K] float8_e4m3fn
+    (unit stride along K; contiguous as checkpoints ship it); b_s float32 [B, ceil(N / 128), K / 128].
+    K must be a multiple of 128 and N of 16; any M, including 0. out: an optional [B, M, N] tensor of
+    out_dtype with unit stride along N (a transposed view of a [M, B, N] buffer, say), written in place
+    and returned; else a new contiguous tensor. NaN codes in a or b give NaN outputs, as fp8_gemm's.
+    """
+    if torch.compiler.is_compiling():  # see act_quant
+        # The custom op is functional (kdsl.ops.library): it returns a new tensor, copied into out here.
+        c = torch.ops.kdsl.fp8_bmm(a, a_s, b, b_s, out_dtype)
+        if out is None:
+            return c
+        _fp8_bmm_check_out(out, c)
+        return out.copy_(c)
+    return _fp8_bmm_impl(a, a_s, b, b_s, out_dtype, out)
+
+
+def _fp8_bmm_outputs(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
+                     out_dtype: torch.dtype, out: torch.Tensor | None = None,
+                     symbolic: bool = False) -> tuple[str, int, int, int, torch.Tensor]:
+    """fp8_bmm's checks and its output: (scheme, act_group, block_n, block_k, c), c being out when given
+    (checked) or a new contiguous [B, M, N] tensor. symbolic: as _fp8_gemm_outputs."""
+    check.tensor("a", a, (FP8,), ndim=3)
+    check.tensor("a_s", a_s, (torch.float32,), ndim=3)
+    check.tensor("b", b, (FP8,), ndim=3)
+    check.tensor("b_s", b_s, (torch.float32,), ndim=3)
+    check.out_dtype("out_dtype", out_dtype, FLOAT_INPUTS)
+    batch, m, k = a.shape
+    n = b.shape[1]
+    scheme, group, (block_n, block_k) = _gemm_scheme(k, n, a_s.shape[-1], tuple(b_s.shape[1:]), symbolic,
+                                                     op="fp8_bmm")
+    if k % group:
+        raise ValueError(f"a: last dimension K = {k} must be a multiple of {group}")
+    if b.shape[0] != batch:
+        raise ValueError(f"b: expected batch size {batch} (a's) in dimension 0, got shape {tuple(b.shape)}")
+    if b.shape[2] != k:
+        raise ValueError(f"b: expected shape ({batch}, N, {k}) to match a's K = {k}, got {tuple(b.shape)}")
+    if n % 16:
+        raise ValueError(f"b: N = {n} must be a multiple of 16")
+    check.shape("a_s", a_s, (batch, m, k // group), f"one scale per token per {group} of K")
+    check.shape("b_s", b_s, (batch, -(-n // block_n), -(-k // block_k)),
+                f"one scale per {block_n}x{block_k} block of each batch of b")
+    check.same_device(a=a, a_s=a_s, b=b, b_s=b_s)
+    if out is None:
+        return scheme, group, block_n, block_k, a.new_empty((batch, m, n), dtype=out_dtype)
+    check.tensor("out", out, (out_dtype,), ndim=3)
+    check.shape("out", out, (batch, m, n), "a's B and M, b's N")
+    if out.stride(2) != 1 and out.numel() > 0:
+        raise ValueError(f"out: expected unit stride along N (dimension 2), got strides {tuple(out.stride())}")
+    check.same_device(a=a, out=out)
+    return scheme, group, block_n, block_k, out
+
+
+def _fp8_bmm_check_out(out: torch.Tensor, c: torch.Tensor) -> None:
+    """out's checks against the op's result (under torch.compile, where the op does not see out)."""
+    check.tensor("out", out, (c.dtype,), ndim=3)
+    check.shape("out", out, tuple(c.shape), "a's B and M, b's N")
+    if out.stride(2) != 1 and out.numel() > 0:
+        raise ValueError(f"out: expected unit stride along N (dimension 2), got strides {tuple(out.stride())}")
+    check.same_device(c=c, out=out)
+
+
+def _fp8_bmm_impl(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
+                  out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    scheme, group, block_n, block_k, c = _fp8_bmm_outputs(a, a_s, b, b_s, out_dtype, out)
+    device = a.device
+    if c.numel() == 0:
+        return c
+    if a.shape[2] == 0:
+        return c.zero_()
+    if not check.use_kernels(device):
+        return c.copy_(fallback.fp8_bmm(a, a_s, b, b_s, group, block_n, block_k, out_dtype))
+    # Strides go to the kernel as they are; only a K stride other than 1 costs a copy.
+    a, b = (t if t.stride(2) == 1 else t.contiguous() for t in (a, b))
+    entry = registry.dispatch("fp8_bmm", scheme, device)
+    entry.launch(a, a_s, b, b_s, c, entry.tile_for(a.shape[1], b.shape[1]))
+    if device.type == "cpu":
+        c[_interpreter_lost_nan(a).any(dim=2)] = float("nan")  # [B, M] rows
+        c.transpose(1, 2)[_interpreter_lost_nan(b).any(dim=2)] = float("nan")  # [B, N] columns
+    return c
+
+
 def _gemm_scheme(k: int, n: int, a_groups: int, b_blocks: tuple,
-                 symbolic: bool = False) -> tuple[str, int, tuple[int, int]]:
-    """(scheme, act_group, (block_n, block_k)) of the served fp8_gemm scheme whose scale shapes a_s and b_s
+                 symbolic: bool = False, op: str = "fp8_gemm") -> tuple[str, int, tuple[int, int]]:
+    """(scheme, act_group, (block_n, block_k)) of the served `op` scheme whose scale shapes a_s and b_s
     have; where none has them, the first served one, whose numbers then word the shape errors.
     symbolic (SymInt sizes, which do not hash): no memo; the comparisons become guards, not specializations."""
     def find():
-        served = registry.scheme_fields("fp8_gemm")
+        served = registry.scheme_fields(op)
         if not served:
-            registry.require_scheme("fp8_gemm", "block_fp8", "any block-FP8 scheme")  # raises
+            registry.require_scheme(op, "block_fp8", "any block-FP8 scheme")  # raises
         for name, fields in served.items():
             group, (block_n, block_k) = fields["act_group"], fields["weight_block"]
             if k % group == 0 and a_groups == k // group and b_blocks == (-(-n // block_n), -(-k // block_k)):
@@ -247,7 +335,7 @@ def _gemm_scheme(k: int, n: int, a_groups: int, b_blocks: tuple,
         return name, fields["act_group"], tuple(fields["weight_block"])
     if symbolic:
         return find()
-    return registry.memo(("fp8_gemm", k, n, a_groups, b_blocks), find)
+    return registry.memo((op, k, n, a_groups, b_blocks), find)
 
 
 def _interpreter_lost_nan(codes: torch.Tensor) -> torch.Tensor:

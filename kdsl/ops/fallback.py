@@ -63,6 +63,12 @@ def fp8_gemm(a, a_s, b, b_s, act_group: int, block_n: int, block_k: int, out_dty
     return acc.to(out_dtype)
 
 
+def fp8_bmm(a, a_s, b, b_s, act_group: int, block_n: int, block_k: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """[B, M, N]: fp8_gemm's math for each batch (any strides; the result is contiguous)."""
+    return torch.stack([fp8_gemm(a[g], a_s[g], b[g], b_s[g], act_group, block_n, block_k, out_dtype)
+                        for g in range(a.shape[0])])
+
+
 def gptq_dequant(qweight, qzeros, scales, g_idx, bits: int, zero_offset: int, out_dtype: torch.dtype) -> torch.Tensor:
     """w [N, K] in out_dtype from checkpoint tensors (g_idx [K] always given here)."""
     q = unpack_rows(qweight, bits)  # [K, N]

@@ -5,6 +5,7 @@ model that calls them without a graph break.
     kdsl::weight_quant(Tensor w, int block_n, int block_k) -> (Tensor, Tensor)  # q, s
     kdsl::weight_dequant(Tensor q, Tensor s, int block_n, int block_k, ScalarType out_dtype) -> Tensor
     kdsl::fp8_gemm(Tensor a, Tensor a_s, Tensor b, Tensor b_s, ScalarType out_dtype) -> Tensor
+    kdsl::fp8_bmm(Tensor a, Tensor a_s, Tensor b, Tensor b_s, ScalarType out_dtype) -> Tensor
     kdsl::gptq_gemm(Tensor x, Tensor qweight, Tensor qzeros, Tensor scales, Tensor? g_idx, int bits,
                     int group_size, str checkpoint_format) -> Tensor
     kdsl::gptq_dequant(Tensor qweight, Tensor qzeros, Tensor scales, Tensor? g_idx, int bits,
@@ -15,7 +16,11 @@ model that calls them without a graph break.
     kdsl::awq_gemm(Tensor x, Tensor qweight, Tensor qzeros, Tensor scales, int group_size) -> Tensor
     kdsl::awq_dequant(Tensor qweight, Tensor qzeros, Tensor scales, int group_size) -> Tensor
 
-None mutates its inputs; every output is a new contiguous tensor. Block sizes, group sizes and bits
+None mutates its inputs; every output is a new contiguous tensor. kdsl.ops.fp8_bmm's `out=` is therefore not
+part of kdsl::fp8_bmm: eagerly the Python function writes into out directly (no copy, no dispatcher); under
+torch.compile it calls the functional op and copies the result into out (out.copy_, which Dynamo traces as an
+ordinary in-place op). A mutating op (`Tensor(a!)? out`) could not return out (a custom op may not return an
+alias of an input), so it would need a second schema or a wrapper anyway, and auto_functionalize copies too. Block sizes, group sizes and bits
 are `int`, not `SymInt`: they pick a kernel, so a symbolic one is specialized (guarded) by Dynamo
 before the op sees it. Tensor sizes stay symbolic: under torch.compile(dynamic=True) one graph serves
 every M, because the Python that looks at M (tile choice, empty-M shortcuts, the 2-D fast path) runs
@@ -53,6 +58,7 @@ SCHEMAS = {
     "weight_quant": "(Tensor w, int block_n, int block_k) -> (Tensor, Tensor)",
     "weight_dequant": "(Tensor q, Tensor s, int block_n, int block_k, ScalarType out_dtype) -> Tensor",
     "fp8_gemm": "(Tensor a, Tensor a_s, Tensor b, Tensor b_s, ScalarType out_dtype) -> Tensor",
+    "fp8_bmm": "(Tensor a, Tensor a_s, Tensor b, Tensor b_s, ScalarType out_dtype) -> Tensor",
     "gptq_gemm": "(Tensor x, Tensor qweight, Tensor qzeros, Tensor scales, Tensor? g_idx, int bits, "
                  "int group_size, str checkpoint_format) -> Tensor",
     "gptq_dequant": "(Tensor qweight, Tensor qzeros, Tensor scales, Tensor? g_idx, int bits, int group_size, "
@@ -123,6 +129,14 @@ def _fp8_gemm_fake(a, a_s, b, b_s, out_dtype):
     return block_fp8._fp8_gemm_outputs(a, a_s, b, b_s, out_dtype, symbolic=True)[-1]
 
 
+def _fp8_bmm(a, a_s, b, b_s, out_dtype):
+    return block_fp8._fp8_bmm_impl(a, a_s, b, b_s, out_dtype)
+
+
+def _fp8_bmm_fake(a, a_s, b, b_s, out_dtype):
+    return block_fp8._fp8_bmm_outputs(a, a_s, b, b_s, out_dtype, symbolic=True)[-1]
+
+
 def _gptq_gemm_fake(x, qweight, qzeros, scales, g_idx, bits, group_size, checkpoint_format):
     return gptq._gptq_gemm_outputs(x, qweight, qzeros, scales, g_idx, bits, group_size, checkpoint_format,
                                    values=False)[1]
@@ -141,11 +155,12 @@ act_quant = _op("act_quant", block_fp8._act_quant_impl, _act_quant_fake)
 weight_quant = _op("weight_quant", block_fp8._weight_quant_impl, _weight_quant_fake)
 weight_dequant = _op("weight_dequant", block_fp8._weight_dequant_impl, _weight_dequant_fake)
 fp8_gemm = _op("fp8_gemm", block_fp8._fp8_gemm_impl, _fp8_gemm_fake)
+fp8_bmm = _op("fp8_bmm", _fp8_bmm, _fp8_bmm_fake)
 gptq_gemm = _op("gptq_gemm", gptq._gptq_gemm_impl, _gptq_gemm_fake)
 gptq_dequant = _op("gptq_dequant", gptq._gptq_dequant_impl, _gptq_dequant_fake)
 w4a16_gemm = _op("w4a16_gemm", _w4a16_gemm, _w4a16_gemm_fake)
 awq_gemm = _op("awq_gemm", awq._awq_gemm_impl, awq._awq_gemm_outputs)
 awq_dequant = _op("awq_dequant", awq._awq_dequant_impl, awq._awq_dequant_outputs)
 
-OPS = {op._name.removeprefix("kdsl::"): op for op in (act_quant, weight_quant, weight_dequant, fp8_gemm, gptq_gemm,
-                                                     gptq_dequant, w4a16_gemm, awq_gemm, awq_dequant)}
+OPS = {op._name.removeprefix("kdsl::"): op for op in (act_quant, weight_quant, weight_dequant, fp8_gemm, fp8_bmm,
+                                                     gptq_gemm, gptq_dequant, w4a16_gemm, awq_gemm, awq_dequant)}
