@@ -109,6 +109,16 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
         options=("num_warps", "num_stages"),
         out_types=("bf16", "fp16", "fp32"),
     ),
+    ("fp8_bmm", "portable"): KernelSignature(
+        args={"a_ptr": FP8, "b_ptr": FP8, "c_ptr": "*{out}", "as_ptr": F32, "bs_ptr": F32,
+              "M": I32, "N": I32, "K": I32,
+              "stride_ab": I32, "stride_am": I32, "stride_bb": I32, "stride_bn": I32, "stride_cb": I32,
+              "stride_cm": I32, "stride_asb": I32, "stride_asm": I32, "stride_ask": I32,
+              "stride_bsb": I32, "stride_bsn": I32, "stride_bsk": I32},
+        constexprs=GEMM_BLOCKS,
+        options=("num_warps", "num_stages"),
+        out_types=("bf16", "fp16", "fp32"),
+    ),
     ("fp8_gemm", "tma_persistent"): KernelSignature(
         args={**FP8_GEMM_DESCRIPTORS,
               "as_ptr": F32, "bs_ptr": F32, "c_ptr": "*{out}", "ws_ptr": F32, "count_ptr": "*i32",
@@ -418,6 +428,7 @@ def _fp8_entry(op: str, impl: str) -> KernelEntry:
 
 TMA = _fp8_entry("fp8_gemm", "tma_persistent")
 PORTABLE = _fp8_entry("fp8_gemm", "portable")
+BMM = _fp8_entry("fp8_bmm", "portable")
 DEQUANT = _fp8_entry("weight_dequant", "blockwise")
 
 
@@ -549,7 +560,9 @@ def test_hopper_gemv_streams_weights_in_16_byte_loads(job, compiled):
     assert re.search(r"ld\.global\S*\.v4\.b32", ptx), "weights are not loaded 16 bytes at a time"
 
 
-@pytest.mark.parametrize("job", [Job(PORTABLE.name, 89, 0), Job(PORTABLE.name, 89, last(PORTABLE))], ids=["decode", "prefill"])
+@pytest.mark.parametrize("job", [Job(PORTABLE.name, 89, 0), Job(PORTABLE.name, 89, last(PORTABLE)),
+                                 Job(BMM.name, 89, 0), Job(BMM.name, 89, last(BMM))],
+                         ids=["decode", "prefill", "bmm-decode", "bmm-prefill"])
 def test_portable_gemm_uses_fp8_mma_on_ada(job, compiled):
     ptx = ptx_of(compiled, job)
     assert re.search(r"mma\.sync\.aligned\.\S*\.e4m3\.e4m3", ptx), "no e4m3 tensor-core mma in the PTX"
@@ -558,6 +571,7 @@ def test_portable_gemm_uses_fp8_mma_on_ada(job, compiled):
 
 @pytest.mark.parametrize("job", [
     Job(PORTABLE.name, 89, last(PORTABLE), "fp16"), Job(PORTABLE.name, 89, last(PORTABLE), "fp32"),
+    Job(BMM.name, 89, last(BMM), "fp16"), Job(BMM.name, 89, last(BMM), "fp32"),
     Job(TMA.name, 90, last(TMA), "fp16"), Job(TMA.name, 90, last(TMA), "fp32"),
     Job(DEQUANT.name, 89, last(DEQUANT), "fp16"), Job(DEQUANT.name, 89, last(DEQUANT), "fp32"),
 ], ids=lambda job: f"{ENTRIES[job.entry].op}-{ENTRIES[job.entry].impl}-{job.out}")

@@ -90,6 +90,12 @@ def _samples():
         a, a_s = ops.act_quant(torch.randn(*m_shape, k, dtype=torch.bfloat16))
         return (a, a_s, b, b_s, out)
 
+    def bmm(batch, m, n=128, k=256, out=torch.bfloat16):
+        # a and a_s as MLA passes them: transpose(0, 1) views of [M, B, ...] tensors
+        a, a_s = ops.act_quant(torch.randn(m, batch, k, dtype=torch.bfloat16))
+        b, b_s = zip(*(ops.weight_quant(torch.randn(n, k)) for _ in range(batch)))
+        return (a.transpose(0, 1), a_s.transpose(0, 1), torch.stack(b), torch.stack(b_s), out)
+
     def dequant(n, k, out):
         q, s = ops.weight_quant(torch.randn(n, k))
         return (q, s, 128, 128, out)
@@ -122,6 +128,8 @@ def _samples():
         ("fp8_gemm", "2d", lambda: fp8((3,))),
         ("fp8_gemm", "3d-fp16", lambda: fp8((2, 3), out=torch.float16)),
         ("fp8_gemm", "empty-m", lambda: fp8((0,))),
+        ("fp8_bmm", "mla-views", lambda: bmm(3, 5)),
+        ("fp8_bmm", "fp32-empty-m", lambda: bmm(2, 0, out=torch.float32)),
         ("gptq_gemm", "act-order", lambda: gptq_gemm((3,), 64, "perm", "gptq")),
         ("gptq_gemm", "no-g_idx-v2-3d", lambda: gptq_gemm((2, 3), 128, "none", "gptq_v2")),
         ("gptq_dequant", "act-order", lambda: gptq_dequant(64, "perm", "gptq")),
