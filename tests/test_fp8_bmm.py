@@ -282,6 +282,20 @@ def test_custom_op_and_compile(monkeypatch):
     torch._dynamo.reset()
 
 
+def test_compiles_once_for_every_m():
+    """dynamic=True: one graph serves every M (the op's checks on M become guards, not specializations)."""
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda *t: kdsl.ops.fp8_bmm(*t) + 1, backend=counter, fullgraph=True, dynamic=True)
+    for i, m in enumerate((5, 7, 17)):
+        a, a_s, b, b_s = mla_operands(2, m, 128, 256)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = compiled(a, a_s, b, b_s)
+        assert torch.equal(got, kdsl.ops.fp8_bmm(a, a_s, b, b_s) + 1), m
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
 # ---------------------------------------------------------------------------------------------
 # Without the interpreter: CPU tensors take kdsl's torch fallback, same answers.
 
