@@ -3,7 +3,7 @@
 # kernel: fp8_bmm__e4m3_w128x128_a128_f32__portable_sm89 (fp8_bmm/portable: batched, strided pointer loads, fp32 accumulation with per-step scales)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: d957678a9777268a (sha256 of this kernel's scheme, variant and templates)
+# digest: ce554b71230a720a (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -33,27 +33,11 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr, N_MAJOR: 
 
 
 @triton.jit
-def fp8_bmm__e4m3_w128x128_a128_f32__portable_sm89(
-    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr,
-    M, N, K,
-    stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm,
-    stride_asb, stride_asm, stride_ask, stride_bsb, stride_bsn, stride_bsk,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, N_MAJOR: tl.constexpr,
-):
-    """C[g] = sum over K steps of dot(A[g], B[g]^T) * a_scale[g, m] * b_scale[g, n], fp32 accumulation,
-    for the batch g = program_id(2). A, C and the scales may be any strided views (unit stride along K for
-    A and B, along N for C): MLA passes per-head views of [M, heads, K] activations."""
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M, N_MAJOR)
-    batch = tl.program_id(2).to(tl.int64)
-    a_ptr += batch * stride_ab
-    b_ptr += batch * stride_bb
-    c_ptr += batch * stride_cb
-    as_ptr += batch * stride_asb
-    bs_ptr += batch * stride_bsb
-
+def _fp8_block_tile(a_ptr, b_ptr, as_ptr, bs_ptr, c_ptr, pid_m, pid_n, M, N, K,
+                    stride_am, stride_bn, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] output tile: per BLOCK_K step, dot(a, b^T) * a_scale[:, None] * b_scale[None, :]
+    accumulated in fp32, then stored. The module's ACT_GROUP, W_BLOCK_N and W_BLOCK_K place the scales."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -79,6 +63,33 @@ def fp8_bmm__e4m3_w128x128_a128_f32__portable_sm89(
     rows_c = offs_m.to(tl.int64)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(c_ptr + rows_c[:, None] * stride_cm + offs_n[None, :], c, mask=mask)
+
+
+@triton.jit
+def fp8_bmm__e4m3_w128x128_a128_f32__portable_sm89(
+    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr,
+    M, N, K,
+    stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm,
+    stride_asb, stride_asm, stride_ask, stride_bsb, stride_bsn, stride_bsk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, N_MAJOR: tl.constexpr,
+):
+    """C[g] = sum over K steps of dot(A[g], B[g]^T) * a_scale[g, m] * b_scale[g, n], fp32 accumulation,
+    for the batch g = program_id(2). A, C and the scales may be any strided views (unit stride along K for
+    A and B, along N for C): MLA passes per-head views of [M, heads, K] activations."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M, N_MAJOR)
+    batch = tl.program_id(2).to(tl.int64)
+    a_ptr += batch * stride_ab
+    b_ptr += batch * stride_bb
+    c_ptr += batch * stride_cb
+    as_ptr += batch * stride_asb
+    bs_ptr += batch * stride_bsb
+
+    _fp8_block_tile(a_ptr, b_ptr, as_ptr, bs_ptr, c_ptr, pid_m, pid_n, M, N, K,
+                    stride_am, stride_bn, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk,
+                    BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 # Tiles per M bucket, from the definition: (largest M served or None for the rest,

@@ -3,7 +3,7 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__portable_sm89 (fp8_gemm/portable: pointer loads, grouped tile order, fp32 accumulation with per-step scales)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: b870a59e23fe370a (sha256 of this kernel's scheme, variant and templates)
+# digest: 2218fb4440cee454 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -33,18 +33,11 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr, N_MAJOR: 
 
 
 @triton.jit
-def fp8_gemm__e4m3_w128x128_a128_f32__portable_sm89(
-    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr,
-    M, N, K,
-    stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, N_MAJOR: tl.constexpr,
-):
-    """C[M, N] = sum over K steps of dot(A, B^T) * a_scale[m] * b_scale[n], fp32 accumulation."""
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M, N_MAJOR)
-
+def _fp8_block_tile(a_ptr, b_ptr, as_ptr, bs_ptr, c_ptr, pid_m, pid_n, M, N, K,
+                    stride_am, stride_bn, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] output tile: per BLOCK_K step, dot(a, b^T) * a_scale[:, None] * b_scale[None, :]
+    accumulated in fp32, then stored. The module's ACT_GROUP, W_BLOCK_N and W_BLOCK_K place the scales."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -60,8 +53,8 @@ def fp8_gemm__e4m3_w128x128_a128_f32__portable_sm89(
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         a = tl.load(a_ptrs)
         b = tl.load(b_ptrs)
-        a_scale = tl.load(a_scale_ptrs + (k * BLOCK_K) // ACT_GROUP)
-        b_scale = tl.load(b_scale_ptrs + (k * BLOCK_K) // W_BLOCK_K)
+        a_scale = tl.load(a_scale_ptrs + ((k * BLOCK_K) // ACT_GROUP) * stride_ask)
+        b_scale = tl.load(b_scale_ptrs + ((k * BLOCK_K) // W_BLOCK_K) * stride_bsk)
         acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
@@ -70,6 +63,23 @@ def fp8_gemm__e4m3_w128x128_a128_f32__portable_sm89(
     rows_c = offs_m.to(tl.int64)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(c_ptr + rows_c[:, None] * stride_cm + offs_n[None, :], c, mask=mask)
+
+
+@triton.jit
+def fp8_gemm__e4m3_w128x128_a128_f32__portable_sm89(
+    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr,
+    M, N, K,
+    stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, N_MAJOR: tl.constexpr,
+):
+    """C[M, N] = sum over K steps of dot(A, B^T) * a_scale[m] * b_scale[n], fp32 accumulation."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M, N_MAJOR)
+
+    _fp8_block_tile(a_ptr, b_ptr, as_ptr, bs_ptr, c_ptr, pid_m, pid_n, M, N, K,
+                    stride_am, stride_bn, stride_cm, stride_asm, 1, stride_bsn, 1, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 # Tiles per M bucket, from the definition: (largest M served or None for the rest,
