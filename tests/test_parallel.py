@@ -1,0 +1,209 @@
+"""Tensor parallel (kdsl.parallel): shards cut in the packed layouts, and column/row-parallel linears on
+torch.distributed (gloo, spawned CPU processes) agree with the one-rank layer.
+
+Most cases run the ops' torch fallbacks in the workers (TRITON_INTERPRET unset there) for speed; one runs
+the generated kernels through Triton's interpreter.
+"""
+import os
+import tempfile
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import reference as fp8_ref
+import reference_gptq as gptq_ref
+from kdsl.nn import FP8Linear, W4A16Linear
+from kdsl.parallel import (ColumnParallelLinear, RowParallelLinear, ShardError, shard_awq, shard_fp8,
+                           shard_gptq)
+from kdsl.schema import GPTQ, BlockFP8
+from kdsl.schema.scheme import AWQ
+from test_awq import pack_awq
+
+M = 3
+
+
+# --- checkpoints, the same on every rank (seeded) ---------------------------------------------------------
+
+def fp8_layer(n, k, seed):
+    torch.manual_seed(seed)
+    q, s = fp8_ref.weight_quant_ref(torch.randn(n, k) * 0.05)
+    return {"weight": q, "weight_scale_inv": s, "bias": (torch.randn(n) * 0.1).bfloat16()}
+
+
+def gptq_layer(n, k, seed, group_size=128, checkpoint_format="gptq", act_order=True):
+    gen = torch.Generator().manual_seed(seed)
+    made = gptq_ref.make_checkpoint(k, n, group_size=group_size, checkpoint_format=checkpoint_format,
+                                    scale=0.002, g_idx="perm" if act_order else "default", generator=gen)
+    bias = (torch.rand(n, generator=gen) * 0.2 - 0.1).half()
+    return {**{r: made[r] for r in ("qweight", "qzeros", "scales", "g_idx")}, "bias": bias}
+
+
+def awq_layer(n, k, seed, group_size=128):
+    gen = torch.Generator().manual_seed(seed)
+    q, zeros = torch.randint(0, 16, (k, n), generator=gen), torch.randint(0, 16, (k // group_size, n), generator=gen)
+    scales = (torch.rand(k // group_size, n, generator=gen) * 0.002 + 0.0005).half()
+    return {"qweight": pack_awq(q), "qzeros": pack_awq(zeros), "scales": scales,
+            "bias": (torch.rand(n, generator=gen) * 0.2 - 0.1).half()}
+
+
+# (name, kind, n, k, build kwargs, scheme); every case runs column and row parallel unless restricted
+def cases(world):
+    return [
+        ("fp8 N=576", "fp8", 576, 256, {}, BlockFP8(), ("column",)),
+        ("fp8 N=2112", "fp8", 2112, 256, {}, BlockFP8(), ("column",)),
+        ("fp8", "fp8", 256, 128 * world, {}, BlockFP8(), ("column", "row")),
+        ("gptq v1 act-order g128", "gptq", 64 * world, 256 * world, {}, GPTQ(desc_act=True), ("column", "row")),
+        ("gptq v1 act-order g32", "gptq", 128, 512, {"group_size": 32}, GPTQ(group_size=32, desc_act=True),
+         ("column", "row")),
+        ("gptq v2", "gptq", 64 * world, 128 * world, {"checkpoint_format": "gptq_v2", "act_order": False},
+         GPTQ(checkpoint_format="gptq_v2"), ("column", "row")),
+        ("awq", "awq", 64 * world, 128 * world, {}, AWQ(), ("column", "row")),
+    ]
+
+
+def build(kind, n, k, kwargs, seed):
+    return {"fp8": fp8_layer, "gptq": gptq_layer, "awq": awq_layer}[kind](n, k, seed, **kwargs)
+
+
+def one_rank(kind, t, scheme):
+    if kind == "fp8":
+        return FP8Linear(t["weight"], t["weight_scale_inv"], t["bias"], scheme)
+    if kind == "gptq":
+        return W4A16Linear.from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], t["bias"], scheme)
+    return W4A16Linear.from_awq(t["qweight"], t["qzeros"], t["scales"], t["bias"], scheme)
+
+
+def parallel(kind, t, scheme, dim, **kw):
+    cls = ColumnParallelLinear if dim == "column" else RowParallelLinear
+    if kind == "fp8":
+        return cls.from_fp8(t["weight"], t["weight_scale_inv"], t["bias"], scheme=scheme, **kw)
+    if kind == "gptq":
+        return cls.from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], t["bias"], scheme=scheme, **kw)
+    return cls.from_awq(t["qweight"], t["qzeros"], t["scales"], t["bias"], scheme=scheme, **kw)
+
+
+def check_close(actual, expected, what):
+    """Column parallel computes each output as one rank does; row parallel sums float32 partials (FP8) or
+    fp16 partials (int4) in another order: a few units in the last place of the output dtype."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
+    scale = expected.float().abs().max().item()
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=2e-2, atol=4e-3 * scale, msg=what)
+
+
+# --- workers -----------------------------------------------------------------------------------------------
+
+def _worker(rank, world, init_file, interpret, selected):
+    if not interpret:
+        os.environ.pop("TRITON_INTERPRET", None)  # the ops read it per call: torch fallbacks
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        for index, (name, kind, n, k, kwargs, scheme, dims) in enumerate(cases(world)):
+            if selected is not None and name not in selected:
+                continue
+            t = build(kind, n, k, kwargs, seed=index)
+            torch.manual_seed(1000 + index)
+            dtype = torch.bfloat16 if kind == "fp8" else torch.float16
+            x = torch.randn(M, k).to(dtype)
+            with torch.no_grad():
+                expected = one_rank(kind, t, scheme)(x)
+                for dim in dims:
+                    what = f"{name} {dim} TP={world} rank {rank}"
+                    if dim == "column":
+                        layer = parallel(kind, t, scheme, dim, gather_output=True)
+                        check_close(layer(x), expected, what)
+                        local = parallel(kind, t, scheme, dim, gather_output=False)(x)
+                        size = n // world
+                        check_close(local, expected[:, rank * size:(rank + 1) * size], what + " (sharded)")
+                    else:
+                        layer = parallel(kind, t, scheme, dim)
+                        check_close(layer(x), expected, what)
+                        # The same rank fed its own input shard (what a column-parallel layer leaves).
+                        shard = parallel(kind, t, scheme, dim, input_is_parallel=True)
+                        index_ = layer.in_index if layer.in_index is not None else layer.in_slice
+                        mine = x.index_select(-1, index_) if isinstance(index_, torch.Tensor) else x[:, index_]
+                        check_close(shard(mine), expected, what + " (input_is_parallel)")
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(world, interpret=False, selected=None):
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_worker, args=(world, os.path.join(folder, "store"), interpret, selected), nprocs=world,
+                 join=True)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_matches_one_rank(world):
+    """FP8 (N = 576 and 2112 off the 128 grid, column), GPTQ v1 act-order (group 128 and 32, the vLLM
+    #5596 case at TP = 4 row parallel), GPTQ v2, AWQ: column (gathered and sharded) and row parallel."""
+    spawn(world)
+
+
+def test_tensor_parallel_through_the_interpreter():
+    """One case each of FP8 column (off the grid) and GPTQ act-order row on the generated kernels."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, set by conftest on the CPU)")
+    spawn(2, interpret=True, selected={"fp8 N=576", "gptq v1 act-order g32"})
+
+
+# --- shards without processes ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,world", [(576, 2), (576, 4), (2112, 2), (2112, 4), (576, 32)])
+def test_fp8_off_grid_column_shards_reassemble_the_layer(n, world):
+    """A scale block straddling ranks goes to both; the shard is realigned to it by zero rows in front."""
+    t = fp8_layer(n, 256, seed=n)
+    x = torch.randn(M, 256).bfloat16()
+    expected = FP8Linear(t["weight"], t["weight_scale_inv"], t["bias"])(x)
+    parts = []
+    for rank in range(world):
+        s = shard_fp8(t["weight"], t["weight_scale_inv"], t["bias"], rank=rank, world_size=world, dim="column")
+        start = rank * n // world
+        assert s.pad_front == start % 128
+        assert s.weight_scale_inv.shape[0] == -(-(start + n // world) // 128) - start // 128
+        assert torch.equal(s.weight_scale_inv, t["weight_scale_inv"][start // 128:start // 128 + s.weight_scale_inv.shape[0]])
+        assert s.weight.shape[0] % 8 == 0
+        assert torch.equal(s.weight[s.out_slice].view(torch.uint8), t["weight"][start:start + n // world].view(torch.uint8))
+        parts.append(FP8Linear(s.weight, s.weight_scale_inv, s.bias)(x)[:, s.out_slice])
+    check_close(torch.cat(parts, dim=-1), expected, f"N={n} TP={world}")
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
+def test_gptq_act_order_row_shards_sum_to_the_layer(fmt):
+    t = gptq_layer(64, 512, seed=3, group_size=32, checkpoint_format=fmt, act_order=True)
+    scheme = GPTQ(group_size=32, checkpoint_format=fmt)
+    x = torch.randn(M, 512).half()
+    expected = W4A16Linear.from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], None, scheme)(x)
+    total = torch.zeros(M, 64)
+    for rank in range(4):
+        s = shard_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], rank=rank, world_size=4, dim="row",
+                       group_size=32)
+        assert s.g_idx is None and s.scales.shape == (4, 64) and s.qweight.shape == (16, 64)
+        assert torch.equal(torch.sort(t["g_idx"][s.in_index]).values, t["g_idx"][s.in_index])  # groups whole
+        total += W4A16Linear.from_gptq(s.qweight, s.qzeros, s.scales, None, None, scheme)(x[:, s.in_index]).float()
+    check_close(total.half(), expected, "gptq row TP=4")
+
+
+@pytest.mark.parametrize("cut,message", [
+    (lambda: shard_gptq(*[gptq_layer(64, 256, 0)[r] for r in ("qweight", "qzeros", "scales", "g_idx")],
+                        rank=1, world_size=4, dim="row", group_size=128),
+     r"qweight \(32, 64\): cannot cut rank 1 of 4: K = 256 / 4 = 64 .* multiple of 128 .*straddle"),
+    (lambda: shard_fp8(*[fp8_layer(256, 384, 0)[r] for r in ("weight", "weight_scale_inv")], rank=0,
+                       world_size=2, dim="row"),
+     r"weight \(256, 384\): cannot cut rank 0 of 2: K = 384 / 2 = 192 .* multiple of 128"),
+    (lambda: shard_fp8(*[fp8_layer(576, 128, 0)[r] for r in ("weight", "weight_scale_inv")], rank=2,
+                       world_size=5, dim="column"),
+     r"weight \(576, 128\): cannot cut rank 2 of 5: N = 576 / 5 = 115.2 must be a whole number"),
+    (lambda: shard_awq(*[awq_layer(48, 256, 0)[r] for r in ("qweight", "qzeros", "scales")], rank=3,
+                       world_size=4, dim="column"),
+     r"qweight \(256, 6\): cannot cut rank 3 of 4: N = 48 / 4 = 12 must be a whole number and a multiple of 8"),
+    (lambda: shard_gptq(*[gptq_layer(48, 256, 0)[r] for r in ("qweight", "qzeros", "scales", "g_idx")],
+                        rank=0, world_size=4, dim="column"),
+     r"qweight \(32, 48\): cannot cut rank 0 of 4: N = 48 / 4 = 12 must be a whole number and a multiple of 8"),
+])
+def test_a_shard_that_cannot_be_cut_is_refused_naming_tensor_rank_and_shape(cut, message):
+    with pytest.raises(ShardError, match=message):
+        cut()
