@@ -207,3 +207,68 @@ def test_gptq_act_order_row_shards_sum_to_the_layer(fmt):
 def test_a_shard_that_cannot_be_cut_is_refused_naming_tensor_rank_and_shape(cut, message):
     with pytest.raises(ShardError, match=message):
         cut()
+
+
+# --- load_quantized(tp_plan=...) ---------------------------------------------------------------------------
+
+LOAD_KINDS = ("fp8", "gptq", "gptq_v2", "awq")
+
+
+def _load_worker(rank, world, init_file, folder):
+    os.environ.pop("TRITON_INTERPRET", None)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        import kdsl
+        from kdsl.nn import convert
+        from test_nn import DIM, HIDDEN, TinyMLP
+
+        for kind in LOAD_KINDS:
+            dtype = torch.bfloat16 if kind == "fp8" else torch.float16
+            read_whole, load = [], convert._Shards.load
+
+            def spy(self, key, device, load=load, read_whole=read_whole):
+                read_whole.append(key)
+                return load(self, key, device)
+
+            convert._Shards.load = spy
+            try:
+                model = kdsl.load_quantized(TinyMLP(dtype), os.path.join(folder, kind), device="cpu",
+                                            tp_plan={"up": "column", "do*": "row"})
+            finally:
+                convert._Shards.load = load
+            assert isinstance(model.up, ColumnParallelLinear) and isinstance(model.down, RowParallelLinear)
+            assert model.up.local.out_features == HIDDEN // world and model.down.local.in_features == HIDDEN // world
+            # Only g_idx and biases of the parallel layers are read whole; the rest through get_slice.
+            assert [k for k in read_whole if k.startswith(("up.", "down."))] == [
+                k for k in read_whole if k in ("up.bias", "up.g_idx", "down.g_idx")], (kind, read_whole)
+            one = kdsl.load_quantized(TinyMLP(dtype), os.path.join(folder, kind), device="cpu")
+            torch.manual_seed(7)
+            x = torch.randn(5, DIM).to(dtype)
+            with torch.no_grad():
+                check_close(model(x), one(x), f"load_quantized {kind} TP={world} rank {rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_load_quantized_with_a_tp_plan_matches_one_rank(tmp_path):
+    from test_nn import write_checkpoint
+
+    for kind in LOAD_KINDS:
+        write_checkpoint(tmp_path / kind, kind)
+    mp.spawn(_load_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+
+
+def test_load_quantized_refuses_a_bad_tp_plan_and_an_uninitialized_group(tmp_path):
+    import kdsl
+    from test_nn import TinyMLP, write_checkpoint
+
+    write_checkpoint(tmp_path / "awq", "awq")
+    model = TinyMLP()
+    before = dict(model.named_children())
+    with pytest.raises(ValueError, match=r"tp_plan\['up'\]: expected 'column' or 'row', got 'colwise'"):
+        kdsl.load_quantized(model, tmp_path / "awq", device="cpu", tp_plan={"up": "colwise"})
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+            kdsl.load_quantized(model, tmp_path / "awq", device="cpu", tp_plan={"down": "row"})
+    assert dict(model.named_children()) == before

@@ -4,6 +4,7 @@ Both check everything before they change anything, so a refusal leaves the model
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,6 +123,30 @@ class _Shards:
     def load(self, key: str, device) -> torch.Tensor:
         return self.handles[self.where[key]].get_tensor(key).to(device)
 
+    def lazy(self, key: str, device) -> "_LazyTensor":
+        return _LazyTensor(self.handles[self.where[key]].get_slice(key), device)
+
+
+_SAFETENSORS_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16, "I32": torch.int32}
+
+
+class _LazyTensor:
+    """A checkpoint tensor that reads only what is indexed (safetensors get_slice): what the sharding helpers
+    of kdsl.parallel cut from, so each rank reads its own slice of a tensor-parallel layer."""
+
+    def __init__(self, handle, device):
+        self._handle = handle
+        self.shape = torch.Size(handle.get_shape())
+        self.dtype = _SAFETENSORS_DTYPES[handle.get_dtype()]
+        self.device = torch.device(device)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._handle[index].to(self.device)
+
 
 def _plan(model: nn.Module, shards: _Shards, scheme, skip: list[str]) -> _Plan:
     plan, problems = _Plan(), []
@@ -177,7 +202,34 @@ def _build(scheme, tensors: dict[str, torch.Tensor]) -> nn.Module:
                                  bias, scheme)
 
 
-def load_quantized(model: nn.Module, path, device=None) -> nn.Module:
+TP_STYLES = ("column", "row")
+
+
+def _tp_style(name: str, tp_plan: dict[str, str] | None) -> str | None:
+    """The tensor-parallel style of module name: the first tp_plan pattern (fnmatch) that matches it."""
+    for pattern, style in (tp_plan or {}).items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return style
+    return None
+
+
+def _build_parallel(scheme, style: str, shards: _Shards, roles: dict[str, str], device, group) -> nn.Module:
+    """A Column/RowParallelLinear from this rank's slices of the layer (g_idx and bias are read whole)."""
+    from kdsl.parallel import ColumnParallelLinear, RowParallelLinear
+
+    t = {role: shards.load(key, device) if role in ("g_idx", "bias") else shards.lazy(key, device)
+         for role, key in roles.items()}
+    cls = ColumnParallelLinear if style == "column" else RowParallelLinear
+    bias = t.get("bias")
+    if isinstance(scheme, BlockFP8):
+        return cls.from_fp8(t["weight"], t["weight_scale_inv"], bias, group=group, scheme=scheme)
+    if isinstance(scheme, AWQ):
+        return cls.from_awq(t["qweight"], t["qzeros"], t["scales"], bias, group=group, scheme=scheme)
+    return cls.from_gptq(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), bias, group=group, scheme=scheme)
+
+
+def load_quantized(model: nn.Module, path, device=None, *, tp_plan: dict[str, str] | None = None,
+                   group=None) -> nn.Module:
     """Load a quantized checkpoint folder (config.json with a quantization_config, *.safetensors shards in the
     published key names) into model, in place.
 
@@ -187,6 +239,13 @@ def load_quantized(model: nn.Module, path, device=None) -> nn.Module:
     prepared for `device` (default: CUDA if available, else the CPU). Every other tensor of the model,
     modules_to_not_convert included, is loaded from the checkpoint as it is. A missing, extra, mis-shaped or
     mis-typed tensor raises CheckpointError naming it before anything changes; layers are read one at a time.
+
+    Tensor parallel: tp_plan maps module-name patterns (fnmatch: "layers.*.mlp.up_proj") to "column" or
+    "row"; each quantized linear a pattern matches becomes a kdsl.parallel.ColumnParallelLinear (output
+    gathered) or RowParallelLinear (takes the whole input, all-reduces) over `group` (default: the default
+    process group), built from this rank's slice of its tensors, read with safetensors get_slice (GPTQ
+    act-order row parallel reads the whole qweight, whose rows it re-orders by group). A layer that cannot
+    be cut raises kdsl.parallel.ShardError and leaves the model as it was.
     """
     import kdsl
 
@@ -199,6 +258,9 @@ def load_quantized(model: nn.Module, path, device=None) -> nn.Module:
     if not isinstance(config.get("quantization_config"), dict):
         raise CheckpointError(f"{config_path}: no quantization_config")
     quant = config["quantization_config"]
+    for pattern, style in (tp_plan or {}).items():
+        if style not in TP_STYLES:
+            raise ValueError(f"tp_plan[{pattern!r}]: expected 'column' or 'row', got {style!r}")
     scheme = kdsl.scheme_from_hf(quant)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shards = _Shards(folder)
@@ -207,6 +269,11 @@ def load_quantized(model: nn.Module, path, device=None) -> nn.Module:
     swapped = []
     try:
         for name, roles in plan.quantized.items():
+            style = _tp_style(name, tp_plan)
+            if style is not None:
+                swapped.append((name, _swap(model, name, _build_parallel(scheme, style, shards, roles, device,
+                                                                           group))))
+                continue
             tensors = {role: shards.load(key, device) for role, key in roles.items()}
             swapped.append((name, _swap(model, name, _build(scheme, tensors))))
             del tensors

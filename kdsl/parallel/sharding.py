@@ -41,6 +41,11 @@ DIMS = ("column", "row")
 PACK = 8  # int4 values per int32
 
 
+def _whole(t) -> torch.Tensor:
+    """A tensor, or everything of a lazily read checkpoint tensor (anything indexable like one)."""
+    return t if isinstance(t, torch.Tensor) else t[:]
+
+
 class ShardError(ValueError):
     """A tensor cannot be cut for a rank: names the tensor, the rank and the shape."""
 
@@ -150,6 +155,7 @@ def shard_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
         raise ValueError(f"bits: expected 4, got {bits!r}")
     if qweight.dim() != 2 or qweight.dtype != torch.int32:
         raise TypeError(f"qweight: expected a 2-D int32 tensor, got {qweight.dtype} {tuple(qweight.shape)}")
+    g_idx = None if g_idx is None else _whole(g_idx)
     k, n = qweight.shape[0] * PACK, qweight.shape[1]
     if dim == "column":
         n0, n1 = _even("qweight", qweight.shape, f"N = {n}", n, rank, world_size, PACK,
@@ -158,7 +164,8 @@ def shard_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
                          scales[:, n0:n1].contiguous(), g_idx, None if bias is None else bias[n0:n1], None)
     if group_size == -1:  # one group: every rank gets its scale/zero row
         k0, k1 = _even("qweight", qweight.shape, f"K = {k}", k, rank, world_size, PACK, "qweight packs 8 rows")
-        return GPTQShard(qweight[k0 // PACK:k1 // PACK].contiguous(), qzeros, scales, None, None, slice(k0, k1))
+        return GPTQShard(qweight[k0 // PACK:k1 // PACK].contiguous(), _whole(qzeros), _whole(scales), None, None,
+                         slice(k0, k1))
     k0, k1 = _even("qweight", qweight.shape, f"K = {k}", k, rank, world_size, group_size,
                    f"a group of {group_size} rows would straddle two ranks")
     perm = _sort_perm(g_idx, k, group_size, rank, world_size)
@@ -166,7 +173,7 @@ def shard_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     if perm is None:
         q, index = qweight[k0 // PACK:k1 // PACK].contiguous(), slice(k0, k1)
     else:
-        rows = unpack_rows(qweight, bits)[perm[k0:k1]]
+        rows = unpack_rows(_whole(qweight), bits)[perm[k0:k1]]
         q, index = pack_rows(rows.long(), bits), perm[k0:k1].clone()
     return GPTQShard(q, qzeros[g0:g1].contiguous(), scales[g0:g1].contiguous(), None, None, index)
 
