@@ -126,8 +126,26 @@ def _worker(rank, world, init_file, interpret, selected):
                         index_ = layer.in_index if layer.in_index is not None else layer.in_slice
                         mine = x.index_select(-1, index_) if isinstance(index_, torch.Tensor) else x[:, index_]
                         check_close(shard(mine), expected, what + " (input_is_parallel)")
+        if world == 4 and selected is None:
+            _subgroups(rank)
     finally:
         dist.destroy_process_group()
+
+
+def _subgroups(rank):
+    """TP = 2 inside each half of 4 processes: the layers use the group's rank and size, not the world's."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = groups[rank // 2]
+    for index, (kind, n, k, kwargs, scheme, dim) in enumerate([
+            ("fp8", 576, 256, {}, BlockFP8(), "column"), ("gptq", 64, 256, {"group_size": 32},
+                                                          GPTQ(group_size=32, desc_act=True), "row")]):
+        t = build(kind, n, k, kwargs, seed=50 + index)
+        x = torch.randn(M, k, generator=torch.Generator().manual_seed(rank // 2)).to(
+            torch.bfloat16 if kind == "fp8" else torch.float16)  # the two halves see different inputs
+        with torch.no_grad():
+            layer = parallel(kind, t, scheme, dim, group=group)
+            assert (layer.rank, layer.world_size) == (rank % 2, 2)
+            check_close(layer(x), one_rank(kind, t, scheme)(x), f"{kind} {dim} in group {rank // 2} rank {rank}")
 
 
 def spawn(world, interpret=False, selected=None):
