@@ -16,8 +16,8 @@ import torch.multiprocessing as mp
 import reference as fp8_ref
 import reference_gptq as gptq_ref
 from kdsl.nn import FP8Linear, W4A16Linear
-from kdsl.parallel import (ColumnParallelLinear, RowParallelLinear, ShardError, shard_awq, shard_fp8,
-                           shard_gptq)
+from kdsl.parallel import (ColumnParallelLinear, RowParallelLinear, ShardError, gptq_row_index, shard_awq,
+                           shard_fp8, shard_gptq)
 from kdsl.schema import GPTQ, BlockFP8
 from kdsl.schema.scheme import AWQ
 from test_awq import pack_awq
@@ -126,10 +126,27 @@ def _worker(rank, world, init_file, interpret, selected):
                         index_ = layer.in_index if layer.in_index is not None else layer.in_slice
                         mine = x.index_select(-1, index_) if isinstance(index_, torch.Tensor) else x[:, index_]
                         check_close(shard(mine), expected, what + " (input_is_parallel)")
+        if selected is None:
+            _act_order_mlp(rank, world)
         if world == 4 and selected is None:
             _subgroups(rank)
     finally:
         dist.destroy_process_group()
+
+
+def _act_order_mlp(rank, world):
+    """up (column, act-order) -> silu -> down (row, act-order, group 32) with no gather in between: up's
+    shard computes exactly the columns down's shard reads (gptq_row_index), in down's sorted-by-group order."""
+    scheme = GPTQ(group_size=32, desc_act=True)
+    up, down = build("gptq", 512, 256, {"group_size": 32}, seed=60), build("gptq", 128, 512, {"group_size": 32}, seed=61)
+    x = torch.randn(M, 256, generator=torch.Generator().manual_seed(62)).half()
+    index = gptq_row_index(down["g_idx"], 512, rank=rank, world_size=world, group_size=32)
+    with torch.no_grad():
+        expected = one_rank("gptq", down, scheme)(torch.nn.functional.silu(one_rank("gptq", up, scheme)(x)))
+        h = parallel("gptq", up, scheme, "column", gather_output=False, out_index=index)(x)
+        layer = parallel("gptq", down, scheme, "row", input_is_parallel=True)
+        assert torch.equal(layer.in_index, index)
+        check_close(layer(torch.nn.functional.silu(h)), expected, f"act-order MLP TP={world} rank {rank}")
 
 
 def _subgroups(rank):

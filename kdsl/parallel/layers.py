@@ -59,11 +59,15 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_gptq(cls, qweight, qzeros, scales, g_idx=None, bias=None, *, group=None, gather_output=True,
-                  scheme: GPTQ | None = None) -> "ColumnParallelLinear":
+                  scheme: GPTQ | None = None, out_index=None) -> "ColumnParallelLinear":
+        """out_index: this rank's output columns (kdsl.parallel.gptq_row_index of the act-order layer that
+        follows), so its sharded output feeds that RowParallelLinear(input_is_parallel=True); no gather."""
         scheme = scheme or GPTQ()
         rank, world = _rank_world(group)
+        if out_index is not None and gather_output:
+            raise ValueError("out_index: the outputs are permuted across ranks; pass gather_output=False")
         s = shard_gptq(qweight, qzeros, scales, g_idx, bias, rank=rank, world_size=world, dim="column",
-                       group_size=scheme.group_size, bits=scheme.bits)
+                       group_size=scheme.group_size, bits=scheme.bits, out_index=out_index)
         local = W4A16Linear.from_gptq(s.qweight, s.qzeros, s.scales, s.g_idx, s.bias, scheme)
         return cls(local, out_features=qweight.shape[1], group=group, gather_output=gather_output)
 

@@ -26,6 +26,9 @@ Rules per format:
   ranks (K / T not a multiple of group_size) is REFUSED with ShardError (the kernels take whole groups;
   the alternative of giving the group's scale/zero row to both ranks would need per-shard group sizes).
   group_size -1 (one group) is the exception: every rank gets the one scale/zero row, which is exact.
+  Chaining column -> row without a gather (an MLP's up and down): the row shard's input order perm[K_r]
+  (gptq_row_index) is not a contiguous range, so the column layer before it is cut by out_index instead:
+  its qweight columns and scales are selected in that order and its qzeros nibbles re-packed to match.
 - AWQ (qweight int32 [K, N/8] packed along N, qzeros [G, N/8], scales [G, N]; no act-order).
   column: N / T a multiple of 8 (whole packs of 8 columns). row: K / T a multiple of group_size (whole groups).
 """
@@ -148,8 +151,14 @@ def _sort_perm(g_idx: torch.Tensor | None, k: int, group_size: int, rank: int, w
 
 def shard_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                g_idx: torch.Tensor | None = None, bias: torch.Tensor | None = None, *, rank: int,
-               world_size: int, dim: str, group_size: int = 128, bits: int = 4) -> GPTQShard:
-    """Rank's shard of a GPTQ (v1 or v2) linear (see the module docstring: row parallel sorts K by group)."""
+               world_size: int, dim: str, group_size: int = 128, bits: int = 4,
+               out_index: torch.Tensor | None = None) -> GPTQShard:
+    """Rank's shard of a GPTQ (v1 or v2) linear (see the module docstring: row parallel sorts K by group).
+
+    out_index (column only): the output columns this rank computes, in order, instead of its contiguous
+    N / T; pass the in_index of the next layer's act-order row shard (gptq_row_index) so that this layer's
+    sharded output is that layer's input as it is (input_is_parallel), with no gather in between. qweight's
+    columns are selected as they are; qzeros' nibbles are re-packed in the new column order."""
     _check_rank(rank, world_size, dim)
     if bits != 4:
         raise ValueError(f"bits: expected 4, got {bits!r}")
@@ -157,6 +166,16 @@ def shard_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
         raise TypeError(f"qweight: expected a 2-D int32 tensor, got {qweight.dtype} {tuple(qweight.shape)}")
     g_idx = None if g_idx is None else _whole(g_idx)
     k, n = qweight.shape[0] * PACK, qweight.shape[1]
+    if dim == "column" and out_index is not None:
+        index = torch.as_tensor(out_index, dtype=torch.long)
+        if index.dim() != 1 or index.numel() % PACK or (index.numel() and (index.min() < 0 or index.max() >= n)):
+            raise ShardError(f"out_index {tuple(index.shape)}: rank {rank} of {world_size}: expected a multiple of "
+                             f"{PACK} output columns in [0, {n}) of qweight {tuple(qweight.shape)}")
+        zeros = unpack_rows(_whole(qzeros).T.contiguous(), bits)[index]  # [columns, G]
+        return GPTQShard(_whole(qweight)[:, index].contiguous(), pack_rows(zeros.long(), bits).T.contiguous(),
+                         _whole(scales)[:, index].contiguous(), g_idx, None if bias is None else bias[index], None)
+    if out_index is not None:
+        raise ValueError("out_index: only for dim='column'")
     if dim == "column":
         n0, n1 = _even("qweight", qweight.shape, f"N = {n}", n, rank, world_size, PACK,
                        "qzeros packs 8 columns per int32")
@@ -207,3 +226,16 @@ def shard_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     g0, g1 = k0 // group_size, k1 // group_size
     return AWQShard(qweight[k0:k1].contiguous(), qzeros[g0:g1].contiguous(), scales[g0:g1].contiguous(),
                     None, slice(k0, k1))
+
+
+def gptq_row_index(g_idx: torch.Tensor | None, k: int, *, rank: int, world_size: int,
+                   group_size: int = 128) -> torch.Tensor:
+    """The input columns rank's row shard of a GPTQ layer reads, in order (shard_gptq's in_index), as a tensor:
+    what the column-parallel layer before it should produce on this rank (shard_gptq out_index)."""
+    _check_rank(rank, world_size, "row")
+    size = k if group_size == -1 else group_size
+    k0, k1 = _even("g_idx", (k,), f"K = {k}", k, rank, world_size, size if group_size != -1 else PACK,
+                   f"a group of {group_size} rows would straddle two ranks" if group_size != -1 else "")
+    perm = None if group_size == -1 else _sort_perm(None if g_idx is None else _whole(g_idx), k, group_size,
+                                                     rank, world_size)
+    return torch.arange(k0, k1) if perm is None else perm[k0:k1].clone()
