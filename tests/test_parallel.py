@@ -33,10 +33,10 @@ def fp8_layer(n, k, seed):
     return {"weight": q, "weight_scale_inv": s, "bias": (torch.randn(n) * 0.1).bfloat16()}
 
 
-def gptq_layer(n, k, seed, group_size=128, checkpoint_format="gptq", act_order=True):
+def gptq_layer(n, k, seed, group_size=128, checkpoint_format="gptq", act_order=True, g_idx=None):
     gen = torch.Generator().manual_seed(seed)
-    made = gptq_ref.make_checkpoint(k, n, group_size=group_size, checkpoint_format=checkpoint_format,
-                                    scale=0.002, g_idx="perm" if act_order else "default", generator=gen)
+    made = gptq_ref.make_checkpoint(k, n, group_size=group_size, checkpoint_format=checkpoint_format, scale=0.002,
+                                    g_idx=g_idx or ("perm" if act_order else "default"), generator=gen)
     bias = (torch.rand(n, generator=gen) * 0.2 - 0.1).half()
     return {**{r: made[r] for r in ("qweight", "qzeros", "scales", "g_idx")}, "bias": bias}
 
@@ -61,6 +61,13 @@ def cases(world):
         ("gptq v2", "gptq", 64 * world, 128 * world, {"checkpoint_format": "gptq_v2", "act_order": False},
          GPTQ(checkpoint_format="gptq_v2"), ("column", "row")),
         ("awq", "awq", 64 * world, 128 * world, {}, AWQ(), ("column", "row")),
+        # Groups of unequal size (any group per row) and groups straddling ranks (K / T = 96 or 48 at group
+        # 64): each rank gets the scale/zero rows of every group its rows touch.
+        ("gptq random g_idx g32", "gptq", 64, 512, {"group_size": 32, "g_idx": "random"},
+         GPTQ(group_size=32, desc_act=True), ("row",)),
+        ("gptq random g_idx g128", "gptq", 64, 512, {"g_idx": "random"}, GPTQ(desc_act=True), ("row",)),
+        ("gptq act-order g64 straddling", "gptq", 64, 192, {"group_size": 64}, GPTQ(group_size=64, desc_act=True),
+         ("row",)),
     ]
 
 
@@ -174,15 +181,16 @@ def spawn(world, interpret=False, selected=None):
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_parallel_matches_one_rank(world):
     """FP8 (N = 576 and 2112 off the 128 grid, column), GPTQ v1 act-order (group 128 and 32, the vLLM
-    #5596 case at TP = 4 row parallel), GPTQ v2, AWQ: column (gathered and sharded) and row parallel."""
+    #5596 case at TP = 4 row parallel), GPTQ v2, AWQ: column (gathered and sharded) and row parallel; GPTQ row
+    parallel with a random g_idx (groups of unequal size) and with groups straddling two ranks."""
     spawn(world)
 
 
 def test_tensor_parallel_through_the_interpreter():
-    """One case each of FP8 column (off the grid) and GPTQ act-order row on the generated kernels."""
+    """FP8 column (off the grid), GPTQ act-order row and GPTQ row with a random g_idx on the generated kernels."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, set by conftest on the CPU)")
-    spawn(2, interpret=True, selected={"fp8 N=576", "gptq v1 act-order g32"})
+    spawn(2, interpret=True, selected={"fp8 N=576", "gptq v1 act-order g32", "gptq random g_idx g32"})
 
 
 # --- shards without processes ------------------------------------------------------------------------------
@@ -222,10 +230,35 @@ def test_gptq_act_order_row_shards_sum_to_the_layer(fmt):
     check_close(total.half(), expected, "gptq row TP=4")
 
 
+@pytest.mark.parametrize("g_idx,group_size,k,world", [("perm", 64, 192, 2), ("default", 128, 256, 4),
+                                                       ("random", 32, 512, 4)])
+def test_gptq_row_shards_with_groups_straddling_ranks_sum_to_the_layer(g_idx, group_size, k, world):
+    """A group cut between two ranks goes to both (its scale/zero row on each, each using it for its own rows);
+    groups of unequal size (a random g_idx) likewise. The shard's g_idx indexes its own scale/zero rows."""
+    t = gptq_layer(64, k, seed=4, group_size=group_size, g_idx=g_idx)
+    scheme = GPTQ(group_size=group_size, desc_act=True)
+    x = torch.randn(M, k, generator=torch.Generator().manual_seed(5)).half()
+    expected = W4A16Linear.from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], None, scheme)(x)
+    total, touched = torch.zeros(M, 64), []
+    for rank in range(world):
+        s = shard_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], rank=rank, world_size=world, dim="row",
+                       group_size=group_size)
+        assert s.qweight.shape == (k // world // 8, 64) and s.g_idx is not None
+        first = int(t["g_idx"][s.in_index].min())
+        assert torch.equal(s.g_idx.long() + first, t["g_idx"][s.in_index].long())  # sorted rows, own groups
+        assert torch.equal(s.scales, t["scales"][first:first + s.scales.shape[0]])
+        touched.append((first, first + s.scales.shape[0]))
+        index = gptq_row_index(t["g_idx"], k, rank=rank, world_size=world, group_size=group_size)
+        assert torch.equal(index, torch.arange(k)[s.in_index])  # what a column layer before it would produce
+        total += gptq_ref.gemm_ref(x[:, s.in_index], s.qweight, s.qzeros, s.scales, s.g_idx)
+    assert any(a[1] > b[0] for a, b in zip(touched, touched[1:]))  # some group is on two ranks
+    check_close(total.half(), expected, f"gptq row {g_idx} g{group_size} TP={world}")
+
+
 @pytest.mark.parametrize("cut,message", [
     (lambda: shard_gptq(*[gptq_layer(64, 256, 0)[r] for r in ("qweight", "qzeros", "scales", "g_idx")],
-                        rank=1, world_size=4, dim="row", group_size=128),
-     r"qweight \(32, 64\): cannot cut rank 1 of 4: K = 256 / 4 = 64 .* multiple of 128 .*straddle"),
+                        rank=1, world_size=64, dim="row", group_size=128),
+     r"qweight \(32, 64\): cannot cut rank 1 of 64: K = 256 / 64 = 4 .* multiple of 8 .*packs 8 rows"),
     (lambda: shard_fp8(*[fp8_layer(256, 384, 0)[r] for r in ("weight", "weight_scale_inv")], rank=0,
                        world_size=2, dim="row"),
      r"weight \(256, 384\): cannot cut rank 0 of 2: K = 384 / 2 = 192 .* multiple of 128"),

@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from kdsl.nn.modules import FP8Linear, W4A16Linear
+from kdsl.ops.gptq_checkpoint import ZERO_OFFSET, unpack_rows, unpack_zeros
+from kdsl.ops.w4a16 import prepare
 from kdsl.parallel.sharding import shard_awq, shard_fp8, shard_gptq
 from kdsl.schema import GPTQ, BlockFP8
 from kdsl.schema.scheme import AWQ
@@ -135,7 +137,12 @@ class RowParallelLinear(nn.Module):
         rank, world = _rank_world(group)
         s = shard_gptq(qweight, qzeros, scales, g_idx, None, rank=rank, world_size=world, dim="row",
                        group_size=scheme.group_size, bits=scheme.bits)
-        local = W4A16Linear.from_gptq(s.qweight, s.qzeros, s.scales, s.g_idx, None, scheme)
+        # The scheme-neutral prepare (what gptq_prepare calls): a shard's groups need not be group_size rows
+        # each nor number K_r / group_size (a random g_idx, a group straddling two ranks).
+        prepared = prepare(unpack_rows(s.qweight.contiguous(), scheme.bits),
+                           unpack_zeros(s.qzeros, scheme.bits, ZERO_OFFSET[scheme.checkpoint_format]), s.scales,
+                           s.g_idx, bits=scheme.bits, group_size=scheme.group_size, source=scheme.checkpoint_format)
+        local = W4A16Linear(prepared, None, scheme)
         return cls(local, in_features=qweight.shape[0] * 8, in_index=s.in_index,
                    bias=None if bias is None else bias.to(scales.dtype), group=group,
                    input_is_parallel=input_is_parallel, reduce_dtype=reduce_dtype)

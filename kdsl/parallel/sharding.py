@@ -20,11 +20,15 @@ Rules per format:
 - GPTQ (qweight int32 [K/8, N] packed along K, qzeros [G, N/8] packed along N, scales [G, N], g_idx [K]).
   column: N / T must be a multiple of 8 (qzeros packs 8 columns per word); g_idx is kept whole.
   row: K is first sorted by group (a stable argsort of g_idx; act-order checkpoints only), qweight's
-  nibbles re-packed in that order, then split into T contiguous pieces; the shard's g_idx is the plain
-  k // group_size of its rows and its scales/qzeros are its own G / T groups. The rank reads the input
-  columns perm[K_r] (GPTQShard.in_index): the module gathers them from a full x. A group straddling two
-  ranks (K / T not a multiple of group_size) is REFUSED with ShardError (the kernels take whole groups;
-  the alternative of giving the group's scale/zero row to both ranks would need per-shard group sizes).
+  nibbles re-packed in that order, then split into T contiguous pieces of K / T rows, a multiple of 8
+  (qweight packs 8 rows per int32). The rank reads the input columns perm[K_r] (GPTQShard.in_index): the
+  module gathers them from a full x. When the rank's rows are whole groups of group_size rows, its g_idx is
+  the plain k // group_size (None) and its scales/qzeros are those groups. Otherwise (a random g_idx, whose
+  groups are of unequal size, or K / T not a multiple of group_size) the rank gets the scale/zero rows of
+  every group its rows touch, G[first : last + 1], and g_idx the group of each of its sorted rows within
+  them: a group straddling two ranks is given to both, each using it for its own rows, which is exact
+  (every row is dequantized with its own group's scale and zero). RowParallelLinear prepares such a shard
+  with the scheme-neutral kdsl.ops.w4a16.prepare (gptq_prepare wants G = K / group_size).
   group_size -1 (one group) is the exception: every rank gets the one scale/zero row, which is exact.
   Chaining column -> row without a gather (an MLP's up and down): the row shard's input order perm[K_r]
   (gptq_row_index) is not a contiguous range, so the column layer before it is cut by out_index instead:
@@ -130,23 +134,20 @@ class GPTQShard:
     qweight: torch.Tensor
     qzeros: torch.Tensor
     scales: torch.Tensor
-    g_idx: torch.Tensor | None      # column: the whole g_idx; row: None (rows sorted, plain k // group_size)
+    g_idx: torch.Tensor | None      # column: the whole g_idx; row: None when the rank has whole groups (rows
+    #                                 sorted, plain k // group_size), else each sorted row's group in qzeros/scales
     bias: torch.Tensor | None       # column: this rank's bias; row: None (added once after the reduce)
     in_index: torch.Tensor | slice | None  # row: the input columns this rank reads, in its order
 
 
-def _sort_perm(g_idx: torch.Tensor | None, k: int, group_size: int, rank: int, world: int):
-    """(perm or None) putting K in group order; refuses g_idx whose groups are not group_size rows each."""
-    if g_idx is None:
-        return None
-    plain = default_g_idx(k, group_size, g_idx.device)
-    if torch.equal(g_idx.to(plain.dtype), plain):
-        return None
+def _row_cut(g_idx: torch.Tensor | None, k: int, group_size: int, k0: int, k1: int):
+    """(perm or None, the groups of sorted rows k0..k1 as int32): perm is a stable argsort of g_idx putting K
+    in group order (None when g_idx is None or already k // group_size). The groups may be of any size."""
+    plain = default_g_idx(k, group_size, g_idx.device if g_idx is not None else None)
+    if g_idx is None or torch.equal(g_idx.to(plain.dtype), plain):
+        return None, plain[k0:k1]
     perm = torch.argsort(g_idx.long(), stable=True)
-    if not torch.equal(g_idx[perm].to(plain.dtype), plain):
-        raise ShardError(f"g_idx ({k},): cannot cut rank {rank} of {world} along K: its groups are not "
-                         f"{group_size} rows each, so sorted K does not split into whole groups")
-    return perm
+    return perm, g_idx[perm[k0:k1]].to(plain.dtype)
 
 
 def shard_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -185,16 +186,22 @@ def shard_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
         k0, k1 = _even("qweight", qweight.shape, f"K = {k}", k, rank, world_size, PACK, "qweight packs 8 rows")
         return GPTQShard(qweight[k0 // PACK:k1 // PACK].contiguous(), _whole(qzeros), _whole(scales), None, None,
                          slice(k0, k1))
-    k0, k1 = _even("qweight", qweight.shape, f"K = {k}", k, rank, world_size, group_size,
-                   f"a group of {group_size} rows would straddle two ranks")
-    perm = _sort_perm(g_idx, k, group_size, rank, world_size)
-    g0, g1 = k0 // group_size, k1 // group_size
+    k0, k1 = _even("qweight", qweight.shape, f"K = {k}", k, rank, world_size, PACK, "qweight packs 8 rows per int32")
+    perm, groups = _row_cut(g_idx, k, group_size, k0, k1)
     if perm is None:
         q, index = qweight[k0 // PACK:k1 // PACK].contiguous(), slice(k0, k1)
     else:
         rows = unpack_rows(_whole(qweight), bits)[perm[k0:k1]]
         q, index = pack_rows(rows.long(), bits), perm[k0:k1].clone()
-    return GPTQShard(q, qzeros[g0:g1].contiguous(), scales[g0:g1].contiguous(), None, None, index)
+    if k0 % group_size == 0 and k1 % group_size == 0 and torch.equal(
+            groups, torch.arange(k0, k1, device=groups.device, dtype=groups.dtype) // group_size):
+        g0, g1 = k0 // group_size, k1 // group_size  # whole groups: plain k // group_size in the shard
+        return GPTQShard(q, qzeros[g0:g1].contiguous(), scales[g0:g1].contiguous(), None, None, index)
+    # Groups of unequal size (a random g_idx) or one straddling two ranks: the rank gets the scale/zero rows
+    # of every group its rows touch (a straddling group's on both ranks) and its rows' groups re-indexed.
+    g0, g1 = (int(groups[0]), int(groups[-1]) + 1) if groups.numel() else (0, 0)
+    return GPTQShard(q, qzeros[g0:g1].contiguous(), scales[g0:g1].contiguous(), (groups - g0).to(torch.int32),
+                     None, index)
 
 
 # --- AWQ ------------------------------------------------------------------------------------------------
@@ -233,9 +240,8 @@ def gptq_row_index(g_idx: torch.Tensor | None, k: int, *, rank: int, world_size:
     """The input columns rank's row shard of a GPTQ layer reads, in order (shard_gptq's in_index), as a tensor:
     what the column-parallel layer before it should produce on this rank (shard_gptq out_index)."""
     _check_rank(rank, world_size, "row")
-    size = k if group_size == -1 else group_size
-    k0, k1 = _even("g_idx", (k,), f"K = {k}", k, rank, world_size, size if group_size != -1 else PACK,
-                   f"a group of {group_size} rows would straddle two ranks" if group_size != -1 else "")
-    perm = None if group_size == -1 else _sort_perm(None if g_idx is None else _whole(g_idx), k, group_size,
-                                                     rank, world_size)
+    k0, k1 = _even("g_idx", (k,), f"K = {k}", k, rank, world_size, PACK, "qweight packs 8 rows per int32")
+    if group_size == -1:
+        return torch.arange(k0, k1)
+    perm, _ = _row_cut(None if g_idx is None else _whole(g_idx), k, group_size, k0, k1)
     return torch.arange(k0, k1) if perm is None else perm[k0:k1].clone()
