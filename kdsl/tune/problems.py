@@ -1,8 +1,8 @@
 """GPU problems for the search: the bench's inputs and fp32 references bound to a generated kernel.
 
-Imported only on the run path (torch, triton, a CUDA GPU). A candidate is launched the way
-benchmarks/tile_sweep.py does it: the registry entry's module `launch` with the tile dict from
-kdsl.codegen.render.tile_params, so no definition has to change to try it; prepared GPTQ
+Imported only on the run path (torch, triton, a CUDA GPU). A candidate is launched through the
+registry entry's module `launch` with the tile dict from kdsl.codegen.render.tile_params (the
+implementation's options included), so no definition has to change to try it; prepared W4A16
 weights come from kdsl.ops.gptq_prepare for the entry's declared layout.
 """
 from __future__ import annotations
