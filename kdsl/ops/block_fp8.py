@@ -16,18 +16,16 @@ FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 DEFAULT_BLOCK = (128, 128)
 
 
-def _scheme(op: str, asked: str, **want) -> tuple[str, dict]:
-    """The served scheme of op whose manifest fields equal `want` (the first by name), as (name, fields).
-    None served: SchemeNotServedError naming `asked`, whichever path (kernels or fallback) would run."""
+def _scheme(op: str, argument: str, value, field: str, wanted) -> str:
+    """The served scheme of op whose manifest `field` equals `wanted` (the first by name); the call's
+    `argument = value` chose it. None served: SchemeNotServedError naming the argument, on every path. The
+    choice is memoized per (op, field, wanted): no formatting on the per-call path."""
     def find():
-        for name, fields in registry.scheme_fields(op).items():
-            if all(fields.get(key) == value for key, value in want.items()):
-                return name, fields
-        return None
-    found = registry.memo((op, tuple(sorted((k, str(v)) for k, v in want.items()))), find)
-    if found is None:
-        wanted = ", ".join(f"{key} = {value}" for key, value in want.items())
-        registry.require_scheme(op, f"block_fp8 with {wanted}", asked)  # raises, listing what is served
+        return next((name for name, fields in registry.scheme_fields(op).items() if fields.get(field) == wanted),
+                    None)
+    found = registry.memo((op, field, tuple(wanted) if isinstance(wanted, list) else wanted), find)
+    if found is None:  # raises, listing what is served
+        registry.require_scheme(op, f"block_fp8 with {field} = {wanted}", f"{argument} = {value}")
     return found
 
 
@@ -59,7 +57,7 @@ def _act_quant_outputs(x: torch.Tensor, group_size: int) -> tuple[str, torch.Ten
     k = x.shape[-1]
     if k % group_size:
         raise ValueError(f"x: last dimension K = {k} must be a multiple of group_size = {group_size}")
-    scheme, _ = _scheme("act_quant", f"group_size = {group_size}", act_group=group_size)
+    scheme = _scheme("act_quant", "group_size", group_size, "act_group", group_size)
     # new_empty, and no views where x is already [M, K] rows: on a slow host each torch call costs
     # microseconds, and a launch this short waits for them (docs/kernels.md, host time).
     q = x.new_empty(x.shape, dtype=FP8)
@@ -104,7 +102,7 @@ def weight_quant(w: torch.Tensor, block_size: tuple[int, int] = DEFAULT_BLOCK) -
 def _weight_quant_outputs(w: torch.Tensor, block_n: int, block_k: int) -> tuple[str, torch.Tensor, torch.Tensor]:
     check.tensor("w", w, FLOAT_INPUTS, ndim=2)
     block_n, block_k = _block("block_size", (block_n, block_k))
-    scheme, _ = _scheme("weight_quant", f"block_size = {(block_n, block_k)}", weight_block=[block_n, block_k])
+    scheme = _scheme("weight_quant", "block_size", (block_n, block_k), "weight_block", [block_n, block_k])
     n, k = w.shape
     q = torch.empty((n, k), dtype=FP8, device=w.device)
     s = torch.empty((-(-n // block_n), -(-k // block_k)), dtype=torch.float32, device=w.device)
@@ -141,7 +139,7 @@ def _weight_dequant_outputs(q: torch.Tensor, s: torch.Tensor, block_n: int, bloc
     check.tensor("s", s, (torch.float32,), ndim=2)
     block_n, block_k = _block("block_size", (block_n, block_k))
     check.out_dtype("out_dtype", out_dtype, FLOAT_INPUTS)
-    scheme, _ = _scheme("weight_dequant", f"block_size = {(block_n, block_k)}", weight_block=[block_n, block_k])
+    scheme = _scheme("weight_dequant", "block_size", (block_n, block_k), "weight_block", [block_n, block_k])
     n, k = q.shape
     check.shape("s", s, (-(-n // block_n), -(-k // block_k)), f"one scale per {block_n}x{block_k} block of q")
     check.same_device(q=q, s=s)
@@ -248,7 +246,7 @@ def fp8_bmm(
         c = torch.ops.kdsl.fp8_bmm(a, a_s, b, b_s, out_dtype)
         if out is None:
             return c
-        _fp8_bmm_check_out(out, c)
+        _fp8_bmm_check_out(out, out_dtype, tuple(c.shape), a)
         return out.copy_(c)
     return _fp8_bmm_impl(a, a_s, b, b_s, out_dtype, out)
 
@@ -281,21 +279,17 @@ def _fp8_bmm_outputs(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: t
     check.same_device(a=a, a_s=a_s, b=b, b_s=b_s)
     if out is None:
         return scheme, group, block_n, block_k, a.new_empty((batch, m, n), dtype=out_dtype)
-    check.tensor("out", out, (out_dtype,), ndim=3)
-    check.shape("out", out, (batch, m, n), "a's B and M, b's N")
-    if out.stride(2) != 1 and out.numel() > 0:
-        raise ValueError(f"out: expected unit stride along N (dimension 2), got strides {tuple(out.stride())}")
-    check.same_device(a=a, out=out)
+    _fp8_bmm_check_out(out, out_dtype, (batch, m, n), a)
     return scheme, group, block_n, block_k, out
 
 
-def _fp8_bmm_check_out(out: torch.Tensor, c: torch.Tensor) -> None:
-    """out's checks against the op's result (under torch.compile, where the op does not see out)."""
-    check.tensor("out", out, (c.dtype,), ndim=3)
-    check.shape("out", out, tuple(c.shape), "a's B and M, b's N")
+def _fp8_bmm_check_out(out: torch.Tensor, dtype: torch.dtype, shape: tuple, like: torch.Tensor) -> None:
+    """out's checks: eagerly against the arguments, under torch.compile against the op's result."""
+    check.tensor("out", out, (dtype,), ndim=3)
+    check.shape("out", out, shape, "a's B and M, b's N")
     if out.stride(2) != 1 and out.numel() > 0:
         raise ValueError(f"out: expected unit stride along N (dimension 2), got strides {tuple(out.stride())}")
-    check.same_device(c=c, out=out)
+    check.same_device(a=like, out=out)
 
 
 def _fp8_bmm_impl(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,

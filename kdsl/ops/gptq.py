@@ -52,7 +52,7 @@ def _gptq_gemm_outputs(x, qweight, qzeros, scales, g_idx, bits: int, group_size:
     scheme = _served_scheme("gptq_gemm", bits, group_size, checkpoint_format)
     check.tensor("x", x, ACTIVATIONS, min_ndim=1)
     k = x.shape[-1]
-    n = _checkpoint_shapes(qweight, qzeros, scales, g_idx, k, bits, group_size, values)[1]
+    n = checkpoint_shapes(qweight, qzeros, scales, g_idx, k, bits, group_size, values)[1]
     device = check.same_device(x=x, qweight=qweight, qzeros=qzeros, scales=scales, g_idx=g_idx)
     return scheme, torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=device)
 
@@ -91,7 +91,7 @@ def _gptq_dequant_outputs(qweight, qzeros, scales, g_idx, bits: int, group_size:
                           values: bool = True) -> tuple[str, torch.Tensor]:
     """gptq_dequant's checks and empty output; values as in _gptq_gemm_outputs."""
     scheme = _served_scheme("gptq_dequant", bits, group_size, checkpoint_format)
-    k, n, _ = _checkpoint_shapes(qweight, qzeros, scales, g_idx, None, bits, group_size, values)
+    k, n, _ = checkpoint_shapes(qweight, qzeros, scales, g_idx, None, bits, group_size, values)
     device = check.same_device(qweight=qweight, qzeros=qzeros, scales=scales, g_idx=g_idx)
     return scheme, torch.empty((n, k), dtype=scales.dtype, device=device)
 
@@ -112,17 +112,6 @@ def _gptq_dequant_impl(qweight, qzeros, scales, g_idx, bits: int, group_size: in
     entry.launch(qweight.contiguous(), qzeros.contiguous(), scales.contiguous(),
                  None if g_idx is None else g_idx.contiguous(), w, entry.tile_for(n))
     return w
-
-
-def _checkpoint_shapes(qweight, qzeros, scales, g_idx, k, bits: int, group_size: int, values: bool):
-    """checkpoint_shapes; values=False leaves out the one data-dependent check, g_idx's range."""
-    if values:
-        return checkpoint_shapes(qweight, qzeros, scales, g_idx, k, bits, group_size)
-    shapes = checkpoint_shapes(qweight, qzeros, scales, None, k, bits, group_size)
-    if g_idx is not None:
-        check.tensor("g_idx", g_idx, (torch.int32,), ndim=1)
-        check.shape("g_idx", g_idx, (shapes[0],), "the group of each of the K input rows")
-    return shapes
 
 
 def gptq_prepare(

@@ -26,8 +26,10 @@ def scheme_args(bits, group_size, checkpoint_format) -> None:
         raise ValueError(f"checkpoint_format: expected 'gptq' or 'gptq_v2', got {checkpoint_format!r}")
 
 
-def checkpoint_shapes(qweight, qzeros, scales, g_idx, k: int | None, bits: int, group_size: int) -> tuple[int, int, int]:
-    """Check the checkpoint tensors against each other (and K when known); returns (K, N, G)."""
+def checkpoint_shapes(qweight, qzeros, scales, g_idx, k: int | None, bits: int, group_size: int,
+                      values: bool = True) -> tuple[int, int, int]:
+    """Check the checkpoint tensors against each other (and K when known); returns (K, N, G).
+    values=False (the fake kernels under torch.compile, which have no data) leaves out g_idx's range."""
     pack = 32 // bits
     check.tensor("qweight", qweight, (torch.int32,), ndim=2)
     check.tensor("qzeros", qzeros, (torch.int32,), ndim=2)
@@ -47,7 +49,7 @@ def checkpoint_shapes(qweight, qzeros, scales, g_idx, k: int | None, bits: int, 
     if g_idx is not None:
         check.tensor("g_idx", g_idx, (torch.int32,), ndim=1)
         check.shape("g_idx", g_idx, (k,), "the group of each of the K input rows")
-        if k and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+        if values and k and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
             # Out-of-range groups would read past scales and qzeros; refuse before launch.
             raise ValueError(f"g_idx: values must lie in [0, {groups}), got [{int(g_idx.min())}, {int(g_idx.max())}]")
     return k, n, groups

@@ -18,8 +18,8 @@ from kdsl.naming import w4a16_scheme_name
 from kdsl.ops import _checks as check
 from kdsl.ops import fallback
 from kdsl.ops.gptq_checkpoint import ACTIVATIONS, default_g_idx, pack_rows, unpack_zeros
-from kdsl.runtime import registry
 from kdsl.packing import PLANE_ROWS, PLANE_TILE_K, PLANE_TILE_N
+from kdsl.runtime import registry
 
 PREPARED_OP = "w4a16_gemm"
 
