@@ -3,7 +3,7 @@
 # kernel: act_quant__e4m3_w128x128_a128_f32__rowwise_sm89 (act_quant/rowwise: per-token, per-group amax scaling to e4m3)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 37eb3cf6250065e6 (sha256 of this kernel's scheme, variant and templates)
+# digest: c3eec3b9ca8c06e8 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -119,7 +119,7 @@ def act_quant__e4m3_w128x128_a128_f32__rowwise_sm89(x_ptr, q_ptr, s_ptr, M, K, s
 # Tiles per M bucket, from the definition: (largest M served or None for the rest,
 # smallest N served or None, launch parameters); the first that serves (M, N) is used.
 TILES = (
-    (None, None, {'BLOCK_M': 8, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 2, 'num_stages': 3}),
+    (None, None, {'impl': 'rowwise', 'BLOCK_M': 8, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 2, 'num_stages': 3}),
 )
 
 

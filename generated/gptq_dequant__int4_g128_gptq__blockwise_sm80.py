@@ -3,7 +3,7 @@
 # kernel: gptq_dequant__int4_g128_gptq__blockwise_sm80 (gptq_dequant/blockwise: unpack int4 checkpoint tensors to [N, K])
 # scheme: gptq.int4.g128.gptq
 # arch: sm_80 and up
-# digest: 228da6df83a6de5b (sha256 of this kernel's scheme, variant and templates)
+# digest: 17833687ef34508f (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -69,7 +69,7 @@ def gptq_dequant__int4_g128_gptq__blockwise_sm80(
 # Tiles per M bucket, from the definition: (largest M served or None for the rest,
 # smallest N served or None, launch parameters); the first that serves (M, N) is used.
 TILES = (
-    (None, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3}),
+    (None, None, {'impl': 'blockwise', 'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3}),
 )
 
 

@@ -3,7 +3,7 @@
 # kernel: gptq_dequant__int4_g32_gptq_v2__blockwise_sm80 (gptq_dequant/blockwise: unpack int4 checkpoint tensors to [N, K])
 # scheme: gptq.int4.g32.gptq_v2
 # arch: sm_80 and up
-# digest: 215c32bdf2a76fce (sha256 of this kernel's scheme, variant and templates)
+# digest: 422b9de871448823 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -69,7 +69,7 @@ def gptq_dequant__int4_g32_gptq_v2__blockwise_sm80(
 # Tiles per M bucket, from the definition: (largest M served or None for the rest,
 # smallest N served or None, launch parameters); the first that serves (M, N) is used.
 TILES = (
-    (None, None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3}),
+    (None, None, {'impl': 'blockwise', 'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3}),
 )
 
 

@@ -3,7 +3,7 @@
 # kernel: gptq_gemm__int4_g64_gptq_v2__splitk_sm80 (gptq_gemm/splitk: W4A16: unpack int4 in registers, fp16/bf16 tensor-core dot, optional split-K with atomics)
 # scheme: gptq.int4.g64.gptq_v2
 # arch: sm_80 and up
-# digest: 640f775e8d957585 (sha256 of this kernel's scheme, variant and templates)
+# digest: a35ebd3b69765dc6 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -113,9 +113,9 @@ def gptq_gemm__int4_g64_gptq_v2__splitk_sm80(
 # Tiles per M bucket, from the definition: (largest M served or None for the rest,
 # smallest N served or None, launch parameters); the first that serves (M, N) is used.
 TILES = (
-    (16, None, {'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 3}),
-    (64, None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 2, 'num_warps': 8, 'num_stages': 3}),
-    (None, None, {'BLOCK_M': 128, 'BLOCK_N': 64, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3}),
+    (16, None, {'impl': 'splitk', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 3}),
+    (64, None, {'impl': 'splitk', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 2, 'num_warps': 8, 'num_stages': 3}),
+    (None, None, {'impl': 'splitk', 'BLOCK_M': 128, 'BLOCK_N': 64, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3}),
 )
 
 

@@ -3,7 +3,7 @@
 # kernel: gptq_gemm__int4_gall_gptq__splitk_sm80 (gptq_gemm/splitk: W4A16: unpack int4 in registers, fp16/bf16 tensor-core dot, optional split-K with atomics)
 # scheme: gptq.int4.gall.gptq
 # arch: sm_80 and up
-# digest: 919db41afe0265c5 (sha256 of this kernel's scheme, variant and templates)
+# digest: 6763ee2ebf652f80 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -113,9 +113,9 @@ def gptq_gemm__int4_gall_gptq__splitk_sm80(
 # Tiles per M bucket, from the definition: (largest M served or None for the rest,
 # smallest N served or None, launch parameters); the first that serves (M, N) is used.
 TILES = (
-    (16, None, {'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 3}),
-    (64, None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 2, 'num_warps': 8, 'num_stages': 3}),
-    (None, None, {'BLOCK_M': 128, 'BLOCK_N': 64, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3}),
+    (16, None, {'impl': 'splitk', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 3}),
+    (64, None, {'impl': 'splitk', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 2, 'num_warps': 8, 'num_stages': 3}),
+    (None, None, {'impl': 'splitk', 'BLOCK_M': 128, 'BLOCK_N': 64, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3}),
 )
 
 

@@ -3,7 +3,7 @@
 # kernel: weight_dequant__e4m3_w128x128_a128_f32__blockwise_sm89 (weight_dequant/blockwise: one program per weight block, fp8 x scale)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 4de10408ec9a288b (sha256 of this kernel's scheme, variant and templates)
+# digest: b4b9506e6f753b11 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -30,7 +30,7 @@ def weight_dequant__e4m3_w128x128_a128_f32__blockwise_sm89(q_ptr, s_ptr, w_ptr, 
 # Tiles per M bucket, from the definition: (largest M served or None for the rest,
 # smallest N served or None, launch parameters); the first that serves (M, N) is used.
 TILES = (
-    (None, None, {'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 8, 'num_stages': 3}),
+    (None, None, {'impl': 'blockwise', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 8, 'num_stages': 3}),
 )
 
 

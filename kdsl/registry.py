@@ -1,5 +1,6 @@
 """Public face of the kernel registry: `kdsl.registry.select(...)`, `explain(...)`, `add_generated(...)`."""
 from kdsl.runtime.registry import (  # noqa: F401
+    Call,
     DISABLE_ENV,
     FORCE_ARCH_ENV,
     GENERATED_ENV,

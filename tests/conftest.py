@@ -61,15 +61,16 @@ def repo_root() -> Path:
 
 @pytest.fixture
 def launched(monkeypatch):
-    """Record the name of every generated kernel the ops launch (wraps each module's launch)."""
+    """Record the name of every generated module the ops launch (wraps each module's launch)."""
     names: list[str] = []
     for entry in kdsl.registry.entries():
-        module = entry.load()
-        original = getattr(module, entry.function)
+        for kernel_module in entry.modules.values():
+            module = kernel_module.load()
+            original = getattr(module, kernel_module.function)
 
-        def spy(*args, _original=original, _name=entry.name, **kwargs):
-            names.append(_name)
-            return _original(*args, **kwargs)
+            def spy(*args, _original=original, _name=kernel_module.path.stem, **kwargs):
+                names.append(_name)
+                return _original(*args, **kwargs)
 
-        monkeypatch.setattr(module, entry.function, spy)
+            monkeypatch.setattr(module, kernel_module.function, spy)
     return names

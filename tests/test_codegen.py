@@ -126,7 +126,8 @@ def test_generate_repairs_a_stale_folder(repo_root, rendered, tmp_path):
 
 def test_every_module_has_the_header(rendered):
     manifest = json.loads((rendered / "manifest.json").read_text(encoding="utf-8"))
-    by_module = {entry["module"]: entry for entry in manifest["kernels"]}
+    by_module = {module["module"]: module | {"source": entry["source"]}
+                 for entry in manifest["kernels"] for module in entry["modules"]}
     modules = sorted(rendered.glob("*.py"))
     assert modules
     for module in modules:
@@ -146,17 +147,24 @@ def test_every_module_has_the_header(rendered):
 def test_manifest_entries(rendered):
     manifest = json.loads((rendered / "manifest.json").read_text(encoding="utf-8"))
     kernels = manifest["kernels"]
-    required = {"op", "scheme", "min_arch", "max_arch", "tiles", "module", "function", "name"}
+    required = {"op", "scheme", "min_arch", "max_arch", "tiles", "modules", "name"}
     names = [entry["name"] for entry in kernels]
     assert len(names) == len(set(names))
     for entry in kernels:
         assert required <= set(entry), entry.get("name")
-        assert (rendered / entry["module"]).is_file()
+        assert all((rendered / module["module"]).is_file() for module in entry["modules"])
+        # One module per implementation the tiles name, the variant's own first, named after it.
+        assert [m["impl"] for m in entry["modules"]][0] == entry["impl"]
+        assert {m["impl"] for m in entry["modules"]} == {entry["impl"]} | {t["impl"] for t in entry["tiles"]}
+        assert entry["modules"][0]["module"] == entry["name"] + ".py"
         assert entry["max_arch"] is None or entry["max_arch"] >= entry["min_arch"]
         assert entry["tiles"], entry["name"]
         assert entry["tiles"][-1]["m_max"] is None and entry["tiles"][-1]["n_min"] is None
         # One tile per M bucket serves every N: it closes the bucket.
-        closing = [t for t, after in zip(entry["tiles"], entry["tiles"][1:]) if after["m_max"] != t["m_max"]]
+        # (An alternative tile, with the m_max and n_min of the one before it, counts as that one.)
+        tiles = [t for i, t in enumerate(entry["tiles"])
+                 if i == 0 or (t["m_max"], t["n_min"]) != (entry["tiles"][i - 1]["m_max"], entry["tiles"][i - 1]["n_min"])]
+        closing = [t for t, after in zip(tiles, tiles[1:]) if after["m_max"] != t["m_max"]]
         assert all(t["n_min"] is None for t in closing)
         bounds = [t["m_max"] for t in closing]
         assert bounds == sorted(bounds) and len(set(bounds)) == len(bounds) and None not in bounds
@@ -172,7 +180,7 @@ def test_manifest_entries(rendered):
     assert (tma["min_arch"], tma["max_arch"]) == (90, 90)
     assert {e["op"] for e in fp8} == {"act_quant", "weight_quant", "weight_dequant", "fp8_gemm", "fp8_bmm"}
     # Every module on disk is in the manifest.
-    assert {p.name for p in rendered.glob("*.py")} == {e["module"] for e in kernels}
+    assert {p.name for p in rendered.glob("*.py")} == {m["module"] for e in kernels for m in e["modules"]}
 
 
 BAD_DEFINITION = """

@@ -87,6 +87,12 @@ FP8_GEMM_DESCRIPTORS = {"a_desc": "tensordesc<fp8e4nv[{BLOCK_M}, {BLOCK_K}]>",
 GEMM_BLOCKS = {"BLOCK_M": "BLOCK_M", "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K", "GROUP_M": "GROUP_M",
                "N_MAJOR": lambda tile: tile["tile_order"] == "n_major"}
 
+# The prepared W4A16 kernels' pointer and integer arguments ("{out}" is the activation dtype).
+W4A16_ARGS = {"x_ptr": "*{out}", "perm_ptr": "*i32", "qw_ptr": "*i32", "z_ptr": "*{out}", "s_ptr": "*{out}",
+              "g_ptr": "*i32", "y_ptr": "*{out}", "ws_ptr": F32, "count_ptr": "*i32",
+              "M": I32, "N": I32, "K": I32,
+              "stride_xm": I32, "stride_qwk": I32, "stride_zg": I32, "stride_sg": I32, "stride_ym": I32}
+
 SIGNATURES: dict[tuple[str, str], KernelSignature] = {
     ("act_quant", "rowwise"): KernelSignature(
         args={"x_ptr": "*bf16", "q_ptr": FP8, "s_ptr": F32, "M": I32, "K": I32, "stride_xm": I32},
@@ -141,28 +147,60 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
         options=("num_warps", "num_stages"),
         out_types=("fp16", "bf16"),
     ),
-    # Prepared GPTQ: act-order resolved (HAS_PERM, groups contiguous) with the GPU's asm unpack;
+    # Prepared W4A16: act-order resolved (HAS_PERM, groups contiguous) with the GPU's asm unpack;
     # split-K of at least 2 so the in-kernel reduction is in the compiled code.
-    ("w4a16_gemm", "splitk"): KernelSignature(
-        args={"x_ptr": "*{out}", "perm_ptr": "*i32", "qw_ptr": "*i32", "z_ptr": "*{out}", "s_ptr": "*{out}",
-              "g_ptr": "*i32", "y_ptr": "*{out}", "ws_ptr": F32, "count_ptr": "*i32",
-              "M": I32, "N": I32, "K": I32,
-              "stride_xm": I32, "stride_qwk": I32, "stride_zg": I32, "stride_sg": I32, "stride_ym": I32},
+    ("w4a16_gemm", "mma"): KernelSignature(
+        args=W4A16_ARGS,
+        constexprs={"HAS_PERM": lambda tile: True, "UNIFORM_GROUP": lambda tile: True,
+                    "BLOCK_M": "BLOCK_M", "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K", "GROUP_M": "GROUP_M",
+                    "SPLIT_K": lambda tile: max(tile["SPLIT_K"], 2),
+                    "MAGIC_BITS": lambda tile: 0x6400, "MAGIC_BIAS": lambda tile: 1024,
+                    "FP32_MATH": lambda tile: False, "ASM_DEQUANT": lambda tile: True},
+        options=("num_warps", "num_stages"),
+        out_types=("fp16", "bf16"),
+    ),
+    ("w4a16_gemm", "planes_mma"): KernelSignature(
+        args={name: kind for name, kind in W4A16_ARGS.items() if name != "stride_qwk"},
         constexprs={"HAS_PERM": lambda tile: True, "UNIFORM_GROUP": lambda tile: True,
                     "WORD_GROUPS": lambda tile: True,
-                    "BLOCK_M": "BLOCK_M", "BLOCK_N": "BLOCK_N", "GROUP_M": "GROUP_M",
-                    # As the launcher: the bf16 GEMV steps one 128-row plane tile at a time.
-                    "BLOCK_K": lambda tile: (min(tile["BLOCK_K"], 128) if tile["BLOCK_M"] == 1 and tile["out"] != "fp16"
-                                             else tile["BLOCK_K"]),
+                    "BLOCK_M": "BLOCK_M", "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K", "GROUP_M": "GROUP_M",
                     "SPLIT_K": lambda tile: max(tile["SPLIT_K"], 2),
                     "MAGIC_BITS": lambda tile: 0x6400, "MAGIC_BIAS": lambda tile: 1024,
                     "FP32_MATH": lambda tile: False, "ASM_DEQUANT": lambda tile: True,
-                    "HALF2_DOT": lambda tile: tile["BLOCK_M"] == 1 and tile["out"] == "fp16",
-                    "SCALE_AFTER": lambda tile: tile["BLOCK_M"] <= 16,
-                    # The k_planes fp16 GEMV unrolls over a compile-time K: one of the bench's.
-                    "GEMV_K": lambda tile: 4096 if tile["BLOCK_M"] == 1 and tile["out"] == "fp16" else 0},
+                    "SCALE_AFTER": lambda tile: tile["BLOCK_M"] <= 16},
         options=("num_warps", "num_stages"),
         out_types=("fp16", "bf16"),
+    ),
+    # The CUDA-core GEMV: packed half2 dots for fp16 checkpoint-order words, as its launcher picks.
+    ("w4a16_gemm", "gemv"): KernelSignature(
+        args=W4A16_ARGS,
+        constexprs={"HAS_PERM": lambda tile: True, "UNIFORM_GROUP": lambda tile: True,
+                    "WORD_GROUPS": lambda tile: tile["weights"] != "k_planes",
+                    "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K", "SPLIT_K": lambda tile: max(tile["SPLIT_K"], 2),
+                    "MAGIC_BIAS": lambda tile: 1024, "FP32_MATH": lambda tile: False,
+                    "HALF2_DOT": lambda tile: tile["out"] == "fp16" and tile["weights"] != "k_planes"},
+        options=("num_warps", "num_stages"),
+        out_types=("fp16", "bf16"),
+    ),
+    # x, the k_planes words (PLANE_ROWS = 16 per column) and the (scale, zero) pairs come by TMA.
+    ("w4a16_gemm", "overlap_gluon"): KernelSignature(
+        args={"x_desc": "tensordesc<{out}[{BLOCK_M}, {BLOCK_K}]>", "w_desc": "tensordesc<i32[{BLOCK_N}, 16]>",
+              "p_desc": "tensordesc<i32[1, {BLOCK_N}]>", "y_ptr": "*{out}", "ws_ptr": F32, "count_ptr": "*i32",
+              "M": I32, "N": I32, "K": I32, "stride_ym": I32},
+        constexprs={"GROUP_M": "GROUP_M", "SPLIT_K": lambda tile: max(tile["SPLIT_K"], 2),
+                    "NUM_STAGES": "num_stages", "num_warps": "num_warps"},
+        out_types=("fp16", "bf16"),
+        gluon=True,
+    ),
+    ("w4a16_gemm", "gemv_mma_gluon"): KernelSignature(
+        args={"x_ptr": "*{out}", "perm_ptr": "*i32", "w_ptr": "*i32", "p_ptr": "*i32", "y_ptr": "*{out}",
+              "M": I32, "N": I32, "stride_xm": I32, "stride_pg": I32, "stride_ym": I32},
+        # K unrolls at compile time: one that is not a whole number of plane tiles, so the masks past K and
+        # past the last warp's tiles are in the code, with act-order's gather of x.
+        constexprs={"K": lambda tile: 4160, "CHUNK_TILES": lambda tile: tile["BLOCK_K"] // 128,
+                    "HAS_PERM": lambda tile: True, "num_warps": "num_warps"},
+        out_types=("fp16", "bf16"),
+        gluon=True,
     ),
     ("gptq_dequant", "blockwise"): KernelSignature(
         args={"qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*{out}", "g_ptr": "*i32", "w_ptr": "*{out}",
@@ -210,36 +248,20 @@ GLUON_KERNELS: dict[tuple[str, str], tuple[GluonKernel, ...]] = {
         out_types=("bf16", "fp16", "fp32"),
         gluon=True,
     )),),
-    # x, the k_planes words (PLANE_ROWS = 16 per column) and the (scale, zero) pairs come by TMA.
-    ("w4a16_gemm", "splitk"): (GluonKernel("overlap_dequant", "overlap", KernelSignature(
-        args={"x_desc": "tensordesc<{out}[{BLOCK_M}, {BLOCK_K}]>", "w_desc": "tensordesc<i32[{BLOCK_N}, 16]>",
-              "p_desc": "tensordesc<i32[1, {BLOCK_N}]>", "y_ptr": "*{out}", "ws_ptr": F32, "count_ptr": "*i32",
-              "M": I32, "N": I32, "K": I32, "stride_ym": I32},
-        constexprs={"GROUP_M": "GROUP_M", "SPLIT_K": lambda tile: max(tile["SPLIT_K"], 2),
-                    "NUM_STAGES": "num_stages", "num_warps": "num_warps"},
-        out_types=("fp16", "bf16"),
-        gluon=True,
-    )), GluonKernel("mma_gemv", "gemv_mma", KernelSignature(
-        args={"x_ptr": "*{out}", "perm_ptr": "*i32", "w_ptr": "*i32", "p_ptr": "*i32", "y_ptr": "*{out}",
-              "M": I32, "N": I32, "stride_xm": I32, "stride_pg": I32, "stride_ym": I32},
-        # K unrolls at compile time: one that is not a whole number of plane tiles, so the masks past K and
-        # past the last warp's tiles are in the code, with act-order's gather of x.
-        constexprs={"K": lambda tile: 4160, "CHUNK_TILES": lambda tile: tile["BLOCK_K"] // 128,
-                    "HAS_PERM": lambda tile: True, "num_warps": "num_warps"},
-        out_types=("fp16", "bf16"),
-        gluon=True,
-    ))),
 }
 
 
-def signature_of(entry: KernelEntry, tile: dict) -> tuple[KernelSignature, str]:
-    """(signature, kernel function name) that launch() uses for this tile."""
-    if tile["BLOCK_M"] == 1 and (entry.op, entry.impl) in GEMV_SIGNATURES:
-        return GEMV_SIGNATURES[(entry.op, entry.impl)], f"{entry.name}_gemv"
-    for gluon in GLUON_KERNELS.get((entry.op, entry.impl), ()):
+def signature_of(entry: KernelEntry, tile: dict) -> tuple[KernelSignature, str, Path]:
+    """(signature, kernel function name, module path) that launch() uses for this tile."""
+    impl = tile["impl"]
+    module = entry.modules[impl]
+    name = module.path.stem
+    if tile["BLOCK_M"] == 1 and (entry.op, impl) in GEMV_SIGNATURES:
+        return GEMV_SIGNATURES[(entry.op, impl)], f"{name}_gemv", module.path
+    for gluon in GLUON_KERNELS.get((entry.op, impl), ()):
         if tile.get(gluon.knob):
-            return gluon.signature, f"{entry.name}_{gluon.suffix}"
-    return SIGNATURES[(entry.op, entry.impl)], entry.name
+            return gluon.signature, f"{name}_{gluon.suffix}", module.path
+    return SIGNATURES[(entry.op, impl)], name, module.path
 
 
 def pointer_attrs(signature: dict, arg_names: list[str], aligned_ints: tuple[str, ...] = ()) -> dict:
@@ -260,10 +282,6 @@ EXTRA_TILES: dict[str, dict] = {
     # The block-FP8 GEMV (block_m = 1): measured, then not picked for M = 1 (kernel_defs/block_fp8.toml).
     "fp8-gemv": tile_params(Tile(block_m=1, block_n=64, block_k=256, split_k=8),
                             find_impl("fp8_gemm", "tma_persistent")),
-    # The Triton GEMV of prepared GPTQ weights: mma_gemv tiles fall back to it off the GPU's fast path
-    # (groups that change inside a plane tile, more than 8 rows), and definitions without the knob take it.
-    "gptq-gemv": tile_params(Tile(block_m=1, block_n=16, block_k=2048, num_warps=4),
-                             find_impl("w4a16_gemm", "splitk")),
 }
 
 
@@ -285,19 +303,18 @@ class Job:
         return f"{self.entry}-sm{self.cc}-tile{self.tile}-{self.out}"
 
 
-def jit_kernel(entry: KernelEntry, function: str | None = None):
-    """The entry's @triton.jit kernel (or `function` of its module), from a fresh import of its module
-    (worker process only)."""
+def jit_kernel(path: Path, function: str):
+    """The @triton.jit `function` of the generated module at path, from a fresh import of it (worker
+    process only)."""
     import triton
 
-    name = f"kdsl_compile_matrix.{entry.name}"
+    name = f"kdsl_compile_matrix.{path.stem}"
     module = sys.modules.get(name)
     if module is None:
-        spec = importlib.util.spec_from_file_location(name, entry.module_path)
+        spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
-    function = function or entry.name
     kernel = getattr(module, function)
     assert isinstance(kernel, triton.runtime.JITFunction), f"{function} is not a JIT function: {type(kernel)}"
     return kernel
@@ -311,15 +328,16 @@ def compile_job(job: Job):
 
     entry = ENTRIES[job.entry]
     tile = job.params
-    spec, function = signature_of(entry, tile)
-    kernel = jit_kernel(entry, function)
-    signature, constexprs, options = spec.build(tile, job.out)
+    spec, function, path = signature_of(entry, tile)
+    kernel = jit_kernel(path, function)
+    # Signatures may read the prepared layout's weights order (the GEMV's packed half2 dot).
+    signature, constexprs, options = spec.build({**tile, "weights": (entry.layout or {}).get("weights")}, job.out)
     params = list(kernel.arg_names)
     missing = [p for p in params if p not in signature]
     extra = [p for p in signature if p not in params]
     if missing or extra:
         raise AssertionError(
-            f"the signature of {function} is out of date with {entry.module_path.name}: "
+            f"the signature of {function} is out of date with {path.name}: "
             f"kernel parameters not described {missing}, described but not parameters {extra}"
         )
     signature = {p: signature[p] for p in params}  # in parameter order
@@ -405,8 +423,9 @@ def archs_of(entry: KernelEntry) -> list[int]:
 def _matrix():
     """Every entry x every arch it claims x every tile bucket (one skipped param per entry without a signature)."""
     for entry in ENTRIES.values():
-        if (entry.op, entry.impl) not in SIGNATURES:
-            reason = f"no signature for {entry.op}/{entry.impl}: add a row to SIGNATURES in tests/test_compile_matrix.py"
+        unsigned = sorted(impl for impl in entry.modules if (entry.op, impl) not in SIGNATURES)
+        if unsigned:
+            reason = f"no signature for {entry.op}/{unsigned}: add rows to SIGNATURES in tests/test_compile_matrix.py"
             yield pytest.param(Job(entry.name, 0, 0), id=f"{entry.name}-no-signature", marks=pytest.mark.skip(reason=reason))
             continue
         if entry.scheme.startswith(("gptq.", "w4a16.")) and entry.scheme not in FULL_GPTQ_SCHEMES:
@@ -477,7 +496,7 @@ def test_compiles(job, compiled):
 
 def test_every_block_fp8_entry_has_a_signature():
     fp8 = [e for e in ENTRIES.values() if e.scheme.startswith("block_fp8.")]
-    missing = sorted({(e.op, e.impl) for e in fp8} - set(SIGNATURES))
+    missing = sorted({(e.op, impl) for e in fp8 for impl in e.modules} - set(SIGNATURES))
     assert not missing, f"add rows to SIGNATURES for {missing}"
     for entry in fp8:
         assert archs_of(entry), f"{entry.name} claims no arch the matrix compiles for"
@@ -512,7 +531,7 @@ def test_deferred_rescale_keeps_one_wgmma_in_flight(job, compiled):
 
 GPTQ_HOPPER = next(e for e in ENTRIES.values()
                    if e.op == "w4a16_gemm" and e.scheme == "w4a16.int4.g128" and e.min_arch == 90)
-OVERLAP = [i for i, tile in enumerate(GPTQ_HOPPER.tiles) if tile.params["overlap_dequant"]]
+OVERLAP = [i for i, tile in enumerate(GPTQ_HOPPER.tiles) if tile.params["impl"] == "overlap_gluon"]
 
 
 @pytest.mark.parametrize("job", [Job(GPTQ_HOPPER.name, 90, i, out) for i in OVERLAP for out in ("fp16", "bf16")],
@@ -529,7 +548,8 @@ def test_overlap_dequant_keeps_one_wgmma_in_flight(job, compiled):
     assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
 
 
-MMA_GEMV = [i for i, tile in enumerate(GPTQ_HOPPER.tiles) if tile.params["mma_gemv"]]
+MMA_GEMV = [i for i, tile in enumerate(GPTQ_HOPPER.tiles) if tile.params["impl"] == "gemv_mma_gluon"]
+TRITON_GEMV = [i for i, tile in enumerate(GPTQ_HOPPER.tiles) if tile.params["impl"] == "gemv"]
 
 
 @pytest.mark.parametrize("job", [Job(GPTQ_HOPPER.name, 90, i, out) for i in MMA_GEMV for out in ("fp16", "bf16")],
@@ -544,10 +564,10 @@ def test_mma_gemv_feeds_mma_sync_from_16_byte_loads(job, compiled):
     assert re.search(r"ld\.global\S*\.v4\.b32", ptx), "words are not loaded 16 bytes at a time"
 
 
-@pytest.mark.parametrize("job", [Job(GPTQ_HOPPER.name, 90, "gptq-gemv", out) for out in ("fp16", "bf16")],
-                         ids=["fp16", "bf16"])
+@pytest.mark.parametrize("job", [Job(GPTQ_HOPPER.name, 90, i, out) for i in TRITON_GEMV for out in ("fp16", "bf16")],
+                         ids=[f"tile{i}-{out}" for i in TRITON_GEMV for out in ("fp16", "bf16")])
 def test_prepared_triton_gemv_compiles(job, compiled):
-    """The Triton GEMV these tiles fall back to: CUDA cores only."""
+    """The Triton GEMV, the mma.sync GEMV's alternative: CUDA cores only."""
     ptx = ptx_of(compiled, job)
     assert "wgmma" not in ptx and "mma.sync" not in ptx
 

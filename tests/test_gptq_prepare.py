@@ -10,13 +10,15 @@ Both weight layouts run: "checkpoint" (the sm_80 variant, which the interpreter 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import kdsl
 import reference_gptq as ref
 from kdsl.codegen.render import tile_params
-from kdsl.kernels.w4a16.splitk import IMPL as W4A16_IMPL
+from kdsl.kernels.w4a16.gemv import IMPL as GEMV_IMPL
 from kdsl.ops import gptq_prepare
 from conftest import REPO_ROOT
 from kdsl.ops.gptq_checkpoint import unpack_zeros
@@ -94,8 +96,8 @@ def test_prepared_gemm_matches_reference_and_raw(fmt, group_size, g_idx, m, weig
     assert ref.rel_fro_error(y, raw.float()) < TOL
 
 
-def _tile(block_m, block_n, block_k, split_k):
-    return tile_params(Tile(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k, num_stages=1), W4A16_IMPL)
+def _gemv_tile(block_n, block_k, split_k):
+    return tile_params(Tile(block_m=1, block_n=block_n, block_k=block_k, split_k=split_k, num_stages=1), GEMV_IMPL)
 
 
 @pytest.mark.parametrize("group_size, g_idx, block_k", [
@@ -108,7 +110,7 @@ def _tile(block_m, block_n, block_k, split_k):
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gemv_tile_over_many_k_blocks(group_size, g_idx, block_k, split_k, dtype):
-    """block_m = 1 selects the GEMV; K = 640 spans several blocks (the last one partial for
+    """The GEMV implementation (block_m = 1); K = 640 spans several blocks (the last one partial for
     block_k 128 and 256), and an uneven split leaves some programs a shorter run."""
     k, n = 640, 72  # N not a multiple of block_n: wrapped columns must not be stored
     ck = ref.make_checkpoint(k, n, group_size=group_size, checkpoint_format="gptq", g_idx=g_idx, scale_dtype=dtype)
@@ -117,7 +119,7 @@ def test_gemv_tile_over_many_k_blocks(group_size, g_idx, block_k, split_k, dtype
     entry = kdsl.registry.select("w4a16_gemm", prepared.scheme, arch="sm_89")
     y = torch.full((1, n), float("nan"), dtype=dtype)
     entry.launch(x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
-                 prepared.contiguous_groups, y, _tile(1, 64, block_k, split_k))
+                 prepared.contiguous_groups, y, _gemv_tile(64, block_k, split_k))
     assert ref.rel_fro_error(y, _ref(x, ck, group_size, "gptq")) < TOL
 
 
@@ -157,21 +159,27 @@ def test_planes_layout_ragged_shapes(k, n, group_size, g_idx, m, weights_layout)
 @pytest.mark.parametrize("g_idx", ["none", "perm"])
 @pytest.mark.parametrize("weights_layout", ["k_planes"], indirect=True)
 def test_every_planes_tile_matches_reference(g_idx, weights_layout):
-    """Each tile of the Hopper variant, the N-conditioned ones included (the bench's N would be
-    too slow here), launched directly at an M inside its bucket on a small problem: K ends
+    """Each tile of the Hopper variant that runs on the CPU, the N-conditioned ones included (the bench's N
+    would be too slow here), launched directly at an M inside its bucket on a small problem: K ends
     mid-tile, N mid-tile, and M inside the 256-row tile."""
     k, n = 384, 136
     ck = ref.make_checkpoint(k, n, group_size=128, checkpoint_format="gptq", g_idx=g_idx)
     prepared = _prepare(ck, 128, "gptq")
     entry = kdsl.registry.select("w4a16_gemm", prepared.scheme)
     assert any(bucket.n_min is not None for bucket in entry.tiles)
+    ran = set()
     for bucket in entry.tiles:
         m = bucket.m_max if bucket.m_max is not None else 70
+        cpu_call = kdsl.registry.Call(m=m, n=n, device_type="cpu", act_order=prepared.perm is not None)
+        if entry.refusal_reason(bucket.params, cpu_call) is not None:
+            continue  # a Gluon kernel (GPU only): its alternative, the next tile, runs here
+        ran.add(bucket.params["impl"])
         x = torch.randn(m, k).half()
         y = torch.full((m, n), float("nan"), dtype=torch.float16)
         entry.launch(x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
                      prepared.contiguous_groups, y, bucket.params)
         assert ref.rel_fro_error(y, _ref(x, ck, 128, "gptq")) < TOL, bucket
+    assert ran == {"gemv", "planes_mma"}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -188,7 +196,7 @@ def test_prepared_gemm_dtypes_and_batch_dims(dtype, weights_layout):
 def test_prepared_runs_the_prepared_kernel(launched):
     ck = ref.make_checkpoint(256, 16, group_size=128, checkpoint_format="gptq")
     kdsl.ops.gptq_gemm(torch.randn(1, 256).half(), _prepare(ck, 128, "gptq"))
-    assert launched == ["w4a16_gemm__int4_g128__splitk_sm80"]
+    assert launched == ["w4a16_gemm__int4_g128__gemv_sm80"]
 
 
 def test_split_k_scratch_is_left_clean():
@@ -199,7 +207,7 @@ def test_split_k_scratch_is_left_clean():
     first = kdsl.ops.gptq_gemm(x, prepared)
     second = kdsl.ops.gptq_gemm(x, prepared)
     assert torch.equal(first, second)
-    module = kdsl.registry.select("w4a16_gemm", prepared.scheme, arch="sm_89").load()
+    module = kdsl.registry.select("w4a16_gemm", prepared.scheme, arch="sm_89").modules["gemv"].load()
     _, counters = module._SPLITK_SCRATCH[x.device]
     assert int(counters.abs().sum()) == 0
 
@@ -249,22 +257,21 @@ def test_tile_split_min_steps_keeps_programs_long():
     (128, False, "plane tile"),          # groups of unequal size after act-order
 ])
 def test_gemv_tiles_refuse_rows_the_mma_gemv_cannot_take(group_size, contiguous, reason):
-    """A block_m = 1 tile serves M > 1 only through the mma.sync GEMV; where that cannot run, the tile says why
-    and kdsl.ops passes it over for the next tile serving M."""
-    scheme = f"w4a16.int4.g{group_size}"
-    entry = kdsl.registry.select("w4a16_gemm", scheme, arch="sm_90")
-    module = entry.load()
+    """The mma.sync GEMV refuses what it cannot serve, saying why, and the definition's next tile serving M and N
+    takes the call: the M <= 16 MMA for 2-8 rows, the Triton GEMV for one row."""
+    entry = kdsl.registry.select("w4a16_gemm", f"w4a16.int4.g{group_size}", arch="sm_90")
     gemv = entry.tile_for(4, 4096)
-    assert gemv["BLOCK_M"] == 1 and gemv["mma_gemv"], "the sm_90 definition's M <= 8 bucket is the mma.sync GEMV"
-    x = torch.zeros(4, 256, dtype=torch.float16)
-    assert reason in module.tile_refusal(gemv, x.shape[0], x.device.type, contiguous)
-    assert module.tile_refusal(gemv, 1, x.device.type, contiguous) is None  # one row: the Triton GEMV serves it
-    if group_size == 128:
-        assert "at most 8 rows" in module.tile_refusal(gemv, 9, "cuda", True)
-    assert module.tile_refusal(dict(gemv, mma_gemv=False), x.shape[0], "cuda", True) == "the tile does not set mma_gemv"
-    chosen = entry.tile_for(4, 4096, refuses=lambda params: module.tile_refusal(params, x.shape[0], x.device.type, contiguous))
-    assert chosen == entry.tile_for(16, 4096) and chosen["BLOCK_M"] > 1, "the M <= 16 MMA tile takes the rows"
-    assert module.tile_refusal(chosen, x.shape[0], x.device.type, contiguous) is None
+    assert gemv["impl"] == "gemv_mma_gluon", "the sm_90 definition's M <= 8 bucket is the mma.sync GEMV"
+    cpu = reason == "GPU only"
+    call = kdsl.registry.Call(m=4, n=4096, device_type="cpu" if cpu else "cuda", contiguous_groups=contiguous)
+    assert reason in entry.refusal_reason(gemv, call)
+    if group_size == 128 and contiguous:
+        assert "at most 8 rows" in entry.refusal_reason(gemv, kdsl.registry.Call(m=9, n=4096))
+        assert entry.refusal_reason(gemv, kdsl.registry.Call(m=4, n=4096)) is None
+    chosen = entry.tile_for(4, 4096, call)
+    assert chosen == entry.tile_for(16, 4096) and chosen["impl"] == "planes_mma", "the M <= 16 MMA tile takes the rows"
+    one_row = entry.tile_for(1, 4096, dataclasses.replace(call, m=1))
+    assert one_row["impl"] == "gemv" and one_row["BLOCK_N"] == 16
 
 
 def test_cpu_fallback_without_interpreter(monkeypatch, launched):

@@ -184,17 +184,18 @@ def test_prepared_bf16(checkpoints, m):
 
 # The CUDA-core M = 1 GEMV sums fp16 products of four weights and activations at a time (packed
 # half2 math); a power-of-two scale on x keeps those sums finite and clear of fp16's subnormals. The
-# mma.sync GEMV (mma_gemv) sums in fp32. Both must stay this close to the fp32 reference.
+# mma.sync GEMV (gemv_mma_gluon) sums in fp32. Both must stay this close to the fp32 reference.
 GEMV_TOL = 2e-3
-# The GEMV the definition dispatches (mma_gemv on sm_90), and its tile with mma_gemv off: the CUDA-core
-# GEMV that definitions without the knob take.
+# The GEMV the definition dispatches (the mma.sync one on sm_90), and the CUDA-core GEMV tile serving the
+# same calls where that one refuses them.
 GEMVS = ["dispatched", "cuda_cores"]
 
 
 def _prepared_gemv(x, prepared, gemv, group_size=128):
     if gemv == "dispatched":
         return kdsl.ops.gptq_gemm(x, prepared)
-    tile = dict(_prepared_entry(group_size).tile_for(x.shape[0], prepared.n), mma_gemv=False)
+    entry = _prepared_entry(group_size)
+    tile = next(b.params for b in entry.tiles if b.serves(x.shape[0], prepared.n) and b.params["impl"] == "gemv")
     return _launch_tile(prepared, x, tile, group_size)
 
 
@@ -256,25 +257,28 @@ def _prepared_entry(group_size=128):
 
 
 def _launch_tile(prepared, x, tile, group_size=128):
-    """y of the generated module's launch with `tile` (NaN-filled first, so unwritten outputs show)."""
+    """y of the launch of the module serving `tile` (NaN-filled first, so unwritten outputs show)."""
     y = torch.full((x.shape[0], prepared.n), float("nan"), dtype=x.dtype, device="cuda")
-    _prepared_entry(group_size).load().launch(x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales,
-                                              prepared.groups, prepared.contiguous_groups, y, tile)
+    _prepared_entry(group_size).launch(x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales,
+                                       prepared.groups, prepared.contiguous_groups, y, tile)
     return y
 
 
-def _spy_launches(monkeypatch, function, record, group_sizes):
-    """Wrap each prepared module's `function` (a Gluon launcher, which launch() skips where its kernel cannot
-    run); returns the list of record(args) of its calls."""
+def _spy_launches(monkeypatch, impls, record, group_sizes):
+    """Wrap the launch of each prepared module of the implementations `impls`; returns the list of
+    record(args) of their calls."""
     calls = []
     for group_size in group_sizes:
-        module = _prepared_entry(group_size).load()
+        for impl, kernel_module in _prepared_entry(group_size).modules.items():
+            if impl not in impls:
+                continue
+            module = kernel_module.load()
 
-        def spy(*args, _original=getattr(module, function), **kwargs):
-            calls.append(record(args))
-            return _original(*args, **kwargs)
+            def spy(*args, _original=module.launch, **kwargs):
+                calls.append(record(args))
+                return _original(*args, **kwargs)
 
-        monkeypatch.setattr(module, function, spy)
+            monkeypatch.setattr(module, "launch", spy)
     return calls
 
 
@@ -283,8 +287,8 @@ def _overlap_tiles():
     per 64 columns, 16 to 256 rows), so a tuned definition's choice is covered before it ships."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         return []
-    tiles = [bucket.params for bucket in _prepared_entry().tiles if bucket.params["overlap_dequant"]]
-    base = {**tiles[0], "overlap_dequant": True} if tiles else None
+    tiles = [bucket.params for bucket in _prepared_entry().tiles if bucket.params["impl"] == "overlap_gluon"]
+    base = tiles[0] if tiles else None
     extra = [dict(base, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, SPLIT_K=split)
              for bm, bn, warps, stages, split in ((16, 64, 4, 4, 8), (128, 128, 8, 3, 2), (256, 64, 4, 3, 4))] if base else []
     return tiles + extra
@@ -296,8 +300,8 @@ def _tile_id(tile):
 
 @pytest.fixture
 def overlap_launches(monkeypatch):
-    """The Gluon kernel's launches, by BLOCK_M (the launcher falls back to the Triton MMA where it cannot run)."""
-    return _spy_launches(monkeypatch, "_launch_overlap", lambda args: args[4]["BLOCK_M"], (128, -1))
+    """The Gluon kernel's launches, by BLOCK_M."""
+    return _spy_launches(monkeypatch, {"overlap_gluon"}, lambda args: args[-1]["BLOCK_M"], (128, -1))
 
 
 @pytest.mark.parametrize("tile", _overlap_tiles(), ids=_tile_id)
@@ -320,18 +324,18 @@ def test_prepared_overlap_dequant(checkpoints, overlap_launches, tile, m, k, n, 
     assert overlap_launches == [tile["BLOCK_M"]] * 2, "the Gluon kernel did not run"
 
 
-def test_prepared_overlap_dequant_falls_back_where_tma_cannot_read_x(checkpoints, overlap_launches):
-    """x whose rows start 2-byte aligned cannot be a TMA source: the Triton MMA runs the tile instead."""
-    tiles = _overlap_tiles()
-    if not tiles:
+@pytest.mark.parametrize("case", ["aligned", "x_offset", "act_order"])
+def test_prepared_overlap_gluon_refuses_what_tma_cannot_read(checkpoints, overlap_launches, case):
+    """kdsl.ops at M = 64: the Gluon tile where TMA can read x; for x rows that start 2-byte aligned, and for
+    act-order's gather of x, its refusal passes the call to the Triton MMA tile with the same blocks."""
+    if not _overlap_tiles():
         pytest.skip("needs an sm_90 GPU")
-    tile = tiles[0]
-    ck = checkpoints(4096, 4096)
+    ck = checkpoints(4096, 4096, g_idx="perm" if case == "act_order" else "default")
     prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"])
-    x = _x(64, 4096 + 1)[:, 1:]
-    y = _launch_tile(prepared, x, tile)
+    x = _x(64, 4096 + 1)[:, 1:] if case == "x_offset" else _x(64, 4096)
+    y = kdsl.ops.gptq_gemm(x, prepared)
     assert ref.rel_fro_error(y, x.float() @ ck["w"]) < TOL
-    assert overlap_launches == []
+    assert overlap_launches == ([64] if case == "aligned" else [])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,7 +347,7 @@ def _mma_gemv_tiles():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         return []
     tiles = list({_gemv_tile_id(bucket.params): bucket.params for bucket in _prepared_entry().tiles
-                  if bucket.params["mma_gemv"]}.values())
+                  if bucket.params["impl"] == "gemv_mma_gluon"}.values())
     base = tiles[0] if tiles else None
     extra = [dict(base, BLOCK_K=bk, num_warps=warps) for bk, warps in ((128, 4), (512, 8), (256, 2))] if base else []
     return tiles + extra
@@ -355,8 +359,8 @@ def _gemv_tile_id(tile):
 
 @pytest.fixture
 def mma_gemv_launches(monkeypatch):
-    """The Gluon GEMV's launches, by M (the launcher falls back to the Triton GEMV where it cannot run)."""
-    return _spy_launches(monkeypatch, "_launch_gemv_mma", lambda args: args[0].shape[0], (128, 64, -1))
+    """The Gluon GEMV's launches, by M."""
+    return _spy_launches(monkeypatch, {"gemv_mma_gluon"}, lambda args: args[0].shape[0], (128, 64, -1))
 
 
 @pytest.mark.parametrize("tile", _mma_gemv_tiles(), ids=_gemv_tile_id)
@@ -407,7 +411,8 @@ def test_prepared_gemm_rows_take_the_mma_gemv_where_it_runs(checkpoints, mma_gem
     (never the Triton GEMV, which would run one row at a time)."""
     if not _mma_gemv_tiles():
         pytest.skip("needs an sm_90 GPU")
-    launched_rows = _spy_launches(monkeypatch, "launch", lambda args: args[-1]["BLOCK_M"], (128, 64))
+    launched_rows = _spy_launches(monkeypatch, {"gemv_mma_gluon", "gemv", "planes_mma", "overlap_gluon"},
+                                  lambda args: args[-1]["BLOCK_M"], (128, 64))
     ck = checkpoints(k, n, group_size=group_size, g_idx=g_idx)
     prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"], group_size=group_size)
     x = _x(m, k)
@@ -417,15 +422,15 @@ def test_prepared_gemm_rows_take_the_mma_gemv_where_it_runs(checkpoints, mma_gem
     assert launched_rows == [1 if gemv else 16]
 
 
-@pytest.mark.parametrize("m, group_size", [(9, 128), (1, 64)], ids=["M9", "group64"])
-def test_prepared_mma_gemv_falls_back(checkpoints, mma_gemv_launches, m, group_size):
-    """More than 8 rows, or groups that change inside a plane tile: the Triton GEMV runs the tile."""
-    tiles = _mma_gemv_tiles()
-    if not tiles:
+def test_prepared_mma_gemv_refuses_groups_inside_a_plane_tile(checkpoints, mma_gemv_launches, monkeypatch):
+    """One row, groups that change inside a plane tile: the mma.sync GEMV refuses, and its alternative tile,
+    the Triton GEMV, runs the call."""
+    if not _mma_gemv_tiles():
         pytest.skip("needs an sm_90 GPU")
-    ck = checkpoints(4096, 4096, group_size=group_size)
-    prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"], group_size=group_size)
-    x = _x(m, 4096)
-    y = _launch_tile(prepared, x, tiles[0], group_size)
+    triton_gemv = _spy_launches(monkeypatch, {"gemv"}, lambda args: args[0].shape[0], (64,))
+    ck = checkpoints(4096, 4096, group_size=64)
+    prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"], group_size=64)
+    x = _x(1, 4096)
+    y = kdsl.ops.gptq_gemm(x, prepared)
     assert ref.rel_fro_error(y, x.float() @ ck["w"]) < TOL
-    assert mma_gemv_launches == []
+    assert mma_gemv_launches == [] and triton_gemv == [1]

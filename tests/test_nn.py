@@ -109,7 +109,7 @@ def test_repr_shows_scheme_and_kernel(tmp_path):
     write_checkpoint(tmp_path, "gptq_v2")
     model = kdsl.load_quantized(TinyMLP(), tmp_path, device="cpu")
     text = repr(model.up)
-    assert "scheme=gptq.int4.g128.gptq_v2" in text and "kernel=w4a16_gemm__int4_g128__splitk_sm80" in text
+    assert "scheme=gptq.int4.g128.gptq_v2" in text and "kernel=w4a16_gemm__int4_g128__mma_sm80" in text
 
 
 @pytest.mark.parametrize("change, message", [

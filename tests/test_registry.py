@@ -4,6 +4,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import types
+
 import pytest
 import torch
 
@@ -105,7 +107,7 @@ def test_tile_bucket_for_m(m, bucket):
 def _buckets(*bounds):
     """KernelEntry tile buckets for (m_max, n_min) pairs, each tagged with its index."""
     from kdsl.runtime.manifest import TileBucket
-    return tuple(TileBucket(m_max, n_min, {"index": index}) for index, (m_max, n_min) in enumerate(bounds))
+    return tuple(TileBucket(m_max, n_min, {"index": index, "impl": "tested"}) for index, (m_max, n_min) in enumerate(bounds))
 
 
 @pytest.mark.parametrize("m, n, index", [
@@ -120,7 +122,7 @@ def test_tile_for_m_and_n(m, n, index):
     entry = registry.select("fp8_gemm", FP8_SCHEME, arch="sm_90")
     tiled = dataclasses.replace(entry, tiles=_buckets((16, None), (64, 8192), (64, 4096), (64, None), (None, None)))
     assert tiled.bucket_index(m, n) == index
-    assert tiled.tile_for(m, n) == {"index": index}
+    assert tiled.tile_for(m, n)["index"] == index
 
 
 @pytest.mark.parametrize("m, n, refused, index", [
@@ -134,14 +136,16 @@ def test_tile_for_m_and_n(m, n, index):
 def test_tile_for_passes_over_refused_tiles(m, n, refused, index):
     import dataclasses
     entry = registry.select("fp8_gemm", FP8_SCHEME, arch="sm_90")
-    tiled = dataclasses.replace(entry, tiles=_buckets((8, 16384), (8, None), (16, None), (None, None)))
     asked = []
 
-    def refuses(params):
+    def refusal(params, call):
+        assert (call.m, call.n) == (m, n)
         asked.append(params["index"])
         return "refused" if params["index"] in refused else None
 
-    assert tiled.tile_for(m, n, refuses=refuses) == {"index": index}
+    tiled = dataclasses.replace(entry, tiles=_buckets((8, 16384), (8, None), (16, None), (None, None)),
+                                modules={"tested": types.SimpleNamespace(refusal=refusal)})
+    assert tiled.tile_for(m, n, registry.Call(m=m, n=n))["index"] == index
     assert all(tiled.tiles[i].serves(m, n) for i in asked), "only tiles serving M and N are asked"
 
 
@@ -306,7 +310,7 @@ def test_prepared_gptq_has_hopper_tiles_and_a_fallback_range():
     ampere = registry.select("w4a16_gemm", "w4a16.int4.g128", arch="sm_86")
     assert hopper.name.endswith("_sm90") and ampere.name.endswith("_sm80")
     assert registry.select("w4a16_gemm", "w4a16.int4.g128", arch="sm_100").name == ampere.name
-    assert hopper.tile_for(1)["BLOCK_M"] == 1  # the GEMV bucket
+    assert hopper.tile_for(1)["BLOCK_M"] == 1 and hopper.tile_for(1)["impl"] == "gemv_mma_gluon"  # the GEMV bucket
 
 
 def test_explain_shows_the_tiles_the_kernel_passes_over_at_run_time():
@@ -314,12 +318,12 @@ def test_explain_shows_the_tiles_the_kernel_passes_over_at_run_time():
     and explain names it, its reason, and the MMA tile that runs instead (the one kdsl.ops launches)."""
     entry = registry.select("w4a16_gemm", "w4a16.int4.g64", arch="sm_90")
     gemv = entry.bucket_index(4, 4096)
-    assert entry.tiles[gemv].params["mma_gemv"]
+    assert entry.tiles[gemv].params["impl"] == "gemv_mma_gluon"
     text = registry.explain("w4a16_gemm", "w4a16.int4.g64", arch="sm_90", m=4, n=4096)
-    runs = entry.tile_for(4, 4096, refuses=lambda params: entry.refusal(params, 4, "cuda", True))
+    runs = entry.tile_for(4, 4096, registry.Call(m=4, n=4096))
     ran = next(i for i, bucket in enumerate(entry.tiles) if bucket.params is runs)
     assert ran != gemv
-    assert f"CHOSEN (sm_90..sm_90), tile bucket {ran}:" in text
-    assert f"tile bucket {gemv} passed over at run time" in text and "plane tile" in text
+    assert f"CHOSEN (sm_90..sm_90), tile bucket {ran}: planes_mma (w4a16_gemm__int4_g64__planes_mma_sm90)" in text
+    assert f"tile bucket {gemv} (gemv_mma_gluon) passed over at run time" in text and "plane tile" in text
     plain = registry.explain("w4a16_gemm", "w4a16.int4.g128", arch="sm_90", m=4, n=4096)
     assert f"tile bucket {gemv}:" in plain and "passed over" not in plain

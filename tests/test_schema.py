@@ -163,7 +163,14 @@ def test_variant_buckets_unsorted():
 
 def test_variant_buckets_overlapping():
     with pytest.raises(ValidationError, match="m_max"):
-        _variant([Tile(m_max=16), Tile(m_max=16), Tile()])
+        _variant([Tile(m_max=64), Tile(m_max=16), Tile()])
+
+
+def test_variant_alternative_tiles_share_their_bucket():
+    """Tiles with equal (m_max, n_min) are one bucket's alternatives; the bucket rules see the run as one tile."""
+    variant = _variant([Tile(m_max=16), Tile(m_max=16), Tile(m_max=64, n_min=4096), Tile(m_max=64, n_min=4096),
+                        Tile(m_max=64), Tile()])
+    assert [(t.m_max, t.n_min) for t in variant.tiles][-2:] == [(64, None), (None, None)]
 
 
 def test_variant_last_bucket_must_not_have_m_max():
@@ -173,7 +180,7 @@ def test_variant_last_bucket_must_not_have_m_max():
 
 def test_variant_middle_bucket_needs_m_max():
     with pytest.raises(ValidationError, match="m_max"):
-        _variant([Tile(m_max=16), Tile(), Tile()])
+        _variant([Tile(m_max=16), Tile(), Tile(m_max=64), Tile()])
 
 
 def test_variant_bucket_tiled_by_n():
@@ -197,7 +204,7 @@ def test_variant_bucket_wide_n_first():
 
 def test_variant_bucket_tiles_differ_by_n_min():
     with pytest.raises(ValidationError, match=r"tiles\[1\] has the same m_max as tiles\[2\] but no n_min"):
-        _variant([Tile(m_max=16, n_min=4096), Tile(m_max=16), Tile(m_max=16), Tile()])
+        _variant([Tile(m_max=16, n_min=4096), Tile(m_max=16), Tile(m_max=16, n_min=1024), Tile(m_max=16), Tile()])
 
 
 def test_variant_max_arch_below_min_arch():
@@ -653,7 +660,7 @@ def test_prepared_gptq_variant_needs_a_layout(tmp_path):
     path = _write(tmp_path, W4A16_SCHEME + """
         [[variants]]
         op = "w4a16_gemm"
-        impl = "splitk"
+        impl = "mma"
         min_arch = "sm_80"
         tiles = [{ block_m = 16 }]
     """)
@@ -677,7 +684,7 @@ def test_layout_values_are_checked(tmp_path):
     path = _write(tmp_path, W4A16_SCHEME + """
         [[variants]]
         op = "w4a16_gemm"
-        impl = "splitk"
+        impl = "mma"
         min_arch = "sm_80"
         layout = { zeros = "interleaved" }
         tiles = [{ block_m = 16 }]
@@ -690,7 +697,7 @@ def test_k_planes_layout_takes_biased_zeros(tmp_path):
     path = _write(tmp_path, W4A16_SCHEME + """
         [[variants]]
         op = "w4a16_gemm"
-        impl = "splitk"
+        impl = "planes_mma"
         min_arch = "sm_90"
         layout = { zeros = "packed", weights = "k_planes" }
         tiles = [{ block_m = 16, block_k = 128 }]
@@ -703,7 +710,7 @@ def test_paired_zeros_take_k_planes(tmp_path):
     path = _write(tmp_path, W4A16_SCHEME + """
         [[variants]]
         op = "w4a16_gemm"
-        impl = "splitk"
+        impl = "mma"
         min_arch = "sm_90"
         layout = { zeros = "paired" }
         tiles = [{ block_m = 16, block_k = 128 }]
@@ -716,10 +723,10 @@ def test_k_planes_tiles_match_the_plane_tile(tmp_path):
     variant = """
         [[variants]]
         op = "w4a16_gemm"
-        impl = "splitk"
+        impl = "planes_mma"
         min_arch = "sm_90"
         layout = {{ zeros = "biased", weights = "k_planes" }}
-        tiles = [{{ m_max = 1, block_m = 1, block_n = 64, block_k = 128 }}, {{ block_m = 64, {rest} }}]
+        tiles = [{{ impl = "gemv", m_max = 1, block_m = 1, block_n = 64, block_k = 128 }}, {{ block_m = 64, {rest} }}]
     """
     load_definition(_write(tmp_path, W4A16_SCHEME + variant.format(rest="block_n = 128, block_k = 128"), name="ok.toml"))
     message = _load_error(_write(tmp_path, W4A16_SCHEME + variant.format(rest="block_n = 256, block_k = 64"),
@@ -728,22 +735,25 @@ def test_k_planes_tiles_match_the_plane_tile(tmp_path):
     assert "variants[0].tiles[1].block_n: 256" in message and "128 columns" in message
 
 
-def test_k_planes_gemv_steps_over_whole_plane_tiles(tmp_path):
+def test_k_planes_gemvs_step_over_whole_plane_tiles(tmp_path):
     variant = """
         [[variants]]
         op = "w4a16_gemm"
-        impl = "splitk"
+        impl = "planes_mma"
         min_arch = "sm_90"
-        layout = {{ zeros = "biased", weights = "k_planes" }}
-        tiles = [{{ m_max = 1, block_m = 1, block_n = 16, {gemv} }}, {{ block_m = 64, block_n = 128, {mma} }}]
+        max_arch = "sm_90"
+        layout = {{ zeros = "paired", weights = "k_planes" }}
+        tiles = [{{ impl = "gemv_mma_gluon", m_max = 1, block_m = 1, block_n = 16, {chunk} }},
+                 {{ impl = "gemv", m_max = 1, block_m = 1, block_n = 16, {gemv} }},
+                 {{ block_m = 64, block_n = 128, {mma} }}]
     """
-    load_definition(_write(tmp_path, W4A16_SCHEME + variant.format(gemv="block_k = 4096", mma="block_k = 128"),
-                           name="ok.toml"))
-    message = _load_error(_write(tmp_path, W4A16_SCHEME + variant.format(gemv="block_k = 64", mma="block_k = 256"),
-                                 name="bad.toml"))
-    assert "variants[0].tiles[0].block_k: 64 is not a multiple of 128" in message
-    # Only the GEMV steps over several plane tiles; an MMA tile still takes exactly one.
-    assert "variants[0].tiles[1].block_k: 256" in message and "block_k = 128" in message
+    load_definition(_write(tmp_path, W4A16_SCHEME + variant.format(chunk="block_k = 4096", gemv="block_k = 128",
+                                                                   mma="block_k = 128"), name="ok.toml"))
+    message = _load_error(_write(tmp_path, W4A16_SCHEME + variant.format(chunk="block_k = 64", gemv="block_k = 256",
+                                                                         mma="block_k = 256"), name="bad.toml"))
+    assert "variants[0].tiles[0].block_k: 64 is not a multiple of 128" in message  # the mma.sync GEMV's chunks
+    assert "variants[0].tiles[1].block_k: 256; the k_planes GEMV steps one plane tile" in message
+    assert "variants[0].tiles[2].block_k: 256" in message and "block_k = 128" in message
 
 
 def test_mma_tile_below_16_rows_rejected(tmp_path):
@@ -758,18 +768,19 @@ def test_mma_tile_below_16_rows_rejected(tmp_path):
     assert "variants[0].tiles[0].block_m" in message and "16" in message
 
 
-def test_prepared_gptq_takes_block_m_1_as_gemv_but_not_8(tmp_path):
+def test_prepared_mma_takes_16_rows_and_the_gemv_1(tmp_path):
     variant = """
         [[variants]]
         op = "w4a16_gemm"
-        impl = "splitk"
+        impl = "mma"
         min_arch = "sm_80"
         layout = {{ zeros = "biased" }}
-        tiles = [{{ m_max = 1, block_m = 1 }}, {{ block_m = {rows} }}]
+        tiles = [{{ impl = "gemv", m_max = 1, block_m = {gemv_rows} }}, {{ block_m = {rows} }}]
     """
-    load_definition(_write(tmp_path, W4A16_SCHEME + variant.format(rows=64), name="ok.toml"))
-    message = _load_error(_write(tmp_path, W4A16_SCHEME + variant.format(rows=8), name="bad.toml"))
-    assert "variants[0].tiles[1].block_m" in message and "GEMV" in message
+    load_definition(_write(tmp_path, W4A16_SCHEME + variant.format(gemv_rows=1, rows=64), name="ok.toml"))
+    message = _load_error(_write(tmp_path, W4A16_SCHEME + variant.format(gemv_rows=16, rows=8), name="bad.toml"))
+    assert "variants[0].tiles[1].block_m: 8 is below the 16 rows of one MMA" in message
+    assert "variants[0].tiles[0].block_m: 16; a GEMV tile takes block_m = 1" in message
 
 
 def test_one_op_tuned_per_arch_range_but_not_twice_for_one_range(tmp_path):
@@ -787,82 +798,112 @@ def test_one_op_tuned_per_arch_range_but_not_twice_for_one_range(tmp_path):
     assert "variants[1]: duplicates variants[0]" in message and "min_arch" in message
 
 
-def test_overlap_dequant_tiles_are_checked(tmp_path):
+def _lines_about(lines: list[str], index: int) -> list[str]:
+    return [line for line in lines if f"tiles[{index}]" in line]
+
+
+def test_overlap_gluon_tiles_are_checked(tmp_path):
     variant = """
         [[variants]]
         op = "w4a16_gemm"
-        impl = "splitk"
+        impl = "planes_mma"
         min_arch = "sm_90"
         max_arch = "sm_90"
         layout = { zeros = "paired", weights = "k_planes" }
-        tiles = [{ m_max = 1, block_m = 1, block_n = 64, options = { overlap_dequant = true } },
-                 { m_max = 16, block_m = 16, block_n = 128, num_warps = 4, options = { overlap_dequant = true } },
-                 { m_max = 64, block_m = 64, block_n = 64, num_warps = 4, split_k = 8, options = { overlap_dequant = true } },
-                 { block_m = 256, block_n = 128, num_warps = 8, num_stages = 2, options = { overlap_dequant = true } }]
+        tiles = [{ impl = "overlap_gluon", m_max = 1, block_m = 1, block_n = 64 },
+                 { impl = "overlap_gluon", m_max = 16, block_m = 16, block_n = 128, num_warps = 4 },
+                 { impl = "overlap_gluon", m_max = 64, block_m = 64, block_n = 64, num_warps = 4, split_k = 8 },
+                 { impl = "overlap_gluon", block_m = 256, block_n = 128, num_warps = 8, num_stages = 2 },
+                 { block_m = 256, block_n = 128, num_warps = 8, num_stages = 2 }]
     """
     lines = _load_error(_write(tmp_path, W4A16_SCHEME + variant)).splitlines()
-
-    def problems(index):
-        return [line for line in lines if f"tiles[{index}].options.overlap_dequant" in line]
-
-    assert any("GEMV" in line for line in problems(0))
+    assert any("below the 16 rows of one MMA" in line for line in _lines_about(lines, 0))
     assert any("one warpgroup per 64 columns" in line and "block_n = 128, num_warps = 4" in line
-               for line in problems(1))
-    assert not problems(2) and not problems(3)  # split K and 256 rows are fine
+               for line in _lines_about(lines, 1))
+    assert not _lines_about(lines, 2) and not _lines_about(lines, 3)  # split K and 256 rows are fine
 
 
-def test_overlap_dequant_needs_hopper_and_the_paired_k_planes_layout(tmp_path):
-    variant = """
+def test_overlap_gluon_needs_hopper_and_the_paired_k_planes_layout(tmp_path):
+    path = _write(tmp_path, W4A16_SCHEME + """
         [[variants]]
         op = "w4a16_gemm"
-        impl = "splitk"
-        min_arch = "sm_80"
-        layout = {{ {layout} }}
-        tiles = [{{ block_m = 64, block_n = 64, num_warps = 4, options = {{ overlap_dequant = true }} }}]
-    """
-    message = _load_error(_write(tmp_path, W4A16_SCHEME + variant.format(layout='zeros = "biased"')))
-    assert "variants[0].tiles[0].options.overlap_dequant" in message
-    assert "sm_90 only" in message and 'weights = "k_planes", zeros = "paired"' in message
-
-
-def test_mma_gemv_tiles_are_checked(tmp_path):
-    variant = """
-        [[variants]]
-        op = "w4a16_gemm"
-        impl = "splitk"
-        min_arch = "sm_90"
-        max_arch = "sm_90"
-        layout = { zeros = "paired", weights = "k_planes" }
-        tiles = [{ m_max = 1, block_m = 1, block_n = 16, block_k = 256, num_warps = 8, options = { mma_gemv = true } },
-                 { m_max = 8, block_m = 1, block_n = 64, block_k = 128, split_k = 4, options = { mma_gemv = true } },
-                 { m_max = 16, block_m = 16, block_n = 16, block_k = 128, options = { mma_gemv = true } },
-                 { block_m = 64, block_n = 64, num_warps = 4 }]
-    """
-    lines = _load_error(_write(tmp_path, W4A16_SCHEME + variant)).splitlines()
-
-    def problems(index):
-        return [line for line in lines if f"tiles[{index}].options.mma_gemv" in line]
-
-    assert not problems(0)  # the shipped kind of tile
-    assert any("block_n = 16 (got 64)" in line for line in problems(1))
-    assert any("drop split_k" in line for line in problems(1))
-    assert any("block_m = 1 (got 16)" in line for line in problems(2))
-    assert any("m_max <= 8 (got 16)" in line for line in problems(2))
-
-
-def test_mma_gemv_needs_the_paired_k_planes_layout(tmp_path):
-    variant = """
-        [[variants]]
-        op = "w4a16_gemm"
-        impl = "splitk"
+        impl = "mma"
         min_arch = "sm_80"
         layout = { zeros = "biased" }
-        tiles = [{ m_max = 1, block_m = 1, block_n = 16, block_k = 128, options = { mma_gemv = true } },
+        tiles = [{ impl = "overlap_gluon", block_m = 64, block_n = 64, num_warps = 4 }, { block_m = 64 }]
+    """)
+    message = _load_error(path)
+    assert "variants[0].min_arch: sm_80 is below sm_90, which w4a16_gemm/overlap_gluon needs" in message
+    assert "w4a16_gemm/overlap_gluon uses instructions that exist only up to sm_90" in message
+    assert "variants[0].tiles[0].impl" in message and 'weights = "k_planes", zeros = "paired"' in message
+
+
+def test_gemv_mma_gluon_tiles_are_checked(tmp_path):
+    variant = """
+        [[variants]]
+        op = "w4a16_gemm"
+        impl = "planes_mma"
+        min_arch = "sm_90"
+        max_arch = "sm_90"
+        layout = { zeros = "paired", weights = "k_planes" }
+        tiles = [{ impl = "gemv_mma_gluon", m_max = 1, block_m = 1, block_n = 16, block_k = 256, num_warps = 8 },
+                 { impl = "gemv_mma_gluon", m_max = 8, block_m = 1, block_n = 64, block_k = 128, split_k = 4 },
+                 { impl = "gemv_mma_gluon", m_max = 16, block_m = 16, block_n = 16, block_k = 128 },
                  { block_m = 64, block_n = 64, num_warps = 4 }]
     """
-    message = _load_error(_write(tmp_path, W4A16_SCHEME + variant))
-    assert "variants[0].tiles[0].options.mma_gemv" in message
-    assert 'weights = "k_planes", zeros = "paired"' in message
+    lines = _load_error(_write(tmp_path, W4A16_SCHEME + variant)).splitlines()
+    assert not _lines_about(lines, 0)  # the shipped kind of tile
+    assert any("block_n = 16 (got 64)" in line for line in _lines_about(lines, 1))
+    assert any("tiles[1].split_k: w4a16_gemm/gemv_mma_gluon does not implement this knob" in line for line in lines)
+    assert any("block_m = 1" in line for line in _lines_about(lines, 2))
+    assert any("m_max <= 8 (got 16)" in line for line in _lines_about(lines, 2))
+
+
+def test_gemv_mma_gluon_needs_the_paired_k_planes_layout(tmp_path):
+    path = _write(tmp_path, W4A16_SCHEME + """
+        [[variants]]
+        op = "w4a16_gemm"
+        impl = "mma"
+        min_arch = "sm_80"
+        layout = { zeros = "biased" }
+        tiles = [{ impl = "gemv_mma_gluon", m_max = 1, block_m = 1, block_n = 16, block_k = 128 },
+                 { block_m = 64, block_n = 64, num_warps = 4 }]
+    """)
+    message = _load_error(path)
+    assert "variants[0].tiles[0].impl" in message and 'weights = "k_planes", zeros = "paired"' in message
+
+
+def test_alternative_tiles_follow_a_kernel_that_refuses_calls(tmp_path):
+    """A tile with the m_max and n_min of the one before it serves where that one's kernel refuses a call:
+    after a kernel that refuses none it could never run."""
+    variant = """
+        [[variants]]
+        op = "w4a16_gemm"
+        impl = "planes_mma"
+        min_arch = "sm_90"
+        max_arch = "sm_90"
+        layout = {{ zeros = "paired", weights = "k_planes" }}
+        tiles = [{{ impl = "{first}", m_max = 64, block_m = 64, block_n = 64 }},
+                 {{ m_max = 64, block_m = 64, block_n = 64 }},
+                 {{ block_m = 128, block_n = 64 }}]
+    """
+    load_definition(_write(tmp_path, W4A16_SCHEME + variant.format(first="overlap_gluon"), name="ok.toml"))
+    message = _load_error(_write(tmp_path, W4A16_SCHEME + variant.format(first="planes_mma"), name="bad.toml"))
+    assert "variants[0].tiles[1]: has the m_max and n_min of tiles[0]" in message and "refuses none" in message
+
+
+def test_the_last_tile_refuses_no_call(tmp_path):
+    path = _write(tmp_path, W4A16_SCHEME + """
+        [[variants]]
+        op = "w4a16_gemm"
+        impl = "overlap_gluon"
+        min_arch = "sm_90"
+        max_arch = "sm_90"
+        layout = { zeros = "paired", weights = "k_planes" }
+        tiles = [{ block_m = 128, block_n = 64 }]
+    """)
+    message = _load_error(path)
+    assert "variants[0].tiles[0]" in message and "every call" in message
 
 
 def test_overlap_dequant_is_a_knob_of_the_prepared_gemm_only(tmp_path):

@@ -24,7 +24,7 @@ from kdsl.codegen.render import tile_params
 from kdsl.schema import DefinitionError, KernelDefinition, Tile, load_definitions
 from kdsl.schema.arch import archs_in_range
 from kdsl.kernels import BASE_KNOBS, find_impl
-from kdsl.kernels.w4a16.splitk import MMA_GEMV_MAX_M
+from kdsl.kernels.w4a16.gemv_mma_gluon import MMA_GEMV_MAX_M
 from kdsl.tune import cli as tune_cli
 from kdsl.tune import search, space, target, write
 from kdsl.tune.search import Problem, Shape
@@ -66,11 +66,11 @@ def variant_of(folder: Path, op: str, impl: str, min_arch: str):
 def test_every_candidate_validates_honours_knobs_and_fits_shared_memory(definitions):
     seen_ops = set()
     for loaded, variant in tunable_variants(definitions):
-        impl = find_impl(variant.op, variant.impl)
         limit = min(f.max_shared_bytes for f in archs_in_range(variant.min_cc, variant.max_cc))
         raw = tomllib.loads(loaded.source_text)
         v_index = loaded.definition.variants.index(variant)
         for bucket in space.buckets(variant):
+            impl = find_impl(variant.op, variant.impl_of(bucket.tile))  # candidates keep the tile's implementation
             tiles = space.candidates(variant, bucket, loaded.definition.schemes, max_candidates=10_000)
             assert tiles[0] == bucket.tile and len(tiles) > 1, (variant.op, bucket.label())
             assert len({space.tile_key(t) for t in tiles}) == len(tiles)  # no duplicates
@@ -78,10 +78,11 @@ def test_every_candidate_validates_honours_knobs_and_fits_shared_memory(definiti
             assert len({tuple(tile_params(t, impl).items()) for t in tiles}) == len(tiles)
             for tile in tiles:
                 assert tile.m_max == bucket.m_max and tile.n_min == bucket.n_min
-                common = tile.model_fields_set - BASE_KNOBS - {"options"}
-                assert common <= impl.tile_knobs, (variant.op, variant.impl, tile)
+                assert tile.impl == bucket.tile.impl
+                common = tile.model_fields_set - BASE_KNOBS - {"options", "impl"}
+                assert common <= impl.tile_knobs, (variant.op, impl.impl, tile)
                 # Options are the implementation's own, and validate against its Options model.
-                assert set(tile.options) <= set(impl.options.model_fields), (variant.op, variant.impl, tile)
+                assert set(tile.options) <= set(impl.options.model_fields), (variant.op, impl.impl, tile)
                 options = impl.resolve(tile)
                 for scheme in loaded.definition.schemes:
                     assert impl.shared_bytes(scheme, tile, options) <= limit
@@ -121,28 +122,19 @@ def test_knobs_an_impl_ignores_stay_unset(definitions):
 
 
 def test_gemv_candidates_only_where_a_gemv_serves_the_bucket(definitions):
-    """One row: any GEMV; up to 8 rows: the mma.sync GEMV only (the CUDA-core one runs a row at a time)."""
-    found_gemv = found_rows = False
+    """A GEMV tile's candidates are GEMVs of its implementation (one row for the CUDA-core one, up to 8 for
+    the mma.sync one); an MMA tile's are MMAs."""
+    found = set()
     for loaded, variant in tunable_variants(definitions):
-        impl = find_impl(variant.op, variant.impl)
         for bucket in space.buckets(variant):
+            impl = find_impl(variant.op, variant.impl_of(bucket.tile))
             tiles = space.candidates(variant, bucket, loaded.definition.schemes, max_candidates=10_000)
-            gemv = [t for t in tiles if t.block_m == 1]
-            rows = (bucket.m_max is not None and 1 < bucket.m_max <= MMA_GEMV_MAX_M
-                    and "mma_gemv" in impl.options.model_fields)
-            if impl.gemv_block_m and (bucket.m_max == 1 or rows):
-                assert gemv and any(t.block_m == 16 for t in tiles)  # GEMV and the smallest MMA compete
-                found_gemv = True
-                if rows:
-                    assert all(t.options.get("mma_gemv", False) for t in gemv), (variant.op, bucket.label())
-                    found_rows = True
+            if impl.gemv_block_m and bucket.m_max is not None and bucket.m_max <= impl.gemv_max_m:
+                assert all(t.block_m == 1 for t in tiles), (variant.op, bucket.label())
+                found.add(impl.impl)
             else:
-                assert not gemv, (variant.op, bucket.label())
-            if bucket.m_max is not None and bucket.m_max <= 16:
-                assert {t.block_m for t in tiles} <= {1, 16, bucket.tile.block_m}
-            if bucket.m_max is None:  # prefill: big tiles
-                assert min(t.block_m for t in tiles) >= 64
-    assert found_gemv and found_rows
+                assert all(t.block_m >= 16 for t in tiles), (variant.op, bucket.label())
+    assert {"gemv", "gemv_mma_gluon"} <= found
 
 
 def test_cap_keeps_the_current_tile_and_its_nearest_neighbours(definitions):
@@ -171,7 +163,7 @@ def test_current_tile_outside_the_grid_is_still_candidate_zero(definitions):
 
 
 @pytest.mark.parametrize("op,impl,knob", [("fp8_gemm", "tma_persistent", "swap_ab"),
-                                           ("w4a16_gemm", "splitk", "overlap_dequant")])
+                                           ("w4a16_gemm", "planes_mma", "split_min_steps")])
 def test_an_option_written_at_its_default_adds_no_candidate(definitions, op, impl, knob):
     """`options = { swap_ab = false }` launches as the same tile without it: no second candidate times it."""
     unit = find_impl(op, impl)
@@ -205,7 +197,7 @@ def test_shapes_come_from_the_preset_m_values_in_the_bucket():
 
 def _variant_tiled_by_n():
     from kdsl.schema import Variant
-    return Variant(op="w4a16_gemm", impl="splitk", min_arch="sm_90", max_arch="sm_90",
+    return Variant(op="w4a16_gemm", impl="planes_mma", min_arch="sm_90", max_arch="sm_90",
                    layout={"zeros": "paired", "weights": "k_planes"},
                    tiles=[Tile(m_max=16, block_m=16), Tile(n_min=8192, block_m=256, options={"split_fill": 1}), Tile(n_min=4096),
                           Tile()])
@@ -361,7 +353,7 @@ def test_launch_gets_the_tile_params_of_the_candidate():
     assert got == [tile_params(tiles[0], tma), tile_params(tiles[1], tma)]
     assert (got[0]["persistent"], got[0]["split_fill"]) == (False, None)
     assert (got[1]["persistent"], got[1]["split_fill"], got[1]["BLOCK_N"]) == (True, 1, 32)
-    assert "mma_gemv" not in got[1] and "mma_gemv" in tile_params(T[0], find_impl("w4a16_gemm", "splitk"))
+    assert got[1]["impl"] == "tma_persistent" and "tile_order" in got[1]
 
 
 # ---- problems: the bench's inputs bound to the generated launch (Triton's interpreter) ----
@@ -427,7 +419,7 @@ NOTE = write.note("NVIDIA H200", "2025-01-01")
 
 @pytest.mark.parametrize("op,impl,min_arch", [
     ("fp8_gemm", "tma_persistent", "sm_90"), ("fp8_gemm", "portable", "sm_89"), ("gptq_gemm", "splitk", "sm_80"),
-    ("w4a16_gemm", "splitk", "sm_90"), ("w4a16_gemm", "splitk", "sm_80")])
+    ("w4a16_gemm", "planes_mma", "sm_90"), ("w4a16_gemm", "mma", "sm_80")])
 def test_write_back_changes_only_the_variants_tiles(defs_copy, op, impl, min_arch):
     loaded, index, variant = variant_of(defs_copy, op, impl, min_arch)
     path = loaded.path
@@ -668,8 +660,8 @@ def test_multiline_inline_tiles_and_crlf(tmp_path, newline):
     ("fp8_gemm", "sm_90", "tma_persistent", "sm_90", "block_fp8.toml"),
     ("fp8_gemm", "sm_89", "portable", "sm_89", "block_fp8.toml"),
     ("gptq_gemm", "sm_90", "splitk", "sm_80", "gptq_int4.toml"),
-    ("w4a16_gemm", "sm_90", "splitk", "sm_90", "w4a16.toml"),
-    ("w4a16_gemm", "sm_80", "splitk", "sm_80", "w4a16.toml"),
+    ("w4a16_gemm", "sm_90", "planes_mma", "sm_90", "w4a16.toml"),
+    ("w4a16_gemm", "sm_80", "mma", "sm_80", "w4a16.toml"),
 ])
 def test_target_is_the_registrys_pick_and_its_variant(definitions, op, arch, impl, min_arch, file):
     chosen = target.select_target(op, definitions, arch=arch)
@@ -814,12 +806,14 @@ def test_command_end_to_end_on_cpu_stand_ins(cpu_tune, defs_copy, capsys):
 def test_command_tunes_each_tile_of_a_bucket_tiled_by_n(cpu_tune, defs_copy, capsys):
     """--bucket rest names every tile of the last M bucket; each is timed on the preset's shapes in
     its own N range and written back with its n_min."""
-    loaded, _, variant = variant_of(defs_copy, "w4a16_gemm", "splitk", "sm_90")
+    loaded, _, variant = variant_of(defs_copy, "w4a16_gemm", "planes_mma", "sm_90")
     rest = [b for b in space.buckets(variant) if b.name() == "rest"]
-    assert len(rest) == 2 and rest[0].n_min is not None and rest[1].n_min is None
-    wide, narrow = rest
+    # Each N range has the Gluon tile and its alternative, the Triton MMA with the same blocks.
+    assert [(b.n_min, b.tile.impl) for b in rest] == [(8192, "overlap_gluon"), (8192, None), (None, "overlap_gluon"),
+                                                       (None, None)]
+    wide, narrow = rest[0], rest[-1]
     fast = space.candidates(variant, wide, loaded.definition.schemes, max_candidates=3)[2]
-    impl = find_impl("w4a16_gemm", "splitk")
+    impl = find_impl("w4a16_gemm", "overlap_gluon")
     cpu_tune.fast = lambda p: p == tile_params(fast, impl)
     args = ("--op", "w4a16_gemm", "--defs", str(defs_copy), "--bucket", "rest", "--max-candidates", "3")
     assert tune_cli.run(parse(*args, "--write")) == 0
@@ -828,14 +822,14 @@ def test_command_tunes_each_tile_of_a_bucket_tiled_by_n(cpu_tune, defs_copy, cap
         shapes = search.shapes_for_bucket("w4a16_gemm", preset_cases("deepseek-v3"), bucket)
         assert shapes and all(bucket.holds_n(s.n) for s in shapes)
         assert f"kdsl tune: bucket {bucket.label()}: 3 candidates on {len(shapes)} shapes" in err
-    written = variant_of(defs_copy, "w4a16_gemm", "splitk", "sm_90")[2].tiles
+    written = variant_of(defs_copy, "w4a16_gemm", "planes_mma", "sm_90")[2].tiles
     assert written[wide.index] == fast and fast.n_min == wide.n_min
     assert written[narrow.index].n_min is None
     assert list(written[:wide.index]) == list(variant.tiles[:wide.index])
 
 
 def test_command_refuses_unknown_buckets(cpu_tune, defs_copy, capsys):
-    variant = variant_of(defs_copy, "w4a16_gemm", "splitk", "sm_90")[2]
+    variant = variant_of(defs_copy, "w4a16_gemm", "planes_mma", "sm_90")[2]
     names = ", ".join(dict.fromkeys(b.name() for b in space.buckets(variant)))  # one name per M bucket
     assert names.endswith("64, 128, rest")
     assert tune_cli.run(parse("--op", "w4a16_gemm", "--defs", str(defs_copy), "--bucket", "0")) == 2

@@ -14,7 +14,7 @@ from pathlib import Path
 import jinja2
 from jinja2 import meta
 
-from kdsl.codegen.plan import PlannedKernel
+from kdsl.codegen.plan import PlannedKernel, PlannedModule
 from kdsl.schema.layout import PAIR_SPAN, PLANE_ROWS, PLANE_TILE_K, PLANE_TILE_N
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"  # includes every kernel shares (common/)
@@ -22,8 +22,9 @@ KERNELS_DIR = Path(__file__).parents[1] / "kernels"  # each implementation's tem
 MANIFEST = "manifest.json"
 # 2: tiles carry n_min and split_fill; 3: deferred_rescale; 4: overlap_dequant; 5: edge_split_k; 6: edge_tiles;
 # 7: split_min_steps; 8: mma_gemv; 9: w4a16_gemm keyed by layout, zero_bias and refusal declared,
-# tiles carry only their implementation's options
-MANIFEST_FORMAT = 9
+# tiles carry only their implementation's options; 10: a variant's tiles name their implementation, one
+# module each, and a refusal takes the call's facts
+MANIFEST_FORMAT = 10
 
 
 @lru_cache(maxsize=1)
@@ -53,17 +54,19 @@ def _template_sources(name: str) -> list[str]:
     return [seen[key] for key in sorted(seen)]
 
 
-def kernel_digest(kernel: PlannedKernel) -> str:
+def module_digest(kernel: PlannedKernel, module: PlannedModule) -> str:
     digest = hashlib.sha256(kernel.definition_digest.encode())
-    for source in _template_sources(kernel.impl.template):
+    for source in _template_sources(module.impl.template):
         digest.update(source.encode())
     return digest.hexdigest()[:16]
 
 
 def tile_params(tile, impl) -> dict:
-    """Launch parameters a generated module reads from a tile: the common geometry in a fixed key order,
-    then the implementation's options (its Options model's fields, defaults filled)."""
+    """Launch parameters a generated module reads from a tile: the implementation that serves it, the
+    common geometry in a fixed key order, then the implementation's options (its Options model's fields,
+    defaults filled)."""
     return {
+        "impl": impl.impl,
         "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
         "GROUP_M": tile.group_m, "SPLIT_K": tile.split_k,
         "num_warps": tile.num_warps, "num_stages": tile.num_stages,
@@ -71,15 +74,16 @@ def tile_params(tile, impl) -> dict:
     }
 
 
-def render_module(kernel: PlannedKernel) -> str:
-    template = _environment().get_template(kernel.impl.template)
+def render_module(kernel: PlannedKernel, module: PlannedModule) -> str:
+    template = _environment().get_template(module.impl.template)
     return template.render(
         kernel=kernel,
-        name=kernel.name,
+        impl=module.impl,
+        name=module.name,
         scheme=kernel.scheme,
-        digest=kernel_digest(kernel),
+        digest=module_digest(kernel, module),
         arch_range=f"sm_{kernel.min_arch}" + (f" .. sm_{kernel.max_arch}" if kernel.max_arch else " and up"),
-        tiles=[(tile.m_max, tile.n_min, tile_params(tile, kernel.impl)) for tile in kernel.tiles],
+        tiles=[(tile.m_max, tile.n_min, tile_params(tile, module.impl)) for tile in module.tiles],
         layout=kernel.layout,
         layout_dict=None if kernel.layout is None else kernel.layout.model_dump(mode="json"),
         plane_tile_n=PLANE_TILE_N,
@@ -98,22 +102,27 @@ def manifest_entry(kernel: PlannedKernel) -> dict:
         "scheme_definition": kernel.scheme.model_dump(mode="json"),
         "min_arch": kernel.min_arch,
         "max_arch": kernel.max_arch,
-        "tiles": [{"m_max": tile.m_max, "n_min": tile.n_min, **tile_params(tile, kernel.impl)} for tile in kernel.tiles],
+        "tiles": [{"m_max": tile.m_max, "n_min": tile.n_min, **tile_params(tile, impl)}
+                  for tile, impl in zip(kernel.tiles, kernel.tile_impls)],
         "layout": None if kernel.layout is None else kernel.layout.model_dump(mode="json"),
         "zero_bias": None if kernel.layout is None else kernel.layout.zero_bias(),
-        # Optional: a function (tile params, m, device_type, contiguous_groups) -> reason or None that passes a
-        # tile over at run time; kdsl.ops and explain call it.
-        "refusal": kernel.impl.refusal,
-        "module": f"{kernel.module}.py",
-        "function": "launch",
+        # Per implementation: its module, its launch function, and optionally a function
+        # (tile params, call facts) -> reason or None that passes a tile over at run time (kdsl.ops and
+        # explain call it; the next tile serving M and N runs instead).
+        "modules": [{
+            "impl": module.impl.impl,
+            "module": f"{module.name}.py",
+            "function": "launch",
+            "refusal": module.impl.refusal,
+            "digest": module_digest(kernel, module),
+        } for module in kernel.modules],
         "source": kernel.source,
-        "digest": kernel_digest(kernel),
     }
 
 
 def render_all(kernels: list[PlannedKernel]) -> dict[str, str]:
     """{file name inside generated/: text}, including the manifest."""
-    files = {f"{k.module}.py": render_module(k) for k in kernels}
+    files = {f"{m.name}.py": render_module(k, m) for k in kernels for m in k.modules}
     manifest = {
         "format": MANIFEST_FORMAT,
         "generator": "kdsl",

@@ -42,6 +42,7 @@ class KernelImpl:
     reads_prepared_weights: bool = False  # its variants must declare a `layout`
     min_block_m: int = 1  # 16 where block_m rows feed an MMA (tl.dot's smallest M)
     gemv_block_m: bool = False  # block_m = 1 selects a GEMV instead of the MMA
+    gemv_max_m: int = 1  # the most rows its GEMV (block_m = 1) serves well
     refusal: str | None = None  # generated-module function: why a tile should not serve a call (None: it should)
 
     def resolve(self, tile) -> StrictModel:

@@ -65,3 +65,10 @@ def rows(value: torch.Tensor, last: int) -> torch.Tensor:
 def use_kernels(device: torch.device) -> bool:
     """CUDA tensors always run generated kernels; CPU tensors only under Triton's interpreter."""
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def alignment(t: torch.Tensor) -> int:
+    """The largest power of two up to 16 dividing t's base address and its row stride in bytes (what TMA
+    and vector loads care about)."""
+    value = t.data_ptr() | (t.stride(0) * t.element_size()) | 16
+    return value & -value

@@ -215,9 +215,11 @@ def _w4a16_gemm_impl(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
     if entry.layout != prepared.layout:
         raise ValueError(f"prepared: weights are in layout {prepared.layout}, but {entry.name} reads "
                          f"{entry.layout}; prepare them again")
-    refusal = entry.refusal
     m = x2.shape[0]
-    tile = entry.tile_for(m, n, refuses=lambda params: refusal(params, m, device.type, prepared.contiguous_groups))
+    call = registry.Call(m=m, n=n, device_type=device.type, dtype=check.dtype_name(x2.dtype),
+                         act_order=prepared.perm is not None, contiguous_groups=prepared.contiguous_groups,
+                         x_align=check.alignment(x2), scales_align=check.alignment(prepared.scales))
+    tile = entry.tile_for(m, n, call)
     entry.launch(x2, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
                  prepared.contiguous_groups, y.view(-1, n), tile)
     return y

@@ -12,7 +12,7 @@ from types import ModuleType
 
 GENERATED_ENV = "KDSL_GENERATED"  # replaces the shipped kernels' folder
 KERNEL_PATH_ENV = "KDSL_KERNEL_PATH"  # extra folders of generated kernels, searched before the shipped ones
-SUPPORTED_FORMAT = 9
+SUPPORTED_FORMAT = 10
 SHIPPED = "shipped"
 
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -56,9 +56,52 @@ class TileBucket:
         return serves_m and serves_n
 
 
+@dataclass(frozen=True)
+class Call:
+    """What a generated module's refusal function may read of a call, to say why a tile should not serve it:
+    rows, columns, the device, x's dtype (its torch name), and for prepared weights whether x is gathered
+    (act-order), whether row k is in group k // group_size, and the alignment in bytes (up to 16) of x's and
+    the scales' bases and row strides. `explain` asks about a typical GPU call (the defaults)."""
+
+    m: int
+    n: int | None = None
+    device_type: str = "cuda"
+    dtype: str = "float16"
+    act_order: bool = False
+    contiguous_groups: bool = True
+    x_align: int = 16
+    scales_align: int = 16
+
+
+@dataclass(frozen=True, eq=False)
+class KernelModule:
+    """One generated module of a kernel: one implementation's algorithm."""
+
+    impl: str
+    path: Path
+    function: str
+    refusal_function: str | None  # (tile params, Call) -> reason or None
+    import_name: str
+
+    def load(self) -> ModuleType:
+        module = _MODULES.get(self.path)
+        if module is None:
+            module = _MODULES[self.path] = _import_file(self.import_name, self.path)
+        return module
+
+    @property
+    def launch(self):
+        return getattr(self.load(), self.function)
+
+    @property
+    def refusal(self):
+        return None if self.refusal_function is None else getattr(self.load(), self.refusal_function)
+
+
 @dataclass(frozen=True, eq=False)
 class KernelEntry:
-    """One generated kernel: where it may run, how it is tiled, and its module (imported lazily)."""
+    """One generated kernel (a definition's variant for one scheme): where it may run, how it is tiled, and
+    its modules, one per implementation its tiles name (imported lazily)."""
 
     name: str
     op: str
@@ -67,27 +110,31 @@ class KernelEntry:
     min_arch: int
     max_arch: int | None
     tiles: tuple[TileBucket, ...]
-    module_path: Path
-    function: str
-    source: str
+    modules: dict = field(hash=False, compare=False)  # {impl: KernelModule}, the entry's own impl first
+    source: str = ""
     layout: dict | None = field(default=None, hash=False, compare=False)  # prepared-weight layout, if any
     origin: str = SHIPPED  # "shipped", or the folder a user added it from
     zero_bias: dict | None = field(default=None, hash=False, compare=False)  # per dtype name, biased-zero layouts
-    refusal_function: str | None = None  # the module's "should this tile serve this call" function, if any
     scheme_fields: dict = field(default_factory=dict, hash=False, compare=False)  # the scheme as the manifest lists it
 
-    def tile_for(self, m: int, n: int | None = None, refuses=None) -> dict:
+    def tile_for(self, m: int, n: int | None = None, call: Call | None = None) -> dict:
         """Launch parameters for M rows (and N columns, where the definition tiles by N too).
 
-        refuses(params), if given, says why a tile should not serve this call (None: it should): the first
-        tile serving M and N that it does not refuse is chosen, and the last tile if it refuses them all.
+        With `call`, the first tile serving M and N whose module does not refuse the call is chosen (the
+        tile after it, with the same m_max and n_min, is usually its alternative), and the last tile if
+        every one refuses. Without, the first tile serving M and N.
         """
-        if refuses is None:
+        if call is None:
             return self.tiles[self.bucket_index(m, n)].params
         for bucket in self.tiles:
-            if bucket.serves(m, n) and not refuses(bucket.params):
+            if bucket.serves(m, n) and self.refusal_reason(bucket.params, call) is None:
                 return bucket.params
         return self.tiles[-1].params
+
+    def refusal_reason(self, params: dict, call: Call) -> str | None:
+        """Why the tile's module passes it over for this call (None: it serves it)."""
+        refusal = self.modules[params["impl"]].refusal
+        return None if refusal is None else refusal(params, call)
 
     def bucket_index(self, m: int | None, n: int | None = None) -> int:
         """The first tile serving M (None: the last bucket) and N (None: the bucket's tile for every N)."""
@@ -97,22 +144,25 @@ class KernelEntry:
         return len(self.tiles) - 1
 
     def load(self) -> ModuleType:
-        module = _MODULES.get(self.module_path)
-        if module is None:
-            package = "kdsl_generated" if self.origin == SHIPPED else (
-                "kdsl_user_" + hashlib.sha256(self.origin.encode()).hexdigest()[:12])
-            module = _import_file(f"{package}.{self.name}", self.module_path)
-            _MODULES[self.module_path] = module
-        return module
+        """The module of the entry's own implementation."""
+        return self.modules[self.impl].load()
+
+    @property
+    def module_path(self) -> Path:
+        """The file of the entry's own implementation's module."""
+        return self.modules[self.impl].path
+
+    @property
+    def function(self) -> str:
+        return self.modules[self.impl].function
 
     @property
     def launch(self):
-        return getattr(self.load(), self.function)
-
-    @property
-    def refusal(self):
-        """(tile params, m, device_type, contiguous_groups) -> reason or None; None when the kernel declares none."""
-        return None if self.refusal_function is None else getattr(self.load(), self.refusal_function)
+        """launch(*args, tile): the launch function of the module serving `tile`."""
+        if len(self.modules) == 1:
+            return self.modules[self.impl].launch
+        modules = self.modules
+        return lambda *args: modules[args[-1]["impl"]].launch(*args)
 
     @property
     def label(self) -> str:
@@ -158,11 +208,18 @@ def load_manifest(folder: Path | None = None, origin: str = SHIPPED) -> tuple[Ke
             TileBucket(t["m_max"], t["n_min"], {k: v for k, v in t.items() if k not in ("m_max", "n_min")})
             for t in raw["tiles"]
         )
+        package = "kdsl_generated" if origin == SHIPPED else (
+            "kdsl_user_" + hashlib.sha256(origin.encode()).hexdigest()[:12])
+        modules = {
+            m["impl"]: KernelModule(impl=m["impl"], path=folder / m["module"], function=m["function"],
+                                    refusal_function=m.get("refusal"),
+                                    import_name=f"{package}.{m['module'].removesuffix('.py')}")
+            for m in raw["modules"]
+        }
         entries.append(KernelEntry(
             name=raw["name"], op=raw["op"], impl=raw["impl"], scheme=raw["scheme"],
-            min_arch=raw["min_arch"], max_arch=raw["max_arch"], tiles=tiles,
-            module_path=folder / raw["module"], function=raw["function"], source=raw["source"],
-            layout=raw.get("layout"), origin=origin, zero_bias=raw.get("zero_bias"),
-            refusal_function=raw.get("refusal"), scheme_fields=raw.get("scheme_definition", {}),
+            min_arch=raw["min_arch"], max_arch=raw["max_arch"], tiles=tiles, modules=modules,
+            source=raw["source"], layout=raw.get("layout"), origin=origin, zero_bias=raw.get("zero_bias"),
+            scheme_fields=raw.get("scheme_definition", {}),
         ))
     return tuple(entries)

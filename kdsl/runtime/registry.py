@@ -34,6 +34,7 @@ from kdsl.runtime.manifest import (
     GENERATED_ENV,  # noqa: F401 (kdsl.registry re-exports it)
     KERNEL_PATH_ENV,  # noqa: F401 (kdsl.registry re-exports it)
     SHIPPED,
+    Call,
     KernelEntry,
     extra_dirs_from_env,
     load_manifest,
@@ -278,9 +279,11 @@ def explain(op: str, scheme=None, arch: str | int | None = None, m: int | None =
              + ("" if n is None else f" n={n}")]
     if chosen is not None:
         passed_over, bucket = _run_time_refusals(chosen, m, n)
-        lines.append(f"  {chosen.label}: CHOSEN ({chosen.arch_range()}), tile bucket {bucket}: {chosen.tiles[bucket].params}")
-        lines += [f"    tile bucket {index} passed over at run time (on the GPU, groups contiguous): {reason}"
-                  for index, reason in passed_over]
+        tile = chosen.tiles[bucket]
+        lines.append(f"  {chosen.label}: CHOSEN ({chosen.arch_range()}), tile bucket {bucket}: {tile.params['impl']} "
+                     f"({chosen.modules[tile.params['impl']].path.stem}) {tile.params}")
+        lines += [f"    tile bucket {index} ({chosen.tiles[index].params['impl']}) passed over at run time "
+                  f"(GPU, fp16, no act-order): {reason}" for index, reason in passed_over]
     lines += [f"  {entry_name}: {reason}" for entry_name, reason in verdicts]
     for hidden, winner in shadowed():
         if hidden.op == op:
@@ -291,14 +294,14 @@ def explain(op: str, scheme=None, arch: str | int | None = None, m: int | None =
 
 
 def _run_time_refusals(entry: KernelEntry, m: int | None, n: int | None) -> tuple[list[tuple[int, str]], int]:
-    """The tiles serving (M, N) that the kernel's own refusal function passes over on a GPU, with their reasons,
-    and the bucket that then runs: what kdsl.ops does at run time, for weights without act-order."""
-    if entry.refusal_function is None or m is None:
+    """The tiles serving (M, N) that their modules pass over for a typical GPU call (Call's defaults: fp16,
+    no act-order, aligned), with their reasons, and the tile that then runs: what kdsl.ops does at run time."""
+    if m is None:
         return [], entry.bucket_index(m, n)
-    refusal, passed_over = entry.refusal, []
+    call, passed_over = Call(m=m, n=n), []
     for index, bucket in enumerate(entry.tiles):
         if bucket.serves(m, n):
-            reason = refusal(bucket.params, m, "cuda", True)
+            reason = entry.refusal_reason(bucket.params, call)
             if reason is None:
                 return passed_over, index
             passed_over.append((index, reason))

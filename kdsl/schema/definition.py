@@ -48,30 +48,54 @@ class KernelDefinition(StrictModel):
 
 
 def _check_variant(where: str, variant: Variant, scheme) -> list[str]:
-    impl = find_impl(variant.op, variant.impl)
-    if impl is None or impl.family != scheme.kind:
-        known = ", ".join(ops_of_family(scheme.kind))
-        if impl is None and variant.op in ops_of_family(scheme.kind):
-            return [f"{where}.impl: no implementation {variant.impl!r} of op {variant.op!r}"]
-        return [f"{where}.op: {variant.op!r} is not an op of the {scheme.kind} family (ops: {known})"]
+    problems = []
+    for name in variant.impls:
+        impl = find_impl(variant.op, name)
+        at = f"{where}.impl" if name == variant.impl else f"{where}.tiles"
+        if impl is None or impl.family != scheme.kind:
+            known = ", ".join(ops_of_family(scheme.kind))
+            if impl is None and variant.op in ops_of_family(scheme.kind):
+                return [f"{at}: no implementation {name!r} of op {variant.op!r}"]
+            return [f"{where}.op: {variant.op!r} is not an op of the {scheme.kind} family (ops: {known})"]
+        problems += _impl_fits_variant(where, variant, impl, scheme)
+    for t_index, tile in enumerate(variant.tiles):
+        impl = find_impl(variant.op, variant.impl_of(tile))
+        problems.extend(_tile_problems(f"{where}.tiles[{t_index}]", variant, impl, scheme, tile))
+        before = variant.tiles[t_index - 1] if t_index else None
+        if before is not None and (before.m_max, before.n_min) == (tile.m_max, tile.n_min):
+            refused_by = find_impl(variant.op, variant.impl_of(before))
+            if refused_by.refusal is None:
+                problems.append(
+                    f"{where}.tiles[{t_index}]: has the m_max and n_min of tiles[{t_index - 1}], so it serves only "
+                    f"where that tile's kernel refuses a call, but {variant.op}/{refused_by.impl} refuses none; "
+                    "give it its own n_min or drop it")
+    last = find_impl(variant.op, variant.impl_of(variant.tiles[-1]))
+    if last.refusal is not None:
+        problems.append(
+            f"{where}.tiles[{len(variant.tiles) - 1}]: the last tile must serve every call, but "
+            f"{variant.op}/{last.impl} refuses some at run time (on the CPU, for one); follow it with an "
+            "alternative tile (same m_max and n_min) of an implementation that refuses none")
+    return problems
+
+
+def _impl_fits_variant(where: str, variant: Variant, impl: KernelImpl, scheme) -> list[str]:
+    """The variant's arch range and layout against one implementation its tiles use."""
     problems = []
     if variant.min_cc < impl.min_arch:
         need = "FP8 tensor cores" if scheme.kind == "block_fp8" else "its instructions"
         problems.append(
             f"{where}.min_arch: {variant.min_arch} is below {format_arch(impl.min_arch)}, "
-            f"which {variant.op}/{variant.impl} needs for {need}"
+            f"which {variant.op}/{impl.impl} needs for {need}"
         )
     if impl.max_arch is not None and (variant.max_cc is None or variant.max_cc > impl.max_arch):
         problems.append(
-            f"{where}.max_arch: {variant.op}/{variant.impl} uses instructions that exist only up to "
+            f"{where}.max_arch: {variant.op}/{impl.impl} uses instructions that exist only up to "
             f"{format_arch(impl.max_arch)}; set max_arch to at most {format_arch(impl.max_arch)}"
         )
     if impl.reads_prepared_weights and variant.layout is None:
-        problems.append(f"{where}.layout: {variant.op}/{variant.impl} reads prepared weights; declare their layout")
+        problems.append(f"{where}.layout: {variant.op}/{impl.impl} reads prepared weights; declare their layout")
     if not impl.reads_prepared_weights and variant.layout is not None:
-        problems.append(f"{where}.layout: {variant.op}/{variant.impl} reads checkpoint tensors and takes no layout")
-    for t_index, tile in enumerate(variant.tiles):
-        problems.extend(_tile_problems(f"{where}.tiles[{t_index}]", variant, impl, scheme, tile))
+        problems.append(f"{where}.layout: {variant.op}/{impl.impl} reads checkpoint tensors and takes no layout")
     return problems
 
 
@@ -79,16 +103,16 @@ def tile_problems(variant: Variant, tile: Tile, scheme, where: str = "tile") -> 
     """What stops `tile` from serving `variant` for `scheme`, as validation words it: knobs the
     implementation does not honour, block sizes it cannot take, shared memory over any arch of
     the variant's range. Empty when the tile fits. `where` prefixes each problem."""
-    impl = find_impl(variant.op, variant.impl)
+    impl = find_impl(variant.op, variant.impl_of(tile))
     if impl is None or impl.family != scheme.kind:
-        return [f"{where}: {variant.op}/{variant.impl} is not an implementation for {scheme.kind} schemes"]
+        return [f"{where}: {variant.op}/{variant.impl_of(tile)} is not an implementation for {scheme.kind} schemes"]
     return _tile_problems(where, variant, impl, scheme, tile)
 
 
 def _tile_problems(tile_where: str, variant: Variant, impl: KernelImpl, scheme, tile: Tile) -> list[str]:
     problems = []
-    for knob in sorted(tile.model_fields_set - BASE_KNOBS - impl.tile_knobs - {"options"}):
-        problems.append(f"{tile_where}.{knob}: {variant.op}/{variant.impl} does not implement this knob")
+    for knob in sorted(tile.model_fields_set - BASE_KNOBS - impl.tile_knobs - {"options", "impl"}):
+        problems.append(f"{tile_where}.{knob}: {variant.op}/{impl.impl} does not implement this knob")
     try:
         options = impl.resolve(tile)
     except ValidationError as error:
@@ -110,7 +134,7 @@ def _tile_problems(tile_where: str, variant: Variant, impl: KernelImpl, scheme, 
     if tile.block_m < impl.min_block_m and not (impl.gemv_block_m and tile.block_m == 1):
         also = " (or 1 for its CUDA-core GEMV)" if impl.gemv_block_m else ""
         problems.append(f"{tile_where}.block_m: {tile.block_m} is below the {impl.min_block_m} rows of one MMA; "
-                        f"{variant.op}/{variant.impl} takes {impl.min_block_m} or more{also}")
+                        f"{variant.op}/{impl.impl} takes {impl.min_block_m} or more{also}")
     if hasattr(scheme, "pack_factor") and "block_k" in impl.tile_knobs and tile.block_k < scheme.pack_factor:
         problems.append(f"{tile_where}.block_k: {tile.block_k} is smaller than one packed int32 ({scheme.pack_factor} rows)")
     problems.extend(impl.problems(tile_where, scheme, variant, tile, options))
@@ -131,7 +155,7 @@ def _option_problem(tile_where: str, variant: Variant, impl: KernelImpl, error: 
     name = ".".join(str(part) for part in error["loc"])
     if error["type"] == "extra_forbidden":
         known = ", ".join(impl.options.model_fields) or "none"
-        return (f"{tile_where}.options.{name}: {variant.op}/{variant.impl} has no option {name!r} "
+        return (f"{tile_where}.options.{name}: {variant.op}/{impl.impl} has no option {name!r} "
                 f"(its options: {known})")
     return f"{tile_where}.options.{name}: {error['msg']} (got {error.get('input')!r})"
 

@@ -29,6 +29,10 @@ class Tile(StrictModel):
     """Launch parameters for one M bucket: the geometry every GEMM shares, and `options`, the knobs of
     the variant's implementation. Fields an implementation ignores must stay unset."""
 
+    impl: str | None = Field(
+        None, description="the implementation serving this tile (default: the variant's impl); a tile with the same "
+        "m_max and n_min as the one before it is that tile's alternative, used where its kernel refuses the call"
+    )
     m_max: PositiveInt | None = Field(None, description="serves M up to this (inclusive); omit on the last bucket")
     n_min: PositiveInt | None = Field(
         None, description="inside its M bucket, serves N from this up; the bucket's last tile omits it"
@@ -63,9 +67,15 @@ class Variant(StrictModel):
         (decreasing n_min), the last one serving every N."""
         previous_m, previous_n = 0, None
         for index, tile in enumerate(tiles):
-            last = index == len(tiles) - 1
-            closes_bucket = last or tiles[index + 1].m_max != tile.m_max
-            if tile.m_max is None and not last and tiles[index + 1].m_max is not None:
+            if index and (tile.m_max, tile.n_min) == (tiles[index - 1].m_max, tiles[index - 1].n_min):
+                continue  # an alternative to the tile before it (its implementation's refusals are checked later)
+            # The tile that ends this (m_max, n_min) run of alternatives decides the bucket structure.
+            end = index
+            while end + 1 < len(tiles) and (tiles[end + 1].m_max, tiles[end + 1].n_min) == (tile.m_max, tile.n_min):
+                end += 1
+            last = end == len(tiles) - 1
+            closes_bucket = last or tiles[end + 1].m_max != tile.m_max
+            if tile.m_max is None and not last and tiles[end + 1].m_max is not None:
                 raise ValueError(f"tiles[{index}] has no m_max but is not the last bucket")
             if previous_n is None and tile.m_max is not None and tile.m_max <= previous_m:
                 raise ValueError(
@@ -76,7 +86,7 @@ class Variant(StrictModel):
                 raise ValueError(f"tiles[{index}] is the last bucket and must omit m_max so every M is served")
             if tile.n_min is None and not closes_bucket:
                 raise ValueError(
-                    f"tiles[{index}] has the same m_max as tiles[{index + 1}] but no n_min: "
+                    f"tiles[{index}] has the same m_max as tiles[{end + 1}] but no n_min: "
                     "tiles of one M bucket must differ by n_min, and only the bucket's last omits it"
                 )
             if tile.n_min is not None:
@@ -100,6 +110,15 @@ class Variant(StrictModel):
         if self.max_arch is not None and parse_arch(self.max_arch) < parse_arch(self.min_arch):
             raise ValueError(f"max_arch {self.max_arch} is below min_arch {self.min_arch}")
         return self
+
+    def impl_of(self, tile: Tile) -> str:
+        """The implementation that serves `tile`."""
+        return tile.impl or self.impl
+
+    @property
+    def impls(self) -> tuple[str, ...]:
+        """Every implementation the variant's tiles use, the variant's own first: one generated module each."""
+        return tuple(dict.fromkeys([self.impl, *(self.impl_of(tile) for tile in self.tiles)]))
 
     @property
     def min_cc(self) -> int:

@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         shapes = search.shapes_for_bucket(args.op, cases, bucket)
         print(f"kdsl tune: bucket {bucket.label()}: {len(tiles)} candidates on {len(shapes)} shapes", file=sys.stderr)
         results.append(search.search_bucket(bucket, tiles, shapes, make_problem, search.default_timer, _progress,
-                                            impl=find_impl(variant.op, variant.impl)))
+                                            impl=find_impl(variant.op, variant.impl_of(bucket.tile))))
 
     from kdsl.tune.report import format_results
 

@@ -9,8 +9,8 @@ only tiles that validate for every scheme of the definition (kdsl.schema.tile_pr
 knobs, MMA rows, block sizes, shared memory on every arch of the range) are kept.
 
 Kinds of bucket, by the largest M it serves:
-  gemv     m_max = 1 where the implementation has a block_m = 1 GEMV (gemv_block_m), or m_max up to
-           MMA_GEMV_MAX_M where it also has the mma.sync GEMV (mma_gemv), the only GEMV serving M > 1
+  gemv     m_max up to the rows the tile's implementation's GEMV serves well (gemv_max_m: 1 for the
+           CUDA-core GEMVs, 8 for the mma.sync one)
   decode   m_max <= 16: one MMA's rows, narrow N, split K
   mid      m_max <= 128: block_m up to M, some split K
   prefill  the last bucket or m_max > 128: big tiles, deeper pipelines, persistent grids
@@ -22,13 +22,13 @@ import math
 from dataclasses import dataclass
 
 from kdsl.kernels import BASE_KNOBS, KernelImpl, find_impl
-from kdsl.kernels.w4a16.splitk import MMA_GEMV_MAX_M
 from kdsl.schema import Tile, Variant, tile_problems
 
 DEFAULT_MAX_CANDIDATES = 24
 # The fields a tile writes, in the order `kdsl tune` writes them (its options last, as one inline table).
 TILE_FIELDS = tuple(name for name in Tile.model_fields if name != "options") + ("options",)
-COMMON_KNOBS = TILE_FIELDS[2:-1]  # what a candidate may vary besides options; m_max and n_min are the bucket's
+# What a candidate may vary besides options: m_max and n_min are the bucket's, impl the bucket's tile's.
+COMMON_KNOBS = tuple(name for name in TILE_FIELDS if name not in ("impl", "m_max", "n_min", "options"))
 
 
 def knobs_of(impl: KernelImpl) -> tuple[str, ...]:
@@ -53,19 +53,16 @@ MID_MAX_M = 128
 
 # Values tried per knob and kind of bucket; knobs not listed keep the current tile's value.
 GRIDS: dict[str, dict[str, tuple]] = {
-    # block_n 16 with mma_gemv: one mma.sync's columns per program.
+    # block_n 16: one mma.sync's columns per program (the mma.sync GEMV's only width).
     GEMV: {"block_m": (1,), "block_n": (16, 32, 64, 128), "block_k": (128, 256, 512), "split_k": (1, 2, 4, 8),
-           "num_warps": (4, 8), "mma_gemv": (False, True)},
-    # mma_gemv is a GEMV's: MMA candidates of a bucket whose current tile is one turn it off.
+           "num_warps": (4, 8)},
     DECODE: {"block_n": (32, 64, 128), "block_k": (64, 128, 256), "split_k": (1, 2, 4, 8),
-             "num_warps": (4,), "num_stages": (3, 4, 5), "mma_gemv": (False,)},
+             "num_warps": (4,), "num_stages": (3, 4, 5)},
     MID: {"block_n": (64, 128, 256), "block_k": (64, 128), "split_k": (1, 2, 4),
-          "num_warps": (4, 8), "num_stages": (3, 4), "deferred_rescale": (False, True),
-          "overlap_dequant": (False, True), "mma_gemv": (False,)},
+          "num_warps": (4, 8), "num_stages": (3, 4), "deferred_rescale": (False, True)},
     PREFILL: {"block_m": (64, 128, 256), "block_n": (64, 128, 256), "block_k": (64, 128), "split_k": (1, 2),
               "num_warps": (4, 8), "num_stages": (3, 4, 5), "persistent": (False, True),
-              "deferred_rescale": (False, True), "overlap_dequant": (False, True), "edge_tiles": (False, True),
-              "mma_gemv": (False,)},
+              "deferred_rescale": (False, True), "edge_tiles": (False, True)},
 }
 
 
@@ -103,6 +100,11 @@ class Bucket:
 def buckets(variant: Variant) -> list[Bucket]:
     out, lo, n_below = [], 0, None
     for index, tile in enumerate(variant.tiles):
+        if index and (tile.m_max, tile.n_min) == (variant.tiles[index - 1].m_max, variant.tiles[index - 1].n_min):
+            # An alternative to the tile before it (served where that one's kernel refuses): the same M and N.
+            before = out[-1]
+            out.append(Bucket(index, before.lo, tile.m_max, tile, tile.n_min, before.n_below))
+            continue
         out.append(Bucket(index, lo, tile.m_max, tile, tile.n_min, n_below))
         closes = index == len(variant.tiles) - 1 or variant.tiles[index + 1].m_max != tile.m_max
         n_below = None if closes else tile.n_min
@@ -122,7 +124,7 @@ def kinds(bucket: Bucket, impl: KernelImpl) -> list[str]:
 
 
 def _gemv_serves(m_max: int, impl: KernelImpl) -> bool:
-    return bool(impl.gemv_block_m) and (m_max == 1 or (m_max <= MMA_GEMV_MAX_M and "mma_gemv" in impl.options.model_fields))
+    return bool(impl.gemv_block_m) and m_max <= impl.gemv_max_m
 
 
 def _mma_rows(bucket: Bucket, impl: KernelImpl, kind: str) -> tuple[int, ...]:
@@ -140,9 +142,6 @@ def knob_values(bucket: Bucket, impl: KernelImpl, kind: str) -> dict[str, tuple]
     grid = dict(GRIDS[kind])
     if kind in (DECODE, MID):
         grid["block_m"] = _mma_rows(bucket, impl, kind)
-    several_rows = kind == GEMV and bucket.m_max > 1
-    if several_rows:
-        grid["mma_gemv"] = (True,)  # the CUDA-core GEMV runs one row at a time
     honoured = impl.tile_knobs | BASE_KNOBS | set(impl.options.model_fields)
     current = bucket.tile
     # GEMV candidates where an MMA tile serves start from the grid and the defaults: the MMA tile's split
@@ -156,7 +155,7 @@ def knob_values(bucket: Bucket, impl: KernelImpl, kind: str) -> dict[str, tuple]
         mine = knob_value(current, impl, knob)
         if knob == "block_m" and (kind == GEMV or mine == 1):
             values[knob] = options  # GEMV candidates and MMA candidates never mix their row counts
-        elif foreign or (knob == "mma_gemv" and several_rows):
+        elif foreign:
             values[knob] = options or (knob_default(impl, knob),)
         else:
             values[knob] = tuple(dict.fromkeys((*options, mine)))
@@ -184,7 +183,8 @@ def _distance(tile: Tile, current: Tile, impl: KernelImpl) -> tuple[int, float]:
 
 def _make_tile(bucket: Bucket, impl: KernelImpl, knobs: dict[str, object]) -> Tile | None:
     """A Tile with the common knobs as fields and the implementation's as options (defaults left out)."""
-    fields = {name: value for name, value in (("m_max", bucket.m_max), ("n_min", bucket.n_min)) if value is not None}
+    fields = {name: value for name, value in
+              (("impl", bucket.tile.impl), ("m_max", bucket.m_max), ("n_min", bucket.n_min)) if value is not None}
     common = {k: v for k, v in knobs.items() if k in COMMON_KNOBS}
     options = {k: v for k, v in knobs.items() if k not in COMMON_KNOBS and v != knob_default(impl, k)}
     try:
@@ -198,9 +198,9 @@ def candidates(variant: Variant, bucket: Bucket, schemes, max_candidates: int = 
     """The bucket's current tile, then valid candidates nearest it first, at most max_candidates in all."""
     if max_candidates < 1:
         raise ValueError(f"max_candidates must be at least 1, got {max_candidates}")
-    impl = find_impl(variant.op, variant.impl)
+    impl = find_impl(variant.op, variant.impl_of(bucket.tile))
     if impl is None:
-        raise ValueError(f"{variant.op}/{variant.impl} is not in the catalogue")
+        raise ValueError(f"{variant.op}/{variant.impl_of(bucket.tile)} is not in the catalogue")
     current = bucket.tile
     # Candidates leave options at their defaults out; an option the current tile writes at its default
     # launches the same kernel, so it counts as left out here too.

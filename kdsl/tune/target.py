@@ -64,7 +64,7 @@ def stale_tiles(target: Target) -> bool:
     from kdsl.codegen.render import tile_params
     from kdsl.kernels import find_impl
 
-    impl = find_impl(target.entry.op, target.entry.impl)
+    variant = target.variant
     have = [(b.m_max, b.n_min, b.params) for b in target.entry.tiles]
-    want = [(t.m_max, t.n_min, tile_params(t, impl)) for t in target.variant.tiles]
+    want = [(t.m_max, t.n_min, tile_params(t, find_impl(variant.op, variant.impl_of(t)))) for t in variant.tiles]
     return have != want

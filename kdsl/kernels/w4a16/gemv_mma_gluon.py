@@ -1,0 +1,35 @@
+"""w4a16_gemm/gemv_mma_gluon: W4A16 GEMV for M <= 8 on mma.sync, written in Gluon.
+
+A program takes one m16n8k16's 16 columns against x as its 8-wide operand; its warps split K in chunks of
+block_k rows, with the next chunk's loads in flight, and sum in shared memory (no split-K round trip).
+Reads k_planes words with paired (scale, zero). Refuses, at run time, the CPU (Gluon has no interpreter),
+groups that change inside a plane tile, and M > 8: the definition's next tile serves those calls.
+"""
+from kdsl.kernels.base import KernelImpl
+from kdsl.kernels.w4a16.common import needs_layout
+from kdsl.packing import PLANE_TILE_K
+
+# x is the MMA's 8-wide operand.
+MMA_GEMV_MAX_M = 8
+
+
+def problems(where: str, scheme, variant, tile, options) -> list[str]:
+    found = needs_layout(f"{where}.impl", variant, "k_planes", "paired")
+    if tile.block_m != 1:
+        found.append(f"{where}.block_m: {tile.block_m}; a GEMV tile takes block_m = 1")
+    if tile.m_max is None or tile.m_max > MMA_GEMV_MAX_M:
+        found.append(f"{where}.m_max: x is the MMA's 8-wide operand, so the tile serves M up to {MMA_GEMV_MAX_M}; "
+                     f"set m_max <= {MMA_GEMV_MAX_M} (got {tile.m_max if tile.m_max is not None else 'none'})")
+    if tile.block_n != 16:
+        found.append(f"{where}.block_n: a program takes one MMA's 16 columns; needs block_n = 16 (got {tile.block_n})")
+    if tile.block_k % PLANE_TILE_K:
+        found.append(f"{where}.block_k: {tile.block_k} is not a multiple of {PLANE_TILE_K}; the GEMV's warps "
+                     "take chunks of whole plane tiles")
+    return found
+
+
+IMPL = KernelImpl(
+    "w4a16", "w4a16_gemm", "gemv_mma_gluon", "w4a16/gemv_mma_gluon.py.j2", 80, None,
+    "W4A16 GEMV for M <= 8 on mma.sync (Gluon): 16 columns per program, its warps splitting K",
+    tile_knobs=frozenset({"block_m", "block_n", "block_k", "n_min"}), problems=problems,
+    reads_prepared_weights=True, gemv_block_m=True, gemv_max_m=MMA_GEMV_MAX_M, refusal="refusal")
