@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_g128__mma_sm80 (w4a16_gemm/mma: W4A16 MMA on checkpoint-order words: tl.dot on tiles dequantized in registers, split-K in-kernel)
 # scheme: w4a16.int4.g128
 # arch: sm_80 and up
-# digest: 1b074c78e58ee87b (sha256 of this kernel's scheme, variant and templates)
+# digest: bdd5525d906b0086 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -308,6 +308,22 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr, N_MAJOR: 
 
 
 @triton.jit
+def _program_tile(M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
+    """This program's output tile (its id, rows and columns) and its split's run of K blocks [first, last).
+    Rows and columns past the edge wrap onto valid ones (rows, cols): loads stay in bounds, the store drops
+    them (offs_m, offs_n). Each split takes one contiguous run of K blocks."""
+    tile_id = tl.program_id(0)
+    pid_m, pid_n = _tile_coords(tile_id, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M, False)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_blocks, SPLIT_K)
+    first = tl.program_id(1) * per_split
+    return tile_id, offs_m, offs_n, (offs_m % M).to(tl.int64), offs_n % N, first, tl.minimum(first + per_split, k_blocks)
+
+
+@triton.jit
 def _splitk_store(acc, out_ptrs, out_mask, ws_ptr, count_ptr, tile_id, pid_k,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
     """Store a split-K partial; the last of the SPLIT_K programs of a tile sums them and writes out.
@@ -398,18 +414,7 @@ def w4a16_gemm__int4_g128__mma_sm80(
 ):
     """y[M, N] = x[M, perm] @ w[K, N] on prepared weights; SPLIT_K programs share each output tile, each
     taking one contiguous run of K blocks."""
-    tile_id = tl.program_id(0)
-    pid_m, pid_n = _tile_coords(tile_id, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M, False)
-    pid_k = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Rows and columns past the edge wrap onto valid ones: loads stay in bounds, the store drops them.
-    rows = (offs_m % M).to(tl.int64)
-    cols = offs_n % N
-    k_blocks = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_blocks, SPLIT_K)
-    first = pid_k * per_split
-    last = tl.minimum(first + per_split, k_blocks)
+    tile_id, offs_m, offs_n, rows, cols, first, last = _program_tile(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_block in range(first, last):
@@ -422,7 +427,7 @@ def w4a16_gemm__int4_g128__mma_sm80(
 
     out_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    _splitk_store(acc, out_ptrs, out_mask, ws_ptr, count_ptr, tile_id, pid_k, BLOCK_M, BLOCK_N, SPLIT_K)
+    _splitk_store(acc, out_ptrs, out_mask, ws_ptr, count_ptr, tile_id, tl.program_id(1), BLOCK_M, BLOCK_N, SPLIT_K)
 
 
 # Tiles per M bucket, from the definition: (largest M served or None for the rest,
