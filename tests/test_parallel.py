@@ -1,8 +1,8 @@
 """Tensor parallel (kdsl.parallel): shards cut in the packed layouts, and column/row-parallel linears on
 torch.distributed (gloo, spawned CPU processes) agree with the one-rank layer.
 
-Most cases run the ops' torch fallbacks in the workers (TRITON_INTERPRET unset there) for speed; one runs
-the generated kernels through Triton's interpreter.
+Every case runs on the ops' torch fallbacks in the workers (TRITON_INTERPRET unset there), and every scheme
+and parallel style again on the generated kernels through Triton's interpreter.
 """
 import os
 import tempfile
@@ -186,11 +186,14 @@ def test_tensor_parallel_matches_one_rank(world):
     spawn(world)
 
 
-def test_tensor_parallel_through_the_interpreter():
-    """FP8 column (off the grid), GPTQ act-order row and GPTQ row with a random g_idx on the generated kernels."""
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_through_the_interpreter(world):
+    """Every scheme and parallel style on the generated kernels: FP8 column (576 columns, off the 128 grid) and
+    row, GPTQ v1 act-order group 32, GPTQ v2 and AWQ column and row, GPTQ row with a random g_idx."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, set by conftest on the CPU)")
-    spawn(2, interpret=True, selected={"fp8 N=576", "gptq v1 act-order g32", "gptq random g_idx g32"})
+    spawn(world, interpret=True, selected={"fp8 N=576", "fp8", "gptq v1 act-order g32", "gptq v2", "awq",
+                                           "gptq random g_idx g32"})
 
 
 # --- shards without processes ------------------------------------------------------------------------------
