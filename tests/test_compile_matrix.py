@@ -119,6 +119,19 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
         options=("num_warps", "num_stages"),
         out_types=("bf16", "fp16", "fp32"),
     ),
+    # a, b and c as 3-D boxes [1, rows, cols] of their [B, rows, cols] views.
+    ("fp8_bmm", "tma_persistent"): KernelSignature(
+        args={"a_desc": "tensordesc<fp8e4nv[1, {BLOCK_M}, {BLOCK_K}]>",
+              "b_desc": "tensordesc<fp8e4nv[1, {BLOCK_N}, {BLOCK_K}]>",
+              "c_desc": "tensordesc<{out}[1, {BLOCK_M}, {BLOCK_N}]>",
+              "as_ptr": F32, "bs_ptr": F32, "B": I32, "M": I32, "N": I32, "K": I32,
+              "stride_asb": I32, "stride_asm": I32, "stride_ask": I32,
+              "stride_bsb": I32, "stride_bsn": I32, "stride_bsk": I32, "num_programs": I32},
+        constexprs={**GEMM_BLOCKS, "BATCH_INNER": "batch_inner", "SWAP_AB": "swap_ab", "FLATTEN": "flatten",
+                    "WARP_SPECIALIZE": "warp_specialize"},
+        options=("num_warps", "num_stages"),
+        out_types=("bf16", "fp16", "fp32"),
+    ),
     ("fp8_gemm", "tma_persistent"): KernelSignature(
         args={**FP8_GEMM_DESCRIPTORS,
               "as_ptr": F32, "bs_ptr": F32, "c_ptr": "*{out}", "ws_ptr": F32, "count_ptr": "*i32",
@@ -188,6 +201,13 @@ GEMV_SIGNATURES: dict[tuple[str, str], KernelSignature] = {
 }
 
 
+# Implementations whose launch() runs a second, pointer-load kernel, <name>_strided, for tensors a TMA
+# descriptor cannot take (tma_refusal); compiled with an EXTRA_TILES tile that sets "strided".
+STRIDED_SIGNATURES: dict[tuple[str, str], KernelSignature] = {
+    ("fp8_bmm", "tma_persistent"): SIGNATURES[("fp8_bmm", "portable")],
+}
+
+
 @dataclass(frozen=True)
 class GluonKernel:
     knob: str  # the tile flag that selects it
@@ -234,6 +254,8 @@ GLUON_KERNELS: dict[tuple[str, str], tuple[GluonKernel, ...]] = {
 
 def signature_of(entry: KernelEntry, tile: dict) -> tuple[KernelSignature, str]:
     """(signature, kernel function name) that launch() uses for this tile."""
+    if tile.get("strided"):
+        return STRIDED_SIGNATURES[(entry.op, entry.impl)], f"{entry.name}_strided"
     if tile["BLOCK_M"] == 1 and (entry.op, entry.impl) in GEMV_SIGNATURES:
         return GEMV_SIGNATURES[(entry.op, entry.impl)], f"{entry.name}_gemv"
     for gluon in GLUON_KERNELS.get((entry.op, entry.impl), ()):
@@ -264,6 +286,15 @@ EXTRA_TILES: dict[str, dict] = {
     # (groups that change inside a plane tile, more than 8 rows), and definitions without the knob take it.
     "gptq-gemv": tile_params(Tile(block_m=1, block_n=16, block_k=2048, num_warps=4),
                              find_impl("w4a16_gemm", "splitk")),
+    # fp8_bmm's sm_90 module: the strided kernel that calls TMA refuses run, and the tile options no shipped
+    # tile sets (a flattened pipeline, warp specialization, batch-inner order).
+    "bmm-strided": {**tile_params(Tile(block_m=64, block_n=128, num_warps=4, num_stages=3),
+                                  find_impl("fp8_bmm", "tma_persistent")), "strided": True},
+    "bmm-flatten": tile_params(Tile(block_m=64, block_n=128, num_warps=4, num_stages=3,
+                                    options={"flatten": True, "batch_inner": True}),
+                               find_impl("fp8_bmm", "tma_persistent")),
+    "bmm-ws": tile_params(Tile(block_m=64, block_n=128, num_warps=4, num_stages=3,
+                               options={"warp_specialize": True}), find_impl("fp8_bmm", "tma_persistent")),
 }
 
 
@@ -429,6 +460,7 @@ def _fp8_entry(op: str, impl: str) -> KernelEntry:
 TMA = _fp8_entry("fp8_gemm", "tma_persistent")
 PORTABLE = _fp8_entry("fp8_gemm", "portable")
 BMM = _fp8_entry("fp8_bmm", "portable")
+BMM_TMA = _fp8_entry("fp8_bmm", "tma_persistent")
 DEQUANT = _fp8_entry("weight_dequant", "blockwise")
 
 
@@ -488,12 +520,23 @@ def first_mma(entry: KernelEntry) -> int:
     return next(i for i, tile in enumerate(entry.tiles) if tile.params["BLOCK_M"] > 1)
 
 
-@pytest.mark.parametrize("job", [Job(TMA.name, 90, first_mma(TMA)), Job(TMA.name, 90, last(TMA))],
-                         ids=["decode", "prefill"])
+@pytest.mark.parametrize("job", [Job(TMA.name, 90, first_mma(TMA)), Job(TMA.name, 90, last(TMA)),
+                                 *(Job(BMM_TMA.name, 90, i) for i in range(len(BMM_TMA.tiles))),
+                                 Job(BMM_TMA.name, 90, "bmm-flatten"), Job(BMM_TMA.name, 90, "bmm-ws")],
+                         ids=["decode", "prefill", *(f"bmm-tile{i}" for i in range(len(BMM_TMA.tiles))),
+                              "bmm-flatten", "bmm-ws"])
 def test_hopper_gemm_uses_wgmma(job, compiled):
     ptx = ptx_of(compiled, job)
     assert "wgmma" in ptx
     assert re.search(r"wgmma\.mma_async\S*e4m3\.e4m3", ptx), "wgmma does not take e4m3 operands"
+    assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
+
+
+@pytest.mark.parametrize("job", [Job(BMM_TMA.name, 90, "bmm-strided")], ids=["bmm-strided"])
+def test_hopper_bmm_strided_kernel_compiles(job, compiled):
+    """The pointer-load kernel the sm_90 fp8_bmm module runs where TMA cannot take the strides."""
+    ptx = ptx_of(compiled, job)
+    assert ".target sm_90" in ptx and "cp.async.bulk.tensor" not in ptx
 
 
 DEFERRED = [i for i, tile in enumerate(TMA.tiles) if tile.params["deferred_rescale"]]
@@ -573,6 +616,7 @@ def test_portable_gemm_uses_fp8_mma_on_ada(job, compiled):
     Job(PORTABLE.name, 89, last(PORTABLE), "fp16"), Job(PORTABLE.name, 89, last(PORTABLE), "fp32"),
     Job(BMM.name, 89, last(BMM), "fp16"), Job(BMM.name, 89, last(BMM), "fp32"),
     Job(TMA.name, 90, last(TMA), "fp16"), Job(TMA.name, 90, last(TMA), "fp32"),
+    Job(BMM_TMA.name, 90, last(BMM_TMA), "fp16"), Job(BMM_TMA.name, 90, last(BMM_TMA), "fp32"),
     Job(DEQUANT.name, 89, last(DEQUANT), "fp16"), Job(DEQUANT.name, 89, last(DEQUANT), "fp32"),
 ], ids=lambda job: f"{ENTRIES[job.entry].op}-{ENTRIES[job.entry].impl}-{job.out}")
 def test_other_output_dtypes_compile(job, compiled):
