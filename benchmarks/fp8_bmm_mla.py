@@ -1,4 +1,5 @@
-"""fp8_bmm (portable) at DeepSeek-V3 MLA shapes against bf16 torch.bmm, CUDA-graph medians, one process.
+"""fp8_bmm at DeepSeek-V3 MLA shapes against bf16 torch.bmm, CUDA-graph medians, one process (the registry's
+kernel: the portable one when this was written; sm_90 now picks tma_persistent, see `kdsl bench --op fp8_bmm`).
 
     python benchmarks/fp8_bmm_mla.py
 

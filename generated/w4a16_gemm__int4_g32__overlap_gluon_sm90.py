@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_g32__overlap_gluon_sm90 (w4a16_gemm/overlap_gluon: W4A16 GEMM for Hopper (Gluon): TMA ring, block k+1 dequantized while block k's wgmma runs)
 # scheme: w4a16.int4.g32
 # arch: sm_90 .. sm_90
-# digest: 54b4acbcdbee4a99 (sha256 of this kernel's scheme, variant and templates)
+# digest: 0eb74c4970a1bec8 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -596,7 +596,7 @@ def refusal(tile, call):
         return "act-order gathers x's columns, which the kernel's TMA loads of x cannot"
     if not call.contiguous_groups or GROUP_SIZE.value % tile["BLOCK_K"]:
         return f"a group changes inside a {tile['BLOCK_K']}-row K block, which the kernel scales as one"
-    if call.x_align < 16 or call.scales_align < 16:
+    if call.align < 16:
         return "TMA reads rows that start 16-byte aligned, and x's or the (scale, zero) pairs' do not"
     return None
 

@@ -39,11 +39,15 @@ def test_deepseek_v3_preset_is_the_default_and_has_the_issue_shapes():
     gptq = [c for c in cases if c.op == "gptq_gemm"]
     assert {(c.k, c.n) for c in gptq} == {(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)}
     assert sorted({c.m for c in gptq}) == [1, 16, 64, 256] and len(gptq) == 16
+    bmm = [c for c in cases if c.op == "fp8_bmm"]  # issue 33: MLA at 128 and 16 heads
+    assert {(c.batch, c.n, c.k) for c in bmm} == {(128, 512, 128), (128, 128, 512), (16, 512, 128), (16, 128, 512)}
+    assert sorted({c.m for c in bmm}) == [1, 16, 64, 128, 512, 4096] and len(bmm) == 24
+    assert bmm[0].label() == "BATCH=128 M=1 N=512 K=128"
 
 
 def test_llama_preset_covers_every_op_with_valid_shapes():
     cases = preset_cases("llama")
-    assert {c.op for c in cases} == set(OPS)
+    assert {c.op for c in cases} == set(OPS) - {"fp8_bmm"}  # Llama has no MLA
     assert (6144, 4096) in {(c.n, c.k) for c in cases if c.op == "fp8_gemm"}
     for c in cases:
         assert c.op == "weight_dequant" or c.k % 128 == 0
@@ -60,11 +64,13 @@ def test_shape_file_with_every_op(tmp_path):
     path = write(tmp_path, {"fp8_gemm": [{"m": [1, 16], "n": 2112, "k": 7168}],
                             "act_quant": [{"m": 4096, "k": 7168}],
                             "weight_dequant": [{"n": 7168, "k": 16384}],
-                            "gptq_gemm": [{"m": [1], "k": 4096, "n": 4096}]})
+                            "gptq_gemm": [{"m": [1], "k": 4096, "n": 4096}],
+                            "fp8_bmm": [{"batch": 16, "m": [1, 64], "n": 512, "k": 128}]})
     assert resolve_shapes(path) == [
         Case("fp8_gemm", m=1, n=2112, k=7168), Case("fp8_gemm", m=16, n=2112, k=7168),
         Case("act_quant", m=4096, k=7168), Case("weight_dequant", n=7168, k=16384),
-        Case("gptq_gemm", m=1, n=4096, k=4096)]
+        Case("gptq_gemm", m=1, n=4096, k=4096),
+        Case("fp8_bmm", batch=16, m=1, n=512, k=128), Case("fp8_bmm", batch=16, m=64, n=512, k=128)]
 
 
 @pytest.mark.parametrize("doc, expected", [
@@ -81,6 +87,9 @@ def test_shape_file_with_every_op(tmp_path):
     ({"fp8_gemm": [{"m": 1, "n": 256, "k": 100}]}, "fp8_gemm[0].k: 100 is not a multiple"),
     ({"gptq_gemm": [{"m": 1, "n": 4100, "k": 4096}]}, "gptq_gemm[0].n: 4100 is not a multiple of 8"),
     ({"weight_dequant": ["7168x16384"]}, "weight_dequant[0]: expected an object"),
+    ({"fp8_bmm": [{"m": 1, "n": 512, "k": 128}]}, "fp8_bmm[0]: missing key 'batch'"),
+    ({"fp8_bmm": [{"batch": 0, "m": 1, "n": 512, "k": 128}]}, "fp8_bmm[0].batch: expected a positive integer"),
+    ({"fp8_bmm": [{"batch": 2, "m": 1, "n": 520, "k": 128}]}, "fp8_bmm[0].n: 520 is not a multiple of 16"),
 ])
 def test_bad_shape_file_names_file_and_key(tmp_path, doc, expected):
     path = write(tmp_path, doc, name="bad.json")
@@ -98,6 +107,8 @@ def test_graph_timing_covers_small_m_and_every_gptq_gemm():
     assert not graph_timed(Case("fp8_gemm", m=512, n=2112, k=7168))
     assert graph_timed(Case("gptq_gemm", m=256, n=4096, k=4096))
     assert not graph_timed(Case("act_quant", m=4096, k=7168))
+    assert graph_timed(Case("fp8_bmm", batch=128, m=512, n=512, k=128))  # issue 33's bar: graphs up to M = 512
+    assert graph_timed(Case("fp8_bmm", batch=16, m=4096, n=128, k=512))  # and beyond: eager is host-bound there
 
 
 def test_unknown_preset_or_missing_file():
@@ -318,8 +329,12 @@ def fake_ops(wrong_dequant: bool):
         g = torch.arange(qweight.shape[0] * 8) // group_size
         return timing.gptq_reference_weight(qweight, qzeros, scales, g).t().half()
 
+    def fp8_bmm(a, a_s, b, b_s, out_dtype=torch.bfloat16):
+        return torch.stack([timing.fp8_gemm_reference(a[g], a_s[g], b[g], b_s[g]) for g in range(a.shape[0])]
+                           ).to(out_dtype)
+
     return types.SimpleNamespace(
-        act_quant=lambda x, group_size=128: timing.torch_act_quant(x), gptq_dequant=gptq_dequant,
+        act_quant=lambda x, group_size=128: timing.torch_act_quant(x), gptq_dequant=gptq_dequant, fp8_bmm=fp8_bmm,
         fp8_gemm=lambda a, a_s, b, b_s, out_dtype=torch.bfloat16: timing.fp8_gemm_reference(a, a_s, b, b_s).to(out_dtype),
         weight_dequant=weight_dequant, gptq_quantize=gptq_quantize, gptq_gemm=gptq_gemm)
 
@@ -370,6 +385,30 @@ def test_run_case_checks_times_and_flags_on_cpu_stand_ins(cpu_bench):
     # int32 words (K/8 x N), qzeros (G x N/8), fp16 scales (G x N), fp16 output (N x K)
     assert gptq_deq.status == OK and gptq_deq.bytes_moved == 4 * 32 * 16 + 4 * 2 * 2 + 2 * 2 * 16 + 2 * 16 * 256
     assert set(gptq_deq.baselines) == {"copy", "torch"} and gptq_deq.ratio("copy") == 1.0
+
+
+def test_fp8_bmm_case_on_cpu_stand_ins(cpu_bench, monkeypatch):
+    """fp8_bmm: three baselines checked against the fp32 reference where they compute the quantized product,
+    a roofline from the (stand-in) machine ceilings, and graph-timed cases cycling through copies of the weights."""
+    from kdsl.bench import timing
+
+    cpu_bench(fake_ops(wrong_dequant=False))
+    monkeypatch.setattr(timing, "machine_ceilings", lambda: (1e12, 1e15))  # 1 TB/s, 1 PFLOP/s
+    (small,) = timing.run_case(Case("fp8_bmm", batch=2, m=3, n=128, k=256))
+    assert small.status == OK and small.rel_err < 1e-2
+    assert set(small.baselines) == {"bf16_bmm", "cublas_blockwise_loop", "fp8_gemm_loop", "roofline"}
+    assert small.baselines["fp8_gemm_loop"].rel_err < 1e-2
+    copies = timing.MAX_COPIES  # b has 64 KB: the copies cap, not the byte count, decides
+    assert small.kdsl.eager_ms == pytest.approx(0.25 / copies)
+    bytes_moved = 2 * 3 * 256 + 2 * 128 * 256 + 4 * (2 * 3 * 2 + 2 * 1 * 2) + 2 * 2 * 3 * 128
+    assert small.bytes_moved == bytes_moved and small.flops == 2 * 2 * 3 * 128 * 256
+    roofline_ms = 1e3 * bytes_moved / 1e12  # memory-bound at this size
+    assert small.baselines["roofline"].eager_ms == pytest.approx(roofline_ms)
+    assert small.ceiling_fraction() == pytest.approx(roofline_ms / (0.25 / copies))
+    table = report.format_table([small])
+    assert "of roofline" in table and "TB/s" in table and "vs fp8_gemm_loop" in table and "vs roofline" not in table
+    (large,) = timing.run_case(Case("fp8_bmm", batch=1, m=520, n=128, k=128))  # past COLD_MAX_M: one call each
+    assert large.status == OK and large.kdsl.eager_ms == 0.25
 
 
 def test_gptq_prepared_row_appears_with_gptq_prepare(cpu_bench):

@@ -125,6 +125,19 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
         options=("num_warps", "num_stages"),
         out_types=("bf16", "fp16", "fp32"),
     ),
+    # a, b and c as 3-D boxes [1, rows, cols] of their [B, rows, cols] views.
+    ("fp8_bmm", "tma_persistent"): KernelSignature(
+        args={"a_desc": "tensordesc<fp8e4nv[1, {BLOCK_M}, {BLOCK_K}]>",
+              "b_desc": "tensordesc<fp8e4nv[1, {BLOCK_N}, {BLOCK_K}]>",
+              "c_desc": "tensordesc<{out}[1, {BLOCK_M}, {BLOCK_N}]>",
+              "as_ptr": F32, "bs_ptr": F32, "B": I32, "M": I32, "N": I32, "K": I32,
+              "stride_asb": I32, "stride_asm": I32, "stride_ask": I32,
+              "stride_bsb": I32, "stride_bsn": I32, "stride_bsk": I32, "num_programs": I32},
+        constexprs={**GEMM_BLOCKS, "BATCH_INNER": "batch_inner", "SWAP_AB": "swap_ab", "FLATTEN": "flatten",
+                    "WARP_SPECIALIZE": "warp_specialize"},
+        options=("num_warps", "num_stages"),
+        out_types=("bf16", "fp16", "fp32"),
+    ),
     ("fp8_gemm", "tma_persistent"): KernelSignature(
         args={**FP8_GEMM_DESCRIPTORS,
               "as_ptr": F32, "bs_ptr": F32, "c_ptr": "*{out}", "ws_ptr": F32, "count_ptr": "*i32",
@@ -282,6 +295,12 @@ EXTRA_TILES: dict[str, dict] = {
     # The block-FP8 GEMV (block_m = 1): measured, then not picked for M = 1 (kernel_defs/block_fp8.toml).
     "fp8-gemv": tile_params(Tile(block_m=1, block_n=64, block_k=256, split_k=8),
                             find_impl("fp8_gemm", "tma_persistent")),
+    # fp8_bmm's sm_90 options no shipped tile sets (a flattened pipeline with batch-inner order, warp specialization).
+    "bmm-flatten": tile_params(Tile(block_m=64, block_n=128, num_warps=4, num_stages=3,
+                                    options={"flatten": True, "batch_inner": True}),
+                               find_impl("fp8_bmm", "tma_persistent")),
+    "bmm-ws": tile_params(Tile(block_m=64, block_n=128, num_warps=4, num_stages=3,
+                               options={"warp_specialize": True}), find_impl("fp8_bmm", "tma_persistent")),
 }
 
 
@@ -448,6 +467,7 @@ def _fp8_entry(op: str, impl: str) -> KernelEntry:
 TMA = _fp8_entry("fp8_gemm", "tma_persistent")
 PORTABLE = _fp8_entry("fp8_gemm", "portable")
 BMM = _fp8_entry("fp8_bmm", "portable")
+BMM_TMA = _fp8_entry("fp8_bmm", "tma_persistent")
 DEQUANT = _fp8_entry("weight_dequant", "blockwise")
 
 
@@ -507,12 +527,19 @@ def first_mma(entry: KernelEntry) -> int:
     return next(i for i, tile in enumerate(entry.tiles) if tile.params["BLOCK_M"] > 1)
 
 
-@pytest.mark.parametrize("job", [Job(TMA.name, 90, first_mma(TMA)), Job(TMA.name, 90, last(TMA))],
-                         ids=["decode", "prefill"])
+BMM_TMA_TILES = [i for i, tile in enumerate(BMM_TMA.tiles) if tile.params["impl"] == "tma_persistent"]
+
+
+@pytest.mark.parametrize("job", [Job(TMA.name, 90, first_mma(TMA)), Job(TMA.name, 90, last(TMA)),
+                                 *(Job(BMM_TMA.name, 90, i) for i in BMM_TMA_TILES),
+                                 Job(BMM_TMA.name, 90, "bmm-flatten"), Job(BMM_TMA.name, 90, "bmm-ws")],
+                         ids=["decode", "prefill", *(f"bmm-tile{i}" for i in BMM_TMA_TILES),
+                              "bmm-flatten", "bmm-ws"])
 def test_hopper_gemm_uses_wgmma(job, compiled):
     ptx = ptx_of(compiled, job)
     assert "wgmma" in ptx
     assert re.search(r"wgmma\.mma_async\S*e4m3\.e4m3", ptx), "wgmma does not take e4m3 operands"
+    assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
 
 
 DEFERRED = [i for i, tile in enumerate(TMA.tiles) if tile.params["deferred_rescale"]]
@@ -593,11 +620,12 @@ def test_portable_gemm_uses_fp8_mma_on_ada(job, compiled):
     Job(PORTABLE.name, 89, last(PORTABLE), "fp16"), Job(PORTABLE.name, 89, last(PORTABLE), "fp32"),
     Job(BMM.name, 89, last(BMM), "fp16"), Job(BMM.name, 89, last(BMM), "fp32"),
     Job(TMA.name, 90, last(TMA), "fp16"), Job(TMA.name, 90, last(TMA), "fp32"),
+    Job(BMM_TMA.name, 90, BMM_TMA_TILES[-1], "fp16"), Job(BMM_TMA.name, 90, BMM_TMA_TILES[-1], "fp32"),
     Job(DEQUANT.name, 89, last(DEQUANT), "fp16"), Job(DEQUANT.name, 89, last(DEQUANT), "fp32"),
 ], ids=lambda job: f"{ENTRIES[job.entry].op}-{ENTRIES[job.entry].impl}-{job.out}")
 def test_other_output_dtypes_compile(job, compiled):
     entry = ENTRIES[job.entry]
-    assert job.out in SIGNATURES[(entry.op, entry.impl)].out_types
+    assert job.out in SIGNATURES[(entry.op, job.params["impl"])].out_types
     ptx = ptx_of(compiled, job)
     assert f".target sm_{job.cc}" in ptx
 

@@ -19,9 +19,12 @@ from conftest import interpreting
 from reference import FP8, fp8_gemm_ref, random_fp8, random_scales, rel_fro_error
 
 import kdsl
+from kdsl.ops import _checks as check
 from kdsl import registry
 
 BMM = "fp8_bmm__e4m3_w128x128_a128_f32__portable_sm89"
+TMA = "fp8_bmm__e4m3_w128x128_a128_f32__tma_persistent_sm90"
+KERNELS = {"sm_89": BMM, "sm_90": TMA}  # KDSL_ARCH -> the kernel the registry picks (both run in the interpreter)
 MLA_SHAPES = [(128, 512), (512, 128)]  # (N, K): q_nope x w_kc (absorb), and the latent back through w_vc
 LIMITS = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 
@@ -67,11 +70,21 @@ def launches(monkeypatch):
     return calls
 
 
-def expect_launch(launches, count=1):
+def expect_launch(launches, count=1, kernel=BMM):
     if interpreting():
-        assert len(launches) == count and all(name == BMM for name, _ in launches), launches
+        assert len(launches) == count and all(name == kernel for name, _ in launches), launches
     else:
         assert launches == []
+
+
+@pytest.fixture(params=sorted(KERNELS))
+def arch(request, monkeypatch):
+    """Each kernel in turn, selected through KDSL_ARCH: the portable one (sm_89) and the TMA one (sm_90)."""
+    monkeypatch.setenv("KDSL_ARCH", request.param)
+    registry.reset()
+    yield request.param
+    monkeypatch.delenv("KDSL_ARCH")
+    registry.reset()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,7 +93,7 @@ def expect_launch(launches, count=1):
 @pytest.mark.parametrize("n, k", MLA_SHAPES, ids=lambda v: str(v))
 @pytest.mark.parametrize("m", [0, 1, 5, 33])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_fp8_bmm_matches_reference(batch, m, n, k, launches):
+def test_fp8_bmm_matches_reference(batch, m, n, k, arch, launches):
     torch.manual_seed(100 * batch + m + n)
     a, a_s, b, b_s = mla_operands(batch, m, n, k)
     assert a.stride() == (k, batch * k, 1)  # a view of [M, B, K]
@@ -90,7 +103,7 @@ def test_fp8_bmm_matches_reference(batch, m, n, k, launches):
     if m == 0:
         assert launches == []
         return
-    expect_launch(launches)
+    expect_launch(launches, kernel=KERNELS[arch])
     if interpreting():
         # No copy: the kernel got a's and a_s's storage and strides, and wrote the returned tensor.
         ka, ka_s, kb, kb_s, kc = launches[0][1]
@@ -99,7 +112,7 @@ def test_fp8_bmm_matches_reference(batch, m, n, k, launches):
 
 
 @pytest.mark.parametrize("n, k", MLA_SHAPES, ids=lambda v: str(v))
-def test_fp8_bmm_writes_a_transposed_out_in_place(n, k, launches):
+def test_fp8_bmm_writes_a_transposed_out_in_place(n, k, arch, launches):
     batch, m = 3, 5
     a, a_s, b, b_s = mla_operands(batch, m, n, k)
     buffer = torch.full((m, batch, n), 7.0, dtype=torch.bfloat16)
@@ -113,27 +126,27 @@ def test_fp8_bmm_writes_a_transposed_out_in_place(n, k, launches):
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32], ids=["float16", "float32"])
-def test_fp8_bmm_out_dtype(out_dtype, launches):
+def test_fp8_bmm_out_dtype(out_dtype, arch, launches):
     a, a_s, b, b_s = mla_operands(2, 9, 128, 256)
     check_bmm(kdsl.ops.fp8_bmm(a, a_s, b, b_s, out_dtype=out_dtype), a, a_s, b, b_s, out_dtype)
     out = torch.empty(2, 9, 128, dtype=out_dtype)
     assert kdsl.ops.fp8_bmm(a, a_s, b, b_s, out_dtype=out_dtype, out=out) is out
     check_bmm(out, a, a_s, b, b_s, out_dtype)
-    expect_launch(launches, 2)
+    expect_launch(launches, 2, KERNELS[arch])
 
 
-def test_fp8_bmm_every_tile_bucket(launches):
+def test_fp8_bmm_every_tile_bucket(arch, launches):
     """One M per bucket of the kernel (the largest each serves, and past the last bound), N not a
     multiple of either tile's block_n, strided b_s."""
     entry = registry.dispatch("fp8_bmm", kdsl.BlockFP8().name, torch.device("cpu"))
-    assert entry.name == BMM
+    assert entry.name == KERNELS[arch]
     bounds = [bucket.m_max for bucket in entry.tiles if bucket.m_max is not None]
     for m in sorted({*bounds, bounds[-1] + 3, 70}):
         a, a_s, b, _ = mla_operands(2, m, 208, 256)
         b_s = random_scales(2, 2, 2).transpose(1, 2).contiguous().transpose(1, 2)  # [2, 2, 2], not contiguous
         assert not b_s.is_contiguous()
         check_bmm(kdsl.ops.fp8_bmm(a, a_s, b, b_s), a, a_s, b, b_s)
-    expect_launch(launches, len({*bounds, bounds[-1] + 3, 70}))
+    expect_launch(launches, len({*bounds, bounds[-1] + 3, 70}), KERNELS[arch])
 
 
 def test_fp8_bmm_of_quantized_operands():
@@ -255,10 +268,113 @@ def test_unserved_scheme_is_refused_on_every_path(interpret, tmp_path, monkeypat
         kdsl.ops.fp8_bmm(a, a_s, b, b_s)
 
 
-def test_registry_picks_the_portable_kernel_on_every_arch():
-    for arch in ("sm_89", "sm_90", "sm_100"):
+def test_registry_picks_tma_on_hopper_and_portable_elsewhere():
+    for arch in ("sm_89", "sm_100"):
         assert registry.select("fp8_bmm", kdsl.BlockFP8(), arch=arch).name == BMM
-    assert "CHOSEN" in registry.explain("fp8_bmm", None, arch="sm_90", m=1)
+    assert registry.select("fp8_bmm", kdsl.BlockFP8(), arch="sm_90").name == TMA
+    explained = registry.explain("fp8_bmm", None, arch="sm_90", m=1)
+    assert f"{TMA}: CHOSEN" in explained and f"{BMM}: fits sm_89+, but {TMA} is more specific" in explained
+
+
+# ---------------------------------------------------------------------------------------------
+# The sm_90 variant on the CPU (the interpreter runs its TMA descriptors): what TMA cannot take, the TMA
+# module refuses, and the alternative tile (the portable kernel, same blocks) serves
+
+TMA_PORTABLE = TMA.replace("tma_persistent", "portable")
+
+
+@pytest.fixture
+def tma_kernels(monkeypatch):
+    """KDSL_ARCH=sm_90; the sm_90 entry, and the modules its launches ran, in order."""
+    monkeypatch.setenv("KDSL_ARCH", "sm_90")
+    registry.reset()
+    entry = registry.select("fp8_bmm", kdsl.BlockFP8(), arch="sm_90")
+    names = []
+    for kernel_module in entry.modules.values():
+        module = kernel_module.load()
+
+        def spy(*args, _original=module.launch, _name=kernel_module.path.stem):
+            names.append(_name)
+            return _original(*args)
+
+        monkeypatch.setattr(module, "launch", spy)
+    yield entry, names
+    monkeypatch.delenv("KDSL_ARCH")
+    registry.reset()
+
+
+def _call(a, b, out):
+    return registry.Call(m=a.shape[1], n=b.shape[1], device_type="cpu", dtype="bfloat16",
+                         align=check.alignment(a, b, out))
+
+
+def test_tma_kernel_takes_mla_views(tma_kernels):
+    entry, names = tma_kernels
+    a, a_s, b, b_s = mla_operands(3, 5, 512, 128)
+    buffer = torch.zeros(5, 3, 512, dtype=torch.bfloat16)
+    tile = entry.tile_for(5, 512, _call(a, b, buffer.transpose(0, 1)))
+    assert tile["impl"] == "tma_persistent"
+    check_bmm(kdsl.ops.fp8_bmm(a, a_s, b, b_s, out=buffer.transpose(0, 1)), a, a_s, b, b_s)
+    # A size-1 dimension is never stepped: its stride need not suit TMA (M = 1 out of a wider buffer).
+    wide = torch.zeros(3, 1, 520, dtype=torch.bfloat16)[:, :, :512]
+    assert check.alignment(a[:, :1], b, wide) == 16
+    one = kdsl.ops.fp8_bmm(a[:, :1], a_s[:, :1], b, b_s, out=wide)
+    check_bmm(one, a[:, :1], a_s[:, :1], b, b_s)
+    assert names == [TMA, TMA]
+
+
+@pytest.mark.parametrize("case", ["a-offset", "out-stride", "b-broadcast"])
+def test_tma_refusal_passes_the_call_to_the_portable_tile(case, tma_kernels):
+    """a off a 16-byte boundary, out with a batch stride of 264 bytes, b broadcast over the batch (stride 0): TMA
+    cannot take them; the TMA module says why, and the alternative tile, the portable kernel, runs the call,
+    with the right answer and no copy."""
+    entry, names = tma_kernels
+    batch, m, n, k = 2, 5, 128, 256
+    a, a_s, b, b_s = mla_operands(batch, m, n, k)
+    out = torch.empty(batch, m, n, dtype=torch.bfloat16)
+    if case == "a-offset":
+        storage = random_fp8(batch * m * k + 16)
+        a = storage[1:1 + batch * m * k].view(batch, m, k)
+    elif case == "out-stride":
+        out = torch.empty(m, batch, n + 4, dtype=torch.bfloat16)[:, :, :n].transpose(0, 1)
+    else:
+        b = random_fp8(1, n, k).expand(batch, n, k)
+    call = _call(a, b, out)
+    tma_tile = entry.tile_for(m, n)
+    assert tma_tile["impl"] == "tma_persistent"
+    reason = entry.refusal_reason(tma_tile, call)
+    assert reason.startswith("TMA needs every base and stepped stride of a, b and out")
+    assert ("broadcast" in reason) == (case == "b-broadcast")
+    chosen = entry.tile_for(m, n, call)
+    assert chosen["impl"] == "portable" and (chosen["BLOCK_M"], chosen["BLOCK_N"]) == (16, 64)
+    c = kdsl.ops.fp8_bmm(a, a_s, b, b_s, out=out)
+    assert c is out
+    check_bmm(c, a, a_s, b, b_s)
+    assert names == [TMA_PORTABLE]
+
+
+def test_tma_options_are_checked_by_the_unit():
+    """The unit's own rules: one scale per K block, one weight scale per tile, swap_ab's 64 rows of B,
+    persistent-only knobs; and the knobs of other implementations are not options here."""
+    from pydantic import ValidationError
+
+    from kdsl.kernels import find_impl
+    from kdsl.schema import Tile
+
+    impl = find_impl("fp8_bmm", "tma_persistent")
+    scheme = kdsl.BlockFP8()
+
+    def problems(**fields):
+        tile = Tile(**fields)
+        return impl.problems("tiles[0]", scheme, None, tile, impl.resolve(tile))
+
+    assert problems(block_m=64, block_n=128) == []
+    assert any("block_k: needs 128" in p for p in problems(block_m=64, block_k=64))
+    assert any("block_n: needs to divide" in p for p in problems(block_m=64, block_n=256))
+    assert any("swap_ab" in p for p in problems(block_m=16, block_n=32, options={"swap_ab": True}))
+    assert any("flatten" in p for p in problems(block_m=64, options={"persistent": False, "flatten": True}))
+    with pytest.raises(ValidationError):
+        impl.resolve(Tile(block_m=64, options={"deferred_rescale": True}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,3 +473,20 @@ def test_fp8_bmm_nan_on_gpu():
     assert c[3, 10].isnan().all()
     c[3, 10] = 0
     assert torch.isfinite(c).all()
+
+
+@pytest.mark.gpu
+def test_fp8_bmm_strided_fallback_on_gpu():
+    """On sm_90, an out whose batch stride TMA cannot take (264 bytes) runs the portable alternative tile."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 kernels need sm_89 or newer")
+    batch, m, n, k = 16, 64, 128, 512
+    a, a_s, b, b_s = mla_operands(batch, m, n, k, device="cuda")
+    buffer = torch.empty(m, batch, n + 4, dtype=torch.bfloat16, device="cuda")
+    out = buffer[:, :, :n].transpose(0, 1)
+    entry = registry.dispatch("fp8_bmm", kdsl.BlockFP8().name, a.device)
+    if entry.name == TMA:
+        call = registry.Call(m=m, n=n, align=check.alignment(a, b, out))
+        assert call.align == 4 and entry.tile_for(m, n, call)["impl"] == "portable"
+    assert kdsl.ops.fp8_bmm(a, a_s, b, b_s, out=out) is out
+    check_bmm(out, a, a_s, b, b_s)

@@ -20,9 +20,13 @@ and check every kdsl result against an fp32 reference on fresh random data.
   gptq_gemm       vs fp16 torch.matmul (INT4, group size 128; also gptq_gemm[prepared]
                   when kdsl.ops has gptq_prepare)
   gptq_dequant    vs a device copy of the same bytes and the torch expression (INT4 -> fp16)
+  fp8_bmm         vs bf16 torch.bmm on the dequantized weights and per-batch loops of torch._scaled_mm
+                  (blockwise) and of kdsl's fp8_gemm; a is MLA's transposed [M, B, K] view; the
+                  fraction of the roofline (bytes / measured copy rate, FLOPs / measured FP8 rate)
 
 Times are medians of triton.testing.do_bench (L2 flushed), plus do_bench_cudagraph for M <= 128
-(and for gptq_gemm at every M: its bar is on graph timing).
+(gptq_gemm: every M, its bar is on graph timing; fp8_bmm: every M, and up to M = 512 its calls cycle
+through copies of the weights so that each reads them cold).
 Ratios are baseline time / kdsl time (> 1: kdsl faster). A result outside tolerance is marked
 WRONG and the command exits 1.
 
@@ -31,7 +35,8 @@ shape presets:
                at M = 1 16 64 128 512 4096; act_quant [M,K] = [4096,7168] [16384,7168];
                weight_dequant (N,K) = (7168,16384) (24576,1536); gptq_gemm KxN = 4096x4096
                4096x14336 14336x4096 8192x28672 at M = 1 16 64 256; gptq_dequant (N,K) =
-               (14336,4096) (28672,8192)
+               (14336,4096) (28672,8192); fp8_bmm (B,N,K) = (128,512,128) (128,128,512)
+               (16,512,128) (16,128,512) at M = 1 16 64 128 512 4096
   llama        Llama-3-8B and 70B linears, (N,K) = qkv (6144,4096) o (4096,4096)
                gate_up (28672,4096) down (4096,14336); qkv (10240,8192) o (8192,8192)
                gate_up (57344,8192) down (8192,28672). fp8_gemm: all eight at M = 1 16 64 128
@@ -42,7 +47,7 @@ shape presets:
 shape file (JSON), keyed by op; "m" may be an integer or a list, K a multiple of 128:
   {"fp8_gemm": [{"m": [1, 16], "n": 2112, "k": 7168}], "act_quant": [{"m": 4096, "k": 7168}],
    "weight_dequant": [{"n": 7168, "k": 16384}], "gptq_gemm": [{"m": [1], "k": 4096, "n": 4096}],
-   "gptq_dequant": [{"n": 14336, "k": 4096}]}
+   "gptq_dequant": [{"n": 14336, "k": 4096}], "fp8_bmm": [{"batch": 128, "m": [1], "n": 512, "k": 128}]}
 
 exit status: 0 all correct, 1 some result WRONG or failing, 2 cannot run (no GPU, bad arguments).
 """

@@ -35,12 +35,13 @@ import json
 import math
 from pathlib import Path
 
-from kdsl.bench.results import ERROR, OK, UNAVAILABLE, WRONG, Result, Timing
+from kdsl.bench.results import ERROR, OK, ROOFLINE, UNAVAILABLE, WRONG, Result, Timing
 
 SCHEMA_VERSION = 1
 TIMING_NOTE = {
     "eager": "triton.testing.do_bench(return_mode='median'), L2 flushed before each call",
-    "graph": "triton.testing.do_bench_cudagraph(return_mode='median'), for M <= 128 (gptq_gemm: every M)",
+    "graph": "triton.testing.do_bench_cudagraph(return_mode='median'), for M <= 128 (gptq_gemm, fp8_bmm: "
+             "every M)",
 }
 _STATUS_CELL = {OK: "ok", WRONG: "WRONG", ERROR: "ERROR", UNAVAILABLE: "n/a"}
 
@@ -95,6 +96,19 @@ def _render(header: list[str], rows: list[list[str]], left: int) -> list[str]:
                       for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in [header, *rows]]
 
 
+def format_roofline_table(op: str, results: list[Result]) -> list[str]:
+    """GEMMs held against a measured roofline (fp8_bmm): rates and fraction on CUDA-graph times where taken."""
+    names = [n for n in baseline_names(results) if n != ROOFLINE]
+    header = ["shape", "impl", "kdsl ms", "graph ms", "TB/s", "TFLOP/s", "of roofline", *(f"vs {n}" for n in names),
+              "rel err", "status"]
+    rows = [[r.case.label(), r.impl, _num(r.kdsl.eager_ms, ".4f"), _num(r.kdsl.graph_ms, ".4f"),
+             _num(r.tbps(r.best_ms), ".2f"), _num(r.tflops(r.best_ms), ".1f"),
+             _num(None if r.ceiling_fraction() is None else 100 * r.ceiling_fraction(), ".0f", "%"),
+             *(_ratio_cell(r, n) for n in names), _num(r.rel_err, ".2e"), _STATUS_CELL[r.status]] for r in results]
+    return [f"== {op} ==  ratios = baseline time / kdsl time (>1: kdsl faster), eager / cuda-graph; "
+            "TB/s, TFLOP/s and roofline on cuda-graph times where taken", *_render(header, rows, left=2)]
+
+
 def format_op_table(op: str, results: list[Result]) -> str:
     names = baseline_names(results)
     memory_bound = results[0].memory_bound
@@ -112,6 +126,7 @@ def format_op_table(op: str, results: list[Result]) -> str:
                      *(_ratio_cell(r, n) for n in names), _host_cell(r, names[0] if names else None),
                      _num(r.rel_err, ".2e"), _STATUS_CELL[r.status]])
     title = f"== {op} ==  ratios = baseline time / kdsl time (>1: kdsl faster), eager / cuda-graph"
+    lines = format_roofline_table(op, results) if ROOFLINE in names else [title, *_render(header, rows, left=2)]
     notes = [f"  {r.case.label()} {r.impl}: {r.status}: {r.detail}" for r in results if r.status != OK]
     seen: dict[tuple[str, str], list[str]] = {}
     for r in results:
@@ -120,7 +135,7 @@ def format_op_table(op: str, results: list[Result]) -> str:
                 seen.setdefault((name, t.error), []).append(r.case.label())
     notes += [f"  baseline {name} unavailable for {labels[0]}" + (f" (+{len(labels) - 1} more)" if len(labels) > 1 else "")
               + f": {err}" for (name, err), labels in seen.items()]
-    return "\n".join([title, *_render(header, rows, left=2), *notes])
+    return "\n".join([*lines, *notes])
 
 
 def format_table(results: list[Result]) -> str:

@@ -12,6 +12,9 @@ OK, WRONG, ERROR, UNAVAILABLE = "ok", "WRONG", "ERROR", "not available"
 FAILED = (WRONG, ERROR)  # statuses that make `kdsl bench` exit 1
 MEMORY_BOUND_OPS = ("act_quant", "weight_dequant", "gptq_dequant")  # rated in TB/s against the copy baseline
 COPY = "copy"
+# A computed pseudo-baseline: the roofline time of the case (the larger of bytes / measured copy bandwidth and
+# FLOPs / measured FP8 rate), so its ratio is kdsl's fraction of the roofline.
+ROOFLINE = "roofline"
 
 
 @dataclass
@@ -48,6 +51,11 @@ class Result:
     def tbps(self, ms: float | None) -> float | None:
         return self.bytes_moved / (ms * 1e-3) / 1e12 if self.bytes_moved and ms else None
 
+    @property
+    def best_ms(self) -> float | None:
+        """kdsl's CUDA-graph time where measured, else its eager time."""
+        return self.kdsl.graph_ms or self.kdsl.eager_ms
+
     def rate(self, ms: float | None) -> float | None:
         """The headline rate: TB/s for memory-bound ops, TFLOP/s for GEMMs."""
         return self.tbps(ms) if self.memory_bound else self.tflops(ms)
@@ -62,9 +70,12 @@ class Result:
 
     def ceiling_fraction(self) -> float | None:
         """Memory-bound ops: share of the copy bandwidth measured for the same bytes.
-        GEMMs: time of the fastest baseline / kdsl time (no roofline is measured for them)."""
+        GEMMs with a roofline (fp8_bmm): its share, on CUDA-graph times where measured.
+        Other GEMMs: time of the fastest baseline / kdsl time (no roofline is measured for them)."""
         if self.memory_bound:
             return self.ratio(COPY)
+        if ROOFLINE in self.baselines:
+            return self.ratio(ROOFLINE, "graph") or self.ratio(ROOFLINE)
         ratios = [r for name in self.baselines if (r := self.ratio(name)) is not None]
         return min(ratios) if ratios else None
 

@@ -6,11 +6,13 @@ A shape file is a JSON object whose keys are op names; each maps to a list of en
      "act_quant":      [{"m": 4096, "k": 7168}],
      "weight_dequant": [{"n": 7168, "k": 16384}],
      "gptq_gemm":      [{"m": [1], "k": 4096, "n": 4096}],
-     "gptq_dequant":   [{"n": 14336, "k": 4096}]}
+     "gptq_dequant":   [{"n": 14336, "k": 4096}],
+     "fp8_bmm":        [{"batch": 128, "m": [1, 64], "n": 512, "k": 128}]}
 
 Entry keys per op are OP_DIMS[op]; "m" (tokens) may be an integer or a list of integers, the
 others are integers. K must be a multiple of 128 (the quantization group) except for
-weight_dequant, whose scale grid is ceil(N/128) x ceil(K/128); GPTQ N must be a multiple of 8.
+weight_dequant, whose scale grid is ceil(N/128) x ceil(K/128); GPTQ N must be a multiple of 8, fp8_bmm's
+N of 16.
 """
 from __future__ import annotations
 
@@ -18,13 +20,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-OPS = ("fp8_gemm", "act_quant", "weight_dequant", "gptq_gemm", "gptq_dequant")
+OPS = ("fp8_gemm", "act_quant", "weight_dequant", "gptq_gemm", "gptq_dequant", "fp8_bmm")
 OP_DIMS: dict[str, tuple[str, ...]] = {
     "fp8_gemm": ("m", "n", "k"),
     "act_quant": ("m", "k"),
     "weight_dequant": ("n", "k"),
     "gptq_gemm": ("m", "n", "k"),
     "gptq_dequant": ("n", "k"),
+    "fp8_bmm": ("batch", "m", "n", "k"),  # batch: MLA's heads
 }
 GROUP = 128  # block-FP8 group / block edge and the GPTQ group size used by the bench
 
@@ -37,6 +40,7 @@ class Case:
     m: int | None = None
     n: int | None = None
     k: int | None = None
+    batch: int | None = None
 
     def dims(self) -> dict[str, int]:
         return {d: getattr(self, d) for d in OP_DIMS[self.op]}
@@ -63,7 +67,11 @@ def _deepseek_v3() -> list[Case]:
     gptq = _gemms("gptq_gemm", [(n, k) for k, n in ((4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672))],
                   [1, 16, 64, 256])
     gptq_deq = [Case("gptq_dequant", n=n, k=k) for n, k in ((14336, 4096), (28672, 8192))]
-    return fp8 + act + deq + gptq + gptq_deq
+    # MLA's absorbed per-head GEMMs (B, N, K) at 128 heads (TP = 1) and 16 (TP = 8).
+    bmm = [Case("fp8_bmm", batch=b, m=m, n=n, k=k) for b, n, k in ((128, 512, 128), (128, 128, 512),
+                                                                  (16, 512, 128), (16, 128, 512))
+           for m in (1, 16, 64, 128, 512, 4096)]
+    return fp8 + act + deq + gptq + gptq_deq + bmm
 
 
 def _llama() -> list[Case]:
@@ -98,6 +106,8 @@ def _check_divisibility(op: str, n: int | None, k: int, where: str) -> None:
         raise ShapeFileError(f"{where}.k: {k} is not a multiple of the group size {GROUP}")
     if op in ("gptq_gemm", "gptq_dequant") and n is not None and n % 8:
         raise ShapeFileError(f"{where}.n: {n} is not a multiple of 8 (int4 packing of qzeros)")
+    if op == "fp8_bmm" and n % 16:
+        raise ShapeFileError(f"{where}.n: {n} is not a multiple of 16 (fp8_bmm's N)")
 
 
 def parse_shape_entries(doc: object, source: str) -> list[Case]:
@@ -123,6 +133,7 @@ def parse_shape_entries(doc: object, source: str) -> list[Case]:
                 raise ShapeFileError(f"{where}: missing key {missing[0]!r}")
             n = _positive_int(entry["n"], f"{where}.n") if "n" in wanted else None
             k = _positive_int(entry["k"], f"{where}.k")
+            batch = _positive_int(entry["batch"], f"{where}.batch") if "batch" in wanted else None
             _check_divisibility(op, n, k, where)
             if "m" not in wanted:
                 cases.append(Case(op, n=n, k=k))
@@ -131,7 +142,7 @@ def parse_shape_entries(doc: object, source: str) -> list[Case]:
             ms = raw_m if isinstance(raw_m, list) else [raw_m]
             if not ms:
                 raise ShapeFileError(f"{where}.m: empty list")
-            cases += [Case(op, m=_positive_int(m, f"{where}.m"), n=n, k=k) for m in ms]
+            cases += [Case(op, m=_positive_int(m, f"{where}.m"), n=n, k=k, batch=batch) for m in ms]
     return cases
 
 

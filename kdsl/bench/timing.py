@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
+import sys
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -18,15 +19,16 @@ import torch
 import triton
 import triton.testing
 
-from kdsl.bench.results import COPY, ERROR, OK, UNAVAILABLE, WRONG, Result, Timing
+from kdsl.bench.results import COPY, ERROR, OK, ROOFLINE, UNAVAILABLE, WRONG, Result, Timing
 from kdsl.bench.shapes import GROUP, Case
 
 DEVICE = "cuda"  # a module constant so CPU tests can drive the whole case logic
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 GRAPH_MAX_M = 128  # CUDA-graph timing only where launch overhead could hide the kernel
-# Ops whose performance bar is stated on CUDA-graph timing at every M (GPTQ's W4A16 bar).
-GRAPH_EVERY_M = frozenset({"gptq_gemm"})
+# Ops whose performance bar is stated on CUDA-graph timing at every M (GPTQ's W4A16 bar), or up to an M
+# where the op's eager launch (host time) would hide the kernel (fp8_bmm: B = 16 at M = 4096 runs in ~30 us).
+GRAPH_EVERY_M = frozenset({"gptq_gemm", "fp8_bmm"})
 GEMM_TOL = 2e-2  # bf16 / fp16 output vs fp32 reference
 ACT_QUANT_TOL = 5e-2  # dequantized q*s vs x: e4m3 keeps 3 mantissa bits
 DEQUANT_TOL = 1e-2
@@ -158,6 +160,11 @@ class CaseSetup:
     bytes_moved: int
     flops: int | None = None
     baseline_checks: dict[str, Callable[[object], Check]] = field(default_factory=dict)
+    roofline_ms: float | None = None  # shown as the ROOFLINE pseudo-baseline: its ratio is the fraction reached
+    # Each callable makes this many calls, one per copy of the weights, so that each call finds its weights
+    # cold in L2 under CUDA-graph replay too (do_bench flushes L2 only before each callable); times are per call.
+    calls: int = 1
+    host_time: bool = True  # host time per call where graph-timed (decode's eager bar); off where no bar asks
 
 
 def raising(exc: Exception) -> Callable[[], object]:
@@ -220,6 +227,73 @@ def setup_fp8_gemm(case: Case) -> CaseSetup:
         baseline_checks={"cublas_blockwise": lambda out: check_close(out, ref, GEMM_TOL)},
         tolerance=GEMM_TOL, flops=2 * m * n * k,
         bytes_moved=a.numel() + b.numel() + 4 * (a_s.numel() + b_s.numel()) + 2 * m * n)
+
+
+_CEILINGS: dict[str, float] = {}
+
+
+def machine_ceilings() -> tuple[float, float]:
+    """(bytes/s, FLOP/s) measured once per process: a 1 GiB device copy (read + write), and cuBLAS's FP8 rate
+    on an 8192^3 torch._scaled_mm with per-tensor scales (its fastest FP8 path)."""
+    if not _CEILINGS:
+        src = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
+        dst = torch.empty_like(src)
+        _CEILINGS["copy"] = 2 * src.numel() / (triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3)
+        del src, dst
+        size = 8192
+        a = torch.randn(size, size, device=DEVICE).to(FP8)
+        b = torch.randn(size, size, device=DEVICE).to(FP8).t()
+        one = torch.ones((), device=DEVICE)
+        ms = triton.testing.do_bench(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                                     return_mode="median")
+        _CEILINGS["fp8"] = 2 * size ** 3 / (ms * 1e-3)
+        print(f"kdsl bench: roofline from a measured copy rate of {_CEILINGS['copy'] / 1e12:.2f} TB/s and FP8 rate "
+              f"of {_CEILINGS['fp8'] / 1e12:.0f} TFLOP/s", file=sys.stderr)
+    return _CEILINGS["copy"], _CEILINGS["fp8"]
+
+
+COLD_BYTES = 128 << 20  # weight copies a callable cycles through: over twice an H100's or H200's 50-60 MB of L2
+MAX_COPIES = 64
+COLD_MAX_M = 512  # above it the output alone (17-537 MB at MLA's shapes) sweeps L2 every call
+
+
+def setup_fp8_bmm(case: Case) -> CaseSetup:
+    """MLA's per-head GEMM: a is the transpose(0, 1) view of act_quant's [M, B, K] activations (as MLA passes it),
+    b [B, N, K] per-head 128x128 block weights. Baselines: bf16 torch.bmm on the dequantized weights (the same
+    transposed view of the bf16 activations), and per-batch loops (one CUDA graph when graph-timed) of cuBLAS
+    blockwise torch._scaled_mm and of kdsl's fp8_gemm. Up to M = 512 the callables cycle through copies of the
+    weights (CaseSetup.calls) so every call reads them cold from DRAM, CUDA graphs included; activations stay
+    as a previous layer leaves them."""
+    bmm, gemm = kdsl_op("fp8_bmm"), kdsl_op("fp8_gemm")
+    batch, m, n, k = case.batch, case.m, case.n, case.k
+    x = torch.randn(m, batch, k, device=DEVICE, dtype=torch.bfloat16)
+    q, s = torch_act_quant(x.view(m * batch, k))
+    a, a_s = q.view(m, batch, k).transpose(0, 1), s.view(m, batch, k // GROUP).transpose(0, 1)
+    quantized = [torch_weight_quant(torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16)) for _ in range(batch)]
+    b = torch.stack([wq for wq, _ in quantized])
+    b_s = torch.stack([ws for _, ws in quantized])
+    w = torch.stack([fp8_weight_reference(wq, ws) for wq, ws in quantized])  # fp32 [B, N, K]
+    ref = torch.bmm(a.float() * a_s.repeat_interleave(GROUP, -1), w.transpose(1, 2))
+    x_t = x.transpose(0, 1)
+    copies = min(MAX_COPIES, -(-COLD_BYTES // b.numel())) if m <= COLD_MAX_M else 1
+    weights = [(b, b_s, w.to(torch.bfloat16))] + [(b.clone(), b_s.clone(), w.to(torch.bfloat16))
+                                                  for _ in range(copies - 1)]
+    scaled = [[scaled_mm_baseline(a[g], a_s[g], bq[g], bs[g]) for g in range(batch)] for bq, bs, _ in weights]
+    last = lambda outs: check_close(outs[-1], ref, GEMM_TOL)  # noqa: E731  (every copy holds the same weights)
+    stacked = lambda outs: check_close(torch.stack(outs[-1]), ref, GEMM_TOL)  # noqa: E731
+    bytes_moved = a.numel() + b.numel() + 4 * (a_s.numel() + b_s.numel()) + 2 * batch * m * n
+    flops = 2 * batch * m * n * k
+    copy_rate, fp8_rate = machine_ceilings()
+    return CaseSetup(
+        kdsl={"fp8_bmm": lambda: [bmm(a, a_s, bq, bs, out_dtype=torch.bfloat16) for bq, bs, _ in weights]},
+        check=last,
+        baselines={"bf16_bmm": lambda: [torch.bmm(x_t, w16.transpose(1, 2)) for _, _, w16 in weights],
+                   "cublas_blockwise_loop": lambda: [[fn() for fn in loop] for loop in scaled],
+                   "fp8_gemm_loop": lambda: [[gemm(a[g], a_s[g], bq[g], bs[g]) for g in range(batch)]
+                                             for bq, bs, _ in weights]},
+        baseline_checks={"cublas_blockwise_loop": stacked, "fp8_gemm_loop": stacked},
+        tolerance=GEMM_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies, host_time=False,
+        roofline_ms=1e3 * max(bytes_moved / copy_rate, flops / fp8_rate))
 
 
 def setup_act_quant(case: Case) -> CaseSetup:
@@ -322,7 +396,7 @@ def setup_gptq_dequant(case: Case) -> CaseSetup:
 SETUPS: dict[str, Callable[[Case], CaseSetup]] = {
     "fp8_gemm": setup_fp8_gemm, "act_quant": setup_act_quant,
     "weight_dequant": setup_weight_dequant, "gptq_gemm": setup_gptq_gemm,
-    "gptq_dequant": setup_gptq_dequant,
+    "gptq_dequant": setup_gptq_dequant, "fp8_bmm": setup_fp8_bmm,
 }
 
 
@@ -355,7 +429,7 @@ def host_time_us(fn: Callable[[], object], calls: int = HOST_CALLS) -> float:
     return statistics.median(times)
 
 
-def measure(fn: Callable[[], object], graph: bool) -> Timing:
+def measure(fn: Callable[[], object], graph: bool, host: bool = True) -> Timing:
     try:
         eager = triton.testing.do_bench(fn, return_mode="median")
     except Exception as exc:  # noqa: BLE001 - a failing implementation is a row, not a crash
@@ -366,8 +440,14 @@ def measure(fn: Callable[[], object], graph: bool) -> Timing:
             graph_ms = triton.testing.do_bench_cudagraph(fn, return_mode="median")
         except Exception:  # noqa: BLE001 - not every op can be captured; eager still counts
             graph_ms = None
-    host_us = host_time_us(fn) if graph else None
+    host_us = host_time_us(fn) if graph and host else None
     return Timing(eager_ms=float(eager), graph_ms=None if graph_ms is None else float(graph_ms), host_us=host_us)
+
+
+def per_call(t: Timing, calls: int) -> Timing:
+    """A callable's times divided among the `calls` calls it makes."""
+    scale = lambda v: None if v is None else v / calls  # noqa: E731
+    return Timing(eager_ms=scale(t.eager_ms), graph_ms=scale(t.graph_ms), host_us=scale(t.host_us), error=t.error)
 
 
 def run_once(fn: Callable[[], object], check: Callable[[object], Check] | None) -> Check:
@@ -400,8 +480,10 @@ def run_case(case: Case) -> list[Result]:
         except Exception as exc:  # noqa: BLE001 - e.g. _scaled_mm refusing a shape: baseline unavailable
             baselines[name] = Timing(error=describe(exc))
             continue
-        baselines[name] = measure(fn, graph)
+        baselines[name] = per_call(measure(fn, graph, setup.host_time), setup.calls)
         baselines[name].rel_err = None if math.isnan(err) else err
+    if setup.roofline_ms is not None:
+        baselines[ROOFLINE] = Timing(eager_ms=setup.roofline_ms, graph_ms=setup.roofline_ms if graph else None)
 
     results = []
     for impl, fn in setup.kdsl.items():
@@ -415,7 +497,7 @@ def run_case(case: Case) -> list[Result]:
             continue
         if why is not None:
             result.status, result.detail = WRONG, why
-        result.kdsl = measure(fn, graph)  # a wrong kernel is still timed, and flagged
+        result.kdsl = per_call(measure(fn, graph, setup.host_time), setup.calls)  # a wrong kernel is still timed, and flagged
         if result.kdsl.error and result.status == OK:
             result.status, result.detail = ERROR, result.kdsl.error
         results.append(result)

@@ -67,8 +67,16 @@ def use_kernels(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def alignment(t: torch.Tensor) -> int:
-    """The largest power of two up to 16 dividing t's base address and its row stride in bytes (what TMA
-    and vector loads care about)."""
-    value = t.data_ptr() | (t.stride(0) * t.element_size()) | 16
+def alignment(*tensors: torch.Tensor) -> int:
+    """The largest power of two up to 16 dividing every base address and every stride in bytes of the tensors'
+    dimensions that are stepped (size > 1, the last excepted: unit stride), 0 where such a stride is 0 (a
+    broadcast): what TMA descriptors and vector loads care about (kdsl.runtime Call.align)."""
+    value = 16
+    for t in tensors:
+        value |= t.data_ptr()
+        for dim in range(t.dim() - 1):
+            if t.shape[dim] > 1:
+                if t.stride(dim) == 0:
+                    return 0
+                value |= t.stride(dim) * t.element_size()
     return value & -value

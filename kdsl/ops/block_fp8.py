@@ -305,7 +305,10 @@ def _fp8_bmm_impl(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torc
     # Strides go to the kernel as they are; only a K stride other than 1 costs a copy.
     a, b = (t if t.stride(2) == 1 else t.contiguous() for t in (a, b))
     entry = registry.dispatch("fp8_bmm", scheme, device)
-    entry.launch(a, a_s, b, b_s, c, entry.tile_for(a.shape[1], b.shape[1]))
+    m, n = a.shape[1], b.shape[1]
+    call = (registry.Call(m=m, n=n, device_type=device.type, dtype=check.dtype_name(c.dtype),
+                          align=check.alignment(a, b, c)) if entry.refuses_calls else None)
+    entry.launch(a, a_s, b, b_s, c, entry.tile_for(m, n, call))
     if device.type == "cpu":
         c[_interpreter_lost_nan(a).any(dim=2)] = float("nan")  # [B, M] rows
         c.transpose(1, 2)[_interpreter_lost_nan(b).any(dim=2)] = float("nan")  # [B, N] columns

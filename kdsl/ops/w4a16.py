@@ -218,7 +218,7 @@ def _w4a16_gemm_impl(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
     m = x2.shape[0]
     call = registry.Call(m=m, n=n, device_type=device.type, dtype=check.dtype_name(x2.dtype),
                          act_order=prepared.perm is not None, contiguous_groups=prepared.contiguous_groups,
-                         x_align=check.alignment(x2), scales_align=check.alignment(prepared.scales))
+                         align=check.alignment(x2, prepared.scales))
     tile = entry.tile_for(m, n, call)
     entry.launch(x2, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
                  prepared.contiguous_groups, y.view(-1, n), tile)

@@ -59,9 +59,11 @@ class TileBucket:
 @dataclass(frozen=True)
 class Call:
     """What a generated module's refusal function may read of a call, to say why a tile should not serve it:
-    rows, columns, the device, x's dtype (its torch name), and for prepared weights whether x is gathered
-    (act-order), whether row k is in group k // group_size, and the alignment in bytes (up to 16) of x's and
-    the scales' bases and row strides. `explain` asks about a typical GPU call (the defaults)."""
+    rows, columns, the device, the activations' dtype (its torch name), for prepared weights whether x is
+    gathered (act-order) and whether row k is in group k // group_size, and `align`: the largest power of two
+    up to 16 dividing every base address and every stepped stride (in bytes) of the operands the op names,
+    0 where one of those strides is 0 (a broadcast view), as TMA descriptors need them. `explain` asks about a
+    typical GPU call (the defaults)."""
 
     m: int
     n: int | None = None
@@ -69,8 +71,7 @@ class Call:
     dtype: str = "float16"
     act_order: bool = False
     contiguous_groups: bool = True
-    x_align: int = 16
-    scales_align: int = 16
+    align: int = 16
 
 
 @dataclass(frozen=True, eq=False)
@@ -130,6 +131,11 @@ class KernelEntry:
             if bucket.serves(m, n) and self.refusal_reason(bucket.params, call) is None:
                 return bucket.params
         return self.tiles[-1].params
+
+    @property
+    def refuses_calls(self) -> bool:
+        """Whether any of its modules may pass a tile over at run time (the ops then describe the call)."""
+        return any(module.refusal_function for module in self.modules.values())
 
     def refusal_reason(self, params: dict, call: Call) -> str | None:
         """Why the tile's module passes it over for this call (None: it serves it)."""

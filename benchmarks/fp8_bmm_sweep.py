@@ -1,0 +1,125 @@
+"""Tile sweep of fp8_bmm's sm_90 module (tma_persistent) at MLA's shapes, one process, one GPU.
+
+    python benchmarks/fp8_bmm_sweep.py [OUT.json]
+
+For each (B, N, K) of issue 33 and M in {1, 16, 64, 128, 512, 4096}: every candidate tile of M's bucket is
+launched through the generated module's launch() (no registry), checked against an fp32 dequantize-then-bmm
+reference, then timed; bf16 torch.bmm on the dequantized weights and the portable kernel's shipped tile are
+timed beside them. a is the transpose(0, 1) view of a [M, B, K] tensor. M <= 512: CUDA-graph medians over
+calls that cycle through copies of the weights (each call reads them cold); M = 4096: do_bench (L2 flushed).
+"""
+import json
+import sys
+
+import torch
+import triton.testing as tt
+
+import kdsl
+from kdsl import registry
+from kdsl.codegen.render import tile_params
+from kdsl.kernels import find_impl
+from kdsl.schema import Tile
+
+SHAPES = [(128, 512, 128), (128, 128, 512), (16, 512, 128), (16, 128, 512)]
+MS = [1, 16, 64, 128, 512, 4096]
+COLD_BYTES = 128 << 20
+
+
+def T(bm, bn, warps, stages=3, **options):
+    return dict(block_m=bm, block_n=bn, block_k=128, num_warps=warps, num_stages=stages, options=options)
+
+
+CANDIDATES = {  # second round (H100): the first round's leaders, and flattened pipelines everywhere
+    "small": [T(16, 64, 4, swap_ab=True, programs_per_sm=4), T(16, 64, 4, swap_ab=True, flatten=True),
+              T(16, 64, 4, swap_ab=True, flatten=True, programs_per_sm=4),
+              T(16, 128, 4, swap_ab=True, flatten=True), T(16, 128, 4, 4, swap_ab=True, flatten=True, programs_per_sm=3),
+              T(16, 64, 4, 2, swap_ab=True, programs_per_sm=8)],
+    "64": [T(64, 64, 4), T(64, 128, 4, persistent=False), T(64, 128, 4, flatten=True),
+           T(64, 64, 4, flatten=True, programs_per_sm=4), T(64, 128, 4, 4, flatten=True, programs_per_sm=3)],
+    "128": [T(64, 128, 4), T(64, 128, 4, flatten=True), T(64, 64, 4, flatten=True, programs_per_sm=4),
+            T(64, 128, 4, 4, flatten=True, programs_per_sm=3), T(128, 128, 8, flatten=True, programs_per_sm=1)],
+    "large": [T(128, 128, 8, programs_per_sm=1, flatten=True), T(128, 128, 8, 4, programs_per_sm=1, flatten=True),
+              T(128, 128, 8, 2, programs_per_sm=1, flatten=True), T(64, 128, 4, flatten=True),
+              T(64, 128, 4, 4, flatten=True, programs_per_sm=3), T(128, 64, 4, 4, flatten=True),
+              T(128, 128, 8, 4, programs_per_sm=1, flatten=True, batch_inner=True), T(64, 128, 4)],
+}
+
+
+def bucket(m):
+    return "small" if m <= 16 else "64" if m <= 64 else "128" if m <= 128 else "large"
+
+
+def label(fields):
+    opts = ",".join(f"{k}={v}" for k, v in fields["options"].items())
+    return f"{fields['block_m']}x{fields['block_n']}w{fields['num_warps']}s{fields['num_stages']}" + (f"[{opts}]" if opts else "")
+
+
+def timed(calls, m):
+    """ms per call of `calls` (a list of callables run in turn)."""
+    fn = lambda: [c() for c in calls]  # noqa: E731
+    if m <= 512:
+        return tt.do_bench_cudagraph(fn, rep=10, return_mode="median") / len(calls)
+    return tt.do_bench(fn, return_mode="median") / len(calls)
+
+
+def main():
+    out_path = sys.argv[1] if len(sys.argv) > 1 else "fp8_bmm_sweep.json"
+    tma = registry.select("fp8_bmm", kdsl.BlockFP8(), arch="sm_90")
+    portable = registry.select("fp8_bmm", kdsl.BlockFP8(), arch="sm_89")
+    module, portable_module = tma.load(), portable.load()
+    impl = find_impl("fp8_bmm", "tma_persistent")
+    rows = []
+    print(torch.cuda.get_device_name(), flush=True)
+    for batch, n, k in SHAPES:
+        for m in MS:
+            x = torch.randn(m, batch, k, device="cuda", dtype=torch.bfloat16)
+            q, s = kdsl.ops.act_quant(x)
+            a, a_s = q.transpose(0, 1), s.transpose(0, 1)
+            w = torch.randn(batch, n, k, device="cuda", dtype=torch.bfloat16)
+            wq, ws = zip(*(kdsl.ops.weight_quant(w[g]) for g in range(batch)))
+            b, b_s = torch.stack(wq), torch.stack(ws)
+            w_deq = b.float() * b_s.repeat_interleave(128, 1)[:, :n].repeat_interleave(128, 2)
+            ref = torch.bmm(a.float() * a_s.repeat_interleave(128, -1), w_deq.transpose(1, 2))
+            copies = min(64, -(-COLD_BYTES // b.numel())) if m <= 512 else 1
+            weights = [(b, b_s)] + [(b.clone(), b_s.clone()) for _ in range(copies - 1)]
+            w16s = [w_deq.to(torch.bfloat16) for _ in range(copies)]
+            x_t = x.transpose(0, 1)
+            c = torch.empty(batch, m, n, device="cuda", dtype=torch.bfloat16)
+            row = {"batch": batch, "m": m, "n": n, "k": k, "copies": copies}
+            row["bf16_bmm_ms"] = timed([lambda w16=w16: torch.bmm(x_t, w16.transpose(1, 2)) for w16 in w16s], m)
+            ptile = portable.tile_for(m, n)
+            row["portable_ms"] = timed([lambda bq=bq, bs=bs: portable_module.launch(a, a_s, bq, bs, c, ptile)
+                                        for bq, bs in weights], m)
+            results = {}
+            for fields in CANDIDATES[bucket(m)]:
+                name = label(fields)
+                try:
+                    tile = tile_params(Tile(**fields), impl)
+                    c.fill_(float("nan"))
+                    module.launch(a, a_s, b, b_s, c, tile)
+                    torch.cuda.synchronize()
+                    err = ((c.float() - ref).norm() / ref.norm()).item()
+                    if not err < 2e-2:
+                        results[name] = {"error": f"rel err {err:.3g}"}
+                        continue
+                    ms = timed([lambda bq=bq, bs=bs: module.launch(a, a_s, bq, bs, c, tile) for bq, bs in weights], m)
+                    results[name] = {"ms": ms, "rel_err": err}
+                except Exception as exc:  # noqa: BLE001 - a candidate that fails is a row
+                    results[name] = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"}
+            row["candidates"] = results
+            rows.append(row)
+            good = {nm: r["ms"] for nm, r in results.items() if "ms" in r}
+            best = min(good, key=good.get) if good else None
+            print(f"B={batch} N={n} K={k} M={m}: bf16 {row['bf16_bmm_ms'] * 1e3:.1f} us, portable "
+                  f"{row['portable_ms'] * 1e3:.1f} us | " + " | ".join(
+                      f"{nm} {r['ms'] * 1e3:.1f}" if "ms" in r else f"{nm} ERR {r['error']}" for nm, r in results.items())
+                  + (f" || best {best} {good[best] * 1e3:.1f} us = {row['bf16_bmm_ms'] / good[best]:.2f}x bf16" if best else ""),
+                  flush=True)
+            del weights, w16s, ref, w_deq
+            torch.cuda.empty_cache()
+    with open(out_path, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

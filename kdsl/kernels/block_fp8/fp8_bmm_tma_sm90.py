@@ -1,0 +1,68 @@
+"""fp8_bmm/tma_persistent (Hopper): MLA's batched block-FP8 GEMM with 3-D TMA descriptors and wgmma.
+
+A, B and C move through 3-D TMA boxes [1, rows, cols] over their [B, rows, cols] views, so a batch of
+`x.transpose(0, 1)` views (MLA's per-head activations, batch not outermost) loads and stores without a
+copy, and rows past M or N are zero-filled (loads) or dropped (stores) inside their own batch. A grid of
+programs walks the (batch, m-tile, n-tile) tiles; scales are applied per K block in fp32.
+
+At run time its `refusal` passes a tile over where a TMA descriptor cannot take the tensors (a base or a
+stepped stride that is not a non-zero multiple of 16 bytes); the definition's alternative tile, fp8_bmm/portable's
+kernel with the same blocks, serves those calls.
+"""
+from typing import Literal
+
+from pydantic import Field, PositiveInt
+
+from kdsl.kernels.base import GEMM_KNOBS, KernelImpl
+from kdsl.kernels.block_fp8.fp8_gemm_portable import TILE_ORDER_HELP, operand_ring_bytes
+from kdsl.schema._base import StrictModel
+
+
+class Options(StrictModel):
+    persistent: bool = Field(True, description="programs_per_sm programs per SM loop over the tiles, instead of "
+                                               "one program per tile")
+    programs_per_sm: PositiveInt = Field(2, description="persistent grid: programs launched per SM")
+    tile_order: Literal["m_major", "n_major"] = Field("m_major", description=TILE_ORDER_HELP + " (within a batch)")
+    batch_inner: bool = Field(False, description="consecutive tiles walk the batch first (the heads of one block "
+                                                 "of tokens, adjacent in MLA's [M, B, K] activations), instead of "
+                                                 "all of one batch's tiles first (which share its weights in L2)")
+    swap_ab: bool = Field(False, description="compute C^T = B A^T so B's rows fill the wgmma's 64-row side and a "
+                                             "few rows of A its narrow one")
+    flatten: bool = Field(False, description="persistent grid: Triton flattens the tile loop and the K loop into "
+                                             "one software pipeline, so a program's next tile loads while it "
+                                             "finishes one (K = 128 is a single K block per tile)")
+    warp_specialize: bool = Field(False, description="Triton's warp specialization of the tile loop: a load "
+                                                     "partition feeding the wgmma warps")
+
+
+def shared_bytes(scheme, tile, options: Options) -> int:
+    # The TMA ring plus the epilogue tile staged for the store (bf16: 2 bytes; fp32 outputs use 4, which
+    # the stages must leave room for, so count 4).
+    return operand_ring_bytes(scheme, tile, options) + tile.block_m * tile.block_n * 4
+
+
+def problems(where: str, scheme, variant, tile, options: Options) -> list[str]:
+    found = []
+    group = scheme.quant_group_k
+    if tile.block_k != group:
+        found.append(f"{where}.block_k: needs {group}, one activation and weight scale per K block "
+                     f"(got {tile.block_k})")
+    if scheme.weight_block[0] % tile.block_n:
+        found.append(f"{where}.block_n: needs to divide the weight block's {scheme.weight_block[0]} rows, so one "
+                     f"weight scale serves the tile per K block (got {tile.block_n})")
+    if options.swap_ab and tile.block_n < 64:
+        found.append(f"{where}.options.swap_ab: B's rows fill the wgmma's 64-row side; needs block_n >= 64 "
+                     f"(got {tile.block_n})")
+    if not options.persistent:
+        for knob in ("flatten", "programs_per_sm"):
+            if knob in options.model_fields_set:
+                found.append(f"{where}.options.{knob}: only a persistent grid takes it; set persistent = true")
+    return found
+
+
+IMPL = KernelImpl(
+    "block_fp8", "fp8_bmm", "tma_persistent", "block_fp8/fp8_bmm_tma_sm90.py.j2", 90, 90,
+    "batched, 3-D TMA descriptors (transposed activations without a copy), persistent grid over "
+    "(batch, m-tile, n-tile), wgmma through Triton; refuses strides TMA cannot take",
+    tile_knobs=GEMM_KNOBS, options=Options, shared_bytes=shared_bytes, problems=problems, min_block_m=16,
+    refusal="refusal")
