@@ -125,15 +125,20 @@ def _list(args: argparse.Namespace) -> int:
         print(f"{entry.name}")
         print(f"    op {entry.op}  impl {entry.impl}  scheme {entry.scheme}  arch {entry.arch_range()}  "
               f"from {entry.origin}")
+        previous = None
         for bucket in entry.tiles:
             p = bucket.params
             bound = f"M <= {bucket.m_max}" if bucket.m_max is not None else "M rest"
             if bucket.n_min is not None:
                 bound += f", N >= {bucket.n_min}"
+            if (bucket.m_max, bucket.n_min) == previous:
+                bound = "else"  # the alternative, where the tile before refuses the call
+            previous = (bucket.m_max, bucket.n_min)
             # The implementation's options that are set (switches by name), after the common geometry.
-            extras = "".join(f" {k}" if v is True else f" {k}={v}" for k, v in list(p.items())[7:]
-                             if v not in (None, False))
-            print(f"    {bound:>20}: {p['BLOCK_M']}x{p['BLOCK_N']}x{p['BLOCK_K']} warps={p['num_warps']} "
+            common = ("impl", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "num_warps", "num_stages")
+            extras = "".join(f" {k}" if v is True else f" {k}={v}" for k, v in p.items()
+                             if k not in common and v not in (None, False))
+            print(f"    {bound:>20}: {p['impl']} {p['BLOCK_M']}x{p['BLOCK_N']}x{p['BLOCK_K']} warps={p['num_warps']} "
                   f"stages={p['num_stages']} group_m={p['GROUP_M']} split_k={p['SPLIT_K']}{extras}")
     print(f"{len(kernels)} kernel(s)", file=sys.stderr)
     return 0
