@@ -83,14 +83,18 @@ def main() -> None:
         shown = f"{ratio:5.2f}x" if ratio else "   - "
         print(f"{name:38s} kdsl {row['kdsl_us']:7.1f} us   {base_name:26s} "
               f"{row['baseline_us'] or float('nan'):7.1f} us   {shown}", flush=True)
+        if args.json:  # after every row: a run cut short keeps what it measured
+            write_json(args, rows)
     if args.show_plans:
         for key, plan in getattr(kdsl.registry, "plans", {}).items():
             print(f"# plan {key[0]}:")
             print(plan.source if plan else "  (not replayable)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "kdsl": kdsl.__file__, "calls": args.calls, "rounds": args.rounds, "rows": rows}, f, indent=1)
+
+
+def write_json(args, rows: list) -> None:
+    with open(args.json, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "kdsl": kdsl.__file__, "calls": args.calls, "rounds": args.rounds, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
