@@ -15,11 +15,13 @@ function of the call's signature, so a plan keyed on that signature can skip it:
        ask the driver about each one), under the interpreter through kernel[grid](...).
 
 A miss runs the op's ordinary path, which raises the same errors as ever, and records the launches the
-module's _launch makes (common/launch_cache.py.j2). The plan is kept only where replaying it is the same
-launch: every launch went through _launch (on the GPU, Triton's launch hook counted as many), every tensor
-the launch reads is one of the call's tensors (or, on the GPU, a view starting at one of them) or the
-module's persistent split-K scratch, no two of the call's tensors start at one address, and no CUDA graph
-is being captured. Otherwise the key maps to NO_PLAN and every call takes the ordinary path.
+module's _launch makes (common/launch_cache.py.j2) and, on the GPU, those of the kernels the module launches
+itself (kernel[grid](...): its kernels are watched under their global names while it records). The plan is
+kept only where replaying it is the same launch: on the GPU, Triton's launch hook counted as many launches
+as were recorded (none went around both); every tensor a launch reads is one of the call's tensors, a view
+starting at one of them (same dtype under the interpreter), or the module's persistent split-K scratch; no
+two of the call's tensors start at one address; no CUDA graph is being captured. Otherwise the key maps to
+NO_PLAN and every call takes the ordinary path.
 
 A plan declines (returns None, and the op takes the ordinary path) while Triton's launch hooks are set (a
 profiler sees every launch as Triton reports it) and, for CPU tensors, when TRITON_INTERPRET is unset.
@@ -202,8 +204,8 @@ def _build(rec: Recorder, inputs: tuple, outputs: tuple):
             return repr(p)
         if isinstance(p, torch.Tensor):
             if id(p) in scratch:
-                constant(p)  # held, so its memory stays the scratch's while the plan lives
-                return constant(p.data_ptr()) if compiled else constant(p)
+                held = constant(p)  # held, so its memory stays the scratch's while the plan lives
+                return constant(p.data_ptr()) if compiled else held
             slot = slot_of(p)
             if slot is None or not compiled:
                 return slot
