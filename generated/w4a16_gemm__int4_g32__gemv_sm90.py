@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_g32__gemv_sm90 (w4a16_gemm/gemv: W4A16 GEMV on CUDA cores, one row per program row, weights kept in registers, split-K in-kernel)
 # scheme: w4a16.int4.g32
 # arch: sm_90 .. sm_90
-# digest: 0e3efc5b8cdfcd7a (sha256 of this kernel's scheme, variant and templates)
+# digest: b63cc1ea4188da65 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -116,6 +116,9 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 # the kernel that call returns on everything that specialization reads, and launches it directly next time.
 _COMPILED: dict = {}
 _COMPILED_LIMIT = 1024  # keys hold exact sizes: a server's many prefill lengths must not grow it forever
+# While kdsl.ops records a launch plan (kdsl/ops/_plan.py), a list that _launch appends each launch to:
+# (kernel or compiled kernel, grid, params, options or the constexpr values, compiled?).
+_RECORDING: list | None = None
 
 
 def _specialization(arg):
@@ -137,20 +140,31 @@ def _launch(kernel, grid: tuple, params: tuple, options: dict) -> None:
     options the keyword rest (constexprs and launch options such as num_warps); grid has three entries."""
     if _INTERPRETING:
         kernel[grid](*params, **options)
+        if _RECORDING is not None:
+            _RECORDING.append((kernel, grid, params, options, False))
         return
     key = (kernel, torch.cuda.current_device(), *options.items(), *map(_specialization, params))
     cached = _COMPILED.get(key)
     if cached is not None:
         compiled, keyword_params = cached
         compiled[grid](*params, *keyword_params)
+        if _RECORDING is not None:
+            _RECORDING.append((compiled, grid, params, keyword_params, True))
         return
     compiled = kernel[grid](*params, **options)
+    # A kernel kdsl.ops watches while recording (kdsl/ops/_plan.py) records its own JIT launches.
+    recording = _RECORDING is not None and not getattr(kernel, "_kdsl_watched", False)
     if compiled is None:
+        if recording:
+            _RECORDING.append(None)  # nothing to replay: the plan is not kept
         return
     if len(_COMPILED) >= _COMPILED_LIMIT:
         _COMPILED.clear()
     # The compiled kernel takes every signature argument positionally, constexprs included.
-    _COMPILED[key] = compiled, tuple(options[name] for name in kernel.arg_names[len(params):])
+    keyword_params = tuple(options[name] for name in kernel.arg_names[len(params):])
+    _COMPILED[key] = compiled, keyword_params
+    if recording:
+        _RECORDING.append((compiled, grid, params, keyword_params, True))
 
 
 @triton.jit

@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_g64__overlap_gluon_sm90 (w4a16_gemm/overlap_gluon: W4A16 GEMM for Hopper (Gluon): TMA ring, block k+1 dequantized while block k's wgmma runs)
 # scheme: w4a16.int4.g64
 # arch: sm_90 .. sm_90
-# digest: cc44401c5e6e60b2 (sha256 of this kernel's scheme, variant and templates)
+# digest: 483dcfcc0f8c0eed (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -113,6 +113,63 @@ def _scale_zero_pairs(scales):
     """The (scale, zero) pairs as int32 [G, N]: scales is the low half of each pair (column stride 2)."""
     return scales.as_strided((scales.shape[0], 2 * scales.shape[1]), (scales.stride(0), 1)).view(torch.int32)
 
+
+
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+# Triton's JIT call works out the kernel's specialization from every argument on each launch: about
+# 20 us of host time per call on the lent H100's host, which a short eager launch waits for. _launch keys
+# the kernel that call returns on everything that specialization reads, and launches it directly next time.
+_COMPILED: dict = {}
+_COMPILED_LIMIT = 1024  # keys hold exact sizes: a server's many prefill lengths must not grow it forever
+# While kdsl.ops records a launch plan (kdsl/ops/_plan.py), a list that _launch appends each launch to:
+# (kernel or compiled kernel, grid, params, options or the constexpr values, compiled?).
+_RECORDING: list | None = None
+
+
+def _specialization(arg):
+    """What Triton can specialize a kernel on, of one argument: a superset of its rules (exact integers,
+    dtypes, 16-byte alignment of every base, descriptors' sizes and blocks), so equal keys share a kernel."""
+    if type(arg) is int or type(arg) is bool:
+        return arg
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    block_shape = getattr(arg, "block_shape", None)
+    if block_shape is None:
+        return arg
+    # A TMA descriptor; a Gluon one's shared layout is a function of its block and dtype.
+    return _specialization(arg.base), tuple(arg.shape), tuple(arg.strides), tuple(block_shape), arg.padding
+
+
+def _launch(kernel, grid: tuple, params: tuple, options: dict) -> None:
+    """kernel[grid](*params, **options): params are the kernel's leading arguments in signature order,
+    options the keyword rest (constexprs and launch options such as num_warps); grid has three entries."""
+    if _INTERPRETING:
+        kernel[grid](*params, **options)
+        if _RECORDING is not None:
+            _RECORDING.append((kernel, grid, params, options, False))
+        return
+    key = (kernel, torch.cuda.current_device(), *options.items(), *map(_specialization, params))
+    cached = _COMPILED.get(key)
+    if cached is not None:
+        compiled, keyword_params = cached
+        compiled[grid](*params, *keyword_params)
+        if _RECORDING is not None:
+            _RECORDING.append((compiled, grid, params, keyword_params, True))
+        return
+    compiled = kernel[grid](*params, **options)
+    # A kernel kdsl.ops watches while recording (kdsl/ops/_plan.py) records its own JIT launches.
+    recording = _RECORDING is not None and not getattr(kernel, "_kdsl_watched", False)
+    if compiled is None:
+        if recording:
+            _RECORDING.append(None)  # nothing to replay: the plan is not kept
+        return
+    if len(_COMPILED) >= _COMPILED_LIMIT:
+        _COMPILED.clear()
+    # The compiled kernel takes every signature argument positionally, constexprs included.
+    keyword_params = tuple(options[name] for name in kernel.arg_names[len(params):])
+    _COMPILED[key] = compiled, keyword_params
+    if recording:
+        _RECORDING.append((compiled, grid, params, keyword_params, True))
 
 
 @triton.jit

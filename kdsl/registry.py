@@ -14,6 +14,7 @@ from kdsl.runtime.registry import (  # noqa: F401
     explain,
     kernel_folders,
     memo,
+    plans,
     remove_generated,
     require_scheme,
     reset,

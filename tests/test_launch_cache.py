@@ -137,3 +137,349 @@ def test_the_interpreter_always_takes_the_jit_call(monkeypatch):
     for _ in range(2):
         mod._launch(kernel, (1, 1, 1), (x, 64), dict(BLOCK=64, num_warps=4))
     assert [c[0] for c in kernel.calls] == ["jit", "jit"] and not mod._COMPILED
+
+
+# --- launch plans (kdsl/ops/_plan.py): a repeat call signature replays its recorded launch -------------
+
+from kdsl.ops import _plan, block_fp8  # noqa: E402
+from kdsl.ops.gptq import gptq_prepare, gptq_quantize  # noqa: E402
+from kdsl.registry import SchemeNotServedError  # noqa: E402
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """The sm_90 modules (fp8_gemm's TMA module has the launch cache; the interpreter runs its Triton kernel)."""
+    monkeypatch.setenv("KDSL_ARCH", "sm_90")
+    kdsl.registry.reset()
+    yield
+    monkeypatch.delenv("KDSL_ARCH")
+    kdsl.registry.reset()
+
+
+def plans(op: str) -> list:
+    return [plan for key, plan in kdsl.registry.plans.items() if key[0] == op]
+
+
+def fp8_operands(m=3, n=256, k=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g, dtype=torch.bfloat16)
+    w = torch.randn(n, k, generator=g, dtype=torch.bfloat16)
+    return x, w
+
+
+def no_plan(fn):
+    """fn() on the ordinary path, with no plan recorded or replayed."""
+    saved = dict(kdsl.registry.plans)
+    kdsl.registry.plans.clear()
+    _plan.RECORD = False
+    try:
+        return fn()
+    finally:
+        _plan.RECORD = True
+        kdsl.registry.plans.clear()
+        kdsl.registry.plans.update(saved)
+
+
+def test_a_plan_hit_launches_what_the_ordinary_path_does(sm90):
+    ops = kdsl.ops
+    x, w = fp8_operands()
+    b, b_s = ops.weight_quant(w)
+    q0, s0 = no_plan(lambda: ops.act_quant(x))
+    c0 = no_plan(lambda: ops.fp8_gemm(q0, s0, b, b_s))
+    for call in range(3):  # miss (records), hit, hit
+        q, s = ops.act_quant(x)
+        c = ops.fp8_gemm(q, s, b, b_s)
+        assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+        assert torch.equal(c, c0) and c.stride() == c0.stride() and c.dtype == c0.dtype
+        assert len(plans("act_quant")) == 1 and plans("act_quant")[0]
+        assert len(plans("fp8_gemm")) == 1 and plans("fp8_gemm")[0]
+    # New data through the same plan: still the ordinary path's result.
+    x2, _ = fp8_operands(seed=1)
+    q2, s2 = ops.act_quant(x2)
+    assert torch.equal(ops.fp8_gemm(q2, s2, b, b_s), no_plan(lambda: ops.fp8_gemm(q2, s2, b, b_s)))
+    assert len(plans("fp8_gemm")) == 1
+
+
+def test_a_hit_does_not_run_the_modules_launch(sm90, monkeypatch):
+    x, _ = fp8_operands()
+    _, s0 = no_plan(lambda: kdsl.ops.act_quant(x))
+    kdsl.ops.act_quant(x)
+    module = kdsl.registry.dispatch("act_quant", kdsl.BlockFP8().name, x.device).load()
+    calls = []
+    monkeypatch.setattr(module, "launch", lambda *args: calls.append(args))
+    q, s = kdsl.ops.act_quant(x)
+    assert not calls and torch.equal(s, s0)
+
+
+def test_prepared_w4a16_plan_matches_the_ordinary_path():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(128, 256, generator=g, dtype=torch.float16)
+    ck = gptq_quantize(w)
+    prepared = gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], None)
+    x = torch.randn(2, 256, generator=g, dtype=torch.float16)
+    y0 = no_plan(lambda: kdsl.ops.w4a16_gemm(x, prepared))
+    for _ in range(2):
+        assert torch.equal(kdsl.ops.gptq_gemm(x, prepared), y0)
+    assert len(plans("w4a16_gemm")) == 1 and plans("w4a16_gemm")[0]
+    # The module's W4A16Linear rebuilds its prepared object on every call: same tensors, same plan.
+    rebuilt = kdsl.ops.w4a16.prepared_from_args(*kdsl.ops.w4a16.prepared_args(prepared))
+    assert torch.equal(kdsl.ops.w4a16_gemm(x, rebuilt), y0) and len(plans("w4a16_gemm")) == 1
+
+
+def strided(t: torch.Tensor) -> torch.Tensor:
+    """t's values with a row stride one element longer (unit stride along K kept)."""
+    wide = t.new_zeros(t.shape[0], t.shape[1] + 16)
+    wide[:, :t.shape[1]] = t
+    return wide[:, :t.shape[1]]
+
+
+def misaligned(t: torch.Tensor) -> torch.Tensor:
+    flat = t.new_zeros(t.numel() + 1)
+    view = flat[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize("change", ["stride", "dtype", "alignment", "current device", "group size type"])
+def test_what_the_key_holds_misses_and_gives_the_ordinary_result(change, sm90, monkeypatch):
+    x, _ = fp8_operands(m=4)
+    kdsl.ops.act_quant(x)
+    group_size = 128
+    if change == "stride":
+        x = strided(x)
+    elif change == "dtype":
+        x = x.to(torch.float16)
+    elif change == "alignment":
+        x = misaligned(x)
+        assert x.data_ptr() % 16
+    elif change == "current device":
+        monkeypatch.setattr(block_fp8, "_device", lambda: 5)
+    else:
+        group_size = 128.0  # equal and of equal hash to 128, but refused: it must not hit 128's plan
+        with pytest.raises(ValueError, match="group_size: expected a positive power of two, got 128.0"):
+            kdsl.ops.act_quant(x, group_size)
+        return
+    q, s = kdsl.ops.act_quant(x, group_size)
+    assert len(plans("act_quant")) == 2
+    q0, s0 = no_plan(lambda: kdsl.ops.act_quant(x, group_size))
+    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+
+
+def test_errors_are_the_same_with_plans_kept(sm90):
+    ops = kdsl.ops
+    x, w = fp8_operands()
+    b, b_s = ops.weight_quant(w)
+    q, s = ops.act_quant(x)
+    ops.fp8_gemm(q, s, b, b_s)
+    ops.fp8_gemm(q, s, b, b_s)
+    bad_calls = [
+        lambda: ops.fp8_gemm(q, s, b[:, :128], b_s),  # K of b
+        lambda: ops.fp8_gemm(q.view(torch.uint8), s, b, b_s),  # dtype of a
+        lambda: ops.fp8_gemm(q, s[:, :1], b, b_s),  # a_s shape
+        lambda: ops.fp8_gemm(q, s, b, b_s, out_dtype=torch.int32),
+        lambda: ops.fp8_gemm(q, s, b, "b_s"),
+        lambda: ops.act_quant(x, 64),  # a group size no kernel serves
+        lambda: ops.act_quant(x.to(torch.int32)),
+    ]
+    for bad in bad_calls:
+        with pytest.raises(Exception) as with_plans:
+            bad()
+        with pytest.raises(Exception) as without:
+            no_plan(bad)
+        assert type(with_plans.value) is type(without.value) and str(with_plans.value) == str(without.value)
+    assert isinstance(no_plan(lambda: pytest.raises(SchemeNotServedError, ops.act_quant, x, 64)).value,
+                      SchemeNotServedError)
+    assert len(plans("fp8_gemm")) == 1  # a refused call keeps nothing
+
+
+def test_reset_and_add_generated_forget_the_plans(sm90, tmp_path):
+    x, _ = fp8_operands()
+    kdsl.ops.act_quant(x)
+    assert plans("act_quant")
+    kdsl.registry.reset()
+    assert not kdsl.registry.plans
+    kdsl.ops.act_quant(x)
+    assert plans("act_quant")
+    kdsl.registry.add_generated(kdsl.runtime.manifest.shipped_dir())
+    try:
+        assert not kdsl.registry.plans
+    finally:
+        kdsl.registry.remove_generated(kdsl.runtime.manifest.shipped_dir())
+
+
+def test_a_launch_the_plan_cannot_reproduce_is_not_replayed(sm90):
+    x, _ = fp8_operands(m=4)
+    cols = x.t().contiguous().t()  # unit stride along M, not K: the op copies x into rows first
+    q, s = kdsl.ops.act_quant(cols)
+    assert plans("act_quant") == [_plan.NO_PLAN]
+    q2, s2 = kdsl.ops.act_quant(cols)
+    q0, s0 = no_plan(lambda: kdsl.ops.act_quant(cols))
+    assert torch.equal(s2, s0) and torch.equal(q2.view(torch.uint8), q0.view(torch.uint8))
+
+
+def test_the_interpreter_plan_declines_without_triton_interpret(sm90, monkeypatch):
+    x, _ = fp8_operands()
+    kdsl.ops.act_quant(x)
+    (plan,) = plans("act_quant")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert plan(x) is None
+
+
+def test_the_plan_cache_is_bounded(sm90, monkeypatch):
+    monkeypatch.setattr(_plan, "LIMIT", 2)
+    for m in (1, 2, 3):
+        kdsl.ops.act_quant(fp8_operands(m=m)[0])
+        assert len(kdsl.registry.plans) <= 2
+
+
+# On the GPU a plan launches the compiled kernel itself; here the JIT and the compiled kernel are stand-ins
+# that record their arguments and report each launch to Triton's launch hook, as Triton's launcher does.
+
+class Compiled:
+    function, packed_metadata = "function", ("metadata",)
+
+    def __init__(self, log: list, per_call: dict):
+        self.log, self.per_call = log, per_call  # per_call["n"]: launches each call reports
+
+    def run(self, *args):
+        self.log.append(("run", args))
+
+    def __getitem__(self, grid):
+        def runner(*args):
+            for _ in range(self.per_call["n"]):
+                knobs.runtime.launch_enter_hook(None)
+            self.log.append(("runner", grid, args))
+        return runner
+
+
+@pytest.fixture
+def compiled_act_quant(monkeypatch):
+    """act_quant's module as on a GPU (compiled, launch cache on), over stand-in kernels."""
+    log: list = []
+    mod = module("act_quant", "sm_89")
+    kernel = mod.act_quant__e4m3_w128x128_a128_f32__rowwise_sm89
+    per_call = {"n": 1}
+
+    def jit(grid):
+        def call(*args, **options):
+            knobs.runtime.launch_enter_hook(None)
+            log.append(("jit", grid, args, options))
+            return Compiled(log, per_call)
+        return call
+
+    monkeypatch.setattr(mod, "_INTERPRETING", False)
+    monkeypatch.setattr(mod, "_COMPILED", {})
+    monkeypatch.setattr(mod, "act_quant__e4m3_w128x128_a128_f32__rowwise_sm89", FakeJit(jit, kernel.arg_names))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(_plan, "_triton_stream", lambda: (lambda device: "stream"))
+    monkeypatch.setattr(kdsl.ops._checks, "use_kernels", lambda device: True)
+    kdsl.registry.plans.clear()
+    yield log, per_call
+    kdsl.registry.plans.clear()
+
+
+class FakeJit:
+    def __init__(self, jit, arg_names):
+        self.jit, self.arg_names = jit, arg_names
+
+    def __getitem__(self, grid):
+        return self.jit(grid)
+
+
+from triton import knobs  # noqa: E402
+
+
+def test_a_compiled_plan_runs_the_kernel_with_the_calls_pointers(compiled_act_quant):
+    log, _ = compiled_act_quant
+    x, _ = fp8_operands()
+    q1, s1 = kdsl.ops.act_quant(x)  # miss: the JIT call, recorded
+    q2, s2 = kdsl.ops.act_quant(x)  # hit
+    (plan,) = plans("act_quant")
+    assert plan and [entry[0] for entry in log] == ["jit", "run"]
+    jit_args, run_args = log[0][2], log[1][1]
+    grid = log[0][1]
+    # Triton's runner: run(grid..., stream, function, packed metadata, launch metadata, hooks, *arguments).
+    assert run_args[:9] == (*grid, "stream", "function", ("metadata",), None, None, None)
+    x_ptr, q_ptr, s_ptr = run_args[9:12]
+    assert (x_ptr, q_ptr, s_ptr) == (x.data_ptr(), q2.data_ptr(), s2.data_ptr())
+    assert run_args[12:15] == jit_args[3:6]  # M, K, stride: this signature's, as recorded
+    assert q2.shape == q1.shape and s2.stride() == s1.stride() and q2.data_ptr() != q1.data_ptr()
+
+
+def test_a_compiled_plan_declines_while_a_launch_hook_is_set(compiled_act_quant):
+    log, _ = compiled_act_quant
+    x, _ = fp8_operands()
+    kdsl.ops.act_quant(x)
+    (plan,) = plans("act_quant")
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert plan(x) is None
+        kdsl.ops.act_quant(x)  # the ordinary path: the launch cache's runner, which calls the hook
+        assert log[-1][0] == "runner"
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+
+
+def test_launches_that_go_around_the_launch_cache_leave_no_plan(compiled_act_quant):
+    log, per_call = compiled_act_quant
+    x, _ = fp8_operands()
+    kdsl.ops.act_quant(x)  # the JIT call compiles; the plan records the one launch it saw
+    kdsl.registry.plans.clear()
+    per_call["n"] = 2  # from now on each launch through the cache reports two launches to the hook
+    kdsl.ops.act_quant(x)
+    assert plans("act_quant") == [_plan.NO_PLAN]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64, 512, 4096])
+def test_gpu_plans_match_the_ordinary_path(m):
+    """On the GPU, a plan launches the compiled kernels directly (Triton 3.6: its C launcher, descriptors
+    expanded per base address): on fresh data each call, every tile kind (split-K wgmma, Gluon deferred
+    rescale, persistent) and the prepared int4 GEMM (mma.sync GEMV, MMA tiles) give the ordinary path's bits."""
+    cuda = torch.device("cuda")
+    ops = kdsl.ops
+    n, k = 2112, 7168
+    g = torch.Generator(device=cuda).manual_seed(m)
+    w = torch.randn(n, k, device=cuda, dtype=torch.bfloat16, generator=g)
+    b, b_s = ops.weight_quant(w)
+    wh = torch.randn(4096, 4096, device=cuda, dtype=torch.float16, generator=g)
+    ck = gptq_quantize(wh)
+    prepared = gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], None)
+    kdsl.registry.plans.clear()
+    for call in range(4):
+        x = torch.randn(m, k, device=cuda, dtype=torch.bfloat16, generator=g)
+        q, s = ops.act_quant(x)
+        c = ops.fp8_gemm(q, s, b, b_s)
+        xh = torch.randn(m, 4096, device=cuda, dtype=torch.float16, generator=g)
+        y = ops.gptq_gemm(xh, prepared)
+        q0, s0 = no_plan(lambda: ops.act_quant(x))
+        assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+        assert torch.equal(c, no_plan(lambda: ops.fp8_gemm(q, s, b, b_s)))
+        assert torch.equal(y, no_plan(lambda: ops.gptq_gemm(xh, prepared)))
+    kept = {key[0]: bool(plan) for key, plan in kdsl.registry.plans.items()}
+    assert kept["act_quant"] and kept["fp8_gemm"], kept
+    assert kept["w4a16_gemm"], kept  # the Gluon kernels it launches itself (overlap, mma.sync GEMV) included
+
+
+def test_a_kernel_the_module_launches_itself_is_recorded_too(compiled_act_quant, monkeypatch):
+    """Some module code launches a kernel with kernel[grid](...) rather than through _launch (the Gluon W4A16
+    kernels): while a plan records, the module's kernels are watched, so that launch is replayed too."""
+    log, _ = compiled_act_quant
+    mod = module("act_quant", "sm_89")
+    namespace: dict = {}
+    exec("def launch(x, q, s, tile):\n"
+         "    act_quant__e4m3_w128x128_a128_f32__rowwise_sm89[(7, 2)](\n"
+         "        x, q, s, x.shape[0], x.shape[1], x.stride(0), BLOCK_M=8, ROUND_FIRST=False, num_warps=4)\n",
+         vars(mod), namespace)  # defined in the module, so it finds the kernel by its global name
+    monkeypatch.setattr(mod, "launch", namespace["launch"])
+    x, _ = fp8_operands()
+    kdsl.ops.act_quant(x)
+    kdsl.ops.act_quant(x)
+    (plan,) = plans("act_quant")
+    assert plan and [entry[0] for entry in log] == ["jit", "run"]
+    run_args = log[1][1]
+    assert run_args[:3] == (7, 2, 1) and run_args[9] == x.data_ptr()
+    assert run_args[12:] == (3, 256, 256, 8, False)  # M, K, stride, then the constexprs in signature order
+    assert mod.act_quant__e4m3_w128x128_a128_f32__rowwise_sm89.__class__.__name__ == "FakeJit"  # put back

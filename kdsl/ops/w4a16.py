@@ -16,7 +16,7 @@ import torch
 
 from kdsl.naming import w4a16_scheme_name
 from kdsl.ops import _checks as check
-from kdsl.ops import fallback
+from kdsl.ops import _plan, fallback
 from kdsl.ops.gptq_checkpoint import ACTIVATIONS, default_g_idx, pack_rows, unpack_zeros
 from kdsl.packing import PLANE_ROWS, PLANE_TILE_K, PLANE_TILE_N
 from kdsl.runtime import registry
@@ -197,7 +197,26 @@ def _w4a16_gemm_outputs(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tenso
     return torch.empty((*x.shape[:-1], prepared.n), dtype=x.dtype, device=device)
 
 
+def _plan_key(x: torch.Tensor, p: W4A16Prepared) -> tuple:
+    """The launch plan's key (kdsl/ops/_plan.py): x's and the prepared tensors' metadata, the fields read."""
+    key = ("w4a16_gemm", _plan.current_device(), type(x), x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
+           p.scheme, p.bits, p.group_size, p.dtype, p.k, p.n, p.contiguous_groups, p.zero_bias,
+           len(p.layout), p.layout["zeros"], p.layout.get("weights"))
+    for t in (p.qweight, p.zeros, p.scales, p.groups, p.perm):
+        key += (None,) if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
+    return key
+
+
 def _w4a16_gemm_impl(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
+    try:
+        key = _plan_key(x, prepared)
+        plan = _plan.PLANS.get(key)
+    except Exception:  # not a tensor, say: the checks below word the error
+        key = plan = None
+    if plan:
+        y = plan(x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups)
+        if y is not None:
+            return y
     y = _w4a16_gemm_outputs(x, prepared)
     device = y.device
     k, n = prepared.k, prepared.n
@@ -219,7 +238,10 @@ def _w4a16_gemm_impl(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
     call = registry.Call(m=m, n=n, device_type=device.type, dtype=check.dtype_name(x2.dtype),
                          act_order=prepared.perm is not None, contiguous_groups=prepared.contiguous_groups,
                          align=check.alignment(x2, prepared.scales))
-    tile = entry.tile_for(m, n, call)
-    entry.launch(x2, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
-                 prepared.contiguous_groups, y.view(-1, n), tile)
+    tile = entry.tile_for(m, n, call)  # the plan key holds everything the call's facts are made of
+    with _plan.Recorder(entry.modules[tile["impl"]].load() if plan is None else None) as rec:
+        entry.launch(x2, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
+                     prepared.contiguous_groups, y.view(-1, n), tile)
+    _plan.store(key, rec, (x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups),
+                (y,))
     return y

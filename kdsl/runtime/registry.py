@@ -76,12 +76,17 @@ class _Settings:
 
 
 _state: dict = {}
+# kdsl.ops' launch plans (kdsl/ops/_plan.py), keyed on a call's signature. They hold what the manifests and
+# the settings chose, so reset() empties this dict in place (the ops keep a reference to it).
+plans: dict = {}
 _added: list[Path] = []  # add_generated() folders, latest first; kept across reset()
 
 
 def reset() -> None:
-    """Forget the manifests, the environment settings and the dispatch cache (not add_generated folders)."""
+    """Forget the manifests, the environment settings, the dispatch cache and the ops' launch plans (not
+    add_generated folders)."""
     _state.clear()
+    plans.clear()
 
 
 def add_generated(folder) -> None:

@@ -1,0 +1,331 @@
+"""Launch plans: what one call signature of an op launches, recorded on its first call and replayed after.
+
+An op's host time is mostly Python: argument checks, the scheme and kernel lookup, the tile choice, the
+generated module's launch() (grid, split, descriptors) and Triton's launch wrappers. All of it is a
+function of the call's signature, so a plan keyed on that signature can skip it:
+
+  key: the op, each tensor argument's type, shape, strides, dtype, device and data_ptr() % 16, the op's
+       other arguments (with their types: 128 and 128.0 hash alike), and the current CUDA device. The ops
+       build it inline (kdsl.ops.block_fp8, kdsl.ops.w4a16); everything their checks and the launch read
+       is in it, so a key that was once checked and launched is checked and launched the same way again.
+  value: a function of the call's tensors that allocates the outputs (torch.empty_like of a one-element
+       template: the cheapest allocation torch offers from Python) and launches the recorded kernels on
+       them: on the GPU through the compiled kernel's launcher (CompiledKernel.run, as Triton's own
+       CompiledKernel.__getitem__ runner does, with pointers passed as integers so the launcher does not
+       ask the driver about each one), under the interpreter through kernel[grid](...).
+
+A miss runs the op's ordinary path, which raises the same errors as ever, and records the launches the
+module's _launch makes (common/launch_cache.py.j2) and, on the GPU, those of the kernels the module launches
+itself (kernel[grid](...): its kernels are watched under their global names while it records). The plan is
+kept only where replaying it is the same launch: on the GPU, Triton's launch hook counted as many launches
+as were recorded (none went around both); every tensor a launch reads is one of the call's tensors, a view
+starting at one of them (same dtype under the interpreter), or the module's persistent split-K scratch; no
+two of the call's tensors start at one address; no CUDA graph is being captured. Otherwise the key maps to
+NO_PLAN and every call takes the ordinary path.
+
+A plan declines (returns None, and the op takes the ordinary path) while Triton's launch hooks are set (a
+profiler sees every launch as Triton reports it) and, for CPU tensors, when TRITON_INTERPRET is unset.
+Plans live in kdsl.runtime.registry.plans: registry.reset() and add_generated() empty it; at most LIMIT
+are kept (the dict is emptied when full, like the modules' _COMPILED).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kdsl.runtime import registry
+
+PLANS = registry.plans
+LIMIT = 512
+NO_PLAN = False  # a key recorded once and found not replayable
+RECORD = True  # False: nothing new is recorded (tests that watch the modules' launch() turn it off)
+
+if torch.cuda.is_available():
+    current_device = torch._C._cuda_getDevice
+else:
+    def current_device() -> int:
+        return -1
+
+
+class Recorder:
+    """`with Recorder(module) as rec: module.launch(...)` collects that call's launches (rec.launches)."""
+
+    def __init__(self, module):
+        self.module = module
+        self.launches: list | None = None
+        self.count = 0
+        self.chain = None
+        self.watched: dict = {}
+
+    def __enter__(self) -> "Recorder":
+        # _RECORDING is None: the module records (it has the launch cache), and nothing records already.
+        if not RECORD or getattr(self.module, "_RECORDING", 0) is not None:
+            return self
+        if not self.module._INTERPRETING:
+            self.chain = _hook_chain()
+            if self.chain is None:
+                return self  # this Triton cannot count launches: no plan
+            self.chain.add(self._counted)
+        self.launches = self.module._RECORDING = []
+        if not self.module._INTERPRETING:
+            # Kernels a module launches itself (kernel[grid](...), not through _launch: the Gluon W4A16 kernels)
+            # are recorded by a stand-in under their global name. Only the launched kernels, named after the
+            # module (the @jit helpers they call are looked up by name when a kernel compiles).
+            prefix = self.module.__name__.rpartition(".")[2]
+            self.watched = {name: value for name, value in vars(self.module).items()
+                            if name.startswith(prefix) and hasattr(value, "arg_names") and hasattr(value, "__getitem__")}
+            for name, kernel in self.watched.items():
+                setattr(self.module, name, _Watched(kernel, self.launches))
+        return self
+
+    def _counted(self, *_) -> None:
+        self.count += 1
+
+    def __exit__(self, *_) -> bool:
+        for name, kernel in self.watched.items():
+            setattr(self.module, name, kernel)
+        if self.launches is not None:
+            self.module._RECORDING = None
+        if self.chain is not None:
+            self.chain.remove(self._counted)
+        return False
+
+
+class _Watched:
+    """A module's kernel while a plan is recorded: kernel[grid](...) launches it and records the launch as
+    _launch does. Equal to the kernel (and hashes alike), so _launch's cache finds the kernel's entries."""
+
+    _kdsl_watched = True
+
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+    def __hash__(self) -> int:
+        return hash(self.kernel)
+
+    def __eq__(self, other) -> bool:
+        return other is self or other is self.kernel or (type(other) is _Watched and other.kernel is self.kernel)
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def watched(*args, **options):
+            compiled = launch(*args, **options)
+            try:  # the compiled kernel takes every signature argument positionally, constexprs included
+                extra = tuple(options[name] for name in self.kernel.arg_names[len(args):])
+            except KeyError:  # a default left out: not replayed
+                compiled = None
+            self.launches.append(None if compiled is None or callable(grid) else (compiled, grid, args, extra, True))
+            return compiled
+        return watched
+
+
+def store(key, rec: Recorder, inputs: tuple, outputs: tuple) -> None:
+    """Keep under key the plan that launches what rec recorded: inputs are the op's tensors in the order the
+    op passes them to the plan (None for an absent optional one), outputs the tensors it allocated."""
+    if key is None or rec.launches is None:
+        return
+    if not rec.module._INTERPRETING and torch.cuda.is_current_stream_capturing():
+        return  # scratch grown inside a capture is zeroed when the graph replays, not now
+    plan = _build(rec, inputs, outputs)
+    if len(PLANS) >= LIMIT:
+        PLANS.clear()
+    PLANS[key] = NO_PLAN if plan is None else plan
+
+
+def _hook_chain():
+    """Triton's launch_enter_hook chain, where it is one (Triton >= 3.4); None where it is not."""
+    from triton import knobs
+
+    chain = getattr(knobs.runtime, "launch_enter_hook", None)
+    return chain if hasattr(chain, "calls") and hasattr(chain, "add") and hasattr(chain, "remove") else None
+
+
+def _rebase(proto, base):
+    """A copy of the recorded tensor descriptor proto over base (same sizes, strides and block)."""
+    desc = object.__new__(type(proto))
+    desc.__dict__.update(proto.__dict__)
+    desc.base = base
+    return desc
+
+
+def _template(out: torch.Tensor):
+    """A one-element tensor whose torch.empty_like has out's shape, strides, dtype and device; None if none."""
+    one = out.new_empty((1,))
+    template = one.expand(out.shape) if out.numel() > 1 else one.view(out.shape)
+    probe = torch.empty_like(template)
+    if (probe.shape, probe.stride(), probe.dtype, probe.device) != (out.shape, out.stride(), out.dtype, out.device):
+        return None
+    return template
+
+
+def _build(rec: Recorder, inputs: tuple, outputs: tuple):
+    launches = rec.launches
+    if not launches or any(launch is None for launch in launches):
+        return None
+    compiled = not rec.module._INTERPRETING
+    if any(launch[4] is not compiled for launch in launches):
+        return None
+    if compiled and rec.count != len(launches):
+        return None  # a launch went around _launch: replaying the recorded ones would miss it
+    names = [f"i{j}" for j in range(len(inputs))] + [f"o{j}" for j in range(len(outputs))]
+    tensors = [(name, t) for name, t in zip(names, (*inputs, *outputs)) if t is not None]
+    by_ptr = {}
+    for name, t in tensors:
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.numel() == 0 or t.data_ptr() in by_ptr:
+            return None  # aliasing arguments: which of them a launch reads is not in the key
+        by_ptr[t.data_ptr()] = name, t
+
+    def slot_of(p: torch.Tensor) -> str | None:
+        """The call tensor p starts at (p itself, or a view such as x.reshape(-1, K) of it). A launch reads
+        its pointer only (the interpreter also its dtype), so the same call tensor of a later call serves."""
+        name, t = by_ptr.get(p.data_ptr(), (None, None))
+        return name if t is not None and (compiled or p.dtype == t.dtype) else None
+    scratch = {id(t) for pair in getattr(rec.module, "_SPLITK_SCRATCH", {}).values() for t in pair}
+
+    ns: dict = {"_empty_like": torch.empty_like, "_rebase": _rebase, "_environ": os.environ}
+    counter = iter(range(1 << 30))
+
+    def constant(value) -> str:
+        name = f"_c{next(counter)}"
+        ns[name] = value
+        return name
+
+    direct = position = None
+    pointers: set = set()
+
+    def argument(p) -> str | None:
+        """Source text of one launch argument, None where the plan cannot reproduce it."""
+        if p is None or type(p) is bool or type(p) is int:
+            return repr(p)
+        if isinstance(p, torch.Tensor):
+            if id(p) in scratch:
+                held = constant(p)  # held, so its memory stays the scratch's while the plan lives
+                return constant(p.data_ptr()) if compiled else held
+            slot = slot_of(p)
+            if slot is None or not compiled:
+                return slot
+            pointers.add(slot)
+            return f"_p{slot}"  # its data_ptr(), read once per call
+        base = getattr(p, "base", None)
+        if getattr(p, "block_shape", None) is not None and isinstance(base, torch.Tensor):
+            slot = slot_of(base)
+            if slot is None or not hasattr(p, "__dict__"):
+                return None
+            if direct is not None:
+                if position not in direct[1]:
+                    return None
+                # Triton's own expansion of the descriptor, kept per base address (a weight's is fixed).
+                return f"*{constant(_expander(p, direct[1][position], direct[2]))}({slot})"
+            return f"_rebase({constant(p)}, {slot})"
+        if isinstance(p, (float, str)) or not hasattr(p, "data_ptr"):
+            return constant(p)
+        return None
+
+    lines = [f"def replay({', '.join(names[:len(inputs)])}):"]
+    if compiled:
+        from triton import knobs
+
+        ns["_knobs"], ns["_Chain"] = knobs, type(_hook_chain())
+        ns["_stream"] = _triton_stream()
+        lines += ["    _rt = _knobs.runtime",
+                  "    _h, _x = _rt.launch_enter_hook, _rt.launch_exit_hook",
+                  "    if ((_h is not None and (type(_h) is not _Chain or _h.calls))",
+                  "            or (_x is not None and (type(_x) is not _Chain or _x.calls))):",
+                  "        return None"]
+    else:
+        lines += ['    if _environ.get("TRITON_INTERPRET") != "1":', "        return None"]
+    for j, out in enumerate(outputs):
+        template = _template(out)
+        if template is None:
+            return None
+        lines.append(f"    o{j} = _empty_like({constant(template)})")
+    if compiled:
+        lines.append(f"    _s = _stream({current_device()})")
+    for kernel, grid, params, extra, _ in launches:
+        direct = _direct_launcher(kernel) if compiled else None
+        args = []
+        for position, p in enumerate((*params, *extra) if compiled else params):
+            args.append(argument(p))
+        if direct is not None and sum(a is not None and a.startswith("*") for a in args) != len(direct[1]):
+            return None
+        if any(a is None for a in args):
+            return None
+        grid = (*grid, 1, 1)[:3]  # Triton's runner reads three entries; a shorter grid means 1 for the rest
+        grid_text = ", ".join(repr(g) if type(g) is int else constant(g) for g in grid)
+        if direct is not None:
+            raw, _, _, cooperative, pdl = direct
+            lines.append(f"    {constant(raw)}({grid_text}, _s, {constant(kernel.function)}, {cooperative!r}, "
+                         f"{pdl!r}, None, None, {constant(kernel.packed_metadata)}, None, None, None, "
+                         f"{', '.join(args)})")
+        elif compiled:
+            run, function, metadata = kernel.run, kernel.function, kernel.packed_metadata
+            lines.append(f"    {constant(run)}({grid_text}, _s, {constant(function)}, {constant(metadata)}, "
+                         f"None, None, None, {', '.join(args)})")
+        else:
+            lines.append(f"    {constant(kernel)}[({grid_text},)]({', '.join(args)}, **{constant(extra)})")
+    if pointers:
+        first_launch = lines.index("    _s = _stream(" + f"{current_device()})") + 1
+        lines[first_launch:first_launch] = [f"    _p{slot} = {slot}.data_ptr()" for slot in sorted(pointers)]
+    lines.append(f"    return {', '.join(names[len(inputs):])}")
+    exec(compile("\n".join(lines), f"<kdsl plan {rec.module.__name__}>", "exec"), ns)
+    replay = ns["replay"]
+    replay.source = "\n".join(lines)  # for tests and for reading
+    return replay
+
+
+def _direct_launcher(compiled):
+    """(the C launcher, {kernel argument index: descriptor metadata}, make_tensordesc_arg, cooperative, pdl)
+    of a compiled kernel whose launcher is Triton 3.6's CudaLauncher with no scratch memory to allocate, for
+    the plan to call as CudaLauncher.__call__ and its descriptor wrapper would; None for any other launcher
+    (the plan then calls CompiledKernel.run, which every Triton version has)."""
+    try:
+        from triton.backends.nvidia import driver as nvidia
+    except ImportError:
+        return None
+    launcher = compiled.run
+    if (type(launcher) is not getattr(nvidia, "CudaLauncher", None)
+            or getattr(nvidia, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO"
+            or getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1)):
+        return None
+    launch, make = launcher.launch, getattr(nvidia, "make_tensordesc_arg", None)
+    code = getattr(launch, "__code__", None)
+    if code is None:  # the C launcher itself: the kernel takes no descriptors
+        return launch, {}, make, launcher.launch_cooperative_grid, launcher.launch_pdl
+    # wrap_handle_tensordesc's inner(*args): its closure holds the C launcher and the descriptors' places.
+    cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in launch.__closure__ or ())))
+    if set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"} or make is None:
+        return None
+    indices = sorted(cells["tensordesc_indices"])
+    meta = cells["tensordesc_meta"]
+    if len(meta) != len(indices) or any(m is None for m in meta):
+        return None
+    return (cells["launcher"], dict(zip(indices, meta)), make, launcher.launch_cooperative_grid,
+            launcher.launch_pdl)
+
+
+def _expander(proto, meta, make, limit: int = 64):
+    """base -> Triton's launcher arguments for proto's descriptor over base (make_tensordesc_arg), kept per
+    base address: the TMA descriptor is a function of the address, the sizes, strides and block (fixed)."""
+    kept: dict = {}
+
+    def expand(base):
+        ptr = base.data_ptr()
+        args = kept.get(ptr)
+        if args is None:
+            if len(kept) >= limit:
+                kept.clear()
+            args = kept[ptr] = make(_rebase(proto, base), meta)
+        return args
+    return expand
+
+
+def _triton_stream():
+    """The function Triton's launches get the current stream from (torch's raw CUDA stream)."""
+    from triton.runtime import driver
+
+    return driver.active.get_current_stream
