@@ -1,4 +1,4 @@
-"""`python -m kdsl COMMAND`: generate, schema, list, explain, demo, bench, tune."""
+"""`python -m kdsl COMMAND`: generate, schema, list, explain, demo, aot, bench, tune."""
 from __future__ import annotations
 
 import argparse
@@ -172,6 +172,33 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo()
 
 
+def _aot(args: argparse.Namespace) -> int:
+    from kdsl.aot import abi as abis
+    from kdsl.aot.export import ExportError, export
+    from kdsl.registry import served_schemes
+
+    ops = args.op or list(abis.OPS)
+    for op in ops:
+        if op not in abis.OPS:
+            _kernels(op)  # an unknown op: UsageError listing the known ones
+            raise UsageError(f"op {op!r} cannot be exported yet; exportable ops: {', '.join(abis.OPS)}")
+    if args.scheme:
+        served = set().union(*(served_schemes(op) for op in ops))
+        unknown = [s for s in args.scheme if s not in served]
+        if unknown:
+            raise UsageError(f"scheme(s) {', '.join(unknown)} not served by {', '.join(ops)}; "
+                             f"served: {', '.join(sorted(served))}")
+    try:
+        result = export(args.out.resolve(), args.arch, ops, args.scheme, args.dtype, args.generic_only, args.jobs,
+                        progress=lambda line: print(line, flush=True))
+    except ExportError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"exported {len(result.specs)} specializations of {len(result.selected)} kernel(s) to {args.out}/ "
+          f"(build: cmake -S {args.out} -B {args.out}/build && cmake --build {args.out}/build, or make -C {args.out})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kdsl import __version__
     from kdsl.runtime.manifest import shipped_definitions_dir, shipped_dir
@@ -218,6 +245,26 @@ def build_parser() -> argparse.ArgumentParser:
                                description="Quantize, GEMM and check against fp32 references, on the GPU if there "
                                            "is one, else through Triton's interpreter on the CPU.")
     demo.set_defaults(func=_demo)
+
+    aot = commands.add_parser(
+        "aot", help="export kernels as cubins with a C library (launchers, dispatchers) usable without Python",
+        description="Compile the kernels the registry picks for each --arch (no GPU needed) into cubins, and "
+                    "write C launchers, one dispatcher per op (kdsl_<op>, the registry's choice of kernel and "
+                    "tile in C), headers, CMakeLists.txt, a Makefile and aot_manifest.json into --out. Kernels "
+                    "that cannot be exported are named with the reason; their cases go to an exportable one. "
+                    "Exit 1 if nothing could be exported or a kernel failed to compile, 2 for an unknown op, "
+                    "scheme or dtype. See docs/aot.md.")
+    aot.add_argument("--arch", type=arch, action="append", required=True,
+                     help="arch to compile for, e.g. sm_90 (repeat for several)")
+    aot.add_argument("--op", action="append", help="only this op (repeat for several; default: every exportable op)")
+    aot.add_argument("--scheme", action="append", help="only this scheme (repeat for several; default: all served)")
+    aot.add_argument("--dtype", action="append", choices=("bf16", "f16", "f32"),
+                     help="only this dtype where an op's dtype varies (repeat; default: all)")
+    aot.add_argument("--generic-only", action="store_true",
+                     help="one assumption-free specialization per tile (fast; no alignment specializations)")
+    aot.add_argument("--jobs", type=int_at_least(1), help="compile processes (default: one per CPU)")
+    aot.add_argument("--out", type=Path, required=True, help="output folder")
+    aot.set_defaults(func=_aot)
 
     try:
         from kdsl.bench.cli import add_parser as add_bench_parser

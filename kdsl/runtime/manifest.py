@@ -88,6 +88,7 @@ class KernelModule:
         module = _MODULES.get(self.path)
         if module is None:
             module = _MODULES[self.path] = _import_file(self.import_name, self.path)
+            _run_module_hooks(self, module)
         return module
 
     @property
@@ -180,6 +181,17 @@ class KernelEntry:
 
 
 _MODULES: dict[Path, ModuleType] = {}
+# Called with (KernelModule, module) after a generated module is imported: kdsl.aot wraps the kernels it exported.
+MODULE_HOOKS: list = []
+
+
+def _run_module_hooks(kernel_module, module: ModuleType) -> None:
+    if os.environ.get("KDSL_AOT") and not MODULE_HOOKS:
+        from kdsl.aot.runtime import load_from_env  # KDSL_AOT=DIR: exported cubins instead of compiling
+
+        load_from_env()
+    for hook in MODULE_HOOKS:
+        hook(kernel_module, module)
 
 
 def _import_file(module_name: str, path: Path) -> ModuleType:

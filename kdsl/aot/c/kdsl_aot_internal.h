@@ -1,0 +1,79 @@
+/* Internal to the kdsl AOT library: the spec table, the driver table and the launch helper. */
+#ifndef KDSL_AOT_INTERNAL_H
+#define KDSL_AOT_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "kdsl_aot.h"
+
+#if defined(__GNUC__)
+#define KDSL_INTERNAL __attribute__((visibility("hidden")))
+#else
+#define KDSL_INTERNAL
+#endif
+
+typedef struct kdsl__loaded {
+  CUcontext context;
+  CUmodule module;
+  CUfunction function;
+  struct kdsl__loaded *next;
+} kdsl__loaded;
+
+/* One compiled specialization of one kernel. */
+typedef struct kdsl__spec {
+  const char *name;
+  const char *entry;               /* the kernel's symbol in the cubin */
+  const unsigned char *cubin;
+  const unsigned char *cubin_end;
+  unsigned shared;                 /* bytes of dynamic shared memory */
+  unsigned threads;                /* num_warps * 32 */
+  int arch;                        /* exported for sm_<arch> */
+  int bucket;                      /* tile bucket of the kernel's definition */
+  int dtype;                       /* the op's varying dtype (kdsl_dtype), -1 if none */
+  int nparams;                     /* kernel parameters the dispatcher computes, in signature order */
+  const char *types;               /* per parameter: 'p' pointer, 'i' int32, 'l' int64 */
+  const char *claims;              /* per parameter: '1' equal to 1 (compiled in, not passed), 'D' divisible by 16, '-' */
+  int hidden;                      /* trailing parameters Triton adds (global/profile scratch), passed as NULL */
+  kdsl__loaded *loaded;            /* per CUDA context; guarded by the runtime's lock */
+} kdsl__spec;
+
+typedef struct kdsl__driver {
+  CUresult (*cuInit)(unsigned int);
+  CUresult (*cuCtxGetCurrent)(CUcontext *);
+  CUresult (*cuCtxGetDevice)(CUdevice *);
+  CUresult (*cuDeviceGetAttribute)(int *, CUdevice_attribute, CUdevice);
+  CUresult (*cuModuleLoadData)(CUmodule *, const void *);
+  CUresult (*cuModuleGetFunction)(CUfunction *, CUmodule, const char *);
+  CUresult (*cuFuncSetAttribute)(CUfunction, CUfunction_attribute, int);
+  CUresult (*cuLaunchKernel)(CUfunction, unsigned int, unsigned int, unsigned int, unsigned int, unsigned int,
+                             unsigned int, unsigned int, CUstream, void **, void **);
+  CUresult (*cuGetErrorString)(CUresult, const char **);
+} kdsl__driver;
+
+/* What the last launch on this thread was given (read by the tests; the cost is a few stores). */
+#define KDSL__RECORDED_VALUES 64
+typedef struct kdsl__launch_record {
+  const kdsl__spec *spec;
+  unsigned grid[3];
+  int nvalues;
+  int64_t values[KDSL__RECORDED_VALUES];
+} kdsl__launch_record;
+
+KDSL_INTERNAL kdsl_status kdsl__fail(kdsl_status status, const char *format, ...);
+KDSL_INTERNAL void kdsl__clear_error(void);
+/* The arch (major * 10 + minor) of the current context's device, loading the driver on first use. */
+KDSL_INTERNAL kdsl_status kdsl__current_arch(const char *op, int *arch);
+/* The most specific spec whose assumptions the values meet (bucket and dtype equal), or NULL. */
+KDSL_INTERNAL const kdsl__spec *kdsl__pick(kdsl__spec *const *specs, int count, int bucket, int dtype,
+                                          const int64_t *values, int nvalues);
+KDSL_INTERNAL kdsl_status kdsl__launch(const char *op, kdsl__spec *spec, CUstream stream, int64_t gx, int64_t gy,
+                                       int64_t gz, const int64_t *values);
+
+/* Tests: replace the driver (NULL: back to dlopen), and read this thread's last launch. */
+void kdsl_aot_test_set_driver(const kdsl__driver *driver);
+const kdsl__launch_record *kdsl_aot_test_last_launch(void);
+
+static inline int64_t kdsl__cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+static inline int64_t kdsl__div(int64_t a, int64_t b) { return a / b; }
+
+#endif

@@ -1,0 +1,308 @@
+"""`kdsl aot`: choose, compile and write the specializations of the selected ops for the named archs.
+
+Which kernel serves an op on an arch is the registry's choice (kdsl.runtime.registry), with the kernels this
+exporter cannot export left out (each reported with its reason, abi.OpAbi.unexportable): their cases go to
+the kernel the registry would pick next. Per tile bucket, the specializations compiled are those the op's
+representative calls produce (abi.OpAbi.problems: Triton's rules, integer arguments equal to 1 or divisible
+by 16 and pointers 16-byte aligned) plus one that assumes nothing, so every call has a cubin.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kdsl.aot import abi as abis
+from kdsl.naming import format_arch
+from kdsl.runtime import registry
+
+AOT_FORMAT = 1
+INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+
+
+class ExportError(RuntimeError):
+    """Nothing could be exported, or a kernel failed to compile."""
+
+
+def int_key(value: int) -> tuple[str, str]:
+    """Triton's specialization of an integer argument: (type, claim) with claim "1" (a constexpr),
+    "D" (divisible by 16) or "" (nothing assumed)."""
+    kind = "i32" if INT32_MIN <= value <= INT32_MAX else "i64"
+    if value == 1:
+        return kind, "1"
+    return kind, "D" if value % 16 == 0 else ""
+
+
+def pointer_key(address: int) -> str:
+    return "D" if address % 16 == 0 else ""
+
+
+@dataclass
+class Spec:
+    """One compiled specialization of one kernel."""
+    name: str
+    op: str
+    scheme: str
+    arch: int
+    entry: str  # the generated kernel (manifest name)
+    impl: str
+    kernel: str  # the @triton.jit function in the module
+    module_path: str
+    bucket: int
+    tile: dict
+    dtypes: dict  # dtype argument -> dtype name
+    params: list  # [{name, kind: ptr|int, type, claim}]
+    constexprs: dict
+    options: dict
+    compiled: dict = field(default_factory=dict)
+
+    def job(self, out: Path) -> dict:
+        return dict(name=self.name, module_path=self.module_path, kernel=self.kernel, arch=self.arch,
+                    params=self.params, constexprs=self.constexprs, options=self.options,
+                    cubin_path=str(out / "cubins" / f"{self.name}.cubin"))
+
+    def record(self) -> dict:
+        return dict(name=self.name, op=self.op, scheme=self.scheme, arch=format_arch(self.arch), entry=self.entry,
+                    impl=self.impl, kernel=self.kernel, bucket=self.bucket, tile=self.tile, dtypes=self.dtypes,
+                    specialization=" ".join(f"{p['name']}:{p['type']}{':' + p['claim'] if p['claim'] else ''}"
+                                            for p in self.params),
+                    params=self.params, constexprs=self.constexprs, options=self.options, **self.compiled)
+
+
+@dataclass
+class Plan:
+    """What `kdsl aot` will write: per (op, scheme, arch) the chosen entry and its specializations."""
+    archs: list
+    selected: list = field(default_factory=list)  # (abi, scheme, arch, entry, [Spec])
+    skipped: list = field(default_factory=list)  # (what, reason)
+
+    @property
+    def specs(self) -> list:
+        return [spec for *_, specs in self.selected for spec in specs]
+
+
+def choose(op: str, scheme: str, arch: int, unexportable: dict):
+    """The registry's kernel for (op, scheme, arch), among the exportable ones: (entry, [(skipped, why)])."""
+    skipped = []
+    try:
+        chosen = registry.select(op, scheme, arch=arch)
+    except registry.NoKernelError as error:
+        return None, [(f"{op} [{scheme}] for {format_arch(arch)}", str(error).replace("\n", ";"))]
+    if chosen.impl not in unexportable:
+        return chosen, skipped
+    # Same rule as the registry (registry._specificity), over the kernels left once the unexportable go.
+    fitting = []
+    for entry in registry.entries():
+        if entry.op != op or entry.scheme != scheme or arch < entry.min_arch:
+            continue
+        if entry.max_arch is not None and arch > entry.max_arch:
+            continue
+        if entry.impl in unexportable:
+            skipped.append((entry.name, f"not exported: {unexportable[entry.impl]}"))
+            continue
+        fitting.append(entry)
+    if not fitting:
+        return None, skipped
+    return max(fitting, key=registry._specificity), skipped
+
+
+def spec_params(launch: abis.ImplLaunch, values: dict, dtypes: dict, generic: bool) -> list:
+    params = []
+    for name, expression in launch.params:
+        if name in launch.pointer_types:
+            kind = launch.pointer_types[name]
+            element = abis.DTYPES[dtypes[kind.split(":", 1)[1]]][1] if kind.startswith("dtype:") else kind
+            claim = "" if generic else pointer_key(values.get(expression, 0))
+            params.append(dict(name=name, kind="ptr", type=f"*{element}", claim=claim))
+        else:
+            kind, claim = ("i32", "") if generic else int_key(abis.evaluate(expression, values))
+            params.append(dict(name=name, kind="int", type=kind, claim=claim))
+    return params
+
+
+def _spec_name(entry_name: str, bucket: int, arch: int, body: dict) -> str:
+    digest = hashlib.sha256(json.dumps([arch, body], sort_keys=True).encode()).hexdigest()[:10]
+    return f"{entry_name}__sm{arch}_b{bucket}_{digest}"
+
+
+def plan(archs, ops=None, schemes=None, dtypes=None, generic_only: bool = False) -> Plan:
+    """Choose kernels and enumerate their specializations; compiles nothing."""
+    result = Plan(archs=list(archs))
+    for op in ops or list(abis.OPS):
+        abi = abis.OPS[op]
+        served = sorted(registry.served_schemes(op))
+        for scheme in served if not schemes else [s for s in served if s in schemes]:
+            for arch in archs:
+                entry, skipped = choose(op, scheme, arch, abi.unexportable)
+                result.skipped += [(what, why) for what, why in skipped if (what, why) not in result.skipped]
+                if entry is None:
+                    continue
+                if entry.impl not in abi.impls:
+                    result.skipped.append((entry.name, f"not exported: no C launch description for impl "
+                                                       f"{entry.impl!r} in kdsl/aot/abi.py"))
+                    continue
+                result.selected.append((abi, scheme, arch, entry,
+                                        _enumerate(abi, entry, arch, dtypes, generic_only)))
+    return result
+
+
+def _enumerate(abi: abis.OpAbi, entry, arch: int, dtypes, generic_only: bool) -> list:
+    launch = abi.impls[entry.impl]
+    scheme = abis.scheme_values(entry)
+    wanted = {}
+    # Every problem names one dtype per dtype argument; generic specs for each allowed combination.
+    combos = [{}]
+    for argument, allowed in abi.dtype_choices.items():
+        allowed = [d for d in allowed if not dtypes or d in dtypes]
+        combos = [{**c, argument: d} for c in combos for d in allowed]
+    problems = [] if generic_only else list(abi.problems())
+    for bucket_index, bucket in enumerate(entry.tiles):
+        tile = bucket.params
+        fixed = dict(constexprs=launch.constexprs(tile, scheme), options=launch.options(tile))
+        calls = [(combo, {}, True) for combo in combos]
+        for problem in problems:
+            problem_dtypes = {a: problem[a] for a in abi.dtype_choices}
+            if any(p not in combos for p in [problem_dtypes]):
+                continue
+            m = problem[abi.m]
+            n = problem[abi.n] if abi.n else None
+            if entry.bucket_index(m, n) != bucket_index:
+                continue
+            # Pointers as the deployments' allocators give them: 16-byte aligned (misaligned ones take the
+            # generic specialization).
+            values = {**problem, **{arg.name: 4096 for arg in abi.args if arg.ctype == "ptr"}}
+            calls.append((problem_dtypes, values, False))
+        for dtype_choice, values, generic in calls:
+            params = spec_params(launch, values, dtype_choice, generic)
+            body = dict(params=params, **fixed)
+            name = _spec_name(entry.name, bucket_index, arch, body)
+            if name not in wanted:
+                wanted[name] = Spec(name=name, op=abi.op, scheme=entry.scheme, arch=arch, entry=entry.name,
+                                    impl=entry.impl, kernel=entry.name, module_path=str(entry.module_path),
+                                    bucket=bucket_index, tile=dict(tile), dtypes=dict(dtype_choice),
+                                    params=params, **fixed)
+    return list(wanted.values())
+
+
+def compile_specs(specs: list, out: Path, jobs: int, progress=print) -> list:
+    """Compile every spec in `jobs` worker processes; returns [(spec, error)] for the ones that failed."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the JIT's default; set so Triton 3.9 does not warn
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = package_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    pending = list(specs)
+    by_name = {spec.name: spec for spec in specs}
+    workers = [subprocess.Popen([sys.executable, "-m", "kdsl.aot.worker"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, env=env)
+               for _ in range(max(1, min(jobs, len(specs))))]
+    failures, done, total = [], 0, len(specs)
+    try:
+        busy = {}
+        import selectors
+        selector = selectors.DefaultSelector()
+        for worker in workers:
+            selector.register(worker.stdout, selectors.EVENT_READ, worker)
+
+        def feed(worker):
+            if pending:
+                spec = pending.pop(0)
+                busy[worker] = (spec, time.perf_counter())
+                worker.stdin.write(json.dumps(spec.job(out)) + "\n")
+                worker.stdin.flush()
+
+        for worker in workers:
+            feed(worker)
+        while busy:
+            for key, _ in selector.select():
+                worker = key.data
+                line = worker.stdout.readline()
+                if not line:
+                    spec, _ = busy.pop(worker)
+                    failures.append((spec, "the compile worker exited"))
+                    selector.unregister(worker.stdout)
+                    continue
+                result = json.loads(line)
+                spec, started = busy.pop(worker)
+                spec = by_name[result.pop("name")]
+                done += 1
+                if result.pop("ok"):
+                    spec.compiled = result
+                    progress(f"[{done}/{total}] {spec.name}: {result['size']} bytes, {result['shared']} B shared, "
+                             f"{time.perf_counter() - started:.1f} s")
+                else:
+                    failures.append((spec, result["error"]))
+                    progress(f"[{done}/{total}] {spec.name}: FAILED {result['error']}")
+                feed(worker)
+    finally:
+        for worker in workers:
+            worker.stdin.close()
+            worker.wait()
+    for spec in specs:
+        if spec.compiled and (spec.compiled["global_scratch_size"] or spec.compiled["profile_scratch_size"]
+                              or spec.compiled["num_ctas"] != 1 or spec.compiled["launch_cooperative_grid"]):
+            failures.append((spec, "needs global/profile scratch, clusters or a cooperative launch, which the "
+                                   "C launcher does not provide"))
+    return failures
+
+
+def export(out: Path, archs, ops=None, schemes=None, dtypes=None, generic_only=False, jobs=None,
+           progress=print) -> Plan:
+    """Plan, compile and write everything under `out` (cubins, C sources, build files, aot_manifest.json)."""
+    from kdsl.aot import emit
+
+    result = plan(archs, ops, schemes, dtypes, generic_only)
+    for what, why in result.skipped:
+        progress(f"skipped {what}: {why}")
+    if not result.selected:
+        raise ExportError("nothing to export: " + "; ".join(f"{w}: {r}" for w, r in result.skipped))
+    out.mkdir(parents=True, exist_ok=True)
+    failures = compile_specs(result.specs, out, jobs or os.cpu_count() or 1, progress)
+    if failures:
+        raise ExportError("; ".join(f"{spec.name}: {why}" for spec, why in failures))
+    _share_identical_cubins(out, result.specs)
+    emit.write_all(out, result)
+    return result
+
+
+def _share_identical_cubins(out: Path, specs: list) -> None:
+    """Specializations whose cubins are byte-identical (an assumption the compiler did not use) share one file,
+    named by its hash; the library embeds each file once."""
+    for spec in specs:
+        written = out / "cubins" / f"{spec.name}.cubin"
+        shared = out / "cubins" / f"{spec.compiled['sha256'][:16]}.cubin"
+        if written.exists():
+            if shared.exists():
+                written.unlink()
+            else:
+                written.rename(shared)
+        spec.compiled["cubin"] = f"cubins/{shared.name}"
+
+
+def manifest(result: Plan) -> dict:
+    import triton
+
+    return dict(
+        format=AOT_FORMAT, generator="kdsl aot", triton=triton.__version__,
+        archs=[format_arch(a) for a in result.archs],
+        ops=[dict(op=abi.op, function=abi.function, scheme=scheme, arch=format_arch(arch), entry=entry.name,
+                  impl=entry.impl, digest=_entry_digest(entry), specializations=len(specs))
+             for abi, scheme, arch, entry, specs in result.selected],
+        not_exported=[dict(kernel=what, reason=why) for what, why in result.skipped],
+        specializations=[spec.record() for spec in result.specs],
+    )
+
+
+def _entry_digest(entry) -> str | None:
+    """The generated module's digest line (its definition and templates), so a deployment can match sources."""
+    try:
+        for line in Path(entry.module_path).read_text(encoding="utf-8").splitlines()[:8]:
+            if line.startswith("# digest: "):
+                return line.split()[2]
+    except OSError:
+        return None
+    return None

@@ -1,0 +1,225 @@
+"""Launch exported cubins from Python: `kdsl.aot.load(DIR)` or KDSL_AOT=DIR.
+
+DIR is a folder written by `python -m kdsl aot` (its aot_manifest.json and cubins/; the C library need not be
+built). Each generated module's @triton.jit kernel that DIR exports is wrapped: a launch whose specialization
+(the constexprs and launch options the module passes, and Triton's rules for the arguments: integers equal
+to 1 or divisible by 16, pointers 16-byte aligned, 32- or 64-bit integers) was exported runs its cubin through
+the CUDA driver, compiling nothing; any other launch goes to Triton's JIT as before (counted in stats()).
+The wrapping happens where the registry imports a generated module (kdsl.runtime.manifest's module hook),
+so kdsl.ops and the templates are unchanged.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import threading
+from pathlib import Path
+
+AOT_ENV = "KDSL_AOT"
+
+_TRITON_TYPES = {
+    "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32", "torch.float8_e4m3fn": "fp8e4nv",
+    "torch.float8_e5m2": "fp8e5", "torch.int32": "i32", "torch.int64": "i64", "torch.uint8": "u8",
+    "torch.int8": "i8", "torch.int16": "i16", "torch.bool": "i1",
+}
+
+_lock = threading.Lock()
+_library = None  # the loaded AotLibrary
+_patched: dict = {}  # (module name, attribute) -> (module, original kernel)
+_stats = {"aot": 0, "jit": 0}
+
+
+class AotError(RuntimeError):
+    """An export folder that cannot be used (missing, another format, or a CUDA driver call failed)."""
+
+
+def argument_key(arg) -> tuple | None:
+    """Triton's specialization of one kernel argument, as the exporter writes it: (type, claim)."""
+    from kdsl.aot.export import int_key, pointer_key
+
+    if type(arg) is int:
+        return int_key(arg)
+    data_ptr = getattr(arg, "data_ptr", None)
+    if data_ptr is not None:
+        element = _TRITON_TYPES.get(str(arg.dtype))
+        return None if element is None else ("*" + element, pointer_key(data_ptr()))
+    return None
+
+
+class AotLibrary:
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        path = self.folder / "aot_manifest.json"
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise AotError(f"{path} does not exist: write it with `python -m kdsl aot --out {self.folder}`") from None
+        from kdsl.aot.export import AOT_FORMAT
+
+        if data.get("format") != AOT_FORMAT:
+            raise AotError(f"{path} has format {data.get('format')!r}, this kdsl reads {AOT_FORMAT}")
+        self.manifest = data
+        self.tables: dict = {}  # kernel -> {(options key, argument key): spec}
+        for spec in data["specializations"]:
+            options = tuple(sorted({**spec["constexprs"], **spec["options"]}.items()))
+            arguments = tuple((p["type"], p["claim"]) for p in spec["params"])
+            self.tables.setdefault(spec["kernel"], {})[(options, arguments)] = spec
+        self.functions: dict = {}  # (context, spec name) -> CUfunction
+        self.driver = None
+
+    def function(self, spec: dict):
+        if self.driver is None:
+            self.driver = _Driver()
+        context = self.driver.current_context()
+        key = (context, spec["name"])
+        function = self.functions.get(key)
+        if function is None:
+            with _lock:
+                function = self.functions.get(key)
+                if function is None:
+                    image = (self.folder / spec["cubin"]).read_bytes()
+                    function = self.driver.load(image, spec["symbol"], spec["shared"])
+                    self.functions[key] = function
+        return function
+
+
+class _Driver:
+    """The few CUDA driver calls a launch needs, through ctypes."""
+
+    def __init__(self):
+        try:
+            self.cuda = ctypes.CDLL(os.environ.get("KDSL_AOT_LIBCUDA") or "libcuda.so.1")
+        except OSError as error:
+            raise AotError(f"cannot open the CUDA driver: {error}") from None
+        self.cuda.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+
+    def check(self, status: int, call: str) -> None:
+        if status:
+            text = ctypes.c_char_p()
+            self.cuda.cuGetErrorString(status, ctypes.byref(text))
+            raise AotError(f"{call} failed: CUDA error {status} ({(text.value or b'?').decode()})")
+
+    def current_context(self) -> int:
+        context = ctypes.c_void_p()
+        self.check(self.cuda.cuCtxGetCurrent(ctypes.byref(context)), "cuCtxGetCurrent")
+        return context.value or 0
+
+    def load(self, image: bytes, entry: str, shared: int):
+        module, function = ctypes.c_void_p(), ctypes.c_void_p()
+        buffer = ctypes.create_string_buffer(image, len(image))
+        self.check(self.cuda.cuModuleLoadData(ctypes.byref(module), buffer), "cuModuleLoadData")
+        self.check(self.cuda.cuModuleGetFunction(ctypes.byref(function), module, entry.encode()),
+                   "cuModuleGetFunction")
+        if shared > 49152:
+            self.check(self.cuda.cuFuncSetAttribute(function, 8, ctypes.c_int(shared)),  # MAX_DYNAMIC_SHARED_SIZE
+                       "cuFuncSetAttribute")
+        return function
+
+    def launch(self, function, grid, threads: int, shared: int, stream: int, arguments: list) -> None:
+        pointers = (ctypes.c_void_p * max(1, len(arguments)))(
+            *[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in arguments])
+        self.check(self.cuda.cuLaunchKernel(function, grid[0], grid[1], grid[2], threads, 1, 1, shared,
+                                            ctypes.c_void_p(stream), pointers, None), "cuLaunchKernel")
+
+
+class AotKernel:
+    """Stands in for a generated module's @triton.jit kernel: kernel[grid](*params, **options)."""
+
+    def __init__(self, jit, table: dict, library: AotLibrary):
+        self.jit, self.table, self.library = jit, table, library
+
+    def __getattr__(self, name):  # arg_names, fn, ...: the JIT function's
+        return getattr(self.jit, name)
+
+    def __getitem__(self, grid):
+        def run(*params, **options):
+            return self.run(grid, params, options)
+        return run
+
+    def run(self, grid, params, options):
+        keys = tuple(argument_key(p) for p in params)
+        spec = None if None in keys else self.table.get((tuple(sorted(options.items())), keys))
+        if spec is None:
+            _stats["jit"] += 1
+            return self.jit[grid](*params, **options)
+        _stats["aot"] += 1
+        import torch
+
+        if callable(grid):
+            grid = grid(options)
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        if min(grid) <= 0:
+            return None
+        device = next(p.device for p in params if isinstance(p, torch.Tensor))
+        function = self.library.function(spec)
+        arguments = []
+        for value, param in zip(params, spec["params"]):
+            if param["claim"] == "1":
+                continue
+            if param["kind"] == "ptr":
+                arguments.append(ctypes.c_uint64(value.data_ptr()))
+            else:
+                arguments.append(ctypes.c_int32(value) if param["type"] == "i32" else ctypes.c_int64(value))
+        arguments += [ctypes.c_uint64(0) for _ in range(spec["hidden"])]
+        stream = torch.cuda.current_stream(device).cuda_stream
+        self.library.driver.launch(function, grid, spec["num_warps"] * 32, spec["shared"], stream, arguments)
+        return None
+
+
+def _patch(entry, module) -> None:
+    """The registry's module hook: wrap the module's kernels that the loaded export serves."""
+    library = _library
+    if library is None:
+        return
+    for kernel, table in library.tables.items():
+        original = module.__dict__.get(kernel)
+        if original is None or isinstance(original, AotKernel):
+            continue
+        setattr(module, kernel, AotKernel(original, table, library))
+        _patched[(module.__name__, kernel)] = (module, original)
+
+
+def load(folder) -> AotLibrary:
+    """Launch the kernels exported to `folder` instead of compiling them (until unload())."""
+    global _library
+    from kdsl.runtime import manifest
+
+    library = AotLibrary(Path(folder))
+    unload()
+    _library = library
+    if _patch not in manifest.MODULE_HOOKS:
+        manifest.MODULE_HOOKS.append(_patch)
+    for entry_path, module in list(manifest._MODULES.items()):
+        _patch(None, module)
+    return library
+
+
+def unload() -> None:
+    """Back to compiling every kernel with Triton's JIT."""
+    global _library
+    from kdsl.runtime import manifest
+
+    for (_, kernel), (module, original) in list(_patched.items()):
+        setattr(module, kernel, original)
+    _patched.clear()
+    _library = None
+    if _patch in manifest.MODULE_HOOKS:
+        manifest.MODULE_HOOKS.remove(_patch)
+
+
+def loaded() -> AotLibrary | None:
+    return _library
+
+
+def stats() -> dict:
+    """Launches through exported cubins ("aot") and through Triton's JIT ("jit") since the process began."""
+    return dict(_stats)
+
+
+def load_from_env() -> None:
+    """KDSL_AOT=DIR: load DIR once, when the registry first imports a generated module."""
+    folder = os.environ.get(AOT_ENV, "").strip()
+    if folder and _library is None:
+        load(folder)

@@ -1,0 +1,473 @@
+"""`kdsl aot` on the CPU: export for sm_90 (and the sm_80 refusal), compile every generated C file with the
+system compiler against the cuda.h Triton ships, and check the C dispatcher's choices (kernel, tile bucket,
+specialization, kernel arguments, grid) against kdsl.registry and the generated modules' own launch()
+over a grid of (M, N, K, alignment) cases, with the CUDA driver stubbed. GPU runs: benchmarks/aot_*.py."""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import kdsl
+from kdsl.aot import abi as abis
+from kdsl.aot import runtime as aot_runtime
+from kdsl.aot.export import export, int_key, plan
+from kdsl.cli import main
+
+CC = shutil.which("cc") or shutil.which("gcc")
+needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler (cc or gcc) on PATH")
+CUDA_INCLUDE = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "include"
+OPS = ("act_quant", "fp8_gemm")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """act_quant and fp8_gemm for sm_90, bf16 and f32 (about 30 s on 2 cores: every specialization compiles)."""
+    out = tmp_path_factory.mktemp("aot") / "sm90"
+    kdsl.registry.reset()
+    lines = []
+    export(out, [90], list(OPS), dtypes=["bf16", "f32"], progress=lines.append)
+    return out, lines
+
+
+@pytest.fixture(scope="module")
+def manifest(exported):
+    return json.loads((exported[0] / "aot_manifest.json").read_text())
+
+
+def compile_c(out: Path, sources: list, target: Path, extra=()) -> None:
+    command = [CC, "-std=gnu11", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{out / 'include'}", f"-I{out / 'src'}",
+               f"-I{CUDA_INCLUDE}", f'-DKDSL_CUBIN_DIR="{out / "cubins"}"', *map(str, sources), *extra,
+               "-o", str(target), "-ldl", "-lpthread"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+# ---- what is exported -------------------------------------------------------------------------------------
+
+def test_manifest_lists_ops_kernels_and_cubin_hashes(exported, manifest):
+    import hashlib
+
+    out, lines = exported
+    assert manifest["archs"] == ["sm_90"]
+    assert {(o["op"], o["impl"], o["arch"]) for o in manifest["ops"]} == {
+        ("act_quant", "rowwise", "sm_90"), ("fp8_gemm", "portable", "sm_90")}
+    # The sm_90 TMA kernel is named, with the reason, and its cases went to the portable kernel.
+    [skipped] = [s for s in manifest["not_exported"] if "tma_persistent" in s["kernel"]]
+    assert "TMA descriptors" in skipped["reason"]
+    assert any(line.startswith("skipped fp8_gemm__") and "tma_persistent" in line for line in lines)
+    for spec in manifest["specializations"]:
+        data = (out / spec["cubin"]).read_bytes()
+        assert data[:4] == b"\x7fELF"
+        assert hashlib.sha256(data).hexdigest() == spec["sha256"]
+        assert spec["arch"] == "sm_90" and spec["global_scratch_size"] == 0
+    # Progress: one line per compiled kernel.
+    assert sum(line.startswith("[") for line in lines) == len(manifest["specializations"])
+
+
+def test_each_bucket_has_an_assumption_free_specialization(manifest):
+    seen = {}
+    for spec in manifest["specializations"]:
+        if all(p["claim"] == "" and (p["kind"] == "ptr" or p["type"] == "i32") for p in spec["params"]):
+            seen.setdefault((spec["entry"], spec["bucket"]), set()).update(spec["dtypes"].values())
+    entries = {(s["entry"], s["bucket"]) for s in manifest["specializations"]}
+    assert set(seen) == entries
+    assert all(v == {"bf16", "f32"} for v in seen.values())
+
+
+def test_sm80_has_no_fp8_kernel_and_says_why(capsys, tmp_path):
+    code = main(["aot", "--arch", "sm_80", "--op", "act_quant", "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "nothing to export" in err and "needs sm_89 or newer" in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_plan_for_sm89_and_sm90_picks_what_the_registry_picks(monkeypatch):
+    monkeypatch.setenv(kdsl.registry.DISABLE_ENV, "*tma_persistent*")
+    kdsl.registry.reset()
+    result = plan([89, 90], list(OPS), generic_only=True)
+    for abi, scheme, arch, entry, _ in result.selected:
+        assert entry is kdsl.registry.select(abi.op, scheme, arch=arch)
+    assert {(a.op, arch) for a, _, arch, *_ in result.selected} == {(op, arch) for op in OPS for arch in (89, 90)}
+
+
+@pytest.mark.parametrize("argv, code, text", [
+    (["aot", "--arch", "sm_90", "--op", "nope", "--out", "x"], 2, "unknown op 'nope'"),
+    (["aot", "--arch", "sm_90", "--op", "weight_quant", "--out", "x"], 2, "cannot be exported yet"),
+    (["aot", "--arch", "sm_90", "--scheme", "block_fp8.nope", "--out", "x"], 2, "not served"),
+])
+def test_cli_usage_errors_exit_2(capsys, argv, code, text):
+    assert main(argv) == code
+    assert text in capsys.readouterr().err
+
+
+def test_cli_help_and_argparse_errors(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["aot", "--help"])
+    assert done.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "--arch" in help_text and "docs/aot.md" in help_text and "Exit 1" in help_text
+    with pytest.raises(SystemExit) as done:
+        main(["aot", "--out", "x"])  # no --arch
+    assert done.value.code == 2
+
+
+# ---- the C ------------------------------------------------------------------------------------------------
+
+@needs_cc
+def test_library_builds_with_the_generated_makefile_and_loads_without_cuda(exported, tmp_path):
+    out = exported[0]
+    build = tmp_path / "build"
+    shutil.copytree(out, build)
+    done = subprocess.run(["make", "-C", str(build), f"CUDA_INCLUDE={CUDA_INCLUDE}", f"CC={CC}",
+                           "CFLAGS=-O2 -Wall -Wextra -Werror"], capture_output=True, text=True)
+    if done.returncode and shutil.which("make") is None:
+        pytest.skip("no make")
+    assert done.returncode == 0, done.stderr
+    # Loads and answers without a CUDA driver: the driver is opened on first use, and missing is an error code.
+    script = f"""
+import ctypes, sys
+lib = ctypes.CDLL({str(build / 'libkdsl_aot.so')!r})
+lib.kdsl_last_error.restype = ctypes.c_char_p
+lib.kdsl_aot_archs.restype = ctypes.c_char_p
+i64 = ctypes.c_int64
+f = lib.kdsl_act_quant
+f.argtypes = [ctypes.c_void_p, ctypes.c_int, i64, ctypes.c_void_p, ctypes.c_void_p, i64, i64, ctypes.c_void_p]
+print(lib.kdsl_aot_archs().decode())
+print(f(16, 0, 128, 16, 16, 4, 100, None), lib.kdsl_last_error().decode())
+print(f(16, 0, 128, 16, 16, 4, 128, None), lib.kdsl_last_error().decode())
+print(f(16, 1, 128, 16, 16, 4, 128, None), lib.kdsl_last_error().decode())
+"""
+    env = {**os.environ, "KDSL_AOT_LIBCUDA": str(tmp_path / "no_libcuda.so")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    archs, bad_k, no_driver, f16 = done.stdout.splitlines()
+    assert archs == "sm_90"
+    assert bad_k == "1 act_quant: K = 100 must be a multiple of the group size 128"
+    assert no_driver.startswith("3 act_quant: cannot open the CUDA driver")
+    assert f16.startswith("2 act_quant: x_dtype 1 was not exported")
+
+
+STUB = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "kdsl_aot_internal.h"
+#include "kdsl_act_quant.h"
+#include "kdsl_fp8_gemm.h"
+
+static int arch;
+static CUresult init(unsigned int flags) { (void)flags; return CUDA_SUCCESS; }
+static CUresult current(CUcontext *c) { *c = (CUcontext)0x1000; return CUDA_SUCCESS; }
+static CUresult device(CUdevice *d) { *d = 0; return CUDA_SUCCESS; }
+static CUresult attribute(int *v, CUdevice_attribute a, CUdevice d) {
+  (void)d;
+  *v = a == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR ? arch / 10
+     : a == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR ? arch % 10 : 232448;
+  return CUDA_SUCCESS;
+}
+/* The embedded image must be the cubin (an ELF file), or .incbin went wrong. */
+static CUresult load(CUmodule *m, const void *image) {
+  *m = (CUmodule)0x2000;
+  return memcmp(image, "\x7f" "ELF", 4) == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_IMAGE;
+}
+static CUresult function(CUfunction *f, CUmodule m, const char *name) { (void)m; (void)name; *f = (CUfunction)0x3000; return CUDA_SUCCESS; }
+static CUresult attribute_set(CUfunction f, CUfunction_attribute a, int v) { (void)f; (void)a; (void)v; return CUDA_SUCCESS; }
+static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                       unsigned shared, CUstream s, void **params, void **extra) {
+  (void)f; (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shared; (void)s; (void)params; (void)extra;
+  return CUDA_SUCCESS;
+}
+static CUresult error_string(CUresult r, const char **s) { (void)r; *s = "stub"; return CUDA_SUCCESS; }
+
+int main(int argc, char **argv) {
+  if (argc < 2) return 2;
+  arch = atoi(argv[1]);
+  kdsl__driver stub = {init, current, device, attribute, load, function, attribute_set, launch, error_string};
+  kdsl_aot_test_set_driver(&stub);
+  char op[64];
+  long long v[16];
+  while (scanf("%63s", op) == 1) {
+    kdsl_status status;
+    memset((void *)kdsl_aot_test_last_launch(), 0, sizeof(kdsl__launch_record));
+    if (strcmp(op, "act_quant") == 0) {
+      for (int i = 0; i < 7; i++) if (scanf("%lld", &v[i]) != 1) return 2;
+      status = kdsl_act_quant((void *)v[0], (kdsl_dtype)v[1], v[2], (void *)v[3], (void *)v[4], v[5], v[6], 0);
+    } else {
+      for (int i = 0; i < 14; i++) if (scanf("%lld", &v[i]) != 1) return 2;
+      status = kdsl_fp8_gemm((void *)v[0], v[1], (void *)v[2], v[3], (void *)v[4], v[5], (void *)v[6], v[7],
+                             (void *)v[8], v[9], (kdsl_dtype)v[10], v[11], v[12], v[13], 0);
+    }
+    const kdsl__launch_record *r = kdsl_aot_test_last_launch();
+    if (status != KDSL_OK) {
+      printf("error %d %s\n", (int)status, kdsl_last_error());
+    } else if (!r->spec) {
+      printf("ok, nothing launched\n");
+    } else {
+      printf("%s %u %u %u", r->spec->name, r->grid[0], r->grid[1], r->grid[2]);
+      for (int i = 0; i < r->nvalues; i++) printf(" %lld", (long long)r->values[i]);
+      printf("\n");
+    }
+    fflush(stdout);
+  }
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def probe(exported, tmp_path_factory):
+    if CC is None:
+        pytest.skip("no C compiler (cc or gcc) on PATH")
+    out = exported[0]
+    folder = tmp_path_factory.mktemp("probe")
+    (folder / "probe.c").write_text(STUB)
+    target = folder / "probe"
+    compile_c(out, [folder / "probe.c", *sorted((out / "src").glob("*.c"))], target)
+
+    def run(arch: int, lines: list[str]) -> list[str]:
+        done = subprocess.run([str(target), str(arch)], input="\n".join(lines) + "\n", capture_output=True,
+                              text=True, check=True)
+        return done.stdout.splitlines()
+    return run
+
+
+class Fake:
+    """What a generated launch() reads of a tensor: shape, strides, dtype, address, device type."""
+
+    def __init__(self, shape, strides, dtype, address):
+        self.shape, self._strides, self.dtype, self._address = tuple(shape), tuple(strides), dtype, address
+        self.device = types.SimpleNamespace(type="cuda", index=0)
+
+    def stride(self, dim):
+        return self._strides[dim]
+
+    def data_ptr(self):
+        return self._address
+
+
+def _recording_module(entry):
+    """The entry's generated module, imported apart, with its kernel replaced by a recorder of launches."""
+    spec = importlib.util.spec_from_file_location(f"aot_record_{entry.name}", entry.module_path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    module._INTERPRETING = True  # _launch calls kernel[grid](...) directly
+    calls = []
+
+    class Recorder:
+        arg_names = ()
+
+        def __getitem__(self, grid):
+            def record(*params, **options):
+                calls.append((tuple(grid) + (1,) * (3 - len(grid)), params, options))
+            return record
+    setattr(module, entry.name, Recorder())
+    return module, calls
+
+
+DT = {"bf16": torch.bfloat16, "f32": torch.float32}
+
+
+def _cases():
+    base = 1 << 20
+    for m in (1, 2, 15, 16, 17, 64, 128, 129, 1000, 4096):
+        for k in (128, 256, 1536, 7168):
+            for misaligned in (False, True):
+                for dtype in ("bf16", "f32"):
+                    ldx = k + (8 if misaligned else 0)
+                    yield "act_quant", dict(x=base + (8 if misaligned else 0), x_dtype=dtype, ldx=ldx, q=2 * base,
+                                            s=3 * base, M=m, K=k)
+        for n in (8, 24, 576, 2112, 7168):
+            for k in (128, 1536, 7168):
+                for misaligned in (False, True):
+                    pad = 8 if misaligned else 0
+                    yield "fp8_gemm", dict(a=base + pad, lda=k + pad, a_s=2 * base, lda_s=k // 128, b=3 * base,
+                                           ldb=k, b_s=4 * base + 4 * pad, ldb_s=k // 128 + pad, c=5 * base,
+                                           ldc=n + pad, out_dtype="bf16" if m % 2 else "f32", M=m, N=n, K=k)
+
+
+def _launch_through_module(op, entry, module, call):
+    """Run the generated module's launch() on fakes shaped like the C call; the tile as kdsl.ops picks it."""
+    m = call["M"]
+    if op == "act_quant":
+        k = call["K"]
+        x = Fake((m, k), (call["ldx"], 1), DT[call["x_dtype"]], call["x"])
+        q = Fake((m, k), (k, 1), torch.float8_e4m3fn, call["q"])
+        s = Fake((m, k // 128), (k // 128, 1), torch.float32, call["s"])
+        tile = entry.tile_for(m)
+        module.launch(x, q, s, tile)
+    else:
+        n, k = call["N"], call["K"]
+        a = Fake((m, k), (call["lda"], 1), torch.float8_e4m3fn, call["a"])
+        a_s = Fake((m, k // 128), (call["lda_s"], 1), torch.float32, call["a_s"])
+        b = Fake((n, k), (call["ldb"], 1), torch.float8_e4m3fn, call["b"])
+        b_s = Fake((-(-n // 128), k // 128), (call["ldb_s"], 1), torch.float32, call["b_s"])
+        c = Fake((m, n), (call["ldc"], 1), DT[call["out_dtype"]], call["c"])
+        tile = entry.tile_for(m, n)
+        module.launch(a, a_s, b, b_s, c, tile)
+    return tile
+
+
+def _expected_spec(specs, entry, bucket, dtype, keys, options):
+    """Exactly Triton's specialization of the recorded launch if it was exported, else the most specific one
+    whose assumptions the call meets (the rule kdsl__pick implements)."""
+    def usable(spec):
+        for (kind, claim), p in zip(keys, spec["params"]):
+            if p["claim"] == "1" and claim != "1" or p["claim"] == "D" and claim not in ("D",) or (
+                    p["kind"] == "int" and p["type"] == "i32" and kind != "i32"):
+                return False
+        return True
+    candidates = [s for s in specs if s["entry"] == entry.name and s["bucket"] == bucket
+                  and set(s["dtypes"].values()) == {dtype} and {**s["constexprs"], **s["options"]} == options]
+    exact = [s for s in candidates if tuple((p["type"], p["claim"]) for p in s["params"]) == keys]
+    if exact:
+        return exact[0], True
+    best = max((s for s in candidates if usable(s)), key=lambda s: sum(p["claim"] != "" for p in s["params"]))
+    return best, False
+
+
+def test_dispatcher_matches_the_registry_and_the_generated_launch(probe, manifest, monkeypatch):
+    monkeypatch.setenv(kdsl.registry.DISABLE_ENV, "*tma_persistent*")  # the exporter's routing, said to the registry
+    kdsl.registry.reset()
+    specs = manifest["specializations"]
+    entries, modules = {}, {}
+    for op in OPS:
+        entry = kdsl.registry.select(op, arch=90)
+        entries[op] = entry
+        modules[op] = _recording_module(entry)
+    cases = list(_cases())
+    problems = {op: list(abis.OPS[op].problems()) for op in OPS}
+    lines = []
+    for op, call in cases:
+        abi = abis.OPS[op]
+        values = [abis.DTYPE_CODES[call[a.name]] if a.ctype == "dtype" else call[a.name] for a in abi.args]
+        lines.append(" ".join([op, *map(str, values)]))
+    answers = probe(90, lines)
+    assert len(answers) == len(cases)
+    exact_hits = 0
+    for (op, call), answer in zip(cases, answers):
+        entry = entries[op]
+        module, calls = modules[op]
+        calls.clear()
+        tile = _launch_through_module(op, entry, module, call)
+        [(grid, params, options)] = calls
+        keys = tuple(aot_runtime.argument_key(p) for p in params)
+        dtype = call.get("x_dtype") or call.get("out_dtype")
+        bucket = entry.tiles.index(next(b for b in entry.tiles if b.params is tile))
+        spec, exact = _expected_spec(specs, entry, bucket, dtype, keys, options)
+        name, *numbers = answer.split()
+        assert name == spec["name"], (op, call, answer)
+        numbers = list(map(int, numbers))
+        assert tuple(numbers[:3]) == grid, (op, call)
+        expected_values = [p.data_ptr() if isinstance(p, Fake) else p for p in params]
+        assert numbers[3:] == expected_values, (op, call)
+        # A call shaped like one of the op's representative problems, aligned, runs exactly what the JIT compiles.
+        problem = {k: call[k] for k in next(iter(abis.OPS[op].problems()))}
+        if problem in problems[op]:
+            assert exact, (op, call)
+            exact_hits += 1
+    assert exact_hits > 50
+
+
+def test_dispatcher_refusals_name_the_problem(probe):
+    good = dict(a=16, lda=256, a_s=16, lda_s=2, b=16, ldb=256, b_s=16, ldb_s=2, c=16, ldc=64, out_dtype=0,
+                M=4, N=64, K=256)
+
+    def line(**changes):
+        values = {**good, **changes}
+        return "fp8_gemm " + " ".join(str(values[a.name]) for a in abis.FP8_GEMM.args)
+    answers = probe(90, [line(N=60), line(K=200), line(lda=100), line(out_dtype=7), line(c=0), line(M=0),
+                         line(ldb_s=1)])
+    assert answers[0] == "error 1 fp8_gemm: N = 60 must be a multiple of 8"
+    assert answers[1] == "error 1 fp8_gemm: K = 200 must be a multiple of 128"
+    assert answers[2] == "error 1 fp8_gemm: lda = 100 and ldb = 256 must be >= K = 256"
+    assert answers[3] == "error 1 fp8_gemm: out_dtype = 7 is not one of KDSL_BF16, KDSL_F16, KDSL_F32"
+    assert answers[4] == "error 1 fp8_gemm: a, a_s, b, b_s and c must not be NULL"
+    assert answers[5] == "ok, nothing launched"  # M = 0
+    assert answers[6].startswith("error 1 fp8_gemm: lda_s = 2 must be >= K / 128 and ldb_s = 1")
+    # An sm_80 or sm_100 device: the sm_90 cubins cannot run there, said as such.
+    [older] = probe(80, [line()])
+    assert older == "error 2 fp8_gemm: this library has kernels for sm_90 only; the device is sm_80"
+    [newer] = probe(100, [line()])
+    assert newer.startswith("error 2") and "sm_100" in newer
+
+
+# ---- Python's side: exported cubins instead of the JIT ----------------------------------------------------
+
+def test_argument_key_is_tritons_specialization():
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    for value in (1, 0, 16, 17, -16, 2 ** 31 - 16, 2 ** 31, 2 ** 40 + 3):
+        kind, claim = int_key(value)
+        native = native_specialize_impl(BaseBackend, value, False, True, True)
+        assert (kind, claim) == (("i32", "1") if native[0] == "constexpr" else (native[0], native[1]))
+    for t in (torch.empty(8, dtype=torch.bfloat16), torch.empty(9, dtype=torch.float32)[1:],
+              torch.empty(4, dtype=torch.float8_e4m3fn)):
+        native = native_specialize_impl(BaseBackend, t, False, True, True)
+        assert aot_runtime.argument_key(t) == (native[0], native[1])
+
+
+def test_load_wraps_the_exported_kernels_and_unload_restores_them(exported, manifest, monkeypatch):
+    entry = kdsl.registry.select("act_quant", arch=90)
+    module = entry.load()
+    original = getattr(module, entry.name)
+    library = kdsl.aot.load(exported[0])
+    try:
+        wrapped = getattr(module, entry.name)
+        assert isinstance(wrapped, aot_runtime.AotKernel) and wrapped.jit is original
+        assert wrapped.arg_names == original.arg_names
+        # A launch the export covers runs its cubin (driver faked here); one it does not goes to the JIT.
+        launches, jitted = [], []
+
+        class Driver:
+            def launch(self, function, grid, threads, shared, stream, arguments):
+                launches.append((function, grid, threads, [a.value for a in arguments]))
+
+        class Jit:
+            arg_names = original.arg_names
+
+            def __getitem__(self, grid):
+                return lambda *params, **options: jitted.append((grid, params, options))
+        library.driver = Driver()
+        library.function = lambda spec: spec["name"]
+        wrapped.jit = Jit()
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
+        x = torch.empty((32, 256), dtype=torch.bfloat16)
+        q = torch.empty((32, 256), dtype=torch.float8_e4m3fn)
+        s = torch.empty((32, 2), dtype=torch.float32)
+        tile = entry.tile_for(32)
+        options = dict(BLOCK_M=tile["BLOCK_M"], ROUND_FIRST=False, num_warps=tile["num_warps"])
+        before = aot_runtime.stats()
+        wrapped[(4, 2)](x, q, s, 32, 256, 256, **options)
+        [(name, grid, threads, arguments)] = launches
+        spec = next(sp for sp in manifest["specializations"] if sp["name"] == name)
+        assert [(p["type"], p["claim"]) for p in spec["params"]] == [
+            ("*bf16", "D"), ("*fp8e4nv", "D"), ("*fp32", "D"), ("i32", "D"), ("i32", "D"), ("i32", "D")]
+        assert grid == (4, 2, 1) and threads == 32 * tile["num_warps"]
+        assert arguments == [x.data_ptr(), q.data_ptr(), s.data_ptr(), 32, 256, 256] + [0] * spec["hidden"]
+        wrapped[(4, 2)](x, q, s, 1, 256, 256, **options)  # M = 1 compiled in: not passed
+        assert launches[-1][3] == [x.data_ptr(), q.data_ptr(), s.data_ptr(), 256, 256] + [0] * spec["hidden"]
+        wrapped[(4, 2)](x, q, s, 32, 256, 256, **{**options, "BLOCK_M": 64})  # never exported
+        assert len(jitted) == 1 and len(launches) == 2
+        after = aot_runtime.stats()
+        assert (after["aot"] - before["aot"], after["jit"] - before["jit"]) == (2, 1)
+    finally:
+        kdsl.aot.unload()
+    assert getattr(module, entry.name) is original
+
+
+def test_a_folder_without_a_manifest_is_named(tmp_path):
+    with pytest.raises(aot_runtime.AotError, match="aot_manifest.json does not exist"):
+        kdsl.aot.load(tmp_path)
