@@ -441,7 +441,7 @@ def test_load_wraps_the_exported_kernels_and_unload_restores_them(exported, mani
             def __getitem__(self, grid):
                 return lambda *params, **options: jitted.append((grid, params, options))
         library.driver = Driver()
-        library.function = lambda spec: spec["name"]
+        library.function = lambda spec, device=None: spec["name"]
         wrapped.jit = Jit()
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
         x = torch.empty((32, 256), dtype=torch.bfloat16)

@@ -68,10 +68,17 @@ class AotLibrary:
         self.functions: dict = {}  # (context, spec name) -> CUfunction
         self.driver = None
 
-    def function(self, spec: dict):
+    def function(self, spec: dict, device=None):
         if self.driver is None:
             self.driver = _Driver()
         context = self.driver.current_context()
+        if not context and device is not None:  # a thread where the CUDA runtime has not made one current yet
+            import torch
+
+            torch.cuda.set_device(device)
+            context = self.driver.current_context()
+        if not context:
+            raise AotError("no CUDA context is current on this thread")
         key = (context, spec["name"])
         function = self.functions.get(key)
         if function is None:
@@ -118,8 +125,7 @@ class _Driver:
         return function
 
     def launch(self, function, grid, threads: int, shared: int, stream: int, arguments: list) -> None:
-        pointers = (ctypes.c_void_p * max(1, len(arguments)))(
-            *[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in arguments])
+        pointers = (ctypes.c_void_p * max(1, len(arguments)))(*[ctypes.addressof(a) for a in arguments])
         self.check(self.cuda.cuLaunchKernel(function, grid[0], grid[1], grid[2], threads, 1, 1, shared,
                                             ctypes.c_void_p(stream), pointers, None), "cuLaunchKernel")
 
@@ -153,7 +159,7 @@ class AotKernel:
         if min(grid) <= 0:
             return None
         device = next(p.device for p in params if isinstance(p, torch.Tensor))
-        function = self.library.function(spec)
+        function = self.library.function(spec, device)
         arguments = []
         for value, param in zip(params, spec["params"]):
             if param["claim"] == "1":
