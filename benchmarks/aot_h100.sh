@@ -34,7 +34,7 @@ done
 } > "$OUT/aot_h100_build.txt" 2>&1
 tail -2 "$OUT/aot_h100_build.txt"
 
-timeout 120 python3 examples/aot/run_example.py --exe /tmp/aot_example --export "$EXPORT" > "$OUT/aot_h100_example.txt" 2>&1
+timeout 120 python3 examples/aot/run_example.py --exe /tmp/aot_example --export "$EXPORT" --work /tmp/aot_data > "$OUT/aot_h100_example.txt" 2>&1
 echo "exit $?" >> "$OUT/aot_h100_example.txt"
 tail -4 "$OUT/aot_h100_example.txt"
 

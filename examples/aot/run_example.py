@@ -1,6 +1,6 @@
 """Write inputs for aot_example, run it, and compare its outputs with kdsl.ops (on the GPU).
 
-    python examples/aot/run_example.py --exe ./aot_example --export DIR [--work /tmp/aot_example] [--quick]
+    python examples/aot/run_example.py --exe ./aot_example --export DIR [--work /tmp/aot_example_data] [--quick]
 
 DIR is the `python -m kdsl aot` folder the program was built from. Checks, per (M, N, K):
   act_quant q and s from C == kdsl.ops.act_quant, bit for bit (one kernel: the same cubin ran);
@@ -51,7 +51,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--exe", type=Path, required=True)
     parser.add_argument("--export", type=Path, required=True)
-    parser.add_argument("--work", type=Path, default=Path("/tmp/aot_example"))
+    parser.add_argument("--work", type=Path, default=Path("/tmp/aot_example_data"))
     parser.add_argument("--quick", action="store_true", help="three small cases (for compute-sanitizer)")
     parser.add_argument("--calls", type=int, default=200)
     args = parser.parse_args()

@@ -16,6 +16,8 @@ import os
 import threading
 from pathlib import Path
 
+from kdsl.aot.export import int_key, pointer_key
+
 AOT_ENV = "KDSL_AOT"
 
 _TRITON_TYPES = {
@@ -25,6 +27,7 @@ _TRITON_TYPES = {
 }
 
 _lock = threading.Lock()
+_POINTER_TYPES: dict = {}  # torch dtype -> Triton pointer type, filled by load()
 _library = None  # the loaded AotLibrary
 _patched: dict = {}  # (module name, attribute) -> (module, original kernel)
 _stats = {"aot": 0, "jit": 0}
@@ -36,8 +39,6 @@ class AotError(RuntimeError):
 
 def argument_key(arg) -> tuple | None:
     """Triton's specialization of one kernel argument, as the exporter writes it: (type, claim)."""
-    from kdsl.aot.export import int_key, pointer_key
-
     if type(arg) is int:
         return int_key(arg)
     data_ptr = getattr(arg, "data_ptr", None)
@@ -131,10 +132,14 @@ class _Driver:
 
 
 class AotKernel:
-    """Stands in for a generated module's @triton.jit kernel: kernel[grid](*params, **options)."""
+    """Stands in for a generated module's @triton.jit kernel: kernel[grid](*params, **options).
+
+    The per-call path is kept short (host time matters for decode): the specialization is looked up under
+    the options in the order the module passes them, and each spec's argument conversions are prepared once."""
 
     def __init__(self, jit, table: dict, library: AotLibrary):
         self.jit, self.table, self.library = jit, table, library
+        self._fast: dict = {}  # (options as passed, argument keys) -> prepared launch, or None (JIT)
 
     def __getattr__(self, name):  # arg_names, fn, ...: the JIT function's
         return getattr(self.jit, name)
@@ -144,34 +149,61 @@ class AotKernel:
             return self.run(grid, params, options)
         return run
 
-    def run(self, grid, params, options):
-        keys = tuple(argument_key(p) for p in params)
+    def _prepare(self, options: dict, keys: tuple):
         spec = None if None in keys else self.table.get((tuple(sorted(options.items())), keys))
         if spec is None:
+            return None
+        passed = tuple((index, param["kind"] == "ptr", ctypes.c_int32 if param["type"] == "i32" else ctypes.c_int64)
+                       for index, param in enumerate(spec["params"]) if param["claim"] != "1")
+        return spec, passed, spec["hidden"], spec["num_warps"] * 32, spec["shared"]
+
+    def run(self, grid, params, options):
+        keys = tuple(map(_argument_key, params))
+        fast_key = (tuple(options.items()), keys)
+        try:
+            prepared = self._fast[fast_key]
+        except KeyError:
+            prepared = self._fast[fast_key] = self._prepare(options, keys)
+        except TypeError:  # an unhashable argument: not something the export covers
+            prepared = None
+        if prepared is None:
             _stats["jit"] += 1
             return self.jit[grid](*params, **options)
         _stats["aot"] += 1
-        import torch
-
+        spec, passed, hidden, threads, shared = prepared
         if callable(grid):
             grid = grid(options)
         grid = tuple(grid) + (1,) * (3 - len(grid))
         if min(grid) <= 0:
             return None
-        device = next(p.device for p in params if isinstance(p, torch.Tensor))
+        device = next(p.device for p in params if hasattr(p, "data_ptr"))
         function = self.library.function(spec, device)
-        arguments = []
-        for value, param in zip(params, spec["params"]):
-            if param["claim"] == "1":
-                continue
-            if param["kind"] == "ptr":
-                arguments.append(ctypes.c_uint64(value.data_ptr()))
-            else:
-                arguments.append(ctypes.c_int32(value) if param["type"] == "i32" else ctypes.c_int64(value))
-        arguments += [ctypes.c_uint64(0) for _ in range(spec["hidden"])]
-        stream = torch.cuda.current_stream(device).cuda_stream
-        self.library.driver.launch(function, grid, spec["num_warps"] * 32, spec["shared"], stream, arguments)
+        arguments = [ctypes.c_uint64(params[i].data_ptr()) if pointer else convert(params[i])
+                     for i, pointer, convert in passed]
+        arguments += [ctypes.c_uint64(0)] * hidden
+        self.library.driver.launch(function, grid, threads, shared, _stream(device), arguments)
         return None
+
+
+def _stream(device) -> int:
+    """The current CUDA stream of device, as Triton's own launcher reads it (torch's raw stream getter)."""
+    import torch
+
+    try:
+        return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else
+                                                  torch.cuda.current_device())
+    except AttributeError:
+        return torch.cuda.current_stream(device).cuda_stream
+
+
+def _argument_key(arg):
+    kind = type(arg)
+    if kind is int:
+        return int_key(arg)
+    element = _POINTER_TYPES.get(getattr(arg, "dtype", None)) if hasattr(arg, "data_ptr") else None
+    if element is None:
+        return argument_key(arg)
+    return element, "D" if arg.data_ptr() % 16 == 0 else ""
 
 
 def _patch(entry, module) -> None:
@@ -192,8 +224,14 @@ def load(folder) -> AotLibrary:
     global _library
     from kdsl.runtime import manifest
 
+    import torch
+
     library = AotLibrary(Path(folder))
     unload()
+    for name, element in _TRITON_TYPES.items():
+        dtype = getattr(torch, name.split(".", 1)[1], None)
+        if dtype is not None:
+            _POINTER_TYPES[dtype] = "*" + element
     _library = library
     if _patch not in manifest.MODULE_HOOKS:
         manifest.MODULE_HOOKS.append(_patch)
