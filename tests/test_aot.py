@@ -471,3 +471,89 @@ def test_load_wraps_the_exported_kernels_and_unload_restores_them(exported, mani
 def test_a_folder_without_a_manifest_is_named(tmp_path):
     with pytest.raises(aot_runtime.AotError, match="aot_manifest.json does not exist"):
         kdsl.aot.load(tmp_path)
+
+
+THREADS = r"""
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+#include "kdsl_aot_internal.h"
+#include "kdsl_act_quant.h"
+
+static int loads, launches;
+static pthread_mutex_t count_lock = PTHREAD_MUTEX_INITIALIZER;
+static __thread CUcontext current_context;
+static CUresult init(unsigned int flags) { (void)flags; return CUDA_SUCCESS; }
+static CUresult current(CUcontext *c) { *c = current_context; return CUDA_SUCCESS; }
+static CUresult device(CUdevice *d) { *d = 0; return CUDA_SUCCESS; }
+static CUresult attribute(int *v, CUdevice_attribute a, CUdevice d) {
+  (void)d;
+  *v = a == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR ? 9 : a == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR ? 0 : 232448;
+  return CUDA_SUCCESS;
+}
+static CUresult load(CUmodule *m, const void *image) {
+  (void)image;
+  usleep(2000);  /* a slow load widens any window for a second load of the same cubin */
+  pthread_mutex_lock(&count_lock);
+  loads++;
+  pthread_mutex_unlock(&count_lock);
+  *m = (CUmodule)0x2000;
+  return CUDA_SUCCESS;
+}
+static CUresult function(CUfunction *f, CUmodule m, const char *name) { (void)m; (void)name; *f = (CUfunction)0x3000; return CUDA_SUCCESS; }
+static CUresult attribute_set(CUfunction f, CUfunction_attribute a, int v) { (void)f; (void)a; (void)v; return CUDA_SUCCESS; }
+static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                       unsigned shared, CUstream s, void **params, void **extra) {
+  (void)f; (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shared; (void)s; (void)params; (void)extra;
+  pthread_mutex_lock(&count_lock);
+  launches++;
+  pthread_mutex_unlock(&count_lock);
+  return CUDA_SUCCESS;
+}
+static CUresult error_string(CUresult r, const char **s) { (void)r; *s = "stub"; return CUDA_SUCCESS; }
+
+static void *worker(void *arg) {
+  long index = (long)arg;
+  current_context = (CUcontext)(0x1000 + 0x100 * (index % 2));  /* two contexts, four threads each */
+  for (int i = 0; i < 50; i++) {
+    long long m = i % 2 ? 1 : 32;  /* two specializations */
+    if (kdsl_act_quant((void *)4096, KDSL_BF16, 256, (void *)8192, (void *)12288, m, 256, 0) != KDSL_OK) {
+      printf("error %s\n", kdsl_last_error());
+      return (void *)1;
+    }
+  }
+  return NULL;
+}
+
+int main(void) {
+  kdsl__driver stub = {init, current, device, attribute, load, function, attribute_set, launch, error_string};
+  kdsl_aot_test_set_driver(&stub);
+  /* No context on this thread: an error code, not a crash or an exit. */
+  kdsl_status status = kdsl_act_quant((void *)4096, KDSL_BF16, 256, (void *)8192, (void *)12288, 4, 256, 0);
+  printf("no context: %d %s\n", (int)status, kdsl_last_error());
+  pthread_t threads[8];
+  for (long i = 0; i < 8; i++) pthread_create(&threads[i], NULL, worker, (void *)i);
+  long failed = 0;
+  for (int i = 0; i < 8; i++) {
+    void *result;
+    pthread_join(threads[i], &result);
+    failed |= (long)result;
+  }
+  printf("failed %ld loads %d launches %d\n", failed, loads, launches);
+  return 0;
+}
+"""
+
+
+@needs_cc
+def test_cubins_load_once_per_context_from_many_threads(exported, tmp_path):
+    out = exported[0]
+    (tmp_path / "threads.c").write_text(THREADS)
+    compile_c(out, [tmp_path / "threads.c", *sorted((out / "src").glob("*.c"))], tmp_path / "threads")
+    done = subprocess.run([str(tmp_path / "threads")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    no_context, counts = done.stdout.splitlines()
+    assert no_context.startswith("no context: 4 act_quant: no CUDA context is current on this thread")
+    # 8 threads x 50 calls; 2 specializations x 2 contexts = 4 loads, however the threads interleave.
+    assert counts == "failed 0 loads 4 launches 400"
