@@ -47,6 +47,7 @@ class ImplLaunch:
     grid: tuple[str, str, str]
     constexprs: callable  # (tile params, scheme fields) -> {name: value}, as launch() passes them
     options: callable  # (tile params) -> {num_warps: .., num_stages: ..}, only those launch() passes
+    kernel: str = "{entry}"  # the @triton.jit function in the implementation's module ({entry}, {impl})
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 from kdsl.aot import abi as abis
+from kdsl.aot.export import tile_impl
 from kdsl.naming import format_arch
 
 RUNTIME = Path(__file__).parent / "c"
@@ -90,7 +91,6 @@ def op_source(abi: abis.OpAbi, function: str, selected: list) -> str:
     dtype_arg = next(iter(abi.dtype_choices), None)
     arch_functions, embedded = [], set()
     for _, scheme, arch, entry, specs in selected:
-        launch = abi.impls[entry.impl]
         scheme_values = abis.scheme_values(entry)
         # Exact specializations first, the assumption-free ones last (kdsl__pick takes the first of the best).
         ordered = sorted(specs, key=lambda s: (s.bucket, -sum(p["claim"] != "" for p in s.params)))
@@ -112,12 +112,16 @@ def op_source(abi: abis.OpAbi, function: str, selected: list) -> str:
         name = f"{function}_sm{arch}"
         arch_functions.append((arch, name))
         arguments = ", ".join(a.name for a in abi.args)
-        out += [f"/* sm_{arch}: {entry.name} ({entry.impl}, {entry.arch_range()}), chosen as the registry chooses. */",
+        out += [f"/* sm_{arch}: {entry.name} ({entry.arch_range()}), chosen as the registry chooses. */",
                 f"static kdsl_status {name}({prototype(abi, name).split('(', 1)[1]} {{"]
         out += _bucket_code(abi, entry)
-        out += [f"  int64_t values[{len(launch.params)}];", "  int64_t grid[3];", "  switch (bucket) {"]
+        launches = [abi.impls[tile_impl(entry, b.params)] for b in entry.tiles]
+        count = len(launches[0].params)
+        assert all(len(launch.params) == count for launch in launches), "one argument count per op dispatcher"
+        out += [f"  int64_t values[{count}];", "  int64_t grid[3];", "  switch (bucket) {"]
         for index, bucket in enumerate(entry.tiles):
             tile = bucket.params
+            launch = launches[index]
             out.append(f"    case {index}: /* {json.dumps(tile)} */")
             for position, (param, expression) in enumerate(launch.params):
                 value = abis.fill(expression, tile, scheme_values)
@@ -129,7 +133,7 @@ def op_source(abi: abis.OpAbi, function: str, selected: list) -> str:
             out.append("      break;")
         out += ["  }",
                 f"  const kdsl__spec *spec = kdsl__pick({table}, {len(ordered)}, bucket, "
-                f"{('(int)' + dtype_arg) if dtype_arg else '-1'}, values, {len(launch.params)});",
+                f"{('(int)' + dtype_arg) if dtype_arg else '-1'}, values, {count});",
                 "  if (!spec)",
                 f'    return kdsl__fail(KDSL_ERR_NO_KERNEL, "{abi.op}: no exported specialization of {entry.name} '
                 f'(sm_{arch}, tile bucket %d) takes these arguments", bucket);',

@@ -142,17 +142,22 @@ def plan(archs, ops=None, schemes=None, dtypes=None, generic_only: bool = False)
                 result.skipped += [(what, why) for what, why in skipped if (what, why) not in result.skipped]
                 if entry is None:
                     continue
-                if entry.impl not in abi.impls:
-                    result.skipped.append((entry.name, f"not exported: no C launch description for impl "
-                                                       f"{entry.impl!r} in kdsl/aot/abi.py"))
+                missing = sorted({tile_impl(entry, b.params) for b in entry.tiles} - set(abi.impls))
+                if missing:
+                    result.skipped.append((entry.name, f"not exported: no C launch description for "
+                                                       f"implementation(s) {', '.join(missing)} in kdsl/aot/abi.py"))
                     continue
                 result.selected.append((abi, scheme, arch, entry,
                                         _enumerate(abi, entry, arch, dtypes, generic_only)))
     return result
 
 
+def tile_impl(entry, tile: dict) -> str:
+    """The implementation serving a tile (manifest format 10: each tile names one; before, the entry's)."""
+    return tile.get("impl", entry.impl)
+
+
 def _enumerate(abi: abis.OpAbi, entry, arch: int, dtypes, generic_only: bool) -> list:
-    launch = abi.impls[entry.impl]
     scheme = abis.scheme_values(entry)
     wanted = {}
     # Every problem names one dtype per dtype argument; generic specs for each allowed combination.
@@ -163,6 +168,10 @@ def _enumerate(abi: abis.OpAbi, entry, arch: int, dtypes, generic_only: bool) ->
     problems = [] if generic_only else list(abi.problems())
     for bucket_index, bucket in enumerate(entry.tiles):
         tile = bucket.params
+        impl = tile_impl(entry, tile)
+        launch = abi.impls[impl]
+        module = entry.modules[impl] if hasattr(entry, "modules") else entry
+        kernel = launch.kernel.format(entry=entry.name, impl=impl)
         fixed = dict(constexprs=launch.constexprs(tile, scheme), options=launch.options(tile))
         calls = [(combo, {}, True) for combo in combos]
         for problem in problems:
@@ -179,11 +188,12 @@ def _enumerate(abi: abis.OpAbi, entry, arch: int, dtypes, generic_only: bool) ->
             calls.append((problem_dtypes, values, False))
         for dtype_choice, values, generic in calls:
             params = spec_params(launch, values, dtype_choice, generic)
-            body = dict(params=params, **fixed)
+            body = dict(params=params, kernel=kernel, **fixed)
             name = _spec_name(entry.name, bucket_index, arch, body)
             if name not in wanted:
                 wanted[name] = Spec(name=name, op=abi.op, scheme=entry.scheme, arch=arch, entry=entry.name,
-                                    impl=entry.impl, kernel=entry.name, module_path=str(entry.module_path),
+                                    impl=impl, kernel=kernel, module_path=str(getattr(module, "path", None)
+                                                                                  or module.module_path),
                                     bucket=bucket_index, tile=dict(tile), dtypes=dict(dtype_choice),
                                     params=params, **fixed)
     return list(wanted.values())
