@@ -132,7 +132,8 @@ def _spec_name(entry_name: str, bucket: int, arch: int, body: dict) -> str:
 
 def plan(archs, ops=None, schemes=None, dtypes=None, generic_only: bool = False) -> Plan:
     """Choose kernels and enumerate their specializations; compiles nothing."""
-    result = Plan(archs=list(archs))
+    archs = sorted(set(archs))
+    result = Plan(archs=archs)
     for op in ops or list(abis.OPS):
         abi = abis.OPS[op]
         served = sorted(registry.served_schemes(op))
