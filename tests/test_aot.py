@@ -163,8 +163,7 @@ STUB = r"""
 #include <stdlib.h>
 #include <string.h>
 #include "kdsl_aot_internal.h"
-#include "kdsl_act_quant.h"
-#include "kdsl_fp8_gemm.h"
+/*INCLUDES*/
 
 static int arch;
 static CUresult init(unsigned int flags) { (void)flags; return CUDA_SUCCESS; }
@@ -195,19 +194,12 @@ int main(int argc, char **argv) {
   arch = atoi(argv[1]);
   kdsl__driver stub = {init, current, device, attribute, load, function, attribute_set, launch, error_string};
   kdsl_aot_test_set_driver(&stub);
-  char op[64];
-  long long v[16];
-  while (scanf("%63s", op) == 1) {
+  char op[128];
+  long long v[32];
+  while (scanf("%127s", op) == 1) {
     kdsl_status status;
     memset((void *)kdsl_aot_test_last_launch(), 0, sizeof(kdsl__launch_record));
-    if (strcmp(op, "act_quant") == 0) {
-      for (int i = 0; i < 7; i++) if (scanf("%lld", &v[i]) != 1) return 2;
-      status = kdsl_act_quant((void *)v[0], (kdsl_dtype)v[1], v[2], (void *)v[3], (void *)v[4], v[5], v[6], 0);
-    } else {
-      for (int i = 0; i < 14; i++) if (scanf("%lld", &v[i]) != 1) return 2;
-      status = kdsl_fp8_gemm((void *)v[0], v[1], (void *)v[2], v[3], (void *)v[4], v[5], (void *)v[6], v[7],
-                             (void *)v[8], v[9], (kdsl_dtype)v[10], v[11], v[12], v[13], 0);
-    }
+/*CALLS*/
     const kdsl__launch_record *r = kdsl_aot_test_last_launch();
     if (status != KDSL_OK) {
       printf("error %d %s\n", (int)status, kdsl_last_error());
@@ -225,13 +217,30 @@ int main(int argc, char **argv) {
 """
 
 
-@pytest.fixture(scope="module")
-def probe(exported, tmp_path_factory):
-    if CC is None:
-        pytest.skip("no C compiler (cc or gcc) on PATH")
-    out = exported[0]
-    folder = tmp_path_factory.mktemp("probe")
-    (folder / "probe.c").write_text(STUB)
+def probe_source(out: Path) -> str:
+    """The stub-driver probe for every function an export has: reads `FUNCTION ARG...` lines, prints the
+    launch (spec, grid, kernel arguments) or the error."""
+    ops = json.loads((out / "aot_manifest.json").read_text())["ops"]
+    calls, headers = [], sorted({f'#include "kdsl_{o["op"]}.h"' for o in ops})
+    for function, op in sorted({(o["function"], o["op"]) for o in ops}):
+        abi = abis.OPS[op]
+        arguments = []
+        for index, arg in enumerate(abi.args):
+            if arg.ctype == "ptr":
+                arguments.append(f"({'const ' if arg.const else ''}void *)v[{index}]")
+            elif arg.ctype == "dtype":
+                arguments.append(f"(kdsl_dtype)v[{index}]")
+            else:
+                arguments.append(f"v[{index}]")
+        calls.append(f'    if (strcmp(op, "{function}") == 0) {{\n'
+                     f'      for (int i = 0; i < {len(abi.args)}; i++) if (scanf("%lld", &v[i]) != 1) return 2;\n'
+                     f'      status = {function}({", ".join(arguments)}, 0);\n    }} else')
+    calls.append("      return 3;")
+    return STUB.replace("/*INCLUDES*/", "\n".join(headers)).replace("/*CALLS*/", "\n".join(calls))
+
+
+def build_probe(out: Path, folder: Path):
+    (folder / "probe.c").write_text(probe_source(out))
     target = folder / "probe"
     compile_c(out, [folder / "probe.c", *sorted((out / "src").glob("*.c"))], target)
 
@@ -240,6 +249,13 @@ def probe(exported, tmp_path_factory):
                               text=True, check=True)
         return done.stdout.splitlines()
     return run
+
+
+@pytest.fixture(scope="module")
+def probe(exported, tmp_path_factory):
+    if CC is None:
+        pytest.skip("no C compiler (cc or gcc) on PATH")
+    return build_probe(exported[0], tmp_path_factory.mktemp("probe"))
 
 
 class Fake:
@@ -352,7 +368,7 @@ def test_dispatcher_matches_the_registry_and_the_generated_launch(probe, manifes
     for op, call in cases:
         abi = abis.OPS[op]
         values = [abis.DTYPE_CODES[call[a.name]] if a.ctype == "dtype" else call[a.name] for a in abi.args]
-        lines.append(" ".join([op, *map(str, values)]))
+        lines.append(" ".join([abis.OPS[op].function, *map(str, values)]))
     answers = probe(90, lines)
     assert len(answers) == len(cases)
     exact_hits = 0
@@ -386,7 +402,7 @@ def test_dispatcher_refusals_name_the_problem(probe):
 
     def line(**changes):
         values = {**good, **changes}
-        return "fp8_gemm " + " ".join(str(values[a.name]) for a in abis.FP8_GEMM.args)
+        return "kdsl_fp8_gemm " + " ".join(str(values[a.name]) for a in abis.FP8_GEMM.args)
     answers = probe(90, [line(N=60), line(K=200), line(lda=100), line(out_dtype=7), line(c=0), line(M=0),
                          line(ldb_s=1)])
     assert answers[0] == "error 1 fp8_gemm: N = 60 must be a multiple of 8"
@@ -557,3 +573,92 @@ def test_cubins_load_once_per_context_from_many_threads(exported, tmp_path):
     assert no_context.startswith("no context: 4 act_quant: no CUDA context is current on this thread")
     # 8 threads x 50 calls; 2 specializations x 2 contexts = 4 loads, however the threads interleave.
     assert counts == "failed 0 loads 4 launches 400"
+
+
+# ---- sm_80: gptq_dequant, whose launch computes constexprs from the call (act-order, uniform groups) -------
+
+GPTQ_SCHEMES = ("gptq.int4.g128.gptq", "gptq.int4.gall.gptq_v2")
+
+
+@pytest.fixture(scope="module")
+def exported80(tmp_path_factory):
+    out = tmp_path_factory.mktemp("aot") / "sm80"
+    kdsl.registry.reset()
+    export(out, [80], ["gptq_dequant"], schemes=list(GPTQ_SCHEMES), progress=lambda line: None)
+    return out
+
+
+def test_sm80_export_has_one_function_per_scheme(exported80):
+    manifest = json.loads((exported80 / "aot_manifest.json").read_text())
+    assert sorted(o["function"] for o in manifest["ops"]) == [
+        "kdsl_gptq_dequant__gptq_int4_g128_gptq", "kdsl_gptq_dequant__gptq_int4_gall_gptq_v2"]
+    header = (exported80 / "include" / "kdsl_gptq_dequant.h").read_text()
+    assert "kdsl_status kdsl_gptq_dequant__gptq_int4_g128_gptq(const void *qweight" in header
+    # Both values of each run-time constexpr were compiled (act-order or not).
+    variants = {(s["entry"], tuple(s["variant"])) for s in manifest["specializations"]}
+    for entry in {s["entry"] for s in manifest["specializations"]}:
+        assert {v for e, v in variants if e == entry} >= {(0, 1), (1, 0)}
+
+
+@needs_cc
+def test_gptq_dequant_dispatcher_matches_the_registry_and_the_generated_launch(exported80, tmp_path):
+    run = build_probe(exported80, tmp_path)
+    manifest = json.loads((exported80 / "aot_manifest.json").read_text())
+    specs = manifest["specializations"]
+    functions = {o["scheme"]: o["function"] for o in manifest["ops"]}
+    base = 1 << 20
+    cases = []
+    for scheme in GPTQ_SCHEMES:
+        group = 128 if "g128" in scheme else None
+        for n in (8, 24, 4096, 11008):
+            for k in (128, 4096, 11008):
+                groups = 1 if group is None else k // group
+                for act_order in (False, True):
+                    for pad in (0, 8):
+                        for dtype in ("f16", "bf16"):
+                            cases.append((scheme, dict(
+                                qweight=base + 4 * pad, ldqw=n + pad, qzeros=2 * base, ldqz=n // 8,
+                                scales=3 * base, lds=n + pad, scales_dtype=dtype,
+                                g_idx=4 * base if act_order else 0, w=5 * base, N=n, K=k), groups))
+    answers = run(80, [" ".join([functions[scheme], *(str(abis.DTYPE_CODES[call[a.name]]) if a.ctype == "dtype"
+                                                      else str(call[a.name]) for a in abis.GPTQ_DEQUANT.args)])
+                       for scheme, call, _ in cases])
+    assert len(answers) == len(cases)
+    dt = {"f16": torch.float16, "bf16": torch.bfloat16}
+    recorders = {}
+    for (scheme, call, groups), answer in zip(cases, answers):
+        entry = kdsl.registry.select("gptq_dequant", scheme, arch=80)
+        if scheme not in recorders:
+            recorders[scheme] = _recording_module(entry)
+        module, calls = recorders[scheme]
+        calls.clear()
+        n, k = call["N"], call["K"]
+        tile = entry.tile_for(n)
+        module.launch(Fake((k // 8, n), (call["ldqw"], 1), torch.int32, call["qweight"]),
+                      Fake((groups, n // 8), (call["ldqz"], 1), torch.int32, call["qzeros"]),
+                      Fake((groups, n), (call["lds"], 1), dt[call["scales_dtype"]], call["scales"]),
+                      Fake((k,), (1,), torch.int32, call["g_idx"]) if call["g_idx"] else None,
+                      Fake((n, k), (k, 1), dt[call["scales_dtype"]], call["w"]), tile)
+        [(grid, params, options)] = calls
+        keys = tuple(aot_runtime.argument_key(p) for p in params)
+        bucket = entry.tiles.index(next(b for b in entry.tiles if b.params is tile))
+        spec, _ = _expected_spec(specs, entry, bucket, call["scales_dtype"], keys, options)
+        name, *numbers = answer.split()
+        assert name == spec["name"], (scheme, call, answer)
+        numbers = list(map(int, numbers))
+        assert tuple(numbers[:3]) == grid
+        assert numbers[3:] == [p.data_ptr() if isinstance(p, Fake) else p for p in params]
+    # Refusals name the problem.
+    good = dict(qweight=16, ldqw=64, qzeros=16, ldqz=8, scales=16, lds=64, scales_dtype=0, g_idx=0, w=16, N=64, K=256)
+
+    def line(**changes):
+        values = {**good, **changes}
+        return "kdsl_gptq_dequant__gptq_int4_g128_gptq " + " ".join(str(values[a.name]) for a in abis.GPTQ_DEQUANT.args)
+    k_bad, dtype_bad = run(80, [line(K=192), line(scales_dtype=2)])
+    assert k_bad == "error 1 gptq_dequant: K = 192 must be a multiple of the group size 128"
+    assert dtype_bad == "error 1 gptq_dequant: scales_dtype = 2 is not one of KDSL_F16, KDSL_BF16"
+    # sm_80 cubins run on sm_86 (same major, newer minor), not on sm_90.
+    [ampere] = run(86, [line()])
+    assert ampere.startswith("gptq_dequant__int4_g128_gptq__blockwise_sm80__sm80_b0_")
+    [hopper] = run(90, [line()])
+    assert hopper == "error 2 gptq_dequant: this library has kernels for sm_80 only; the device is sm_90"

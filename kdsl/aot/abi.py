@@ -4,9 +4,10 @@ One description serves three readers: the exporter (which specializations to com
 dispatcher's checks, tile choice, kernel arguments and grid) and the tests (which compare it with what the
 generated module's launch() computes, so the two cannot drift apart unnoticed).
 
-Expressions (`params`, `grid`) are written once in a subset both C and Python evaluate: names of the op's C
-arguments, integer literals, + - *, and the helpers cdiv(a, b) and div(a, b) (floor division of
-non-negative numbers). `{NAME}` fields are filled from the tile (BLOCK_M, ...) and the scheme (act_group, ...)
+Expressions (`params`, `grid`, `runtime_constexprs`) are written once in a subset both C and Python evaluate:
+names of the op's C arguments, integer literals, + - * and ==, and the helpers cdiv(a, b), div(a, b) (floor
+division of non-negative numbers), nonzero(p) (1 if p is not 0/NULL) and either(p, q) (p unless it is NULL,
+then q). `{NAME}` fields are filled from the tile (BLOCK_M, ...) and the scheme (act_group, group_rows, ...)
 before either language sees them.
 """
 from __future__ import annotations
@@ -48,6 +49,9 @@ class ImplLaunch:
     constexprs: callable  # (tile params, scheme fields) -> {name: value}, as launch() passes them
     options: callable  # (tile params) -> {num_warps: .., num_stages: ..}, only those launch() passes
     kernel: str = "{entry}"  # the @triton.jit function in the implementation's module ({entry}, {impl})
+    # Constexprs launch() computes from the call's arguments: (name, expression, the values it can take).
+    # Each value is a separate compile; the dispatcher computes the expression and matches it.
+    runtime_constexprs: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -182,7 +186,69 @@ FP8_GEMM = OpAbi(
     },
 )
 
-OPS = {abi.op: abi for abi in (ACT_QUANT, FP8_GEMM)}
+def _gptq_dequant_problems():
+    for n in (4096, 11008, 24):
+        for k in (4096, 11008):
+            for dtype in ("f16", "bf16"):
+                for g_idx in (0, 4096):
+                    yield dict(N=n, K=k, ldqw=n, ldqz=n // 8, lds=n, scales_dtype=dtype, g_idx=g_idx)
+
+
+GPTQ_DEQUANT = OpAbi(
+    op="gptq_dequant",
+    function="kdsl_gptq_dequant",
+    summary="A GPTQ checkpoint's int4 weight dequantized to w [N, K] (nn.Linear's layout) in the scales' dtype.",
+    args=(
+        CArg("qweight", "ptr", "qweight int32 [K / 8, N] (8 rows packed per int32), row stride ldqw, unit stride along N"),
+        CArg("ldqw", "i64", "row stride of qweight in int32 elements (>= N)"),
+        CArg("qzeros", "ptr", "qzeros int32 [G, N / 8], row stride ldqz, unit stride along N"),
+        CArg("ldqz", "i64", "row stride of qzeros in int32 elements (>= N / 8)"),
+        CArg("scales", "ptr", "scales [G, N] of scales_dtype, row stride lds, unit stride along N"),
+        CArg("lds", "i64", "row stride of scales in elements (>= N)"),
+        CArg("scales_dtype", "dtype", "KDSL_F16 or KDSL_BF16 (also w's dtype)"),
+        CArg("g_idx", "ptr", "g_idx int32 [K], the group of each input row (act-order), or NULL for row k in "
+                             "group k / group_size; its values must lie in [0, G) (not checked)"),
+        CArg("w", "ptr", "w [N, K] of scales_dtype, contiguous (output)", const=False),
+        CArg("N", "i64", "output features, a multiple of 8"),
+        CArg("K", "i64", "input features, a multiple of 8 and of the group size"),
+    ),
+    dtype_choices={"scales_dtype": ("f16", "bf16")},
+    checks=(
+        Check("N < 0 || K < 0", "gptq_dequant: N = %lld and K = %lld must be >= 0", ("N", "K")),
+        Check("N % 8 != 0 || K % 8 != 0", "gptq_dequant: N = %lld and K = %lld must be multiples of 8", ("N", "K")),
+        Check("{group_size} > 0 && K % {group_size} != 0", "gptq_dequant: K = %lld must be a multiple of the group size "
+              "{group_size}", ("K",)),
+        Check("ldqw < N || ldqz < N / 8 || lds < N",
+              "gptq_dequant: ldqw = %lld and lds = %lld must be >= N = %lld, ldqz = %lld >= N / 8",
+              ("ldqw", "lds", "N", "ldqz")),
+        Check("N > 2147483647 || K > 2147483647 || ldqw > 2147483647 || ldqz > 2147483647 || lds > 2147483647",
+              "gptq_dequant: sizes and strides must fit in 32 bits"),
+        Check("N > 0 && K > 0 && (qweight == 0 || qzeros == 0 || scales == 0 || w == 0)",
+              "gptq_dequant: qweight, qzeros, scales and w must not be NULL (g_idx may be)"),
+    ),
+    nothing_to_do="N == 0 || K == 0",
+    m="N",
+    n=None,
+    impls={
+        "blockwise": ImplLaunch(
+            params=(("qw_ptr", "qweight"), ("qz_ptr", "qzeros"), ("s_ptr", "scales"), ("g_ptr", "either(g_idx, qweight)"),
+                    ("w_ptr", "w"), ("N", "N"), ("K", "K"), ("stride_qwk", "ldqw"), ("stride_qzg", "ldqz"),
+                    ("stride_sg", "lds")),
+            pointer_types={"qw_ptr": "i32", "qz_ptr": "i32", "s_ptr": "dtype:scales_dtype", "g_ptr": "i32",
+                           "w_ptr": "dtype:scales_dtype"},
+            grid=("cdiv(K, {BLOCK_K})", "cdiv(N, {BLOCK_N})", "1"),
+            constexprs=lambda tile, scheme: {"BLOCK_N": tile["BLOCK_N"], "BLOCK_K": tile["BLOCK_K"]},
+            options=lambda tile: {"num_warps": tile["num_warps"]},
+            runtime_constexprs=(
+                ("HAS_G_IDX", "nonzero(g_idx)", (False, True)),
+                ("UNIFORM_GROUP", "(1 - nonzero(g_idx)) * ({group_rows} % {BLOCK_K} == 0)", (False, True)),
+            ),
+        ),
+    },
+    problems=_gptq_dequant_problems,
+)
+
+OPS = {abi.op: abi for abi in (ACT_QUANT, FP8_GEMM, GPTQ_DEQUANT)}
 
 
 def scheme_values(entry) -> dict:
@@ -195,6 +261,8 @@ def scheme_values(entry) -> dict:
         values["block_n"], values["block_k"] = fields["weight_block"]
     if "group_size" in fields:
         values["group_size"] = fields["group_size"]
+        # The modules' GROUP_SIZE: group_size -1 (one group over all of K) is rendered as 2**30.
+        values["group_rows"] = 2 ** 30 if fields["group_size"] == -1 else fields["group_size"]
     return values
 
 
@@ -206,5 +274,6 @@ def fill(expression: str, tile: dict, scheme: dict) -> str:
 
 def evaluate(expression: str, values: dict) -> int:
     """Evaluate a filled expression in Python (the C dispatcher compiles the same text)."""
-    namespace = {"cdiv": lambda a, b: -(-a // b), "div": lambda a, b: a // b, "__builtins__": {}}
+    namespace = {"cdiv": lambda a, b: -(-a // b), "div": lambda a, b: a // b, "nonzero": lambda p: int(p != 0),
+                 "either": lambda p, q: p if p else q, "__builtins__": {}}
     return int(eval(expression, namespace, dict(values)))  # noqa: S307 (text written in abi.py, not user input)

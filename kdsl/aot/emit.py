@@ -97,17 +97,22 @@ def op_source(abi: abis.OpAbi, function: str, selected: list) -> str:
         table = f"specs_sm{arch}"
         for index, spec in enumerate(ordered):
             cubin = Path(spec.compiled["cubin"]).name
-            symbol = f"kdsl__cubin_{c_identifier(Path(cubin).stem)}"
+            symbol = f"kdsl__cubin_{function}_{c_identifier(Path(cubin).stem)}"
             if symbol not in embedded:
                 embedded.add(symbol)
                 out.append(f'KDSL__CUBIN({symbol}, "{cubin}")')
             types = "".join("p" if p["kind"] == "ptr" else ("i" if p["type"] == "i32" else "l") for p in spec.params)
             claims = "".join(p["claim"] or "-" for p in spec.params)
             dtype = abis.DTYPE_CODES[spec.dtypes[dtype_arg]] if dtype_arg else -1
+            variant = "0"
+            if spec.variant:
+                variant = f"variant_sm{arch}_{index}"
+                out.append(f"static const int64_t {variant}[] = {{{', '.join(str(v) for v in spec.variant)}}};")
             out += [f"static kdsl__spec spec_sm{arch}_{index} = {{",
                     f'  "{spec.name}", "{spec.compiled["symbol"]}", {symbol}, {symbol}_end,',
                     f"  {spec.compiled['shared']}, {spec.compiled['num_warps'] * 32}, {arch}, {spec.bucket}, {dtype},"
-                    f" {len(spec.params)}, \"{types}\", \"{claims}\", {spec.compiled['hidden']}, 0}};"]
+                    f" {len(spec.params)}, \"{types}\", \"{claims}\", {spec.compiled['hidden']},"
+                    f" {len(spec.variant)}, {variant}, 0}};"]
         out += [f"static kdsl__spec *const {table}[] = {{" + ", ".join(f"&spec_sm{arch}_{i}" for i in range(len(ordered))) + "};", ""]
         name = f"{function}_sm{arch}"
         arch_functions.append((arch, name))
@@ -118,7 +123,10 @@ def op_source(abi: abis.OpAbi, function: str, selected: list) -> str:
         launches = [abi.impls[tile_impl(entry, b.params)] for b in entry.tiles]
         count = len(launches[0].params)
         assert all(len(launch.params) == count for launch in launches), "one argument count per op dispatcher"
-        out += [f"  int64_t values[{count}];", "  int64_t grid[3];", "  switch (bucket) {"]
+        nvariant = len(launches[0].runtime_constexprs)
+        assert all(len(launch.runtime_constexprs) == nvariant for launch in launches)
+        out += [f"  int64_t values[{count}];", f"  int64_t variant[{max(1, nvariant)}] = {{0}};", "  int64_t grid[3];",
+                "  switch (bucket) {"]
         for index, bucket in enumerate(entry.tiles):
             tile = bucket.params
             launch = launches[index]
@@ -126,14 +134,19 @@ def op_source(abi: abis.OpAbi, function: str, selected: list) -> str:
             for position, (param, expression) in enumerate(launch.params):
                 value = abis.fill(expression, tile, scheme_values)
                 if param in launch.pointer_types:
-                    value = f"(int64_t)(uintptr_t){value}"
+                    value = f"(int64_t)(uintptr_t)({_c_expression(value)})"
+                else:
+                    value = _c_expression(value)
                 out.append(f"      values[{position}] = {value};  /* {param} */")
+            for position, (name, expression, _) in enumerate(launch.runtime_constexprs):
+                value = _c_expression(abis.fill(expression, tile, scheme_values))
+                out.append(f"      variant[{position}] = {value};  /* {name} */")
             for axis, expression in enumerate(launch.grid):
                 out.append(f"      grid[{axis}] = {_c_expression(abis.fill(expression, tile, scheme_values))};")
             out.append("      break;")
         out += ["  }",
                 f"  const kdsl__spec *spec = kdsl__pick({table}, {len(ordered)}, bucket, "
-                f"{('(int)' + dtype_arg) if dtype_arg else '-1'}, values, {count});",
+                f"{('(int)' + dtype_arg) if dtype_arg else '-1'}, variant, {nvariant}, values, {count});",
                 "  if (!spec)",
                 f'    return kdsl__fail(KDSL_ERR_NO_KERNEL, "{abi.op}: no exported specialization of {entry.name} '
                 f'(sm_{arch}, tile bucket %d) takes these arguments", bucket);',
@@ -174,7 +187,7 @@ def op_source(abi: abis.OpAbi, function: str, selected: list) -> str:
 
 
 def _c_expression(expression: str) -> str:
-    return re.sub(r"\b(cdiv|div)\(", r"kdsl__\1(", expression)
+    return re.sub(r"\b(cdiv|div|nonzero|either)\(", r"kdsl__\1(", expression)
 
 
 def info_source(result) -> str:

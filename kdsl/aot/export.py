@@ -59,6 +59,7 @@ class Spec:
     params: list  # [{name, kind: ptr|int, type, claim}]
     constexprs: dict
     options: dict
+    variant: list = field(default_factory=list)  # the run-time constexprs' values, in the ImplLaunch's order
     compiled: dict = field(default_factory=dict)
 
     def job(self, out: Path) -> dict:
@@ -71,7 +72,8 @@ class Spec:
                     impl=self.impl, kernel=self.kernel, bucket=self.bucket, tile=self.tile, dtypes=self.dtypes,
                     specialization=" ".join(f"{p['name']}:{p['type']}{':' + p['claim'] if p['claim'] else ''}"
                                             for p in self.params),
-                    params=self.params, constexprs=self.constexprs, options=self.options, **self.compiled)
+                    params=self.params, constexprs=self.constexprs, options=self.options, variant=self.variant,
+                    **self.compiled)
 
 
 @dataclass
@@ -117,7 +119,7 @@ def spec_params(launch: abis.ImplLaunch, values: dict, dtypes: dict, generic: bo
         if name in launch.pointer_types:
             kind = launch.pointer_types[name]
             element = abis.DTYPES[dtypes[kind.split(":", 1)[1]]][1] if kind.startswith("dtype:") else kind
-            claim = "" if generic else pointer_key(values.get(expression, 0))
+            claim = "" if generic else pointer_key(abis.evaluate(expression, values))
             params.append(dict(name=name, kind="ptr", type=f"*{element}", claim=claim))
         else:
             kind, claim = ("i32", "") if generic else int_key(abis.evaluate(expression, values))
@@ -158,6 +160,15 @@ def tile_impl(entry, tile: dict) -> str:
     return tile.get("impl", entry.impl)
 
 
+def runtime_values(launch: abis.ImplLaunch, tile: dict, scheme: dict, values: dict) -> dict:
+    """The constexprs launch() computes from this call's arguments."""
+    out = {}
+    for name, expression, allowed in launch.runtime_constexprs:
+        value = abis.evaluate(abis.fill(expression, tile, scheme), values)
+        out[name] = bool(value) if isinstance(allowed[0], bool) else value
+    return out
+
+
 def _enumerate(abi: abis.OpAbi, entry, arch: int, dtypes, generic_only: bool) -> list:
     scheme = abis.scheme_values(entry)
     wanted = {}
@@ -166,29 +177,39 @@ def _enumerate(abi: abis.OpAbi, entry, arch: int, dtypes, generic_only: bool) ->
     for argument, allowed in abi.dtype_choices.items():
         allowed = [d for d in allowed if not dtypes or d in dtypes]
         combos = [{**c, argument: d} for c in combos for d in allowed]
-    problems = [] if generic_only else list(abi.problems())
+    problems = list(abi.problems())
     for bucket_index, bucket in enumerate(entry.tiles):
         tile = bucket.params
         impl = tile_impl(entry, tile)
         launch = abi.impls[impl]
         module = entry.modules[impl] if hasattr(entry, "modules") else entry
         kernel = launch.kernel.format(entry=entry.name, impl=impl)
-        fixed = dict(constexprs=launch.constexprs(tile, scheme), options=launch.options(tile))
-        calls = [(combo, {}, True) for combo in combos]
+        calls, seen_runtime = [], []
         for problem in problems:
             problem_dtypes = {a: problem[a] for a in abi.dtype_choices}
-            if any(p not in combos for p in [problem_dtypes]):
+            if problem_dtypes not in combos:
                 continue
             m = problem[abi.m]
             n = problem[abi.n] if abi.n else None
             if entry.bucket_index(m, n) != bucket_index:
                 continue
             # Pointers as the deployments' allocators give them: 16-byte aligned (misaligned ones take the
-            # generic specialization).
-            values = {**problem, **{arg.name: 4096 for arg in abi.args if arg.ctype == "ptr"}}
-            calls.append((problem_dtypes, values, False))
-        for dtype_choice, values, generic in calls:
+            # generic specialization); NULL stays NULL (an optional tensor left out).
+            values = {**problem, **{a.name: 4096 if problem.get(a.name, 1) else 0 for a in abi.args if a.ctype == "ptr"}}
+            runtime = runtime_values(launch, tile, scheme, values)
+            if runtime not in seen_runtime:
+                seen_runtime.append(runtime)
+            if not generic_only:
+                calls.append((problem_dtypes, values, runtime, False))
+        if not seen_runtime:  # no representative call reaches this tile: every declared combination
+            seen_runtime = [{}]
+            for name, _, allowed in launch.runtime_constexprs:
+                seen_runtime = [{**r, name: v} for r in seen_runtime for v in allowed]
+        # The assumption-free specializations first: one per dtype and run-time constexpr combination.
+        calls = [(combo, {}, runtime, True) for combo in combos for runtime in seen_runtime] + calls
+        for dtype_choice, values, runtime, generic in calls:
             params = spec_params(launch, values, dtype_choice, generic)
+            fixed = dict(constexprs={**launch.constexprs(tile, scheme), **runtime}, options=launch.options(tile))
             body = dict(params=params, kernel=kernel, **fixed)
             name = _spec_name(entry.name, bucket_index, arch, body)
             if name not in wanted:
@@ -196,7 +217,8 @@ def _enumerate(abi: abis.OpAbi, entry, arch: int, dtypes, generic_only: bool) ->
                                     impl=impl, kernel=kernel, module_path=str(getattr(module, "path", None)
                                                                                   or module.module_path),
                                     bucket=bucket_index, tile=dict(tile), dtypes=dict(dtype_choice),
-                                    params=params, **fixed)
+                                    params=params, variant=[int(runtime[n]) for n, *_ in launch.runtime_constexprs],
+                                    **fixed)
     return list(wanted.values())
 
 
@@ -297,10 +319,13 @@ def _share_identical_cubins(out: Path, specs: list) -> None:
 def manifest(result: Plan) -> dict:
     import triton
 
+    from kdsl.aot.emit import function_names
+
+    functions = function_names(result)
     return dict(
         format=AOT_FORMAT, generator="kdsl aot", triton=triton.__version__,
         archs=[format_arch(a) for a in result.archs],
-        ops=[dict(op=abi.op, function=abi.function, scheme=scheme, arch=format_arch(arch), entry=entry.name,
+        ops=[dict(op=abi.op, function=functions[(abi.op, scheme)], scheme=scheme, arch=format_arch(arch), entry=entry.name,
                   impl=entry.impl, digest=_entry_digest(entry), specializations=len(specs))
              for abi, scheme, arch, entry, specs in result.selected],
         not_exported=[dict(kernel=what, reason=why) for what, why in result.skipped],

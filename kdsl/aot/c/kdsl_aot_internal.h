@@ -34,6 +34,8 @@ typedef struct kdsl__spec {
   const char *types;               /* per parameter: 'p' pointer, 'i' int32, 'l' int64 */
   const char *claims;              /* per parameter: '1' equal to 1 (compiled in, not passed), 'D' divisible by 16, '-' */
   int hidden;                      /* trailing parameters Triton adds (global/profile scratch), passed as NULL */
+  int nvariant;                    /* constexprs the launch computes from the arguments (act-order, ...) */
+  const int64_t *variant;          /* their values for this spec, compared with the call's */
   kdsl__loaded *loaded;            /* per CUDA context; guarded by the runtime's lock */
 } kdsl__spec;
 
@@ -65,7 +67,7 @@ KDSL_INTERNAL void kdsl__clear_error(void);
 KDSL_INTERNAL kdsl_status kdsl__current_arch(const char *op, int *arch);
 /* The most specific spec whose assumptions the values meet (bucket and dtype equal), or NULL. */
 KDSL_INTERNAL const kdsl__spec *kdsl__pick(kdsl__spec *const *specs, int count, int bucket, int dtype,
-                                          const int64_t *values, int nvalues);
+                                          const int64_t *variant, int nvariant, const int64_t *values, int nvalues);
 KDSL_INTERNAL kdsl_status kdsl__launch(const char *op, kdsl__spec *spec, CUstream stream, int64_t gx, int64_t gy,
                                        int64_t gz, const int64_t *values);
 
@@ -75,5 +77,7 @@ const kdsl__launch_record *kdsl_aot_test_last_launch(void);
 
 static inline int64_t kdsl__cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static inline int64_t kdsl__div(int64_t a, int64_t b) { return a / b; }
+#define kdsl__nonzero(p) ((p) != 0)
+#define kdsl__either(p, q) ((p) ? (p) : (q))
 
 #endif

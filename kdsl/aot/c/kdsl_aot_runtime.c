@@ -166,13 +166,17 @@ static int meets(const kdsl__spec *spec, const int64_t *values) {
   return assumed;
 }
 
-const kdsl__spec *kdsl__pick(kdsl__spec *const *specs, int count, int bucket, int dtype, const int64_t *values,
-                             int nvalues) {
+const kdsl__spec *kdsl__pick(kdsl__spec *const *specs, int count, int bucket, int dtype, const int64_t *variant,
+                             int nvariant, const int64_t *values, int nvalues) {
   const kdsl__spec *best = NULL;
   int best_assumed = -1;
   for (int i = 0; i < count; i++) {
     const kdsl__spec *spec = specs[i];
-    if (spec->bucket != bucket || spec->dtype != dtype || spec->nparams != nvalues) continue;
+    if (spec->bucket != bucket || spec->dtype != dtype || spec->nparams != nvalues || spec->nvariant != nvariant)
+      continue;
+    int same = 1;
+    for (int v = 0; v < nvariant; v++) same &= spec->variant[v] == variant[v];
+    if (!same) continue;
     int assumed = meets(spec, values);
     if (assumed > best_assumed) {  /* the first of the most specific: the table lists exact ones first */
       best = spec;
