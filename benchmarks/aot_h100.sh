@@ -11,7 +11,7 @@ REPEAT=${REPEAT:-2}
 nvidia-smi -L > "$OUT/aot_h100_device.txt" 2>&1
 
 start=$(date +%s)
-python3 -m kdsl aot --arch sm_90 --out "$EXPORT" > "$OUT/aot_h100_export.txt" 2>&1
+python3 -m kdsl aot --arch sm_90 --op act_quant --op fp8_gemm --out "$EXPORT" > "$OUT/aot_h100_export.txt" 2>&1
 echo "exit $? after $(( $(date +%s) - start )) s" >> "$OUT/aot_h100_export.txt"
 tail -3 "$OUT/aot_h100_export.txt"
 
