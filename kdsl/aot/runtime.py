@@ -142,6 +142,8 @@ class AotKernel:
         self._fast: dict = {}  # (options as passed, argument keys) -> prepared launch, or None (JIT)
 
     def __getattr__(self, name):  # arg_names, fn, ...: the JIT function's
+        if name in ("jit", "table", "library", "_fast"):  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
         return getattr(self.jit, name)
 
     def __getitem__(self, grid):
