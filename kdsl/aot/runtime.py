@@ -237,6 +237,7 @@ def load(folder) -> AotLibrary:
     _library = library
     if _patch not in manifest.MODULE_HOOKS:
         manifest.MODULE_HOOKS.append(_patch)
+    _forget_launch_plans()
     for entry_path, module in list(manifest._MODULES.items()):
         _patch(None, module)
     return library
@@ -251,8 +252,20 @@ def unload() -> None:
         setattr(module, kernel, original)
     _patched.clear()
     _library = None
+    _forget_launch_plans()
     if _patch in manifest.MODULE_HOOKS:
         manifest.MODULE_HOOKS.remove(_patch)
+
+
+def _forget_launch_plans() -> None:
+    """kdsl.ops' launch plans (kdsl/ops/_plan.py) replay the kernels they recorded: drop them so calls go
+    through the wrapped (or restored) kernels. A launch from a cubin is not recorded (the wrapper returns no
+    compiled kernel), so calls served by the export take the ops' ordinary path."""
+    from kdsl.runtime import registry
+
+    plans = getattr(registry, "plans", None)
+    if plans is not None:
+        plans.clear()
 
 
 def loaded() -> AotLibrary | None:
