@@ -101,6 +101,13 @@ def test_plan_for_sm89_and_sm90_picks_what_the_registry_picks(monkeypatch):
     assert {(a.op, arch) for a, _, arch, *_ in result.selected} == {(op, arch) for op in OPS for arch in (89, 90)}
 
 
+def test_a_dtype_an_op_does_not_take_leaves_it_out_with_the_reason():
+    result = plan([80, 90], ["gptq_dequant", "act_quant"], dtypes=["f32"], generic_only=True)
+    assert {abi.op for abi, *_ in result.selected} == {"act_quant"}
+    assert any("gptq_dequant" in what and "no --dtype given applies to gptq_dequant (its dtypes: bf16, f16)" in why
+               for what, why in result.skipped)
+
+
 @pytest.mark.parametrize("argv, code, text", [
     (["aot", "--arch", "sm_90", "--op", "nope", "--out", "x"], 2, "unknown op 'nope'"),
     (["aot", "--arch", "sm_90", "--op", "weight_quant", "--out", "x"], 2, "cannot be exported yet"),

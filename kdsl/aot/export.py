@@ -150,8 +150,13 @@ def plan(archs, ops=None, schemes=None, dtypes=None, generic_only: bool = False)
                     result.skipped.append((entry.name, f"not exported: no C launch description for "
                                                        f"implementation(s) {', '.join(missing)} in kdsl/aot/abi.py"))
                     continue
-                result.selected.append((abi, scheme, arch, entry,
-                                        _enumerate(abi, entry, arch, dtypes, generic_only)))
+                specs = _enumerate(abi, entry, arch, dtypes, generic_only)
+                if not specs:
+                    allowed = sorted({d for choices in abi.dtype_choices.values() for d in choices})
+                    result.skipped.append((entry.name, f"not exported: no --dtype given applies to {op} "
+                                                       f"(its dtypes: {', '.join(allowed)})"))
+                    continue
+                result.selected.append((abi, scheme, arch, entry, specs))
     return result
 
 
