@@ -53,4 +53,4 @@ tail -2 "$OUT/aot_h100_sanitizer.txt"
 timeout 150 python3 benchmarks/aot_first_call.py --export "$EXPORT" --repeat "$REPEAT" > "$OUT/aot_h100_first_call.txt" 2>&1
 echo "exit $?" >> "$OUT/aot_h100_first_call.txt"
 cat "$OUT/aot_h100_first_call.txt"
-cp "$EXPORT/aot_manifest.json" "$OUT/aot_h100_manifest.json"
+cp "$EXPORT/aot_manifest.json" "$OUT/aot_h100_manifest.json"  # summarized into results/aot_h100_manifest.txt
