@@ -41,7 +41,8 @@ class _QuantizedLinear(nn.Module):
 
 
 class FP8Linear(_QuantizedLinear):
-    """Block-FP8 linear layer: per-token activation quantization (act_quant), then fp8_gemm."""
+    """Block-FP8 linear layer: per-token activation quantization and the fp8 GEMM (act_quant + fp8_gemm) in one
+    launch, kdsl.ops.fp8_linear, with the bias added in its fp32 accumulator."""
 
     def __init__(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
                  scheme: BlockFP8 | None = None):
@@ -72,13 +73,11 @@ class FP8Linear(_QuantizedLinear):
         return cls(q, s, bias, scheme)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a, a_s = ops.act_quant(x, group_size=self.scheme.act_group)
-        y = ops.fp8_gemm(a, a_s, self.weight, self.weight_scale_inv,
-                         out_dtype=x.dtype if x.dtype in FLOAT_OUT else torch.bfloat16)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        return ops.fp8_linear(x, self.weight, self.weight_scale_inv, self.bias,
+                              out_dtype=x.dtype if x.dtype in FLOAT_OUT else torch.bfloat16)
 
     def extra_repr(self) -> str:
-        kernel = _kernel_name("fp8_gemm", self.scheme.name, self.weight.device)
+        kernel = _kernel_name("fp8_linear", self.scheme.name, self.weight.device)
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"scheme={self.scheme.name}, kernel={kernel}")
 
