@@ -3,7 +3,7 @@
 # kernel: fp8_linear__e4m3_w128x128_a128_f32__portable_sm89 (fp8_linear/portable: act_quant in registers inside fp8_gemm's pointer-load tile, optional deterministic split-K, bias)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: a4ede7f5cf81db3d (sha256 of this kernel's scheme, variant and templates)
+# digest: 4d64ce06d66dc866 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -232,13 +232,18 @@ def fp8_linear__e4m3_w128x128_a128_f32__portable_sm89(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rows_b).to(tl.float32)
         acc += tl.where(pid_k == 0, bias, 0.0)[None, :]
-    for k in range(first, tl.minimum(first + per_split, k_blocks)):
-        x = tl.load(x_ptrs).to(tl.float32)
+    stop = tl.minimum(first + per_split, k_blocks)
+    x_next = tl.load(x_ptrs, mask=(offs_k < ACT_GROUP * (stop - first))[None, :], other=0.0)  # none past K
+    for k in range(first, stop):
+        # x is loaded a step ahead: Triton's pipeliner stages the MMA's operands (B), not a load whose
+        # user is the quantization, so each step would otherwise wait for its x.
+        x = x_next.to(tl.float32)
+        x_ptrs += ACT_GROUP
+        x_next = tl.load(x_ptrs, mask=(offs_k < ACT_GROUP * (stop - k - 1))[None, :], other=0.0)
         a, a_scale = _quantize_groups(x, b_ptr.dtype.element_ty, ROUND_FIRST)
         b = tl.load(b_ptrs)
         b_scale = tl.load(b_scale_ptrs + (k * ACT_GROUP) // W_BLOCK_K)
         acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
-        x_ptrs += ACT_GROUP
         b_ptrs += ACT_GROUP
 
     out_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
@@ -249,8 +254,7 @@ def fp8_linear__e4m3_w128x128_a128_f32__portable_sm89(
 # Tiles per M bucket, from the definition: (largest M served or None for the rest,
 # smallest N served or None, launch parameters); the first that serves (M, N) is used.
 TILES = (
-    (16, None, {'impl': 'portable', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'num_warps': 4, 'num_stages': 4, 'tile_order': 'm_major', 'split_fill': None, 'split_min_steps': None}),
-    (64, None, {'impl': 'portable', 'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 2, 'tile_order': 'm_major', 'split_fill': None, 'split_min_steps': None}),
+    (64, None, {'impl': 'portable', 'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'num_warps': 8, 'num_stages': 3, 'tile_order': 'm_major', 'split_fill': None, 'split_min_steps': None}),
     (None, None, {'impl': 'portable', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 2, 'tile_order': 'm_major', 'split_fill': None, 'split_min_steps': None}),
 )
 

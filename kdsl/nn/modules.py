@@ -16,6 +16,10 @@ from kdsl.schema import GPTQ, BlockFP8
 from kdsl.schema.scheme import AWQ
 
 FLOAT_OUT = (torch.bfloat16, torch.float16, torch.float32)
+# FP8Linear runs the fused fp8_linear (one launch) for up to this many rows, where in eager decode the host's
+# cost per launch sets the pace; above it act_quant + fp8_gemm, whose kernels take less GPU time
+# (benchmarks/RESULTS.md, host time section). By rows only, so eager and compiled calls give the same bits.
+FUSED_MAX_ROWS = 64
 
 
 def _kernel_name(op: str, scheme: str, device: torch.device) -> str:
@@ -41,8 +45,8 @@ class _QuantizedLinear(nn.Module):
 
 
 class FP8Linear(_QuantizedLinear):
-    """Block-FP8 linear layer: per-token activation quantization and the fp8 GEMM (act_quant + fp8_gemm) in one
-    launch, kdsl.ops.fp8_linear, with the bias added in its fp32 accumulator."""
+    """Block-FP8 linear layer: per-token activation quantization (act_quant), then fp8_gemm; calls of few rows
+    run the two in one launch (kdsl.ops.fp8_linear, bias added in its fp32 accumulator; FUSED_MAX_ROWS)."""
 
     def __init__(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
                  scheme: BlockFP8 | None = None):
@@ -73,13 +77,18 @@ class FP8Linear(_QuantizedLinear):
         return cls(q, s, bias, scheme)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.fp8_linear(x, self.weight, self.weight_scale_inv, self.bias,
-                              out_dtype=x.dtype if x.dtype in FLOAT_OUT else torch.bfloat16)
+        out_dtype = x.dtype if x.dtype in FLOAT_OUT else torch.bfloat16
+        if x.dim() > 0 and x.numel() <= FUSED_MAX_ROWS * x.shape[-1]:
+            return ops.fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, out_dtype=out_dtype)
+        a, a_s = ops.act_quant(x, group_size=self.scheme.act_group)
+        y = ops.fp8_gemm(a, a_s, self.weight, self.weight_scale_inv, out_dtype=out_dtype)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
-        kernel = _kernel_name("fp8_linear", self.scheme.name, self.weight.device)
+        kernel = _kernel_name("fp8_gemm", self.scheme.name, self.weight.device)
+        fused = _kernel_name("fp8_linear", self.scheme.name, self.weight.device)
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"scheme={self.scheme.name}, kernel={kernel}")
+                f"scheme={self.scheme.name}, kernel={kernel}, fused={fused} (M <= {FUSED_MAX_ROWS})")
 
 
 class W4A16Linear(_QuantizedLinear):
