@@ -3,7 +3,7 @@
 # kernel: fp8_linear__e4m3_w128x128_a128_f32__portable_sm89 (fp8_linear/portable: act_quant in registers inside fp8_gemm's pointer-load tile, optional deterministic split-K, bias)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 4d64ce06d66dc866 (sha256 of this kernel's scheme, variant and templates)
+# digest: 4c844e1c41da6c8d (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -205,9 +205,9 @@ def fp8_linear__e4m3_w128x128_a128_f32__portable_sm89(
     """C[M, N] = act_quant(x) @ (b * b_s)^T (+ bias) in one pass: each K step loads ACT_GROUP columns of x
     (bf16/fp16/fp32), quantizes every row of them to e4m3 codes and a scale in registers, exactly as
     act_quant does (_quantize_groups), and feeds the codes to the fp8 MMA; then, as fp8_gemm's tile,
-    acc += dot(a, b^T) * a_scale[m] * b_scale[n] in fp32. Grid: tiles x SPLIT_K programs, program
-    (tile, pid_k) taking every SPLIT_K-th K step's share in one contiguous run; bias (fp32) is the
-    accumulator's start in the pid_k = 0 share, so the output is rounded once."""
+    acc += dot(a, b^T) * a_scale[m] * b_scale[n] in fp32. Grid: tiles x SPLIT_K programs; program
+    (tile, pid_k) runs the pid_k-th of SPLIT_K contiguous runs of K steps, and the bias (fp32) is the
+    accumulator's start in run 0, so the output is rounded once."""
     tile_id = tl.program_id(0) // SPLIT_K
     pid_k = tl.program_id(0) % SPLIT_K
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -235,8 +235,9 @@ def fp8_linear__e4m3_w128x128_a128_f32__portable_sm89(
     stop = tl.minimum(first + per_split, k_blocks)
     x_next = tl.load(x_ptrs, mask=(offs_k < ACT_GROUP * (stop - first))[None, :], other=0.0)  # none past K
     for k in range(first, stop):
-        # x is loaded a step ahead: Triton's pipeliner stages the MMA's operands (B), not a load whose
-        # user is the quantization, so each step would otherwise wait for its x.
+        # x is loaded a step ahead (Triton's pipeliner stages B's loads for the MMA, not this one, whose user is
+        # the quantization). On an H100 that changed little either way: the loop is bound by the quantization's
+        # arithmetic, which every program of a row block repeats (benchmarks/RESULTS.md, fp8_linear).
         x = x_next.to(tl.float32)
         x_ptrs += ACT_GROUP
         x_next = tl.load(x_ptrs, mask=(offs_k < ACT_GROUP * (stop - k - 1))[None, :], other=0.0)
