@@ -3,13 +3,15 @@
 # kernel: act_quant__e4m3_w128x128_a128_f32__rowwise_sm89 (act_quant/rowwise: per-token, per-group amax scaling to e4m3)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: a53276a73cf8128d (sha256 of this kernel's scheme, variant and templates)
+# digest: dd77df849c967502 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
 import os
 
 GROUP = tl.constexpr(128)
+
+
 FP8_MAX = tl.constexpr(448.0)
 # An all-zero group would give scale 0 and 0/0 = NaN; this floor keeps the scale finite.
 AMAX_FLOOR = tl.constexpr(1e-10)
@@ -51,6 +53,17 @@ def _abs_nan_as_zero(x):
     which differs between them, is not relied on. (tl.where(x == x, tl.abs(x), 0.0) gives the same,
     but made weight_quant 1.2x slower on an H100.)"""
     return tl.maximum(tl.abs(x), 0.0)
+
+
+@triton.jit
+def _quantize_groups(x, dtype: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """x [rows, group] float32, one activation group per row: (e4m3 codes [rows, group], scales [rows] float32),
+    s = amax / 448 and q = e4m3(x / s). act_quant and the GEMM that quantizes its A tile (fp8_linear) share it,
+    so the two give the same codes and scales."""
+    # NaN elements are left out of amax and get NaN codes (_to_e4m3); an inf makes amax and scale inf.
+    amax = tl.maximum(tl.max(_abs_nan_as_zero(x), axis=1), AMAX_FLOOR)
+    scale = tl.div_rn(amax, FP8_MAX)
+    return _to_e4m3(tl.div_rn(x, scale[:, None]), dtype, ROUND_FIRST), scale
 
 
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -120,11 +133,7 @@ def act_quant__e4m3_w128x128_a128_f32__rowwise_sm89(x_ptr, q_ptr, s_ptr, M, K, s
     row_ok = rows < M
 
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=row_ok[:, None], other=0.0)
-    x = x.to(tl.float32)
-    # NaN elements are left out of amax and get NaN codes (_to_e4m3); an inf makes amax and scale inf.
-    amax = tl.maximum(tl.max(_abs_nan_as_zero(x), axis=1), AMAX_FLOOR)
-    scale = tl.div_rn(amax, FP8_MAX)
-    q = _to_e4m3(tl.div_rn(x, scale[:, None]), q_ptr.dtype.element_ty, ROUND_FIRST)
+    q, scale = _quantize_groups(x.to(tl.float32), q_ptr.dtype.element_ty, ROUND_FIRST)
 
     tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=row_ok[:, None])
     tl.store(s_ptr + rows * (K // GROUP) + pid_g, scale, mask=row_ok)

@@ -178,7 +178,8 @@ def test_manifest_entries(rendered):
     by_name = {e["name"]: e for e in kernels}
     tma = by_name["fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90"]
     assert (tma["min_arch"], tma["max_arch"]) == (90, 90)
-    assert {e["op"] for e in fp8} == {"act_quant", "weight_quant", "weight_dequant", "fp8_gemm", "fp8_bmm"}
+    assert {e["op"] for e in fp8} == {"act_quant", "weight_quant", "weight_dequant", "fp8_gemm", "fp8_bmm",
+                                     "fp8_linear"}
     # Every module on disk is in the manifest.
     assert {p.name for p in rendered.glob("*.py")} == {m["module"] for e in kernels for m in e["modules"]}
 

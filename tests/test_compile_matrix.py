@@ -115,6 +115,18 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
         options=("num_warps", "num_stages"),
         out_types=("bf16", "fp16", "fp32"),
     ),
+    # x in the output's dtype (bf16, fp16, fp32 alike); bias and split K taken, so both are in the compiled code.
+    ("fp8_linear", "portable"): KernelSignature(
+        args={"x_ptr": "*{out}", "b_ptr": FP8, "c_ptr": "*{out}", "bs_ptr": F32, "bias_ptr": "*{out}",
+              "ws_ptr": F32, "count_ptr": "*i32", "M": I32, "N": I32, "K": I32,
+              "stride_xm": I32, "stride_bn": I32, "stride_cm": I32, "stride_bsn": I32},
+        constexprs={"BLOCK_M": "BLOCK_M", "BLOCK_N": "BLOCK_N", "GROUP_M": "GROUP_M",
+                    "N_MAJOR": lambda tile: tile["tile_order"] == "n_major",
+                    "SPLIT_K": lambda tile: max(tile["SPLIT_K"], 2), "HAS_BIAS": lambda tile: True,
+                    "ROUND_FIRST": lambda tile: False},
+        options=("num_warps", "num_stages"),
+        out_types=("bf16", "fp16", "fp32"),
+    ),
     ("fp8_bmm", "portable"): KernelSignature(
         args={"a_ptr": FP8, "b_ptr": FP8, "c_ptr": "*{out}", "as_ptr": F32, "bs_ptr": F32,
               "M": I32, "N": I32, "K": I32,

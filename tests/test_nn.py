@@ -197,7 +197,11 @@ def test_a_loaded_model_compiles_without_graph_breaks(kind, tmp_path):
     with torch.no_grad():  # inference: the quantized ops have no backward
         for m in (3, 7):
             x = torch.randn(m, DIM).to(dtype)
-            assert torch.equal(compiled(x), model(x)), m
+            if kind == "fp8":  # eager runs the fused fp8_linear at few rows, compiled the two kernels: a rounding
+                # apart after the first layer (bias added in fp32), which the second's quantization can amplify
+                assert fp8_ref.rel_fro_error(compiled(x), model(x)) < TOL[kind], m
+            else:
+                assert torch.equal(compiled(x), model(x)), m
             assert fp8_ref.rel_fro_error(compiled(x), reference(kind, ckpt, x)) < TOL[kind]
 
 

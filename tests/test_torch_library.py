@@ -90,6 +90,11 @@ def _samples():
         a, a_s = ops.act_quant(torch.randn(*m_shape, k, dtype=torch.bfloat16))
         return (a, a_s, b, b_s, out)
 
+    def linear(m_shape, n=72, k=256, dtype=torch.bfloat16, bias=True, out=None):
+        b, b_s = fp8_weights(n, k)
+        bias = torch.randn(n, dtype=dtype) if bias else None
+        return (torch.randn(*m_shape, k, dtype=dtype), b, b_s, bias, out)
+
     def bmm(batch, m, n=128, k=256, out=torch.bfloat16):
         # a and a_s as MLA passes them: transpose(0, 1) views of [M, B, ...] tensors
         a, a_s = ops.act_quant(torch.randn(m, batch, k, dtype=torch.bfloat16))
@@ -128,6 +133,10 @@ def _samples():
         ("fp8_gemm", "2d", lambda: fp8((3,))),
         ("fp8_gemm", "3d-fp16", lambda: fp8((2, 3), out=torch.float16)),
         ("fp8_gemm", "empty-m", lambda: fp8((0,))),
+        ("fp8_linear", "2d-bias", lambda: linear((3,))),
+        ("fp8_linear", "3d-fp16-no-bias", lambda: linear((2, 3), dtype=torch.float16, bias=False)),
+        ("fp8_linear", "fp32-to-bf16", lambda: linear((5,), dtype=torch.float32, out=torch.bfloat16)),
+        ("fp8_linear", "empty-m", lambda: linear((0,))),
         ("fp8_bmm", "mla-views", lambda: bmm(3, 5)),
         ("fp8_bmm", "fp32-empty-m", lambda: bmm(2, 0, out=torch.float32)),
         ("gptq_gemm", "act-order", lambda: gptq_gemm((3,), 64, "perm", "gptq")),
@@ -301,6 +310,8 @@ def _public_call(name: str):
         "weight_quant": (lambda w: ops.weight_quant(w, block_size=(128, 128)), (torch.randn(72, 256),), "weight_quant"),
         "weight_dequant": (lambda q, s: ops.weight_dequant(q, s, out_dtype=torch.float32), (b, b_s), "weight_dequant"),
         "fp8_gemm": (lambda *t: ops.fp8_gemm(*t, out_dtype=torch.float16), (a, a_s, b, b_s), "fp8_gemm"),
+        "fp8_linear": (lambda *t: ops.fp8_linear(*t), (x, b, b_s, torch.randn(b.shape[0], dtype=torch.bfloat16)),
+                       "fp8_linear"),
         "gptq_gemm": (lambda x, *t: ops.gptq_gemm(x, *t, group_size=64), (xh, *checkpoint), "gptq_gemm"),
         "gptq_dequant": (lambda *t: ops.gptq_dequant(*t, group_size=64), checkpoint, "gptq_dequant"),
         "awq_gemm": (lambda x, *t: ops.awq_gemm(x, *t, group_size=64), (xh, *awq), "awq_gemm"),
@@ -313,7 +324,7 @@ def _public_call(name: str):
     return calls[name]
 
 
-PUBLIC = ["act_quant", "weight_quant", "weight_dequant", "fp8_gemm", "gptq_gemm", "gptq_gemm-prepared",
+PUBLIC = ["act_quant", "weight_quant", "weight_dequant", "fp8_gemm", "fp8_linear", "gptq_gemm", "gptq_gemm-prepared",
           "gptq_dequant", "w4a16_gemm", "awq_gemm", "awq_dequant"]
 
 

@@ -16,6 +16,13 @@ from kdsl.schema import GPTQ, BlockFP8
 from kdsl.schema.scheme import AWQ
 
 FLOAT_OUT = (torch.bfloat16, torch.float16, torch.float32)
+# FP8Linear runs the fused fp8_linear (one launch) for up to this many rows in eager calls, where the host's
+# cost per launch sets the pace of decode; otherwise act_quant + fp8_gemm, whose kernels take less GPU time
+# (on an H100 the fused kernel took 0.87-1.34x their GPU time at M = 1, 1.19-1.79x at M = 16, 2.4-4.6x at
+# M = 64: benchmarks/RESULTS.md, fp8_linear section). Under torch.compile or a CUDA graph capture the host cost
+# is gone and GPU time decides, so those take the two kernels: their outputs may differ from eager ones by a
+# rounding (the fused kernel adds the bias in fp32, and the GEMM tiles differ).
+FUSED_MAX_ROWS = 16
 
 
 def _kernel_name(op: str, scheme: str, device: torch.device) -> str:
@@ -41,7 +48,8 @@ class _QuantizedLinear(nn.Module):
 
 
 class FP8Linear(_QuantizedLinear):
-    """Block-FP8 linear layer: per-token activation quantization (act_quant), then fp8_gemm."""
+    """Block-FP8 linear layer: per-token activation quantization (act_quant), then fp8_gemm; eager calls of few
+    rows run the two in one launch (kdsl.ops.fp8_linear, bias added in its fp32 accumulator; FUSED_MAX_ROWS)."""
 
     def __init__(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
                  scheme: BlockFP8 | None = None):
@@ -72,15 +80,19 @@ class FP8Linear(_QuantizedLinear):
         return cls(q, s, bias, scheme)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out_dtype = x.dtype if x.dtype in FLOAT_OUT else torch.bfloat16
+        if (x.dim() > 0 and x.numel() <= FUSED_MAX_ROWS * x.shape[-1] and not torch.compiler.is_compiling()
+                and not (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return ops.fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, out_dtype=out_dtype)
         a, a_s = ops.act_quant(x, group_size=self.scheme.act_group)
-        y = ops.fp8_gemm(a, a_s, self.weight, self.weight_scale_inv,
-                         out_dtype=x.dtype if x.dtype in FLOAT_OUT else torch.bfloat16)
+        y = ops.fp8_gemm(a, a_s, self.weight, self.weight_scale_inv, out_dtype=out_dtype)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         kernel = _kernel_name("fp8_gemm", self.scheme.name, self.weight.device)
+        fused = _kernel_name("fp8_linear", self.scheme.name, self.weight.device)
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"scheme={self.scheme.name}, kernel={kernel}")
+                f"scheme={self.scheme.name}, kernel={kernel}, fused={fused} (eager, M <= {FUSED_MAX_ROWS})")
 
 
 class W4A16Linear(_QuantizedLinear):

@@ -269,6 +269,118 @@ def _fp8_gemm_lost_nan(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> Non
     c2[:, _interpreter_lost_nan(b).any(dim=1)] = float("nan")
 
 
+def fp8_linear(
+    x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """y [..., N] = fp8_gemm(*act_quant(x), w, w_s) (+ bias) in one kernel launch and one output allocation.
+
+    x [..., K] bf16/fp16/fp32 with K a multiple of the activation group (128); w [N, K] float8_e4m3fn with w_s
+    float32 [ceil(N / 128), K / 128] (fp8_gemm's b and b_s); bias [N] bf16/fp16/fp32 or None; out_dtype
+    bf16/fp16/fp32, None for x's dtype. The kernel quantizes each row's groups of x in registers with
+    act_quant's code (same codes, scales, NaN and inf rules), so without bias the result is act_quant +
+    fp8_gemm's bit for bit wherever the two run the same tile. bias is added in fp32 to the accumulator,
+    before the one rounding to out_dtype (not to the rounded product, as `fp8_gemm(...) + bias` would).
+    """
+    if torch.compiler.is_compiling():  # see act_quant
+        return torch.ops.kdsl.fp8_linear(x, w, w_s, bias, out_dtype)
+    return _fp8_linear_impl(x, w, w_s, bias, out_dtype)
+
+
+def _fp8_linear_outputs(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, bias: torch.Tensor | None,
+                        out_dtype: torch.dtype | None, symbolic: bool = False) -> tuple[str, int, int, int, torch.Tensor]:
+    """fp8_linear's checks and empty output: (scheme, act_group, block_n, block_k, y); symbolic as _fp8_gemm_outputs."""
+    check.tensor("x", x, FLOAT_INPUTS, min_ndim=1)
+    check.tensor("w", w, (FP8,), ndim=2)
+    check.tensor("w_s", w_s, (torch.float32,), ndim=2)
+    if bias is not None:
+        check.tensor("bias", bias, FLOAT_INPUTS, ndim=1)
+    out_dtype = x.dtype if out_dtype is None else check.out_dtype("out_dtype", out_dtype, FLOAT_INPUTS)
+    k = x.shape[-1]
+    n = w.shape[0]
+    scheme, group, (block_n, block_k) = _linear_scheme(k, n, tuple(w_s.shape), symbolic)
+    if k % group:
+        raise ValueError(f"x: last dimension K = {k} must be a multiple of {group}")
+    if w.shape[1] != k:
+        raise ValueError(f"w: expected shape (N, {k}) to match x's K = {k}, got {tuple(w.shape)}")
+    check.shape("w_s", w_s, (-(-n // block_n), -(-k // block_k)), f"one scale per {block_n}x{block_k} block of w")
+    if bias is not None:
+        check.shape("bias", bias, (n,), "one per output column, w's N")
+    check.same_device(x=x, w=w, w_s=w_s, bias=bias)
+    return scheme, group, block_n, block_k, x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
+
+
+def _linear_scheme(k: int, n: int, w_blocks: tuple, symbolic: bool = False) -> tuple[str, int, tuple[int, int]]:
+    """(scheme, act_group, (block_n, block_k)) of the served fp8_linear scheme whose weight scales w_s has, as
+    _gemm_scheme does for fp8_gemm (the activations' scales are the kernel's own here)."""
+    def find():
+        served = registry.scheme_fields("fp8_linear")
+        if not served:
+            registry.require_scheme("fp8_linear", "block_fp8", "any block-FP8 scheme")  # raises
+        for name, fields in served.items():
+            group, (block_n, block_k) = fields["act_group"], fields["weight_block"]
+            if k % group == 0 and w_blocks == (-(-n // block_n), -(-k // block_k)):
+                return name, group, (block_n, block_k)
+        name, fields = next(iter(served.items()))
+        return name, fields["act_group"], tuple(fields["weight_block"])
+    if symbolic:
+        return find()
+    return registry.memo(("fp8_linear", k, n, w_blocks), find)
+
+
+def _fp8_linear_impl(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, bias: torch.Tensor | None,
+                     out_dtype: torch.dtype | None) -> torch.Tensor:
+    # A repeat call signature replays its launch plan (kdsl/ops/_plan.py: what the key holds and why).
+    try:
+        key = ("fp8_linear", out_dtype, _device(),
+               type(x), x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
+               type(w), w.shape, w.stride(), w.dtype, w.device, w.data_ptr() & 15,
+               type(w_s), w_s.shape, w_s.stride(), w_s.dtype, w_s.device, w_s.data_ptr() & 15,
+               None if bias is None else
+               (type(bias), bias.shape, bias.stride(), bias.dtype, bias.device, bias.data_ptr() & 15))
+        plan = _PLANS.get(key)
+    except Exception:  # not tensors, say: the checks below word the error
+        key = plan = None
+    if plan:
+        y = plan(x, w, w_s, bias)
+        if y is not None:
+            if not y.is_cuda:
+                _fp8_linear_lost_nan(x, w, y)
+            return y
+    scheme, group, block_n, block_k, y = _fp8_linear_outputs(x, w, w_s, bias, out_dtype)
+    k = x.shape[-1]
+    n = w.shape[0]
+    if y.numel() == 0:
+        return y
+    if k == 0:
+        return y.zero_() if bias is None else y.copy_(bias.expand(y.shape))
+    x2 = x if x.dim() == 2 and x.stride(1) == 1 else check.rows(x, k)  # already [M, K] rows: no views
+    y2 = y if y.dim() == 2 else y.view(-1, n)
+    if not check.use_kernels(x.device):
+        return y2.copy_(fallback.fp8_linear(x2, w, w_s, bias, group, block_n, block_k, y.dtype)).view(y.shape)
+    inputs = x, w, w_s, bias
+    # Unit stride along K (w, w_s) and N (bias) is what the kernel indexes by; copies only if not.
+    w, w_s = (t if t.stride(1) == 1 else t.contiguous() for t in (w, w_s))
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
+    entry = registry.dispatch("fp8_linear", scheme, x.device)
+    with _plan.Recorder(entry.load() if plan is None else None) as rec:
+        entry.launch(x2, w, w_s, bias, y2, entry.tile_for(x2.shape[0], n))
+    _plan.store(key, rec, inputs, (y,))
+    if x.device.type == "cpu":
+        _fp8_linear_lost_nan(x2, w, y)
+    return y
+
+
+def _fp8_linear_lost_nan(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
+    """On the CPU, NaN where act_quant would give a row NaN codes (a NaN or +-inf in the row: a NaN element's code
+    and inf / inf are NaN) and where a row of w holds the NaN code: what the GPU computes (_interpreter_lost_nan)."""
+    n = w.shape[0]
+    y2 = y.view(-1, n)
+    y2[~torch.isfinite(x.reshape(-1, x.shape[-1])).all(dim=1)] = float("nan")
+    y2[:, _interpreter_lost_nan(w).any(dim=1)] = float("nan")
+
+
 def fp8_bmm(
     a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None,

@@ -50,17 +50,26 @@ def weight_dequant(q: torch.Tensor, s: torch.Tensor, block_n: int, block_k: int,
     return (q.float() * _expand_blocks(s, block_n, block_k, n, k)).to(out_dtype)
 
 
-def fp8_gemm(a, a_s, b, b_s, act_group: int, block_n: int, block_k: int, out_dtype: torch.dtype) -> torch.Tensor:
-    # Same order of operations as the kernel: per K step, dot then both scales, in fp32.
+def fp8_gemm(a, a_s, b, b_s, act_group: int, block_n: int, block_k: int, out_dtype: torch.dtype,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    # Same order of operations as the kernel: per K step, dot then both scales, in fp32 (from bias, if any).
     m, k = a.shape
     n = b.shape[0]
     acc = torch.zeros(m, n, dtype=torch.float32, device=a.device)
+    if bias is not None:
+        acc += bias.float()
     b_scale_rows = b_s.repeat_interleave(block_n, 0)[:n]  # [n, k / block_k]
     step = min(act_group, block_k)
     for start in range(0, k, step):
         partial = a[:, start:start + step].float() @ b[:, start:start + step].float().T
         acc += partial * a_s[:, start // act_group, None] * b_scale_rows[None, :, start // block_k]
     return acc.to(out_dtype)
+
+
+def fp8_linear(x, w, w_s, bias, act_group: int, block_n: int, block_k: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """act_quant then fp8_gemm, bias added to the fp32 accumulator (the fused kernel's order)."""
+    q, s = act_quant(x, act_group)
+    return fp8_gemm(q, s, w, w_s, act_group, block_n, block_k, out_dtype, bias)
 
 
 def fp8_bmm(a, a_s, b, b_s, act_group: int, block_n: int, block_k: int, out_dtype: torch.dtype) -> torch.Tensor:

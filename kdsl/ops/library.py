@@ -6,6 +6,7 @@ model that calls them without a graph break.
     kdsl::weight_dequant(Tensor q, Tensor s, int block_n, int block_k, ScalarType out_dtype) -> Tensor
     kdsl::fp8_gemm(Tensor a, Tensor a_s, Tensor b, Tensor b_s, ScalarType out_dtype) -> Tensor
     kdsl::fp8_bmm(Tensor a, Tensor a_s, Tensor b, Tensor b_s, ScalarType out_dtype) -> Tensor
+    kdsl::fp8_linear(Tensor x, Tensor w, Tensor w_s, Tensor? bias, ScalarType? out_dtype) -> Tensor
     kdsl::gptq_gemm(Tensor x, Tensor qweight, Tensor qzeros, Tensor scales, Tensor? g_idx, int bits,
                     int group_size, str checkpoint_format) -> Tensor
     kdsl::gptq_dequant(Tensor qweight, Tensor qzeros, Tensor scales, Tensor? g_idx, int bits,
@@ -59,6 +60,7 @@ SCHEMAS = {
     "weight_dequant": "(Tensor q, Tensor s, int block_n, int block_k, ScalarType out_dtype) -> Tensor",
     "fp8_gemm": "(Tensor a, Tensor a_s, Tensor b, Tensor b_s, ScalarType out_dtype) -> Tensor",
     "fp8_bmm": "(Tensor a, Tensor a_s, Tensor b, Tensor b_s, ScalarType out_dtype) -> Tensor",
+    "fp8_linear": "(Tensor x, Tensor w, Tensor w_s, Tensor? bias, ScalarType? out_dtype) -> Tensor",
     "gptq_gemm": "(Tensor x, Tensor qweight, Tensor qzeros, Tensor scales, Tensor? g_idx, int bits, "
                  "int group_size, str checkpoint_format) -> Tensor",
     "gptq_dequant": "(Tensor qweight, Tensor qzeros, Tensor scales, Tensor? g_idx, int bits, int group_size, "
@@ -137,6 +139,10 @@ def _fp8_bmm_fake(a, a_s, b, b_s, out_dtype):
     return block_fp8._fp8_bmm_outputs(a, a_s, b, b_s, out_dtype, symbolic=True)[-1]
 
 
+def _fp8_linear_fake(x, w, w_s, bias, out_dtype):
+    return block_fp8._fp8_linear_outputs(x, w, w_s, bias, out_dtype, symbolic=True)[-1]
+
+
 def _gptq_gemm_fake(x, qweight, qzeros, scales, g_idx, bits, group_size, checkpoint_format):
     return gptq._gptq_gemm_outputs(x, qweight, qzeros, scales, g_idx, bits, group_size, checkpoint_format,
                                    values=False)[1]
@@ -156,6 +162,7 @@ weight_quant = _op("weight_quant", block_fp8._weight_quant_impl, _weight_quant_f
 weight_dequant = _op("weight_dequant", block_fp8._weight_dequant_impl, _weight_dequant_fake)
 fp8_gemm = _op("fp8_gemm", block_fp8._fp8_gemm_impl, _fp8_gemm_fake)
 fp8_bmm = _op("fp8_bmm", _fp8_bmm, _fp8_bmm_fake)
+fp8_linear = _op("fp8_linear", block_fp8._fp8_linear_impl, _fp8_linear_fake)
 gptq_gemm = _op("gptq_gemm", gptq._gptq_gemm_impl, _gptq_gemm_fake)
 gptq_dequant = _op("gptq_dequant", gptq._gptq_dequant_impl, _gptq_dequant_fake)
 w4a16_gemm = _op("w4a16_gemm", _w4a16_gemm, _w4a16_gemm_fake)
@@ -163,4 +170,4 @@ awq_gemm = _op("awq_gemm", awq._awq_gemm_impl, awq._awq_gemm_outputs)
 awq_dequant = _op("awq_dequant", awq._awq_dequant_impl, awq._awq_dequant_outputs)
 
 OPS = {op._name.removeprefix("kdsl::"): op for op in (act_quant, weight_quant, weight_dequant, fp8_gemm, fp8_bmm,
-                                                     gptq_gemm, gptq_dequant, w4a16_gemm, awq_gemm, awq_dequant)}
+                                                     fp8_linear, gptq_gemm, gptq_dequant, w4a16_gemm, awq_gemm, awq_dequant)}
