@@ -244,7 +244,10 @@ def _enumerate(abi: abis.OpAbi, entry, arch: int, dtypes, generic_only: bool) ->
                     if served_bucket(abi, entry, p[abi.m], p[abi.n] if abi.n else None) == bucket_index]
         if not reaching:  # no representative size reaches this tile: the problems moved to its M and N bounds
             bucket = entry.tiles[bucket_index]
-            moved = [{**p, abi.m: bucket.m_max if bucket.m_max is not None else p[abi.m],
+            # M at the tile's bound (for the last tile, just past the others').
+            m = bucket.m_max if bucket.m_max is not None else 1 + max(
+                [b.m_max for b in entry.tiles if b.m_max is not None], default=0)
+            moved = [{**p, abi.m: m,
                       **({abi.n: max(p[abi.n], bucket.n_min)} if abi.n and bucket.n_min is not None else {})}
                      for p in problems]
             reaching = [p for p in moved
