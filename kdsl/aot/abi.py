@@ -268,7 +268,7 @@ GPTQ_DEQUANT = OpAbi(
 # ---- w4a16_gemm: the W4A16 GEMM on prepared weights (kdsl.ops.gptq_prepare / awq_prepare) ---------------
 
 _MAGIC = {"f16": (0x6400, 1024), "bf16": (0x4300, 128)}  # the generated modules' MAGIC per x dtype
-_W4A16_SPLIT_SMS = (108, 132)  # SM counts the exporter plans splits for (A100, H100/H200); others: see SPLIT
+SPLIT_SMS = (108, 132)  # SM counts the exporter compiles K splits for (A100, H100/H200); other counts: see SPLIT
 
 
 def _w4a16_problems():

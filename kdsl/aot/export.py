@@ -213,7 +213,7 @@ def _runtime_choices(launch: abis.ImplLaunch, tile: dict, scheme: dict, values: 
     if split is None:
         return [runtime_values(launch, tile, scheme, values)]
     out = []
-    for sms in abis._W4A16_SPLIT_SMS:
+    for sms in abis.SPLIT_SMS:
         runtime = runtime_values(launch, tile, scheme, {**values, "sms": sms})
         for value in sorted({runtime[split], 1}):
             choice = {**runtime, split: value}
@@ -278,7 +278,7 @@ def _enumerate(abi: abis.OpAbi, entry, arch: int, dtypes, generic_only: bool) ->
             for combo in combos:
                 seen = seen_runtime.setdefault(json.dumps(combo, sort_keys=True), [])
                 for flag in flags:
-                    values = {**reaching[0], **combo, **flag, "sms": abis._W4A16_SPLIT_SMS[0]}
+                    values = {**reaching[0], **combo, **flag, "sms": abis.SPLIT_SMS[0]}
                     values.update({a.name: 4096 if values.get(a.name, 1) else 0 for a in abi.args if a.ctype == "ptr"})
                     values.update({a: abis.DTYPE_CODES[combo[a]] for a in abi.dtype_choices})
                     runtime = runtime_values(launch, tile, scheme, values)
