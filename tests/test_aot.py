@@ -179,9 +179,15 @@ static CUresult device(CUdevice *d) { *d = 0; return CUDA_SUCCESS; }
 static CUresult attribute(int *v, CUdevice_attribute a, CUdevice d) {
   (void)d;
   *v = a == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR ? arch / 10
-     : a == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR ? arch % 10 : 232448;
+     : a == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR ? arch % 10
+     : a == CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT ? 132 : 232448;
   return CUDA_SUCCESS;
 }
+/* Split-K scratch: distinct, 256-byte aligned fake addresses; the counters' zeroing is recorded. */
+static CUdeviceptr next_allocation = 0x40000000;
+static int zeroed;
+static CUresult mem_alloc(CUdeviceptr *p, size_t bytes) { *p = next_allocation; next_allocation += (bytes + 0xffff) & ~(size_t)0xffff; return CUDA_SUCCESS; }
+static CUresult memset_d32(CUdeviceptr p, unsigned v, size_t n, CUstream s) { (void)p; (void)v; (void)n; (void)s; zeroed++; return CUDA_SUCCESS; }
 /* The embedded image must be the cubin (an ELF file), or .incbin went wrong. */
 static CUresult load(CUmodule *m, const void *image) {
   *m = (CUmodule)0x2000;
@@ -199,8 +205,10 @@ static CUresult error_string(CUresult r, const char **s) { (void)r; *s = "stub";
 int main(int argc, char **argv) {
   if (argc < 2) return 2;
   arch = atoi(argv[1]);
-  kdsl__driver stub = {init, current, device, attribute, load, function, attribute_set, launch, error_string};
+  kdsl__driver stub = {init, current, device, attribute, load, function, attribute_set, launch, error_string,
+                       mem_alloc, memset_d32};
   kdsl_aot_test_set_driver(&stub);
+  (void)zeroed;
   char op[128];
   long long v[32];
   while (scanf("%127s", op) == 1) {
@@ -535,6 +543,8 @@ static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsi
   return CUDA_SUCCESS;
 }
 static CUresult error_string(CUresult r, const char **s) { (void)r; *s = "stub"; return CUDA_SUCCESS; }
+static CUresult mem_alloc(CUdeviceptr *p, size_t bytes) { (void)bytes; *p = 0x40000000; return CUDA_SUCCESS; }
+static CUresult memset_d32(CUdeviceptr p, unsigned v, size_t n, CUstream s) { (void)p; (void)v; (void)n; (void)s; return CUDA_SUCCESS; }
 
 static void *worker(void *arg) {
   long index = (long)arg;
@@ -550,7 +560,8 @@ static void *worker(void *arg) {
 }
 
 int main(void) {
-  kdsl__driver stub = {init, current, device, attribute, load, function, attribute_set, launch, error_string};
+  kdsl__driver stub = {init, current, device, attribute, load, function, attribute_set, launch, error_string,
+                       mem_alloc, memset_d32};
   kdsl_aot_test_set_driver(&stub);
   /* No context on this thread: an error code, not a crash or an exit. */
   kdsl_status status = kdsl_act_quant((void *)4096, KDSL_BF16, 256, (void *)8192, (void *)12288, 4, 256, 0);
@@ -669,3 +680,222 @@ def test_gptq_dequant_dispatcher_matches_the_registry_and_the_generated_launch(e
     assert ampere.startswith("gptq_dequant__int4_g128_gptq__blockwise_sm80__sm80_b0_")
     [hopper] = run(90, [line()])
     assert hopper == "error 2 gptq_dequant: this library has kernels for sm_80 only; the device is sm_90"
+
+
+# ---- w4a16_gemm (kdsl_gptq_gemm on prepared weights): K split, scratch, run-time constexprs, Gluon routing --
+
+W4A16_EXPORTS = ((80, "w4a16.int4.g128", False), (90, "w4a16.int4.g32", True))  # (arch, scheme, generic only)
+
+
+def _w4a16_ci_problems():
+    """A CI-sized subset of the op's representative problems (the full set compiles ~500 kernels per scheme)."""
+    for m in (1, 16, 64, 256):
+        for perm, contiguous in ((0, 1), (1, 1)):
+            yield dict(M=m, N=4096, K=4096, ldx=4096, ldqw=4096, ldz=4096, lds=4096, ldy=4096, perm=perm,
+                       contiguous_groups=contiguous, x_dtype="f16")
+
+
+@pytest.fixture(scope="module")
+def exported_w4a16(tmp_path_factory):
+    """w4a16_gemm, f16, for sm_80 (mma + gemv) and sm_90 (planes_mma + gemv; the Gluon tiles routed), about
+    50 s on 2 cores with an empty Triton cache."""
+    import dataclasses
+
+    saved = abis.OPS["w4a16_gemm"]
+    abis.OPS["w4a16_gemm"] = dataclasses.replace(saved, problems=_w4a16_ci_problems)
+    outs, lines = {}, {}
+    try:
+        kdsl.registry.reset()
+        for arch, scheme, generic in W4A16_EXPORTS:
+            out = tmp_path_factory.mktemp("aot") / f"w4a16_sm{arch}"
+            lines[arch] = []
+            export(out, [arch], ["w4a16_gemm"], schemes=[scheme], dtypes=["f16"], generic_only=generic,
+                   progress=lines[arch].append)
+            outs[arch] = out
+    finally:
+        abis.OPS["w4a16_gemm"] = saved
+    return outs, lines
+
+
+def test_w4a16_gluon_kernels_are_reported_and_every_call_has_a_cubin(exported_w4a16):
+    outs, lines = exported_w4a16
+    m90 = json.loads((outs[90] / "aot_manifest.json").read_text())
+    assert [(o["function"], o["impl"]) for o in m90["ops"]] == [("kdsl_gptq_gemm", "planes_mma")]
+    reasons = {s["kernel"]: s["reason"] for s in m90["not_exported"]}
+    assert set(reasons) == {"w4a16_gemm__int4_g32__gemv_mma_gluon_sm90", "w4a16_gemm__int4_g32__overlap_gluon_sm90"}
+    assert all("Gluon" in why and "alternative" in why for why in reasons.values())
+    assert any(line.startswith("skipped w4a16_gemm__int4_g32__overlap_gluon_sm90") for line in lines[90])
+    assert {s["impl"] for s in m90["specializations"]} == {"planes_mma", "gemv"}
+    m80 = json.loads((outs[80] / "aot_manifest.json").read_text())
+    assert {s["impl"] for s in m80["specializations"]} == {"mma", "gemv"} and not m80["not_exported"]
+    # Every exported tile has unsplit, assumption-free cubins with and without act-order, and (where the
+    # scheme's groups can fill a K block: g128 on sm_80, not g32 on sm_90's 128-row plane tiles) with and
+    # without uniform groups: whatever the call, a cubin serves it.
+    for manifest, uniform in ((m80, {False, True}), (m90, {False})):
+        flags = {}
+        for s in manifest["specializations"]:
+            if s["constexprs"]["SPLIT_K"] == 1 and all(p["claim"] == "" for p in s["params"]):
+                flags.setdefault(s["bucket"], set()).add((s["constexprs"]["HAS_PERM"], s["constexprs"]["UNIFORM_GROUP"]))
+        assert set(flags) == {s["bucket"] for s in manifest["specializations"]}
+        assert all(v == {(p, u) for p in (False, True) for u in uniform} for v in flags.values()), flags
+
+
+def _w4a16_recorders(entry, impls):
+    """Each exported implementation's module imported apart, its kernel a recorder, the SM count and the
+    split-K scratch faked (132 SMs, as the C probe's driver says; scratch at recognizable addresses)."""
+    recorders = {}
+    for impl in impls:
+        path = entry.modules[impl].path
+        spec = importlib.util.spec_from_file_location(f"aot_record_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        module._INTERPRETING = True
+        calls = []
+
+        class Recorder:
+            arg_names = ()
+
+            def __getitem__(self, grid, calls=calls):
+                return lambda *params, **options: calls.append((tuple(grid), params, options))
+
+        setattr(module, path.stem, Recorder())
+        module._sm_count = lambda device: 132
+        module._splitk_scratch = lambda device, tiles, split, elems: (
+            Fake((tiles * split * elems,), (1,), torch.float32, 0x7000000),
+            Fake((tiles,), (1,), torch.int32, 0x7100000))
+        recorders[impl] = module, calls
+    return recorders
+
+
+def _w4a16_cases(arch):
+    base = 1 << 24
+    for m in (1, 2, 8, 16, 17, 64, 65, 128, 300):
+        for n, k in ((4096, 4096), (16384, 1024), (8192, 14336), (24, 256)):
+            for perm, contiguous in ((0, 1), (1, 1), (1, 0), (0, 0)):
+                for pad in (0, 8):
+                    for dtype in ("f16", "bf16") if m in (1, 16) and pad == 0 else ("f16",):
+                        paired = arch == 90
+                        yield dict(x=base + 2 * pad, ldx=k + pad, perm=2 * base if perm else 0, qweight=3 * base,
+                                   ldqw=n, zeros=4 * base + (2 if paired else 0), ldz=(2 * n if paired else n) + pad,
+                                   scales=4 * base if paired else 5 * base, lds=(2 * n if paired else n) + pad,
+                                   groups=6 * base, contiguous_groups=contiguous, y=7 * base, ldy=n + pad,
+                                   x_dtype=dtype, M=m, N=n, K=k)
+
+
+@needs_cc
+@pytest.mark.parametrize("arch, scheme, generic", W4A16_EXPORTS)
+def test_w4a16_dispatcher_matches_the_registry_and_the_generated_launch(exported_w4a16, tmp_path, arch, scheme,
+                                                                         generic):
+    """Tile (with the Gluon tiles' calls routed to their alternatives, as the registry routes calls they
+    refuse), K split (from the SM count, or the largest exported split below it), specialization, kernel
+    arguments and grid, against kdsl.registry and the generated modules' launch()."""
+    from kdsl.aot.export import exported_buckets
+
+    out = exported_w4a16[0][arch]
+    run = build_probe(out, tmp_path)
+    manifest = json.loads((out / "aot_manifest.json").read_text())
+    specs = manifest["specializations"]
+    cases = list(_w4a16_cases(arch))
+    answers = run(arch, ["kdsl_gptq_gemm " + " ".join(
+        str(abis.DTYPE_CODES[call[a.name]]) if a.ctype == "dtype" else str(call[a.name])
+        for a in abis.W4A16_GEMM.args) for call in cases])
+    assert len(answers) == len(cases)
+    entry = kdsl.registry.select("w4a16_gemm", scheme, arch=arch)
+    exported = exported_buckets(abis.W4A16_GEMM, entry)
+    recorders = _w4a16_recorders(entry, {entry.tiles[i].params["impl"] for i in exported})
+    group = entry.scheme_fields["group_size"]
+    dt = {"f16": torch.float16, "bf16": torch.bfloat16}
+    routed = fell_back = exact_hits = 0
+    for call, answer in zip(cases, answers):
+        m, n, k, dtype = call["M"], call["N"], call["K"], call["x_dtype"]
+        if dtype == "bf16":  # exported for f16 only
+            assert answer == "error 2 w4a16_gemm: x_dtype 0 was not exported (this library has KDSL_F16; export with --dtype)"
+            continue
+        # The registry's tile with the Gluon kernels refused (as they refuse every call off the GPU) ...
+        refused = kdsl.registry.Call(m=m, n=n, device_type="cpu", dtype="float16",
+                                     act_order=bool(call["perm"]), contiguous_groups=bool(call["contiguous_groups"]))
+        tile = entry.tile_for(m, n, refused)
+        bucket = next(i for i, b in enumerate(entry.tiles) if b.params is tile)
+        assert bucket in exported
+        if entry.tiles[entry.bucket_index(m, n)].params["impl"].endswith("_gluon"):
+            routed += 1
+        module, calls = recorders[tile["impl"]]
+        groups = -(-k // (group if group > 0 else k))
+        paired = arch == 90
+        x = Fake((m, k), (call["ldx"], 1), dt[dtype], call["x"])
+        perm = Fake((k,), (1,), torch.int32, call["perm"]) if call["perm"] else None
+        if paired:
+            kt, nt = -(-k // 128), -(-n // 128)
+            qweight = Fake((nt, kt, 128, 16), (kt * 2048, 2048, 16, 1), torch.int32, call["qweight"])
+        else:
+            qweight = Fake((k // 8, n), (call["ldqw"], 1), torch.int32, call["qweight"])
+        zeros = Fake((groups, n), (call["ldz"], 2 if paired else 1), dt[dtype], call["zeros"])
+        scales = Fake((groups, n), (call["lds"], 2 if paired else 1), dt[dtype], call["scales"])
+        y = Fake((m, n), (call["ldy"], 1), dt[dtype], call["y"])
+        args = (x, perm, qweight, zeros, scales, Fake((k,), (1,), torch.int32, call["groups"]),
+                bool(call["contiguous_groups"]), y, tile)
+        assert not answer.startswith("error"), (call, answer)
+        name, *numbers = answer.split()
+        numbers = list(map(int, numbers))
+        calls.clear()
+        module.launch(*args)
+        [(grid, params, options)] = calls
+        if numbers[1] != grid[1]:
+            # The split launch() takes was not exported: the C side took the largest exported one below it.
+            wanted = options["SPLIT_K"]
+            assert numbers[1] < wanted and not any(
+                s["bucket"] == bucket and s["constexprs"]["SPLIT_K"] == wanted and
+                {**s["constexprs"], **s["options"]} == options for s in specs), (call, answer)
+            fell_back += 1
+            original = module.split_for
+            module.split_for = lambda *a, chosen=numbers[1]: chosen
+            try:
+                calls.clear()
+                module.launch(*args)
+                [(grid, params, options)] = calls
+            finally:
+                module.split_for = original
+        keys = tuple(aot_runtime.argument_key(p) for p in params)
+        spec, exact = _expected_spec(specs, entry, bucket, dtype, keys, options)
+        assert name == spec["name"], (call, answer)
+        assert tuple(numbers[:3]) == grid, call
+        expected = [p.data_ptr() if isinstance(p, Fake) else p for p in params]
+        scratch = slice(7, 9)  # ws_ptr, count_ptr: the C side's own per-context scratch when split
+        if grid[1] == 1:
+            assert numbers[3:][scratch] == [call["y"], call["y"]]
+        else:
+            assert all(v >= 0x40000000 and v % 256 == 0 for v in numbers[3:][scratch]), answer
+        del expected[scratch], numbers[3 + 7:3 + 9]
+        assert numbers[3:] == expected, call
+        exact_hits += exact
+    assert routed > 20 if arch == 90 else routed == 0
+    if not generic:
+        assert exact_hits > 20
+    assert fell_back > 0 if arch == 90 else True
+
+
+@needs_cc
+def test_w4a16_refusals_and_scratch_reuse(exported_w4a16, tmp_path):
+    run = build_probe(exported_w4a16[0][90], tmp_path)
+    good = dict(x=16, ldx=4096, perm=0, qweight=16, ldqw=4096, zeros=18, ldz=8192, scales=16, lds=8192, groups=16,
+                contiguous_groups=1, y=16, ldy=4096, x_dtype=1, M=16, N=4096, K=4096)
+
+    def line(**changes):
+        values = {**good, **changes}
+        return "kdsl_gptq_gemm " + " ".join(str(values[a.name]) for a in abis.W4A16_GEMM.args)
+    answers = run(90, [line(N=60), line(K=0), line(contiguous_groups=2), line(ldx=100), line(groups=0),
+                       line(x_dtype=2), line(M=0), line(), line(M=8)])
+    assert answers[0] == "error 1 w4a16_gemm: N = 60 and K = 4096 must be multiples of 8"
+    assert answers[1] == "error 1 w4a16_gemm: M = 16 and N = 4096 must be >= 0, K = 0 > 0"
+    assert answers[2] == "error 1 w4a16_gemm: contiguous_groups = 2 must be 0 or 1"
+    assert answers[3] == "error 1 w4a16_gemm: ldx = 100 must be >= K = 4096"
+    assert answers[4].startswith("error 1 w4a16_gemm: x, qweight, zeros, scales, groups and y must not be NULL")
+    assert answers[5] == "error 1 w4a16_gemm: x_dtype = 2 is not one of KDSL_F16, KDSL_BF16"
+    assert answers[6] == "ok, nothing launched"
+    # Split launches share the context's scratch: the second one (the same tile and split) reuses the first
+    # one's buffers.
+    first, second = (a.split() for a in answers[7:])
+    assert int(first[2]) > 1 and first[3 + 7:3 + 9] == second[3 + 7:3 + 9]
+    [sm80] = run(80, [line()])
+    assert sm80 == "error 2 w4a16_gemm: this library has kernels for sm_90 only; the device is sm_80"

@@ -5,9 +5,10 @@ dispatcher's checks, tile choice, kernel arguments and grid) and the tests (whic
 generated module's launch() computes, so the two cannot drift apart unnoticed).
 
 Expressions (`params`, `grid`, `runtime_constexprs`) are written once in a subset both C and Python evaluate:
-names of the op's C arguments, integer literals, + - * and ==, and the helpers cdiv(a, b), div(a, b) (floor
-division of non-negative numbers), nonzero(p) (1 if p is not 0/NULL) and either(p, q) (p unless it is NULL,
-then q). `{NAME}` fields are filled from the tile (BLOCK_M, ...) and the scheme (act_group, group_rows, ...)
+names of the op's C arguments, integer literals, the dtype codes (KDSL_F16, ...), + - * == <= >=, and the helpers
+cdiv(a, b), div(a, b) (floor division of non-negative numbers), nonzero(p) (1 if p is not 0/NULL), either(p, q)
+(p unless it is NULL, then q), split_cap and split_for (the generated modules' K split, below; `sms` is the
+device's SM count). `{NAME}` fields are filled from the tile (BLOCK_M, ...) and the scheme (act_group, group_rows, ...)
 before either language sees them.
 """
 from __future__ import annotations
@@ -50,8 +51,21 @@ class ImplLaunch:
     options: callable  # (tile params) -> {num_warps: .., num_stages: ..}, only those launch() passes
     kernel: str = "{entry}"  # the @triton.jit function in the implementation's module ({entry}, {impl})
     # Constexprs launch() computes from the call's arguments: (name, expression, the values it can take).
-    # Each value is a separate compile; the dispatcher computes the expression and matches it.
+    # Each value is a separate compile; the dispatcher computes the expression and matches it. The values
+    # SPLIT (at most one entry, the last) are a K split: the expression is the split launch() would choose,
+    # the exporter compiles the splits the op's problems reach (and 1), and the dispatcher takes the largest
+    # exported split not above the one asked for; the grid and the scratch sizes may name it as `split`.
     runtime_constexprs: tuple = ()
+    # Constexprs that follow the dtype arguments: (dtypes {argument: name}) -> {name: value}.
+    dtype_constexprs: callable = None
+    # Split-K scratch: (kernel pointer parameter of the fp32 workspace, of the int32 counters, workspace
+    # elements, counters) -- expressions that may name `split`. With split 1, launch() passes the output
+    # (`scratch_alias`) for both, so no scratch is taken.
+    scratch: tuple | None = None
+    scratch_alias: str = ""
+
+
+SPLIT = "split"  # ImplLaunch.runtime_constexprs: the values of a K split (see there)
 
 
 @dataclass(frozen=True)
@@ -68,6 +82,9 @@ class OpAbi:
     impls: dict  # impl name -> ImplLaunch
     problems: callable  # () -> iterable of {arg: value}: the calls whose specializations are compiled
     unexportable: dict = field(default_factory=dict)  # impl name -> why it is not exported
+    # Arguments whose values select constexprs ({argument: values}): the assumption-free specializations
+    # cover every combination of them (with no K split), so any call finds a cubin.
+    call_flags: dict = field(default_factory=dict)
 
 
 def _act_quant_problems():
@@ -248,7 +265,183 @@ GPTQ_DEQUANT = OpAbi(
     problems=_gptq_dequant_problems,
 )
 
-OPS = {abi.op: abi for abi in (ACT_QUANT, FP8_GEMM, GPTQ_DEQUANT)}
+# ---- w4a16_gemm: the W4A16 GEMM on prepared weights (kdsl.ops.gptq_prepare / awq_prepare) ---------------
+
+_MAGIC = {"f16": (0x6400, 1024), "bf16": (0x4300, 128)}  # the generated modules' MAGIC per x dtype
+SPLIT_SMS = (108, 132)  # SM counts the exporter compiles K splits for (A100, H100/H200); other counts: see SPLIT
+
+
+def _w4a16_problems():
+    # M per tile bucket of both variants; N and K of the bench shapes; act-order and groups as checkpoints
+    # give them (sorted act-order groups stay contiguous; a v1 checkpoint's uneven groups do not).
+    for m in (1, 4, 16, 64, 128, 256, 1024):
+        for n, k in ((4096, 4096), (14336, 4096), (4096, 14336)):
+            for perm, contiguous in ((0, 1), (1, 1), (1, 0)):
+                for dtype in ("f16", "bf16"):
+                    yield dict(M=m, N=n, K=k, ldx=k, ldqw=n, ldz=n, lds=n, ldy=n, perm=perm,
+                               contiguous_groups=contiguous, x_dtype=dtype)
+
+
+_W4A16_POINTERS = {"x_ptr": "dtype:x_dtype", "perm_ptr": "i32", "qw_ptr": "i32", "z_ptr": "dtype:x_dtype",
+                   "s_ptr": "dtype:x_dtype", "g_ptr": "i32", "y_ptr": "dtype:x_dtype",
+                   "ws_ptr": "scratch:fp32:x_dtype", "count_ptr": "scratch:i32:x_dtype"}
+_W4A16_HEAD = (("x_ptr", "x"), ("perm_ptr", "either(perm, qweight)"), ("qw_ptr", "qweight"), ("z_ptr", "zeros"),
+               ("s_ptr", "scales"), ("g_ptr", "groups"), ("y_ptr", "y"), ("ws_ptr", "y"), ("count_ptr", "y"),
+               ("M", "M"), ("N", "N"), ("K", "K"), ("stride_xm", "ldx"))
+_W4A16_TAIL = (("stride_zg", "ldz"), ("stride_sg", "lds"), ("stride_ym", "ldy"))
+# split_for in common/sm_fill.py.j2: the tile's SPLIT_K capped by split_min_steps, then the split whose
+# programs finish soonest on the device's SMs (gemv passes no SM count: the cap).
+_TILES = "cdiv(M, {BLOCK_M}) * cdiv(N, {BLOCK_N})"
+_SPLIT_FOR = f"split_for(cdiv(K, {{BLOCK_K}}), {_TILES}, {{SPLIT_K}}, {{split_min_steps}}, {{split_fill}}, sms)"
+_GEMV_PROGRAMS = "M * cdiv(N, {BLOCK_N})"
+_GEMV_SPLIT = "split_cap(cdiv(K, {BLOCK_K}), {SPLIT_K}, {split_min_steps})"
+_UNIFORM = "contiguous_groups * ({group_rows} % {BLOCK_K} == 0)"
+_PLANE_UNIFORM = "contiguous_groups * ({group_rows} % 128 == 0)"  # PLANE_TILE_K (kdsl.packing)
+_PLANE_WORD_GROUPS = "contiguous_groups * ({group_rows} % 32 == 0)"  # PAIR_SPAN
+
+
+def _magic(dtypes):
+    bits, bias = _MAGIC[dtypes["x_dtype"]]
+    return {"MAGIC_BITS": bits, "MAGIC_BIAS": bias}
+
+
+def _mma_launch(params, runtime, extra):
+    return ImplLaunch(
+        params=params, pointer_types=_W4A16_POINTERS,
+        grid=(_TILES, "split", "1"),
+        constexprs=lambda tile, scheme: {"BLOCK_M": tile["BLOCK_M"], "BLOCK_N": tile["BLOCK_N"],
+                                         "BLOCK_K": tile["BLOCK_K"], "GROUP_M": tile["GROUP_M"],
+                                         "FP32_MATH": False, **extra},
+        options=lambda tile: {"num_warps": tile["num_warps"], "num_stages": tile["num_stages"]},
+        kernel="{module}", runtime_constexprs=(("HAS_PERM", "nonzero(perm)", (False, True)), *runtime,
+                                               ("SPLIT_K", _SPLIT_FOR, SPLIT)),
+        dtype_constexprs=_magic,
+        scratch=("ws_ptr", "count_ptr", f"{_TILES} * split * {{BLOCK_M}} * {{BLOCK_N}}", _TILES), scratch_alias="y")
+
+
+def _gemv_launch(params, runtime, extra):
+    return ImplLaunch(
+        params=params, pointer_types=_W4A16_POINTERS,
+        grid=(_GEMV_PROGRAMS, "split", "1"),
+        constexprs=lambda tile, scheme: {"BLOCK_N": tile["BLOCK_N"], "BLOCK_K": tile["BLOCK_K"],
+                                         "FP32_MATH": False, **extra},
+        options=lambda tile: {"num_warps": tile["num_warps"], "num_stages": tile["num_stages"]},
+        kernel="{module}", runtime_constexprs=(("HAS_PERM", "nonzero(perm)", (False, True)), *runtime,
+                                               ("SPLIT_K", _GEMV_SPLIT, SPLIT)),
+        dtype_constexprs=lambda dtypes: {"MAGIC_BIAS": _MAGIC[dtypes["x_dtype"]][1]},
+        scratch=("ws_ptr", "count_ptr", f"{_GEMV_PROGRAMS} * split * {{BLOCK_N}}", _GEMV_PROGRAMS),
+        scratch_alias="y")
+
+
+W4A16_GEMM = OpAbi(
+    op="w4a16_gemm",
+    function="kdsl_gptq_gemm",
+    summary="y = x @ w on int4 weights prepared by kdsl.ops.gptq_prepare / awq_prepare (W4A16), fp32 accumulation.",
+    args=(
+        CArg("x", "ptr", "x [M, K] of x_dtype, row stride ldx, unit stride along K (the activations)"),
+        CArg("ldx", "i64", "row stride of x in elements (>= K)"),
+        CArg("perm", "ptr", "W4A16Prepared.perm: int32 [K], the column of x each prepared row reads (act-order), "
+                            "or NULL (perm is None); its values must lie in [0, K) (not checked)"),
+        CArg("qweight", "ptr", "W4A16Prepared.qweight, int32: [K / 8, N] with row stride ldqw (layout weights = "
+                               "checkpoint, the sm_80 kernels), or [ceil(N/128), ceil(K/128), 128, 16] contiguous "
+                               "(layout k_planes, sm_90; ldqw is then not read)"),
+        CArg("ldqw", "i64", "row stride of qweight in int32 elements (>= N) for the checkpoint layout; for k_planes "
+                            "pass N (not read)"),
+        CArg("zeros", "ptr", "W4A16Prepared.zeros [G, N] of x_dtype (biased zeros), row stride ldz, column stride "
+                             "1 (layout zeros = biased) or 2 (paired: scales + 1 element, one [G, N, 2] tensor)"),
+        CArg("ldz", "i64", "row stride of zeros in elements (>= N; 2 N for a contiguous paired tensor)"),
+        CArg("scales", "ptr", "W4A16Prepared.scales [G, N] of x_dtype, row stride lds, column stride as zeros'"),
+        CArg("lds", "i64", "row stride of scales in elements (>= N)"),
+        CArg("groups", "ptr", "W4A16Prepared.groups: int32 [K], the group of each prepared row (values in [0, G), "
+                              "not checked)"),
+        CArg("contiguous_groups", "i64", "W4A16Prepared.contiguous_groups: 1 if prepared row k is in group "
+                                         "k / group_size, else 0"),
+        CArg("y", "ptr", "y [M, N] of x_dtype, row stride ldy, unit stride along N (output)", const=False),
+        CArg("ldy", "i64", "row stride of y in elements (>= N)"),
+        CArg("x_dtype", "dtype", "KDSL_F16 or KDSL_BF16: x's, y's, scales' and zeros' dtype (W4A16Prepared.dtype)"),
+        CArg("M", "i64", "rows of x and y, >= 0"),
+        CArg("N", "i64", "output features, a multiple of 8"),
+        CArg("K", "i64", "input features, a multiple of 8, > 0"),
+    ),
+    dtype_choices={"x_dtype": ("f16", "bf16")},
+    checks=(
+        Check("M < 0 || N < 0 || K <= 0", "w4a16_gemm: M = %lld and N = %lld must be >= 0, K = %lld > 0",
+              ("M", "N", "K")),
+        Check("N % 8 != 0 || K % 8 != 0", "w4a16_gemm: N = %lld and K = %lld must be multiples of 8", ("N", "K")),
+        Check("contiguous_groups != 0 && contiguous_groups != 1",
+              "w4a16_gemm: contiguous_groups = %lld must be 0 or 1", ("contiguous_groups",)),
+        Check("ldx < K", "w4a16_gemm: ldx = %lld must be >= K = %lld", ("ldx", "K")),
+        Check("ldy < N || ldz < N || lds < N || ldqw < N",
+              "w4a16_gemm: ldy = %lld, ldz = %lld, lds = %lld and ldqw = %lld must be >= N = %lld",
+              ("ldy", "ldz", "lds", "ldqw", "N")),
+        Check("M > 2147483647 || N > 2147483647 || K > 2147483647 || ldx > 2147483647 || ldy > 2147483647"
+              " || ldz > 2147483647 || lds > 2147483647 || ldqw > 2147483647",
+              "w4a16_gemm: sizes and strides must fit in 32 bits"),
+        Check("M > 0 && N > 0 && (x == 0 || qweight == 0 || zeros == 0 || scales == 0 || groups == 0 || y == 0)",
+              "w4a16_gemm: x, qweight, zeros, scales, groups and y must not be NULL (perm may be)"),
+    ),
+    nothing_to_do="M == 0 || N == 0",
+    m="M",
+    n="N",
+    impls={
+        # Layout weights = checkpoint (sm_80+): qweight [K / 8, N].
+        "mma": _mma_launch(
+            _W4A16_HEAD + (("stride_qwk", "ldqw"),) + _W4A16_TAIL,
+            (("UNIFORM_GROUP", _UNIFORM, (False, True)),
+             ("ASM_DEQUANT", f"{_UNIFORM} * ({{BLOCK_M}} >= 64)", (False, True))), {}),
+        "gemv": _gemv_launch(
+            _W4A16_HEAD + (("stride_qwk", "ldqw"),) + _W4A16_TAIL,
+            (("UNIFORM_GROUP", _UNIFORM, (False, True)),
+             ("WORD_GROUPS", "contiguous_groups * ({group_rows} % 8 == 0)", (False, True)),
+             ("HALF2_DOT", f"(x_dtype == KDSL_F16) * nonzero({_UNIFORM} + contiguous_groups * "
+                           f"({{group_rows}} % 8 == 0))", (False, True))), {}),
+        # Layout weights = k_planes (sm_90): qweight [N tiles, K tiles, 128, 16], contiguous.
+        "planes_mma": _mma_launch(
+            _W4A16_HEAD + _W4A16_TAIL,
+            (("UNIFORM_GROUP", _PLANE_UNIFORM, (False, True)),
+             ("WORD_GROUPS", _PLANE_WORD_GROUPS, (False, True)),
+             ("ASM_DEQUANT", _PLANE_UNIFORM, (False, True)),
+             ("SCALE_AFTER", f"{_PLANE_UNIFORM} * ({{BLOCK_M}} <= 16)", (False, True))), {}),
+        "gemv:k_planes": _gemv_launch(
+            # launch() passes qweight.stride(0) of the 4-D tensor: ceil(K / 128) tiles of 128 x 16 words.
+            _W4A16_HEAD + (("stride_qwk", "cdiv(K, 128) * 2048"),) + _W4A16_TAIL,
+            (("UNIFORM_GROUP", _PLANE_UNIFORM, (False, True)),), {"WORD_GROUPS": False, "HALF2_DOT": False}),
+    },
+    problems=_w4a16_problems,
+    call_flags={"perm": (0, 1), "contiguous_groups": (0, 1)},
+    unexportable={
+        "gemv_mma_gluon": (
+            "a Gluon kernel, refused at run time by its own refusal function (off the GPU, groups that change "
+            "inside a plane tile); the exporter compiles Triton kernels only, so its tiles' calls go to the "
+            "Triton tile after each (its alternative, same m_max and n_min)"),
+        "overlap_gluon": (
+            "a Gluon kernel whose host code builds TMA descriptors per call and which its refusal function turns "
+            "down for act-order, groups inside a K block and unaligned rows; the exporter compiles Triton kernels "
+            "only, so its tiles' calls go to the Triton MMA tile after each (its alternative)"),
+    },
+)
+
+OPS = {abi.op: abi for abi in (ACT_QUANT, FP8_GEMM, GPTQ_DEQUANT, W4A16_GEMM)}
+
+
+def launch_for(abi: OpAbi, entry, impl: str) -> ImplLaunch | None:
+    """The launch description of a tile's implementation in this entry: one keyed by the entry's prepared
+    weights layout (`impl:layout`) where the module reads another layout, else the implementation's."""
+    weights = (entry.layout or {}).get("weights")
+    return abi.impls.get(f"{impl}:{weights}") or abi.impls.get(impl)
+
+
+def split_cap(k_steps: int, split_k: int, min_steps: int) -> int:
+    return max(1, min(split_k, k_steps // (min_steps or 1)))
+
+
+def split_for(k_steps: int, tiles: int, split_k: int, min_steps: int, fill: int, sms: int) -> int:
+    """common/sm_fill.py.j2's split_for (its constants: SPLIT_FILL 2, PROGRAM_COST_STEPS 6); C has the same."""
+    cap = split_cap(k_steps, split_k, min_steps)
+    slots = (fill or 2) * sms
+    if tiles >= slots:
+        return 1
+    return min(range(1, cap + 1), key=lambda s: ((-(-tiles * s // slots)) * (-(-k_steps // s) + 6), s))
 
 
 def scheme_values(entry) -> dict:
@@ -267,13 +460,16 @@ def scheme_values(entry) -> dict:
 
 
 def fill(expression: str, tile: dict, scheme: dict) -> str:
-    """An expression with its {FIELD}s replaced by the tile's and the scheme's values."""
-    values = {**scheme, **{k: v for k, v in tile.items() if isinstance(v, int)}}
+    """An expression with its {FIELD}s replaced by the tile's and the scheme's values (split options left
+    unset are 0: the modules' defaults)."""
+    values = {"split_min_steps": 0, "split_fill": 0, **scheme,
+              **{k: int(v or 0) for k, v in tile.items() if isinstance(v, int) or v is None}}
     return expression.format(**values)
 
 
 def evaluate(expression: str, values: dict) -> int:
     """Evaluate a filled expression in Python (the C dispatcher compiles the same text)."""
     namespace = {"cdiv": lambda a, b: -(-a // b), "div": lambda a, b: a // b, "nonzero": lambda p: int(p != 0),
-                 "either": lambda p, q: p if p else q, "__builtins__": {}}
+                 "either": lambda p, q: p if p else q, "split_cap": split_cap, "split_for": split_for,
+                 **{code: DTYPE_CODES[name] for name, (code, *_) in DTYPES.items()}, "__builtins__": {}}
     return int(eval(expression, namespace, dict(values)))  # noqa: S307 (text written in abi.py, not user input)

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 from kdsl.aot import abi as abis
-from kdsl.aot.export import tile_impl
+from kdsl.aot.export import exported_buckets, split_name, tile_impl
 from kdsl.naming import format_arch
 
 RUNTIME = Path(__file__).parent / "c"
@@ -64,15 +64,19 @@ def header(abi: abis.OpAbi, functions: list, schemes: dict) -> str:
 
 
 def _bucket_code(abi: abis.OpAbi, entry) -> list:
-    lines = [f"  int bucket = {len(entry.tiles) - 1};"]
-    for index, bucket in enumerate(entry.tiles):
+    """The tile bucket, as the registry picks it; tiles of unexported implementations (Gluon) are passed
+    over, so their calls reach the tile after them (its alternative, same m_max and n_min)."""
+    exported = exported_buckets(abi, entry)
+    lines = [f"  int bucket = {exported[-1]};"]
+    for position, index in enumerate(exported):
+        bucket = entry.tiles[index]
         conditions = []
         if bucket.m_max is not None:
             conditions.append(f"{abi.m} <= {bucket.m_max}")
         if bucket.n_min is not None:
             conditions.append(f"{abi.n} >= {bucket.n_min}" if abi.n else "0")
         condition = " && ".join(conditions) or "1"
-        lines.append(f"  {'if' if index == 0 else 'else if'} ({condition}) bucket = {index};")
+        lines.append(f"  {'if' if position == 0 else 'else if'} ({condition}) bucket = {index};")
     return lines
 
 
@@ -118,19 +122,27 @@ def op_source(abi: abis.OpAbi, function: str, selected: list) -> str:
         arch_functions.append((arch, name))
         arguments = ", ".join(a.name for a in abi.args)
         out += [f"/* sm_{arch}: {entry.name} ({entry.arch_range()}), chosen as the registry chooses. */",
-                f"static kdsl_status {name}({prototype(abi, name).split('(', 1)[1]} {{"]
+                f"static kdsl_status {name}({prototype(abi, name).split('(', 1)[1]} {{",
+                "  " + " ".join(f"(void){a.name};" for a in abi.args) + "  /* a tile may not read every one */"]
         out += _bucket_code(abi, entry)
-        launches = [abi.impls[tile_impl(entry, b.params)] for b in entry.tiles]
-        count = len(launches[0].params)
-        assert all(len(launch.params) == count for launch in launches), "one argument count per op dispatcher"
-        nvariant = len(launches[0].runtime_constexprs)
-        assert all(len(launch.runtime_constexprs) == nvariant for launch in launches)
-        out += [f"  int64_t values[{count}];", f"  int64_t variant[{max(1, nvariant)}] = {{0}};", "  int64_t grid[3];",
-                "  switch (bucket) {"]
-        for index, bucket in enumerate(entry.tiles):
-            tile = bucket.params
+        buckets = exported_buckets(abi, entry)
+        launches = {i: abis.launch_for(abi, entry, tile_impl(entry, entry.tiles[i].params)) for i in buckets}
+        count = max(len(launch.params) for launch in launches.values())
+        nvariant = max(len(launch.runtime_constexprs) for launch in launches.values())
+        uses_sms = any("sms" in expression for launch in launches.values()
+                       for _, expression, _ in launch.runtime_constexprs)
+        out += [f"  int64_t values[{count}];", f"  int64_t variant[{max(1, nvariant)}] = {{0}};", "  int64_t grid[3] = {0, 0, 0};",
+                "  int nvalues = 0, nvariant = 0, split_at = -1, workspace_at = -1, counters_at = -1;",
+                "  int64_t unsplit_scratch = 0, split = 1;"]
+        if uses_sms:
+            out += ["  int sms = 0;", f'  kdsl_status found = kdsl__current_sms("{abi.op}", &sms);',
+                    "  if (found != KDSL_OK) return found;"]
+        out.append("  switch (bucket) {")
+        for index in buckets:
+            tile = entry.tiles[index].params
             launch = launches[index]
             out.append(f"    case {index}: /* {json.dumps(tile)} */")
+            out.append(f"      nvalues = {len(launch.params)}, nvariant = {len(launch.runtime_constexprs)};")
             for position, (param, expression) in enumerate(launch.params):
                 value = abis.fill(expression, tile, scheme_values)
                 if param in launch.pointer_types:
@@ -138,18 +150,53 @@ def op_source(abi: abis.OpAbi, function: str, selected: list) -> str:
                 else:
                     value = _c_expression(value)
                 out.append(f"      values[{position}] = {value};  /* {param} */")
-            for position, (name, expression, _) in enumerate(launch.runtime_constexprs):
+                if launch.scratch and param == launch.scratch[0]:
+                    out.append(f"      workspace_at = {position}, unsplit_scratch = values[{position}];")
+                if launch.scratch and param == launch.scratch[1]:
+                    out.append(f"      counters_at = {position};")
+            for position, (name, expression, allowed) in enumerate(launch.runtime_constexprs):
                 value = _c_expression(abis.fill(expression, tile, scheme_values))
                 out.append(f"      variant[{position}] = {value};  /* {name} */")
-            for axis, expression in enumerate(launch.grid):
-                out.append(f"      grid[{axis}] = {_c_expression(abis.fill(expression, tile, scheme_values))};")
+                if allowed == abis.SPLIT:
+                    out.append(f"      split_at = {position};")
             out.append("      break;")
         out += ["  }",
-                f"  const kdsl__spec *spec = kdsl__pick({table}, {len(ordered)}, bucket, "
-                f"{('(int)' + dtype_arg) if dtype_arg else '-1'}, variant, {nvariant}, values, {count});",
+                "  /* The K split launch() would take, else the largest exported one below it (1 always is). */",
+                "  if (split_at >= 0) split = variant[split_at];",
+                "  const kdsl__spec *spec = NULL;",
+                "  for (;;) {",
+                "    if (split_at >= 0) variant[split_at] = split;",
+                "    if (workspace_at >= 0) /* scratch is allocated per context, 256-byte aligned */",
+                "      values[workspace_at] = values[counters_at] = split > 1 ? 4096 : unsplit_scratch;",
+                f"    spec = kdsl__pick({table}, {len(ordered)}, bucket, "
+                f"{('(int)' + dtype_arg) if dtype_arg else '-1'}, variant, nvariant, values, nvalues);",
+                "    if (spec || split_at < 0 || split <= 1) break;",
+                "    split--;",
+                "  }",
                 "  if (!spec)",
                 f'    return kdsl__fail(KDSL_ERR_NO_KERNEL, "{abi.op}: no exported specialization of {entry.name} '
                 f'(sm_{arch}, tile bucket %d) takes these arguments", bucket);',
+                "  int64_t workspace_elements = 0, counters = 0;",
+                "  switch (bucket) {"]
+        for index in buckets:
+            tile = entry.tiles[index].params
+            launch = launches[index]
+            out.append(f"    case {index}:")
+            for axis, expression in enumerate(launch.grid):
+                out.append(f"      grid[{axis}] = {_c_expression(abis.fill(expression, tile, scheme_values))};")
+            if launch.scratch:
+                out.append(f"      workspace_elements = {_c_expression(abis.fill(launch.scratch[2], tile, scheme_values))};")
+                out.append(f"      counters = {_c_expression(abis.fill(launch.scratch[3], tile, scheme_values))};")
+            out.append("      break;")
+        out += ["  }",
+                "  (void)workspace_elements, (void)counters;",
+                "  if (workspace_at >= 0 && split > 1) {",
+                "    int64_t workspace = 0, counter_words = 0;",
+                f'    kdsl_status status = kdsl__splitk_scratch("{abi.op}", workspace_elements * 4, counters, stream, '
+                "&workspace, &counter_words);",
+                "    if (status != KDSL_OK) return status;",
+                "    values[workspace_at] = workspace, values[counters_at] = counter_words;",
+                "  }",
                 f'  return kdsl__launch("{abi.op}", (kdsl__spec *)spec, stream, grid[0], grid[1], grid[2], values);',
                 "}", ""]
     # The public function: checks, then the arch.
@@ -187,7 +234,7 @@ def op_source(abi: abis.OpAbi, function: str, selected: list) -> str:
 
 
 def _c_expression(expression: str) -> str:
-    return re.sub(r"\b(cdiv|div|nonzero|either)\(", r"kdsl__\1(", expression)
+    return re.sub(r"\b(cdiv|div|nonzero|either|split_cap|split_for)\(", r"kdsl__\1(", expression)
 
 
 def info_source(result) -> str:

@@ -113,11 +113,15 @@ def choose(op: str, scheme: str, arch: int, unexportable: dict):
     return max(fitting, key=registry._specificity), skipped
 
 
-def spec_params(launch: abis.ImplLaunch, values: dict, dtypes: dict, generic: bool) -> list:
+def spec_params(launch: abis.ImplLaunch, values: dict, dtypes: dict, generic: bool, split: int = 1) -> list:
     params = []
     for name, expression in launch.params:
         if name in launch.pointer_types:
             kind = launch.pointer_types[name]
+            if kind.startswith("scratch:"):  # split-K scratch of this type, or the output when not split
+                _, element, argument = kind.split(":")
+                kind = element if split > 1 else f"dtype:{argument}"
+                expression = "4096" if split > 1 else expression  # allocated per context: aligned
             element = abis.DTYPES[dtypes[kind.split(":", 1)[1]]][1] if kind.startswith("dtype:") else kind
             claim = "" if generic else pointer_key(abis.evaluate(expression, values))
             params.append(dict(name=name, kind="ptr", type=f"*{element}", claim=claim))
@@ -145,7 +149,17 @@ def plan(archs, ops=None, schemes=None, dtypes=None, generic_only: bool = False)
                 result.skipped += [(what, why) for what, why in skipped if (what, why) not in result.skipped]
                 if entry is None:
                     continue
-                missing = sorted({tile_impl(entry, b.params) for b in entry.tiles} - set(abi.impls))
+                impls = {tile_impl(entry, b.params) for b in entry.tiles}
+                missing = sorted(i for i in impls if i not in abi.unexportable and not abis.launch_for(abi, entry, i))
+                # Implementations of some tiles only (Gluon ones): reported, their tiles' calls routed to the
+                # exportable tile after each (the registry's alternative for calls they refuse).
+                for impl in sorted(impls & set(abi.unexportable)):
+                    what = Path(str(entry.modules[impl].path)).stem if hasattr(entry, "modules") else entry.name
+                    if (what, f"not exported: {abi.unexportable[impl]}") not in result.skipped:
+                        result.skipped.append((what, f"not exported: {abi.unexportable[impl]}"))
+                if not exported_buckets(abi, entry):
+                    result.skipped.append((entry.name, "not exported: every tile's implementation is unexportable"))
+                    continue
                 if missing:
                     result.skipped.append((entry.name, f"not exported: no C launch description for "
                                                        f"implementation(s) {', '.join(missing)} in kdsl/aot/abi.py"))
@@ -165,12 +179,46 @@ def tile_impl(entry, tile: dict) -> str:
     return tile.get("impl", entry.impl)
 
 
+def exported_buckets(abi: abis.OpAbi, entry) -> list:
+    """Indices of the entry's tiles that are exported (the others' calls go to the next serving tile)."""
+    return [i for i, b in enumerate(entry.tiles) if tile_impl(entry, b.params) not in abi.unexportable]
+
+
+def served_bucket(abi: abis.OpAbi, entry, m: int, n) -> int:
+    """The exported tile the dispatcher gives (m, n): the first exported one serving them, else the last
+    exported (as the registry's tile_for falls back to the last tile)."""
+    exported = exported_buckets(abi, entry)
+    for index in exported:
+        if entry.tiles[index].serves(m, n):
+            return index
+    return exported[-1]
+
+
 def runtime_values(launch: abis.ImplLaunch, tile: dict, scheme: dict, values: dict) -> dict:
-    """The constexprs launch() computes from this call's arguments."""
+    """The constexprs launch() computes from this call's arguments (a K split: for the device's `sms`)."""
     out = {}
     for name, expression, allowed in launch.runtime_constexprs:
         value = abis.evaluate(abis.fill(expression, tile, scheme), values)
-        out[name] = bool(value) if isinstance(allowed[0], bool) else value
+        out[name] = value if allowed == abis.SPLIT else bool(value) if isinstance(allowed[0], bool) else value
+    return out
+
+
+def split_name(launch: abis.ImplLaunch) -> str | None:
+    return next((name for name, _, allowed in launch.runtime_constexprs if allowed == abis.SPLIT), None)
+
+
+def _runtime_choices(launch: abis.ImplLaunch, tile: dict, scheme: dict, values: dict) -> list:
+    """Every constexpr combination this call can take: a split for each SM count planned for, and 1."""
+    split = split_name(launch)
+    if split is None:
+        return [runtime_values(launch, tile, scheme, values)]
+    out = []
+    for sms in abis.SPLIT_SMS:
+        runtime = runtime_values(launch, tile, scheme, {**values, "sms": sms})
+        for value in sorted({runtime[split], 1}):
+            choice = {**runtime, split: value}
+            if choice not in out:
+                out.append(choice)
     return out
 
 
@@ -183,44 +231,81 @@ def _enumerate(abi: abis.OpAbi, entry, arch: int, dtypes, generic_only: bool) ->
         allowed = [d for d in allowed if not dtypes or d in dtypes]
         combos = [{**c, argument: d} for c in combos for d in allowed]
     problems = list(abi.problems())
-    for bucket_index, bucket in enumerate(entry.tiles):
-        tile = bucket.params
+    for bucket_index in exported_buckets(abi, entry):
+        tile = entry.tiles[bucket_index].params
         impl = tile_impl(entry, tile)
-        launch = abi.impls[impl]
+        launch = abis.launch_for(abi, entry, impl)
         module = entry.modules[impl] if hasattr(entry, "modules") else entry
-        kernel = launch.kernel.format(entry=entry.name, impl=impl)
-        calls, seen_runtime = [], []
-        for problem in problems:
+        module_path = str(getattr(module, "path", None) or module.module_path)
+        kernel = launch.kernel.format(entry=entry.name, impl=impl, module=Path(module_path).stem)
+        split = split_name(launch)
+        calls, seen_runtime = [], {}  # per dtype combination: the constexpr combinations its problems reach
+        reaching = [p for p in problems
+                    if served_bucket(abi, entry, p[abi.m], p[abi.n] if abi.n else None) == bucket_index]
+        if not reaching:  # no representative size reaches this tile: the problems moved to its M and N bounds
+            bucket = entry.tiles[bucket_index]
+            # M at the tile's bound (for the last tile, just past the others').
+            m = bucket.m_max if bucket.m_max is not None else 1 + max(
+                [b.m_max for b in entry.tiles if b.m_max is not None], default=0)
+            moved = [{**p, abi.m: m,
+                      **({abi.n: max(p[abi.n], bucket.n_min)} if abi.n and bucket.n_min is not None else {})}
+                     for p in problems]
+            reaching = [p for p in moved
+                        if served_bucket(abi, entry, p[abi.m], p[abi.n] if abi.n else None) == bucket_index]
+        for problem in reaching:
             problem_dtypes = {a: problem[a] for a in abi.dtype_choices}
             if problem_dtypes not in combos:
                 continue
             m = problem[abi.m]
             n = problem[abi.n] if abi.n else None
-            if entry.bucket_index(m, n) != bucket_index:
+            if served_bucket(abi, entry, m, n) != bucket_index:
                 continue
             # Pointers as the deployments' allocators give them: 16-byte aligned (misaligned ones take the
             # generic specialization); NULL stays NULL (an optional tensor left out).
-            values = {**problem, **{a.name: 4096 if problem.get(a.name, 1) else 0 for a in abi.args if a.ctype == "ptr"}}
-            runtime = runtime_values(launch, tile, scheme, values)
-            if runtime not in seen_runtime:
-                seen_runtime.append(runtime)
-            if not generic_only:
-                calls.append((problem_dtypes, values, runtime, False))
-        if not seen_runtime:  # no representative call reaches this tile: every declared combination
-            seen_runtime = [{}]
-            for name, _, allowed in launch.runtime_constexprs:
-                seen_runtime = [{**r, name: v} for r in seen_runtime for v in allowed]
+            values = {**problem, **{a.name: 4096 if problem.get(a.name, 1) else 0 for a in abi.args if a.ctype == "ptr"},
+                      **{a: abis.DTYPE_CODES[problem[a]] for a in abi.dtype_choices}}  # as C sees them: kdsl_dtype
+            seen = seen_runtime.setdefault(json.dumps(problem_dtypes, sort_keys=True), [])
+            for runtime in _runtime_choices(launch, tile, scheme, values):
+                if runtime not in seen:
+                    seen.append(runtime)
+                if not generic_only:
+                    calls.append((problem_dtypes, values, runtime, False))
+        if abi.call_flags and reaching:
+            # Every combination of the flag arguments, unsplit, for each dtype combination.
+            flags = [{}]
+            for argument, choices in abi.call_flags.items():
+                flags = [{**f, argument: v} for f in flags for v in choices]
+            for combo in combos:
+                seen = seen_runtime.setdefault(json.dumps(combo, sort_keys=True), [])
+                for flag in flags:
+                    values = {**reaching[0], **combo, **flag, "sms": abis.SPLIT_SMS[0]}
+                    values.update({a.name: 4096 if values.get(a.name, 1) else 0 for a in abi.args if a.ctype == "ptr"})
+                    values.update({a: abis.DTYPE_CODES[combo[a]] for a in abi.dtype_choices})
+                    runtime = runtime_values(launch, tile, scheme, values)
+                    if split:
+                        runtime[split] = 1
+                    if runtime not in seen:
+                        seen.append(runtime)
+        generic_calls = []
+        for combo in combos:
+            seen = seen_runtime.get(json.dumps(combo, sort_keys=True))
+            if not seen:  # no representative call reaches this tile: every declared combination (no split)
+                seen = [{}]
+                for name, _, allowed in launch.runtime_constexprs:
+                    seen = [{**r, name: v} for r in seen for v in ((1,) if allowed == abis.SPLIT else allowed)]
+            generic_calls += [(combo, {}, runtime, True) for runtime in seen]
         # The assumption-free specializations first: one per dtype and run-time constexpr combination.
-        calls = [(combo, {}, runtime, True) for combo in combos for runtime in seen_runtime] + calls
-        for dtype_choice, values, runtime, generic in calls:
-            params = spec_params(launch, values, dtype_choice, generic)
-            fixed = dict(constexprs={**launch.constexprs(tile, scheme), **runtime}, options=launch.options(tile))
+        for dtype_choice, values, runtime, generic in generic_calls + calls:
+            params = spec_params(launch, values, dtype_choice, generic, runtime.get(split, 1) if split else 1)
+            constexprs = {**launch.constexprs(tile, scheme), **runtime}
+            if launch.dtype_constexprs:
+                constexprs.update(launch.dtype_constexprs(dtype_choice))
+            fixed = dict(constexprs=constexprs, options=launch.options(tile))
             body = dict(params=params, kernel=kernel, **fixed)
             name = _spec_name(entry.name, bucket_index, arch, body)
             if name not in wanted:
                 wanted[name] = Spec(name=name, op=abi.op, scheme=entry.scheme, arch=arch, entry=entry.name,
-                                    impl=impl, kernel=kernel, module_path=str(getattr(module, "path", None)
-                                                                                  or module.module_path),
+                                    impl=impl, kernel=kernel, module_path=module_path,
                                     bucket=bucket_index, tile=dict(tile), dtypes=dict(dtype_choice),
                                     params=params, variant=[int(runtime[n]) for n, *_ in launch.runtime_constexprs],
                                     **fixed)

@@ -50,6 +50,9 @@ typedef struct kdsl__driver {
   CUresult (*cuLaunchKernel)(CUfunction, unsigned int, unsigned int, unsigned int, unsigned int, unsigned int,
                              unsigned int, unsigned int, CUstream, void **, void **);
   CUresult (*cuGetErrorString)(CUresult, const char **);
+  /* Split-K scratch (cuMemAlloc and cuMemsetD32Async; named apart from cuda.h's _v2 macros). */
+  CUresult (*mem_alloc)(CUdeviceptr *, size_t);
+  CUresult (*memset_d32_async)(CUdeviceptr, unsigned int, size_t, CUstream);
 } kdsl__driver;
 
 /* What the last launch on this thread was given (read by the tests; the cost is a few stores). */
@@ -65,6 +68,15 @@ KDSL_INTERNAL kdsl_status kdsl__fail(kdsl_status status, const char *format, ...
 KDSL_INTERNAL void kdsl__clear_error(void);
 /* The arch (major * 10 + minor) of the current context's device, loading the driver on first use. */
 KDSL_INTERNAL kdsl_status kdsl__current_arch(const char *op, int *arch);
+/* The SM count of the current context's device (for the K split a launch takes). */
+KDSL_INTERNAL kdsl_status kdsl__current_sms(const char *op, int *sms);
+/* Split-K scratch of the current context: at least `workspace_bytes` of fp32 workspace and `counters` int32
+ * counters, all zero. Kept per context and grown on demand (the counters zeroed on `stream` when new); every
+ * split launch leaves its counters at zero again, so launches on one stream (or ordered between streams) may
+ * share it, while concurrent launches on different streams of one context must not (as on the Python side).
+ * A grown buffer's predecessor is not freed (a launch in flight may still use it). */
+KDSL_INTERNAL kdsl_status kdsl__splitk_scratch(const char *op, int64_t workspace_bytes, int64_t counters,
+                                               CUstream stream, int64_t *workspace, int64_t *counter_words);
 /* The most specific spec whose assumptions the values meet (bucket and dtype equal), or NULL. */
 KDSL_INTERNAL const kdsl__spec *kdsl__pick(kdsl__spec *const *specs, int count, int bucket, int dtype,
                                           const int64_t *variant, int nvariant, const int64_t *values, int nvalues);
@@ -77,6 +89,24 @@ const kdsl__launch_record *kdsl_aot_test_last_launch(void);
 
 static inline int64_t kdsl__cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static inline int64_t kdsl__div(int64_t a, int64_t b) { return a / b; }
+/* common/sm_fill.py.j2's split_for (SPLIT_FILL 2, PROGRAM_COST_STEPS 6), as kdsl.aot.abi.split_for. */
+static inline int64_t kdsl__split_cap(int64_t k_steps, int64_t split_k, int64_t min_steps) {
+  int64_t cap = k_steps / (min_steps > 0 ? min_steps : 1);
+  if (cap > split_k) cap = split_k;
+  return cap < 1 ? 1 : cap;
+}
+static inline int64_t kdsl__split_for(int64_t k_steps, int64_t tiles, int64_t split_k, int64_t min_steps,
+                                      int64_t fill, int64_t sms) {
+  int64_t cap = kdsl__split_cap(k_steps, split_k, min_steps);
+  int64_t slots = (fill > 0 ? fill : 2) * sms;
+  if (tiles >= slots) return 1;
+  int64_t best = 1, best_finish = -1;
+  for (int64_t split = 1; split <= cap; split++) {
+    int64_t finish = kdsl__cdiv(tiles * split, slots) * (kdsl__cdiv(k_steps, split) + 6);
+    if (best_finish < 0 || finish < best_finish) best = split, best_finish = finish;
+  }
+  return best;
+}
 #define kdsl__nonzero(p) ((p) != 0)
 #define kdsl__either(p, q) ((p) ? (p) : (q))
 

@@ -77,6 +77,8 @@ static int load_driver_locked(void) {
     {"cuFuncSetAttribute", (void **)&driver.cuFuncSetAttribute},
     {"cuLaunchKernel", (void **)&driver.cuLaunchKernel},
     {"cuGetErrorString", (void **)&driver.cuGetErrorString},
+    {"cuMemAlloc", (void **)&driver.mem_alloc},
+    {"cuMemsetD32Async", (void **)&driver.memset_d32_async},
   };
   for (size_t i = 0; i < sizeof wanted / sizeof wanted[0]; i++) {
     *wanted[i].slot = driver_symbol(library, v2, v1, wanted[i].name);
@@ -105,6 +107,9 @@ typedef struct context_info {
   CUcontext context;
   int arch;
   int shared_optin;
+  int sms;
+  CUdeviceptr workspace, counters;  /* split-K scratch (kdsl__splitk_scratch) */
+  int64_t workspace_bytes, counter_count;
   struct context_info *next;
 } context_info;
 
@@ -124,17 +129,19 @@ static kdsl_status context_locked(const char *op, CUcontext *context, context_in
       return KDSL_OK;
     }
   CUdevice device;
-  int major = 0, minor = 0, optin = 0;
+  int major = 0, minor = 0, optin = 0, sms = 0;
   if ((status = driver.cuCtxGetDevice(&device)) != CUDA_SUCCESS) return cuda_failed(op, "cuCtxGetDevice", status);
   if ((status = driver.cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device)) ||
       (status = driver.cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device)) ||
-      (status = driver.cuDeviceGetAttribute(&optin, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device)))
+      (status = driver.cuDeviceGetAttribute(&optin, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device)) ||
+      (status = driver.cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device)))
     return cuda_failed(op, "cuDeviceGetAttribute", status);
   context_info *added = calloc(1, sizeof *added);
   if (!added) return kdsl__fail(KDSL_ERR_CUDA, "%s: out of host memory", op);
   added->context = *context;
   added->arch = major * 10 + minor;
   added->shared_optin = optin;
+  added->sms = sms;
   added->next = contexts;
   contexts = added;
   *info = added;
@@ -147,6 +154,46 @@ kdsl_status kdsl__current_arch(const char *op, int *arch) {
   pthread_mutex_lock(&lock);
   kdsl_status status = context_locked(op, &context, &info);
   if (status == KDSL_OK) *arch = info->arch;
+  pthread_mutex_unlock(&lock);
+  return status;
+}
+
+kdsl_status kdsl__current_sms(const char *op, int *sms) {
+  CUcontext context;
+  context_info *info = NULL;
+  pthread_mutex_lock(&lock);
+  kdsl_status status = context_locked(op, &context, &info);
+  if (status == KDSL_OK) *sms = info->sms;
+  pthread_mutex_unlock(&lock);
+  return status;
+}
+
+kdsl_status kdsl__splitk_scratch(const char *op, int64_t workspace_bytes, int64_t counters, CUstream stream,
+                                 int64_t *workspace, int64_t *counter_words) {
+  CUcontext context;
+  context_info *info = NULL;
+  pthread_mutex_lock(&lock);
+  kdsl_status status = context_locked(op, &context, &info);
+  CUresult result = CUDA_SUCCESS;
+  const char *call = NULL;
+  if (status == KDSL_OK && workspace_bytes > info->workspace_bytes) {
+    /* Grown geometrically, so a run of growing shapes allocates a few times, not per call. */
+    int64_t bytes = workspace_bytes > 2 * info->workspace_bytes ? workspace_bytes : 2 * info->workspace_bytes;
+    CUdeviceptr grown = 0;
+    if ((result = driver.mem_alloc(&grown, (size_t)bytes)) != CUDA_SUCCESS) call = "cuMemAlloc";
+    else info->workspace = grown, info->workspace_bytes = bytes;
+  }
+  if (status == KDSL_OK && !call && counters > info->counter_count) {
+    int64_t count = counters > 2 * info->counter_count ? counters : 2 * info->counter_count;
+    CUdeviceptr grown = 0;
+    /* Zeroed on the launch's stream, so the launch after it sees zeros whatever stream it is. */
+    if ((result = driver.mem_alloc(&grown, (size_t)count * 4)) != CUDA_SUCCESS) call = "cuMemAlloc";
+    else if ((result = driver.memset_d32_async(grown, 0, (size_t)count, stream)) != CUDA_SUCCESS)
+      call = "cuMemsetD32Async";
+    else info->counters = grown, info->counter_count = count;
+  }
+  if (status == KDSL_OK && call) status = cuda_failed(op, call, result);
+  if (status == KDSL_OK) *workspace = (int64_t)info->workspace, *counter_words = (int64_t)info->counters;
   pthread_mutex_unlock(&lock);
   return status;
 }
