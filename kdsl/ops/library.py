@@ -50,9 +50,11 @@ falls back to eager for that frame, which raises the original exception.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from kdsl.ops import awq, block_fp8, gptq, w4a16
+from kdsl.ops import _plan, awq, block_fp8, gptq, w4a16
 
 SCHEMAS = {
     "act_quant": "(Tensor x, int group_size) -> (Tensor, Tensor)",
@@ -83,10 +85,28 @@ _CUDAGRAPH_UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)
 HOST_SYNCING = ("gptq_gemm", "gptq_dequant", "awq_gemm", "awq_dequant")
 
 
+def _recording_no_plans(impl):
+    """impl, recording no launch plan (kdsl/ops/_plan.py) while it runs: compiled graphs call the op, and under
+    mode="reduce-overhead" Inductor's CUDA graph trees own the memory of what it allocates then; a plan recorded
+    there would keep its output templates alive in their pool, which they refuse. Plans recorded by eager calls
+    still replay (their templates live outside any pool)."""
+    @functools.wraps(impl)
+    def run(*args):
+        if not _plan.RECORD:
+            return impl(*args)
+        _plan.RECORD = False
+        try:
+            return impl(*args)
+        finally:
+            _plan.RECORD = True
+    return run
+
+
 def _op(name: str, impl, fake):
     """Register kdsl::name with the implementation impl (every device) and the fake kernel fake."""
     tags = (_CUDAGRAPH_UNSAFE,) if name in HOST_SYNCING and _CUDAGRAPH_UNSAFE is not None else ()
-    op = torch.library.custom_op(f"kdsl::{name}", impl, mutates_args=(), schema=SCHEMAS[name], tags=tags)
+    op = torch.library.custom_op(f"kdsl::{name}", _recording_no_plans(impl), mutates_args=(),
+                                 schema=SCHEMAS[name], tags=tags)
     op.register_fake(fake)
     return op
 
