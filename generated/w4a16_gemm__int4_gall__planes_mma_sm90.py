@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_gall__planes_mma_sm90 (w4a16_gemm/planes_mma: W4A16 MMA on k_planes words, y^T = w^T x^T with the weights as the register operand, split-K in-kernel)
 # scheme: w4a16.int4.gall
 # arch: sm_90 .. sm_90
-# digest: 7afcdc4a1a19ff64 (sha256 of this kernel's scheme, variant and templates)
+# digest: 72f1fba54103504f (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -407,11 +407,26 @@ def _splitk_scratch(device, tiles: int, split_k: int, tile_elems: int):
         workspace, grown = torch.empty(need, dtype=torch.float32, device=device), True
     if counters is None or counters.numel() < tiles:
         counters, grown = torch.zeros(tiles, dtype=torch.int32, device=device), True
-    # Inside a CUDA graph capture the zeroing is recorded for the replays, not run now: buffers grown
-    # there belong to the graph, and eager launches keep (or later grow) their own.
-    if grown and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    # Buffers allocated into a CUDA graph's memory pool belong to that graph (inside a capture the zeroing is
+    # recorded for the replays, not run now); eager launches keep (or later grow) their own.
+    if grown and not (device.type == "cuda" and _allocating_to_graph_pool(device)):
         _SPLITK_SCRATCH[device] = (workspace, counters)
     return workspace, counters
+
+
+def _allocating_to_graph_pool(device) -> bool:
+    """Whether new allocations go to a CUDA graph's memory pool: a capture, or torch.compile's CUDA graph trees
+    warming a graph up in their pool (which refuses a buffer that outlives the call)."""
+    import sys
+
+    if torch.cuda.is_current_stream_capturing():
+        return True
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")  # only where torch.compile has loaded them
+    try:
+        manager = trees and trees.get_manager(device.index, create_if_none_exists=False)
+        return bool(manager and manager.in_warmup)
+    except (AttributeError, KeyError, TypeError):  # another torch's internals: as before, keep the buffers
+        return False
 
 
 @triton.jit

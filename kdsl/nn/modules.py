@@ -16,12 +16,13 @@ from kdsl.schema import GPTQ, BlockFP8
 from kdsl.schema.scheme import AWQ
 
 FLOAT_OUT = (torch.bfloat16, torch.float16, torch.float32)
-# FP8Linear runs the fused fp8_linear (one launch) for up to this many rows in eager calls, where the host's
-# cost per launch sets the pace of decode; otherwise act_quant + fp8_gemm, whose kernels take less GPU time
-# (on an H100 the fused kernel took 0.87-1.34x their GPU time at M = 1, 1.19-1.79x at M = 16, 2.4-4.6x at
-# M = 64: benchmarks/RESULTS.md, fp8_linear section). Under torch.compile or a CUDA graph capture the host cost
-# is gone and GPU time decides, so those take the two kernels: their outputs may differ from eager ones by a
-# rounding (the fused kernel adds the bias in fp32, and the GEMM tiles differ).
+# FP8Linear runs the fused fp8_linear (one launch) for up to this many rows outside torch.compile, where the
+# host's cost per launch sets the pace of eager decode; otherwise act_quant + fp8_gemm, whose kernels take less
+# GPU time (on an H100 the fused kernel took 0.87-1.34x their GPU time at M = 1, 1.19-1.79x at M = 16, 2.4-4.6x
+# at M = 64: benchmarks/RESULTS.md, fp8_linear section). Under torch.compile (its CUDA graphs included) the host
+# cost is gone and GPU time decides, so compiled code takes the two kernels: its outputs may differ from eager
+# ones by a rounding (the fused kernel adds the bias in fp32, and the GEMM tiles differ). A CUDA graph captured
+# by hand records what eager calls launch (the fused kernel at few rows), so the eager warm-up compiles it.
 FUSED_MAX_ROWS = 16
 
 
@@ -81,8 +82,7 @@ class FP8Linear(_QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = x.dtype if x.dtype in FLOAT_OUT else torch.bfloat16
-        if (x.dim() > 0 and x.numel() <= FUSED_MAX_ROWS * x.shape[-1] and not torch.compiler.is_compiling()
-                and not (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+        if x.dim() > 0 and x.numel() <= FUSED_MAX_ROWS * x.shape[-1] and not torch.compiler.is_compiling():
             return ops.fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, out_dtype=out_dtype)
         a, a_s = ops.act_quant(x, group_size=self.scheme.act_group)
         y = ops.fp8_gemm(a, a_s, self.weight, self.weight_scale_inv, out_dtype=out_dtype)
@@ -92,7 +92,7 @@ class FP8Linear(_QuantizedLinear):
         kernel = _kernel_name("fp8_gemm", self.scheme.name, self.weight.device)
         fused = _kernel_name("fp8_linear", self.scheme.name, self.weight.device)
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"scheme={self.scheme.name}, kernel={kernel}, fused={fused} (eager, M <= {FUSED_MAX_ROWS})")
+                f"scheme={self.scheme.name}, kernel={kernel}, fused={fused} (uncompiled, M <= {FUSED_MAX_ROWS})")
 
 
 class W4A16Linear(_QuantizedLinear):
