@@ -12,7 +12,6 @@ import kdsl, kdsl.ops as ops
 from kdsl.bench import timing as T
 
 entry = kdsl.registry.dispatch("w4a16_gemm", "w4a16.int4.g128", torch.device("cuda"))
-module = entry.load()
 g = lambda fn: triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
 print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
 for K, N in [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]:
@@ -25,7 +24,7 @@ for K, N in [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]:
         kd = g(lambda: ops.gptq_gemm(inp.x, p))
         mma = entry.tile_for(16, N)
         y = torch.full((m, N), float("nan"), dtype=torch.float16, device="cuda")
-        fn = lambda: module.launch(inp.x, p.perm, p.qweight, p.zeros, p.scales, p.groups, p.contiguous_groups, y, mma)
+        fn = lambda: entry.launch(inp.x, p.perm, p.qweight, p.zeros, p.scales, p.groups, p.contiguous_groups, y, mma)
         fn(); e = err(y); t = g(fn)
         print(f"K={K} N={N} M={m}: cuBLAS {cub:.2f} | kdsl.ops {kd:.2f} ({cub/kd:.2f}x, err {err(ops.gptq_gemm(inp.x, p)):.1e})"
               f" | M<=16 MMA tile {t:.2f} ({cub/t:.2f}x, err {e:.1e}) | ops/MMA {t/kd:.2f}x", flush=True)

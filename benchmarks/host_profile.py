@@ -60,9 +60,10 @@ def setup() -> None:
     block_fp8._fp8_gemm_lost_nan = lambda a, b, c: None  # the interpreter's NaN fix-up, not a GPU cost
     for entry in kdsl.registry.entries():
         if entry.min_arch == 90 or entry.op == "act_quant":
-            module = entry.load()
-            if hasattr(module, "_INTERPRETING"):
-                module._INTERPRETING = False
+            for kernel_module in entry.modules.values():
+                module = kernel_module.load()
+                if hasattr(module, "_INTERPRETING"):
+                    module._INTERPRETING = False
 
 
 def cases():

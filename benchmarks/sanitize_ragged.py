@@ -38,7 +38,7 @@ for m, k, n in [(1, 4096, 4104), (5, 256, 40), (1, 384, 72), (1, 384, 8200)]:
 # One group (group_size -1): K = 200 is not whole 128-row tiles, so the GEMV's x pairs stop mid-tile.
 ck = ops.gptq_quantize(torch.randn(136, 200, device="cuda", dtype=torch.float16), group_size=-1)
 prepared = ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], group_size=-1)
-for rows in (1, 5, 40, 300):  # 40 and 300: the Gluon overlap_dequant tiles, K not a whole block
+for rows in (1, 5, 40, 300):  # 40 and 300: the Gluon overlap_gluon tiles, K not a whole block
     ops.gptq_gemm(torch.randn(rows, 200, device="cuda", dtype=torch.float16), prepared)
 torch.cuda.synchronize()
 print("ragged shapes ran on", torch.cuda.get_device_name(), "via", kdsl.registry.select("fp8_gemm", kdsl.BlockFP8()).name)
