@@ -253,8 +253,9 @@ def _fp8_gemm_impl(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: tor
     inputs = a, a_s, b, b_s
     a2, a_s2, b, b_s = (_aligned(t) for t in (a2, a_s2, b, b_s))
     entry = registry.dispatch("fp8_gemm", scheme, device)
-    with _plan.Recorder(entry.load() if plan is None else None) as rec:
-        entry.launch(a2, a_s2, b, b_s, c if flat else c.view(-1, n), entry.tile_for(a2.shape[0], n))
+    tile = entry.tile_for(a2.shape[0], n, _call(entry, a2.shape[0], n, device, a2, b))
+    with _plan.Recorder(entry.modules[tile["impl"]].load() if plan is None else None) as rec:
+        entry.launch(a2, a_s2, b, b_s, c if flat else c.view(-1, n), tile)
     _plan.store(key, rec, inputs, (c,))
     if device.type == "cpu":
         _fp8_gemm_lost_nan(a2, b, c)
@@ -364,8 +365,9 @@ def _fp8_linear_impl(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, bias: 
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
     entry = registry.dispatch("fp8_linear", scheme, x.device)
-    with _plan.Recorder(entry.load() if plan is None else None) as rec:
-        entry.launch(x2, w, w_s, bias, y2, entry.tile_for(x2.shape[0], n))
+    tile = entry.tile_for(x2.shape[0], n, _call(entry, x2.shape[0], n, x.device, x2, w))
+    with _plan.Recorder(entry.modules[tile["impl"]].load() if plan is None else None) as rec:
+        entry.launch(x2, w, w_s, bias, y2, tile)
     _plan.store(key, rec, inputs, (y,))
     if x.device.type == "cpu":
         _fp8_linear_lost_nan(x2, w, y)
@@ -459,13 +461,20 @@ def _fp8_bmm_impl(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torc
     a, b = (t if t.stride(2) == 1 else t.contiguous() for t in (a, b))
     entry = registry.dispatch("fp8_bmm", scheme, device)
     m, n = a.shape[1], b.shape[1]
-    call = (registry.Call(m=m, n=n, device_type=device.type, dtype=check.dtype_name(c.dtype),
-                          align=check.alignment(a, b, c)) if entry.refuses_calls else None)
-    entry.launch(a, a_s, b, b_s, c, entry.tile_for(m, n, call))
+    entry.launch(a, a_s, b, b_s, c, entry.tile_for(m, n, _call(entry, m, n, device, a, b, c)))
     if device.type == "cpu":
         c[_interpreter_lost_nan(a).any(dim=2)] = float("nan")  # [B, M] rows
         c.transpose(1, 2)[_interpreter_lost_nan(b).any(dim=2)] = float("nan")  # [B, N] columns
     return c
+
+
+def _call(entry, m: int, n: int, device: torch.device, *operands: torch.Tensor):
+    """The call's facts for the modules' run-time refusals (kdsl.runtime Call: TMA reads the operands, so
+    their alignment), or None where no module of the entry refuses any call."""
+    if not entry.refuses_calls:
+        return None
+    return registry.Call(m=m, n=n, device_type=device.type, dtype=check.dtype_name(operands[0].dtype),
+                         align=check.alignment(*operands))
 
 
 def _gemm_scheme(k: int, n: int, a_groups: int, b_blocks: tuple,
