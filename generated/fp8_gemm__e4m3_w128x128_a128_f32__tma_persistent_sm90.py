@@ -3,7 +3,7 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_gemm/tma_persistent: TMA tensor descriptors, persistent grid over SMs, wgmma through Triton; block_m = 1 is a CUDA-core GEMV; deferred_rescale tiles overlap wgmma and rescale in Gluon)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: fe834e4024f770b5 (sha256 of this kernel's scheme, variant and templates)
+# digest: aaa3812aeba5c21b (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -117,6 +117,15 @@ def _splitk_store(acc, out_ptrs, out_mask, ws_ptr, count_ptr, tile_id, pid_k,
                 total += tl.load(slots + k * tile_elems + offs, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(count_ptr + tile_id, 0)
+
+
+def _split_with_scratch(out, tile: dict, k_steps: int, tiles: int, sms: int | None, tile_elems: int):
+    """(split_k, workspace, counters) of a launch: the K split split_for (common/sm_fill.py.j2) picks for the
+    tile, and the scratch its partials go through (out itself, unused, where there is no split)."""
+    split_k = split_for(tile, k_steps, tiles, sms)
+    if split_k == 1:
+        return 1, out, out
+    return (split_k, *_splitk_scratch(out.device, tiles, split_k, tile_elems))
 
 
 _SPLITK_SCRATCH: dict = {}
@@ -284,8 +293,7 @@ def _launch_gemv(a, a_s, b, b_s, c, tile):
     # split_for's wave rule: N = 2112 splits 8 ways, N = 24576 not at all. Uncapped on the CPU,
     # where the interpreter's few programs should still cover the split path.
     sms = _sm_count(a.device) if a.device.type == "cuda" else None
-    split_k = split_for(tile, _cdiv(K, bk), tiles, sms)
-    workspace, counters = (c, c) if split_k == 1 else _splitk_scratch(c.device, tiles, split_k, bn)
+    split_k, workspace, counters = _split_with_scratch(c, tile, _cdiv(K, bk), tiles, sms, bn)
     _launch(fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_gemv, (tiles, split_k, 1), (
         a, a_s, b, b_s, c, workspace, counters, N, K,
         a.stride(0), a_s.stride(0), b.stride(0), b_s.stride(0), c.stride(0),
@@ -726,8 +734,7 @@ def launch(a, a_s, b, b_s, c, tile):
     b_desc = TensorDescriptor(b, [N, K], [b.stride(0), 1], [bn, bk])
     c_desc = TensorDescriptor(c, [M, N], [c.stride(0), 1], [bm, bn])
     tiles = _cdiv(M, bm) * _cdiv(N, bn)
-    split_k = split_for(tile, _cdiv(K, bk), tiles, _sm_count(a.device))
-    workspace, counters = (c, c) if split_k == 1 else _splitk_scratch(c.device, tiles, split_k, bm * bn)
+    split_k, workspace, counters = _split_with_scratch(c, tile, _cdiv(K, bk), tiles, _sm_count(a.device), bm * bn)
     programs = _programs(a.device, tiles * split_k, tile)
     _launch(fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90, (programs, 1, 1), (
         a_desc, b_desc, c_desc, a_s, b_s, c, workspace, counters,

@@ -3,7 +3,7 @@
 # kernel: fp8_linear__e4m3_w128x128_a128_f32__portable_sm89 (fp8_linear/portable: act_quant in registers inside fp8_gemm's pointer-load tile, optional deterministic split-K, bias)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 6d0cb9e2c4cf2af0 (sha256 of this kernel's scheme, variant and templates)
+# digest: 86bf7a015b06fd2e (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -112,6 +112,15 @@ def _splitk_store(acc, out_ptrs, out_mask, ws_ptr, count_ptr, tile_id, pid_k,
                 total += tl.load(slots + k * tile_elems + offs, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(count_ptr + tile_id, 0)
+
+
+def _split_with_scratch(out, tile: dict, k_steps: int, tiles: int, sms: int | None, tile_elems: int):
+    """(split_k, workspace, counters) of a launch: the K split split_for (common/sm_fill.py.j2) picks for the
+    tile, and the scratch its partials go through (out itself, unused, where there is no split)."""
+    split_k = split_for(tile, k_steps, tiles, sms)
+    if split_k == 1:
+        return 1, out, out
+    return (split_k, *_splitk_scratch(out.device, tiles, split_k, tile_elems))
 
 
 _SPLITK_SCRATCH: dict = {}
@@ -326,8 +335,7 @@ def launch(x, b, b_s, bias, c, tile):
     N = b.shape[0]
     bm, bn = tile["BLOCK_M"], tile["BLOCK_N"]
     tiles = _cdiv(M, bm) * _cdiv(N, bn)
-    split_k = split_for(tile, K // ACT_GROUP.value, tiles, None if _INTERPRETING else _sm_count(x.device))
-    workspace, counters = (c, c) if split_k == 1 else _splitk_scratch(c.device, tiles, split_k, bm * bn)
+    split_k, workspace, counters = _split_with_scratch(c, tile, K // ACT_GROUP.value, tiles, None if _INTERPRETING else _sm_count(x.device), bm * bn)
     _launch(fp8_linear__e4m3_w128x128_a128_f32__portable_sm89, (tiles * split_k, 1, 1), (
         x, b, c, b_s, c if bias is None else bias, workspace, counters,
         M, N, K, x.stride(0), b.stride(0), c.stride(0), b_s.stride(0),

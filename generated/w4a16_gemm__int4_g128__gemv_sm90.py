@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_g128__gemv_sm90 (w4a16_gemm/gemv: W4A16 GEMV on CUDA cores, one row per program row, weights kept in registers, split-K in-kernel)
 # scheme: w4a16.int4.g128
 # arch: sm_90 .. sm_90
-# digest: fd3989b78c25b490 (sha256 of this kernel's scheme, variant and templates)
+# digest: 7a872ac04e5c3d0a (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -192,6 +192,15 @@ def _splitk_store(acc, out_ptrs, out_mask, ws_ptr, count_ptr, tile_id, pid_k,
                 total += tl.load(slots + k * tile_elems + offs, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(count_ptr + tile_id, 0)
+
+
+def _split_with_scratch(out, tile: dict, k_steps: int, tiles: int, sms: int | None, tile_elems: int):
+    """(split_k, workspace, counters) of a launch: the K split split_for (common/sm_fill.py.j2) picks for the
+    tile, and the scratch its partials go through (out itself, unused, where there is no split)."""
+    split_k = split_for(tile, k_steps, tiles, sms)
+    if split_k == 1:
+        return 1, out, out
+    return (split_k, *_splitk_scratch(out.device, tiles, split_k, tile_elems))
 
 
 _SPLITK_SCRATCH: dict = {}
@@ -531,12 +540,11 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
     N = y.shape[1]
     bn, bk = tile["BLOCK_N"], tile["BLOCK_K"]
     programs = M * _cdiv(N, bn)
-    split_k = split_for(tile, _cdiv(K, bk), programs, None)
+    split_k, workspace, counters = _split_with_scratch(y, tile, _cdiv(K, bk), programs, None, bn)
     # A k_planes word spans its whole plane tile, so only a uniform group gives it one scale.
     uniform = contiguous_groups and GROUP_SIZE.value % PLANE_TILE_K.value == 0
     word_groups = False
     half2 = False  # the packed half2 dot reads checkpoint-order words
-    workspace, counters = (y, y) if split_k == 1 else _splitk_scratch(y.device, programs, split_k, bn)
     _launch(w4a16_gemm__int4_g128__gemv_sm90, (programs, split_k, 1), (
         x, qweight if perm is None else perm, qweight, zeros, scales, groups,
         y, workspace, counters,

@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_g128__mma_sm80 (w4a16_gemm/mma: W4A16 MMA on checkpoint-order words: tl.dot on tiles dequantized in registers, split-K in-kernel)
 # scheme: w4a16.int4.g128
 # arch: sm_80 and up
-# digest: 69c936f982e03794 (sha256 of this kernel's scheme, variant and templates)
+# digest: 9b8b8412c9ca9247 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -364,6 +364,15 @@ def _splitk_store(acc, out_ptrs, out_mask, ws_ptr, count_ptr, tile_id, pid_k,
             tl.atomic_xchg(count_ptr + tile_id, 0)
 
 
+def _split_with_scratch(out, tile: dict, k_steps: int, tiles: int, sms: int | None, tile_elems: int):
+    """(split_k, workspace, counters) of a launch: the K split split_for (common/sm_fill.py.j2) picks for the
+    tile, and the scratch its partials go through (out itself, unused, where there is no split)."""
+    split_k = split_for(tile, k_steps, tiles, sms)
+    if split_k == 1:
+        return 1, out, out
+    return (split_k, *_splitk_scratch(out.device, tiles, split_k, tile_elems))
+
+
 _SPLITK_SCRATCH: dict = {}
 
 
@@ -521,13 +530,12 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
     tiles = _cdiv(M, bm) * _cdiv(N, bn)
     sms = _sm_count(x.device) if x.device.type == "cuda" else None
-    split_k = split_for(tile, _cdiv(K, bk), tiles, sms)
+    split_k, workspace, counters = _split_with_scratch(y, tile, _cdiv(K, bk), tiles, sms, bm * bn)
     magic_bits, magic_bias = MAGIC[x.dtype]
     uniform = contiguous_groups and GROUP_SIZE.value % bk == 0  # every K tile inside one group
     # One scale per packed word, from 64-row tiles up; below that its join/permute costs more than it
     # saves (H200 sweep).
     asm = x.device.type == "cuda" and uniform and bm >= 64
-    workspace, counters = (y, y) if split_k == 1 else _splitk_scratch(y.device, tiles, split_k, bm * bn)
     _launch(w4a16_gemm__int4_g128__mma_sm80, (tiles, split_k, 1), (
         x, qweight if perm is None else perm, qweight, zeros, scales, groups,
         y, workspace, counters,

@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_g128__planes_mma_sm90 (w4a16_gemm/planes_mma: W4A16 MMA on k_planes words, y^T = w^T x^T with the weights as the register operand, split-K in-kernel)
 # scheme: w4a16.int4.g128
 # arch: sm_90 .. sm_90
-# digest: 55720cbc0b99d84d (sha256 of this kernel's scheme, variant and templates)
+# digest: 5e1970454f63c04f (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -391,6 +391,15 @@ def _splitk_store(acc, out_ptrs, out_mask, ws_ptr, count_ptr, tile_id, pid_k,
             tl.atomic_xchg(count_ptr + tile_id, 0)
 
 
+def _split_with_scratch(out, tile: dict, k_steps: int, tiles: int, sms: int | None, tile_elems: int):
+    """(split_k, workspace, counters) of a launch: the K split split_for (common/sm_fill.py.j2) picks for the
+    tile, and the scratch its partials go through (out itself, unused, where there is no split)."""
+    split_k = split_for(tile, k_steps, tiles, sms)
+    if split_k == 1:
+        return 1, out, out
+    return (split_k, *_splitk_scratch(out.device, tiles, split_k, tile_elems))
+
+
 _SPLITK_SCRATCH: dict = {}
 
 
@@ -604,7 +613,7 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
     tiles = _cdiv(M, bm) * _cdiv(N, bn)
     sms = _sm_count(x.device) if x.device.type == "cuda" else None
-    split_k = split_for(tile, _cdiv(K, bk), tiles, sms)
+    split_k, workspace, counters = _split_with_scratch(y, tile, _cdiv(K, bk), tiles, sms, bm * bn)
     magic_bits, magic_bias = MAGIC[x.dtype]
     uniform = contiguous_groups and GROUP_SIZE.value % PLANE_TILE_K.value == 0  # every plane tile in one group
     # Contiguous groups of whole nibble-pair spans: one group per plane (a word spans the tile).
@@ -614,7 +623,6 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
     # partial of each K tile (H200, M = 16, vs fp16: 1.08/1.97/2.13/2.27 -> 1.20/2.21/2.52/2.49).
     # From 64 rows up the extra wait on every K tile's MMA costs more (M = 64: 1.20 -> 0.97).
     scale_after = asm and bm <= 16
-    workspace, counters = (y, y) if split_k == 1 else _splitk_scratch(y.device, tiles, split_k, bm * bn)
     _launch(w4a16_gemm__int4_g128__planes_mma_sm90, (tiles, split_k, 1), (
         x, qweight if perm is None else perm, qweight, zeros, scales, groups,
         y, workspace, counters,

@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_gall__overlap_gluon_sm90 (w4a16_gemm/overlap_gluon: W4A16 GEMM for Hopper (Gluon): TMA ring, block k+1 dequantized while block k's wgmma runs)
 # scheme: w4a16.int4.gall
 # arch: sm_90 .. sm_90
-# digest: dbbb69775b3cd82c (sha256 of this kernel's scheme, variant and templates)
+# digest: f926733b92d6157f (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -216,6 +216,15 @@ def _splitk_store(acc, out_ptrs, out_mask, ws_ptr, count_ptr, tile_id, pid_k,
                 total += tl.load(slots + k * tile_elems + offs, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(count_ptr + tile_id, 0)
+
+
+def _split_with_scratch(out, tile: dict, k_steps: int, tiles: int, sms: int | None, tile_elems: int):
+    """(split_k, workspace, counters) of a launch: the K split split_for (common/sm_fill.py.j2) picks for the
+    tile, and the scratch its partials go through (out itself, unused, where there is no split)."""
+    split_k = split_for(tile, k_steps, tiles, sms)
+    if split_k == 1:
+        return 1, out, out
+    return (split_k, *_splitk_scratch(out.device, tiles, split_k, tile_elems))
 
 
 _SPLITK_SCRATCH: dict = {}
@@ -680,8 +689,7 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
     N = y.shape[1]
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
     tiles = _cdiv(M, bm) * _cdiv(N, bn)
-    split_k = split_for(tile, _cdiv(K, bk), tiles, _sm_count(x.device))
-    workspace, counters = (y, y) if split_k == 1 else _splitk_scratch(y.device, tiles, split_k, bm * bn)
+    split_k, workspace, counters = _split_with_scratch(y, tile, _cdiv(K, bk), tiles, _sm_count(x.device), bm * bn)
     pairs = _scale_zero_pairs(scales)
     words = qweight.view(-1, PLANE_ROWS.value)
     w4a16_gemm__int4_gall__overlap_gluon_sm90[(_cdiv(M, bm) * _cdiv(N, bn), split_k)](

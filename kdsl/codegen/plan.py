@@ -27,9 +27,7 @@ class PlannedModule:
 
 @dataclass(frozen=True)
 class PlannedKernel:
-    name: str  # the variant's kernel, named after its own impl (whose module has the same name)
     op: str
-    impl: KernelImpl  # the variant's impl
     scheme: object  # a BlockFP8 or GPTQ model
     min_arch: int
     max_arch: int | None
@@ -39,6 +37,16 @@ class PlannedKernel:
     layout: object | None  # a GPTQLayout for kernels that read prepared weights
     source: str  # definition file, as a path relative to where generate ran
     definition_digest: str  # sha256 of what renders it: its scheme and variant (not the whole file)
+
+    @property
+    def name(self) -> str:
+        """The variant's kernel, named after its own implementation, whose module comes first and shares it."""
+        return self.modules[0].name
+
+    @property
+    def impl(self) -> KernelImpl:
+        """The variant's implementation."""
+        return self.modules[0].impl
 
 
 def plan_kernels(definitions: list[LoadedDefinition]) -> list[PlannedKernel]:
@@ -60,7 +68,7 @@ def plan_kernels(definitions: list[LoadedDefinition]) -> list[PlannedKernel]:
                     for impl_name in variant.impls
                 )
                 planned.append(PlannedKernel(
-                    name=modules[0].name, op=variant.op, impl=modules[0].impl, scheme=scheme,
+                    op=variant.op, scheme=scheme,
                     min_arch=variant.min_cc, max_arch=variant.max_cc,
                     tiles=tuple(variant.tiles), tile_impls=tile_impls, modules=modules,
                     layout=variant.layout, source=source, definition_digest=digest,
