@@ -3,17 +3,11 @@ import torch
 
 import kdsl
 from kdsl import ops
-from kdsl.codegen.render import tile_params
-from kdsl.kernels.block_fp8.fp8_gemm_tma_persistent import IMPL as TMA_IMPL
-from kdsl.schema.tiling import Tile
 
 torch.manual_seed(0)
-# M = 1 and 3 through the FP8 GEMV too (a block_m = 1 tile the definition does not pick):
-# (1, 72, 384) ends mid-strip and mid-step. (40, 16400, 384): the wide-N tile of M <= 64 (n_min),
+# (1, 72, 384) ends mid-tile and mid-step. (40, 16400, 384): the wide-N tile of M <= 64 (n_min),
 # 16 columns past whole tiles. (300, 2112, 384) and (4100, 1000, 384): the Gluon deferred-rescale
 # tiles of M <= 512 and above, ragged in M and N, three K blocks (the odd tail); (520, 136, 256): two.
-gemv = tile_params(Tile(block_m=1, block_n=64, block_k=256, split_k=8), TMA_IMPL)
-fp8_module = kdsl.registry.dispatch("fp8_gemm", kdsl.BlockFP8().name, torch.device("cuda")).load()
 for m, n, k in [(1, 2112, 7168), (3, 72, 256), (1, 576, 7168), (1, 72, 384), (100, 2112, 7168), (130, 72, 384), (40, 16400, 384),
                 (300, 2112, 384), (4100, 1000, 384), (520, 136, 256)]:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -21,8 +15,6 @@ for m, n, k in [(1, 2112, 7168), (3, 72, 256), (1, 576, 7168), (1, 72, 384), (10
     wq, ws = ops.weight_quant(w)
     xq, xs = ops.act_quant(x)
     ops.fp8_gemm(xq, xs, wq, ws)
-    if m <= 3 and torch.cuda.get_device_capability() == (9, 0):
-        fp8_module.launch(xq, xs, wq, ws, torch.empty(m, n, device="cuda", dtype=torch.bfloat16), gemv)
     ops.weight_dequant(wq, ws)
 # K = 384: a partial GEMV block; N = 8200: the wide-N tile of M > 64 (n_min), one column past whole tiles.
 for m, k, n in [(1, 4096, 4104), (5, 256, 40), (1, 384, 72), (1, 384, 8200)]:

@@ -160,6 +160,19 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
         options=("num_warps",),
         out_types=("bf16", "fp16", "fp32"),
     ),
+    # The Gluon kernel: edge_tiles tiles compile with a half-width edge (N = 2112's), the others without one.
+    ("fp8_gemm", "deferred_gluon"): KernelSignature(
+        args={**FP8_GEMM_DESCRIPTORS,
+              "edge_b_desc": "tensordesc<fp8e4nv[{EDGE_BLOCK_N}, {BLOCK_K}]>",
+              "edge_c_desc": "tensordesc<{out}[{BLOCK_M}, {EDGE_BLOCK_N}]>",
+              "as_ptr": F32, "bs_ptr": F32, "M": I32, "N": I32, "K": I32, "stride_asm": I32, "stride_bsn": I32,
+              "num_programs": I32, "edge_first": I32},
+        constexprs={"GROUP_M": "GROUP_M", "NUM_STAGES": "num_stages",
+                    "EDGE_N": lambda tile: tile["BLOCK_N"] // 2 if tile["edge_tiles"] else 0,
+                    "num_warps": "num_warps"},
+        out_types=("bf16", "fp16", "fp32"),
+        gluon=True,
+    ),
     # GPTQ: "{out}" is the activation dtype (x, scales and y share it); g_idx is taken
     # (HAS_G_IDX) so the act-order path compiles too; split-K atomics land in fp32.
     ("gptq_gemm", "splitk"): KernelSignature(
@@ -237,56 +250,10 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
 }
 
 
-# Implementations whose block_m = 1 tiles launch a second kernel, <name>_gemv, with its own signature.
-GEMV_SIGNATURES: dict[tuple[str, str], KernelSignature] = {
-    ("fp8_gemm", "tma_persistent"): KernelSignature(
-        args={"a_ptr": FP8, "as_ptr": F32, "b_ptr": FP8, "bs_ptr": F32, "c_ptr": "*{out}", "ws_ptr": F32,
-              "count_ptr": "*i32", "N": I32, "K": I32,
-              "stride_am": I32, "stride_asm": I32, "stride_bn": I32, "stride_bsn": I32, "stride_cm": I32},
-        constexprs={"BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K", "SPLIT_K": lambda tile: max(tile["SPLIT_K"], 2),
-                    "ASM": lambda tile: True},
-        out_types=("bf16", "fp16", "fp32"),
-        aligned_ints=("K", "stride_am", "stride_bn"),  # K is a multiple of 128; A and B are contiguous
-    ),
-}
-
-
-@dataclass(frozen=True)
-class GluonKernel:
-    knob: str  # the tile flag that selects it
-    suffix: str  # launch() calls <name>_<suffix>
-    signature: KernelSignature
-
-
-# Implementations whose tiles with a knob set launch a Gluon kernel instead (the first whose knob is set).
-GLUON_KERNELS: dict[tuple[str, str], tuple[GluonKernel, ...]] = {
-    ("fp8_gemm", "tma_persistent"): (GluonKernel("deferred_rescale", "deferred", KernelSignature(
-        args={**FP8_GEMM_DESCRIPTORS,
-              "edge_b_desc": "tensordesc<fp8e4nv[{EDGE_BLOCK_N}, {BLOCK_K}]>",
-              "edge_c_desc": "tensordesc<{out}[{BLOCK_M}, {EDGE_BLOCK_N}]>",
-              "as_ptr": F32, "bs_ptr": F32, "M": I32, "N": I32, "K": I32, "stride_asm": I32, "stride_bsn": I32,
-              "num_programs": I32, "edge_first": I32},
-        # edge_tiles tiles compile with a half-width edge (N = 2112's), the others without one.
-        constexprs={"GROUP_M": "GROUP_M", "NUM_STAGES": "num_stages",
-                    "EDGE_N": lambda tile: tile["BLOCK_N"] // 2 if tile["edge_tiles"] else 0,
-                    "num_warps": "num_warps"},
-        out_types=("bf16", "fp16", "fp32"),
-        gluon=True,
-    )),),
-}
-
-
 def signature_of(entry: KernelEntry, tile: dict) -> tuple[KernelSignature, str, Path]:
-    """(signature, kernel function name, module path) that launch() uses for this tile."""
-    impl = tile["impl"]
-    module = entry.modules[impl]
-    name = module.path.stem
-    if tile["BLOCK_M"] == 1 and (entry.op, impl) in GEMV_SIGNATURES:
-        return GEMV_SIGNATURES[(entry.op, impl)], f"{name}_gemv", module.path
-    for gluon in GLUON_KERNELS.get((entry.op, impl), ()):
-        if tile.get(gluon.knob):
-            return gluon.signature, f"{name}_{gluon.suffix}", module.path
-    return SIGNATURES[(entry.op, impl)], name, module.path
+    """(signature, kernel function name, module path) of the kernel the tile's implementation launches."""
+    module = entry.modules[tile["impl"]]
+    return SIGNATURES[(entry.op, tile["impl"])], module.path.stem, module.path
 
 
 def pointer_attrs(signature: dict, arg_names: list[str], aligned_ints: tuple[str, ...] = ()) -> dict:
@@ -304,9 +271,6 @@ ENTRIES = {entry.name: entry for entry in load_manifest()}
 
 # Tiles the templates take but no shipped definition uses, compiled by name (Job.tile).
 EXTRA_TILES: dict[str, dict] = {
-    # The block-FP8 GEMV (block_m = 1): measured, then not picked for M = 1 (kernel_defs/block_fp8.toml).
-    "fp8-gemv": tile_params(Tile(block_m=1, block_n=64, block_k=256, split_k=8),
-                            find_impl("fp8_gemm", "tma_persistent")),
     # fp8_bmm's sm_90 options no shipped tile sets (a flattened pipeline with batch-inner order, warp specialization).
     "bmm-flatten": tile_params(Tile(block_m=64, block_n=128, num_warps=4, num_stages=3,
                                     options={"flatten": True, "batch_inner": True}),
@@ -554,7 +518,7 @@ def test_hopper_gemm_uses_wgmma(job, compiled):
     assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
 
 
-DEFERRED = [i for i, tile in enumerate(TMA.tiles) if tile.params["deferred_rescale"]]
+DEFERRED = [i for i, tile in enumerate(TMA.tiles) if tile.params["impl"] == "deferred_gluon"]
 
 
 @pytest.mark.parametrize("job", [Job(TMA.name, 90, i) for i in DEFERRED], ids=[f"tile{i}" for i in DEFERRED])
@@ -609,14 +573,6 @@ def test_prepared_triton_gemv_compiles(job, compiled):
     """The Triton GEMV, the mma.sync GEMV's alternative: CUDA cores only."""
     ptx = ptx_of(compiled, job)
     assert "wgmma" not in ptx and "mma.sync" not in ptx
-
-
-@pytest.mark.parametrize("job", [Job(TMA.name, 90, "fp8-gemv")], ids=["gemv"])
-def test_hopper_gemv_streams_weights_in_16_byte_loads(job, compiled):
-    """A block_m = 1 tile runs the CUDA-core GEMV: no MMA, and B read as 16-byte vectors."""
-    ptx = ptx_of(compiled, job)
-    assert "wgmma" not in ptx and "mma.sync" not in ptx
-    assert re.search(r"ld\.global\S*\.v4\.b32", ptx), "weights are not loaded 16 bytes at a time"
 
 
 @pytest.mark.parametrize("job", [Job(PORTABLE.name, 89, 0), Job(PORTABLE.name, 89, last(PORTABLE)),

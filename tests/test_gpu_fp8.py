@@ -26,9 +26,6 @@ from triton import next_power_of_2 as triton_next_power_of_2
 
 import kdsl
 from kdsl import registry
-from kdsl.codegen.render import tile_params
-from kdsl.kernels.block_fp8.fp8_gemm_tma_persistent import IMPL as TMA_IMPL
-from kdsl.schema.tiling import Tile
 
 pytestmark = pytest.mark.gpu
 
@@ -140,29 +137,26 @@ def test_fp8_gemm_out_dtypes(m, out_dtype):
     assert rel_fro_error(c, fp8_gemm_ref(a, a_s, b, b_s)) < limit
 
 
-GEMV_TILE = tile_params(Tile(block_m=1, block_n=64, block_k=256, split_k=8), TMA_IMPL)
-
-
-@pytest.mark.parametrize("m, tile", [(2, GEMV_TILE), (16, None), (512, None), (4096, None)],
-                         ids=["gemv", "wgmma-splitk", "gluon", "gluon-persistent-edge"])
-def test_repeat_launches_skip_the_jit_and_stay_correct(m, tile, monkeypatch):
-    """After the first call on a shape, the sm_90 module launches the kernel its JIT call returned
-    (the launch cache): new data on every call must still give the reference's result. An a_s of the
-    same shape but off 16-byte alignment is a new key, so it gets a kernel compiled for it."""
+@pytest.mark.parametrize("m", [16, 512, 4096], ids=["wgmma-splitk", "gluon", "gluon-persistent-edge"])
+def test_repeat_launches_skip_the_jit_and_stay_correct(m, monkeypatch):
+    """After the first call on a shape, an sm_90 module launches the kernel its JIT call returned (the
+    launch cache): new data on every call must still give the reference's result. An a_s of the same
+    shape but off 16-byte alignment is a new key, so it gets a kernel compiled for it."""
     if capability() != (9, 0):
-        pytest.skip("this checks the sm_90 module's kernels")
-    module = registry.dispatch("fp8_gemm", FP8_SCHEME.name, CUDA).load()
+        pytest.skip("this checks the sm_90 modules' kernels")
     n, k = SHAPES[0]
+    entry = registry.dispatch("fp8_gemm", FP8_SCHEME.name, CUDA)
+    tile = entry.tile_for(m, n)
+    kernel_module = entry.modules[tile["impl"]]
+    module = kernel_module.load()
+    kernel = getattr(module, kernel_module.path.stem)
     jit_calls = []
-    for kernel in (module.fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90,
-                   module.fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_gemv,
-                   module.fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90_deferred):
-        def counted_run(*args, _run=kernel.run, **kwargs):
-            jit_calls.append(1)
-            return _run(*args, **kwargs)
 
-        monkeypatch.setattr(kernel, "run", counted_run)
-    tile = tile or registry.dispatch("fp8_gemm", FP8_SCHEME.name, CUDA).tile_for(m, n)
+    def counted_run(*args, _run=kernel.run, **kwargs):
+        jit_calls.append(1)
+        return _run(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "run", counted_run)
     for call in range(3):
         a = random_fp8(m, k, device=CUDA)
         a_s = random_scales(m, k // 128, device=CUDA)
@@ -182,48 +176,23 @@ def test_repeat_launches_skip_the_jit_and_stay_correct(m, tile, monkeypatch):
     assert len(module._COMPILED) == keys + 1 and jit_calls
 
 
-@pytest.mark.parametrize("n, k", [(136, 16384), (576, 512), (24576, 1536)])
-def test_fp8_gemv_ragged_n_and_k_splits(n, k):
-    """The sm_90 module's GEMV (block_m = 1 tiles, which the shipped definition does not pick):
-    N not a multiple of its strips, K split up to the tile's limit (few strips) or not at all
-    (many), two rows. fp32 output, so only the order of the fp32 sums differs from the reference;
-    run twice, as the split-K counters are reused. All-zero activations (scale 0, as act_quant
-    makes them) give exact zeros."""
-    if capability() != (9, 0):
-        pytest.skip("the GEMV is part of the sm_90 module")
-    module = registry.dispatch("fp8_gemm", FP8_SCHEME.name, CUDA).load()
-    tile = GEMV_TILE
-    a = random_fp8(2, k, scale=16.0, device=CUDA)
-    a_s = random_scales(2, k // 128, device=CUDA)
-    b = random_fp8(n, k, scale=16.0, device=CUDA)
-    b_s = random_scales(-(-n // 128), k // 128, device=CUDA)
-    expected = fp8_gemm_ref(a, a_s, b, b_s)
-    for _ in range(2):
-        c = torch.empty(2, n, device=CUDA, dtype=torch.float32)
-        module.launch(a, a_s, b, b_s, c, tile)
-        assert rel_fro_error(c, expected) < 5e-4
-    c = torch.empty(2, n, device=CUDA, dtype=torch.float32)
-    module.launch(torch.zeros_like(a), torch.zeros_like(a_s), b, b_s, c, tile)
-    assert torch.equal(c, torch.zeros_like(c))
-
-
 def deferred_tiles() -> list[dict]:
     entry = registry.select("fp8_gemm", FP8_SCHEME, arch="sm_90")
-    return [bucket.params for bucket in entry.tiles if bucket.params["deferred_rescale"]]
+    return [bucket.params for bucket in entry.tiles if bucket.params["impl"] == "deferred_gluon"]
 
 
 @pytest.mark.parametrize("tile", deferred_tiles(), ids=lambda t: f"{t['BLOCK_M']}x{t['BLOCK_N']}")
 @pytest.mark.parametrize("m, n, k", [(1, 2112, 7168), (300, 576, 512), (515, 136, 384), (130, 24576, 1536),
                                      (64, 256, 128), (4100, 1000, 384), (2000, 2112, 256), (4100, 1000, 128)])
 def test_fp8_gemm_deferred_rescale_ragged(tile, m, n, k):
-    """The Gluon kernel of the sm_90 deferred-rescale tiles on ragged shapes: M and N off the tile, an
+    """fp8_gemm/deferred_gluon's kernel (the sm_90 Gluon tiles) on ragged shapes: M and N off the tile, an
     odd number of K blocks (3, 1) and an even one; with more tiles than SMs, the persistent tile's
     programs loop and its loads run into the next tile (with one K block, several tiles ahead). fp32
     output, so only the order of the fp32 sums differs from the reference. Rows whose activations are
     all zero (scale 0) give exact zeros."""
     if capability() != (9, 0):
-        pytest.skip("the Gluon kernel is part of the sm_90 module")
-    module = registry.dispatch("fp8_gemm", FP8_SCHEME.name, CUDA).load()
+        pytest.skip("the Gluon kernel is sm_90's")
+    module = registry.select("fp8_gemm", FP8_SCHEME, arch="sm_90").modules["deferred_gluon"].load()
     a = random_fp8(m, k, scale=16.0, device=CUDA)
     a_s = random_scales(m, k // 128, device=CUDA)
     a[m // 2].zero_()
@@ -242,7 +211,7 @@ def test_fp8_gemm_deferred_rescale_ragged(tile, m, n, k):
 
 def edge_tiles() -> list[dict]:
     entry = registry.select("fp8_gemm", FP8_SCHEME, arch="sm_90")
-    return [bucket.params for bucket in entry.tiles if bucket.params["edge_tiles"]]
+    return [bucket.params for bucket in entry.tiles if bucket.params.get("edge_tiles")]
 
 
 @pytest.mark.parametrize("tile", edge_tiles(), ids=lambda t: f"{t['BLOCK_M']}x{t['BLOCK_N']}")
@@ -254,7 +223,7 @@ def test_fp8_gemm_edge_tiles_write_the_last_column(tile, m, n, k):
     replay of a CUDA graph."""
     if capability() != (9, 0):
         pytest.skip("edge tiles are part of the sm_90 Gluon kernel")
-    module = registry.dispatch("fp8_gemm", FP8_SCHEME.name, CUDA).load()
+    module = registry.select("fp8_gemm", FP8_SCHEME, arch="sm_90").modules["deferred_gluon"].load()
     sms = torch.cuda.get_device_properties(CUDA).multi_processor_count
     if not module._edge_tiles(m, n, tile, sms)[0]:
         pytest.skip(f"with {sms} SMs the edge column has no spare round at this shape (132 SMs: it has)")

@@ -132,44 +132,26 @@ def poisoned_outputs(poison, m, n, device):
 
 
 def gemm_runs(device):
-    """(arch or None for the device's own, M, N, gemv) to run: through kdsl.ops.fp8_gemm, or with gemv
-    the sm_90 module's GEMV (block_m = 1 tiles, which no bucket picks today) launched directly."""
+    """(arch or None for the device's own, M, N) to run through kdsl.ops.fp8_gemm."""
     if device.type == "cpu":
         if not use_kernels(device):
-            return [(None, 4, 256, False), (None, 1, 256, False)]
-        return [("sm_89", 4, 256, False), ("sm_90", 4, 256, False), ("sm_90", 1, 256, True)]
-    gemv = torch.cuda.get_device_capability(device) == (9, 0)
-    return [(None, m, n, False) for m in (1, 64, 512) for n in (256, 4096)] + [
-        (None, 1, n, True) for n in (256, 4096) if gemv]
-
-
-def run_gemm(a, a_s, b, b_s, gemv):
-    if not gemv:
-        return kdsl.ops.fp8_gemm(a, a_s, b, b_s)
-    entry = registry.dispatch("fp8_gemm", kdsl.BlockFP8().name, a.device)
-    # A bucket's launch parameters with the GEMV's geometry: block_m = 1, 64 columns, one scale group a step.
-    tile = dict(entry.tile_for(a.shape[0], b.shape[0]), BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, num_warps=4)
-    c = torch.empty(a.shape[0], b.shape[0], dtype=torch.bfloat16, device=a.device)
-    entry.load().launch(a, a_s, b, b_s, c, tile)
-    return c
+            return [(None, 4, 256), (None, 1, 256)]
+        return [("sm_89", 4, 256), ("sm_90", 4, 256), ("sm_90", 1, 256)]
+    return [(None, m, n) for m in (1, 64, 512) for n in (256, 4096)]
 
 
 @pytest.mark.parametrize("case", GEMM_CASES)
 def test_fp8_gemm(case, device, monkeypatch):
     poison = GEMM_CASES[case]
-    for arch, m, n, gemv in gemm_runs(device):
-        if gemv and device.type == "cpu" and math.isnan(poison[2]):
-            # Triton's interpreter decodes the NaN code as 480; kdsl.ops marks what read one on the CPU
-            # (the op runs above), a kernel launched directly cannot.
-            continue
+    for arch, m, n in gemm_runs(device):
         if arch:
             monkeypatch.setenv(registry.FORCE_ARCH_ENV, arch)
             registry.reset()
         operands = gemm_operands(m, n, 256, poison, device)
-        c = run_gemm(*operands, gemv).float()
+        c = kdsl.ops.fp8_gemm(*operands).float()
         expected = fp8_gemm_ref(*operands)
         bad = poisoned_outputs(poison, m, n, device)
-        where = f"{arch or device}, M={m}, N={n}, {'GEMV' if gemv else 'op'}"
+        where = f"{arch or device}, M={m}, N={n}"
         assert torch.equal(~expected.isfinite(), bad), "the reference disagrees with the rule"
         assert (c[bad].isnan() if math.isnan(poison[2]) else ~c[bad].isfinite()).all(), where
         assert c[~bad].isfinite().all(), where

@@ -26,9 +26,6 @@ from reference import (
 
 import kdsl
 from kdsl import registry
-from kdsl.codegen.render import tile_params
-from kdsl.kernels.block_fp8.fp8_gemm_tma_persistent import IMPL as TMA_IMPL
-from kdsl.schema.tiling import Tile
 
 FP8_SCHEME = kdsl.BlockFP8()
 TMA = "fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90"
@@ -336,35 +333,14 @@ def test_fp8_gemm_every_tile_bucket(arch, monkeypatch, launched):
     expect_kernel(launched, entry.name)
 
 
-@pytest.mark.parametrize("block_n, block_k, split_k", [(8, 128, 4), (16, 256, 3), (32, 512, 2), (128, 128, 1)])
-def test_fp8_gemv_tiles(block_n, block_k, split_k, monkeypatch):
-    """The sm_90 module's GEMV (block_m = 1 tiles) on its own: one program row per row of A, N
-    neither a multiple of the tile nor of a weight block, K steps of one or several scale groups,
-    and K splits down to one that holds no step (8x128 with split 4 over 5 steps). A row whose
-    activations are all zero (scale 0, as act_quant makes it) comes out exactly zero."""
-    use_arch(monkeypatch, "sm_90")
-    module = registry.dispatch("fp8_gemm", FP8_SCHEME.name, torch.device("cpu")).load()
-    tile = tile_params(Tile(block_m=1, block_n=block_n, block_k=block_k, split_k=split_k), TMA_IMPL)
-    torch.manual_seed(block_n + block_k + split_k)
-    a, a_s, b, b_s = _gemm_operands((3,), 200, 640)
-    a[1] = 0
-    a_s[1] = 0.0
-    for _ in range(2):  # the second launch finds the split-K counters as the first left them
-        c = torch.full((3, 200), float("nan"), dtype=torch.bfloat16)
-        module.launch(a, a_s, b, b_s, c, tile)
-        _check_gemm(c, a, a_s, b, b_s)
-        assert torch.equal(c[1], torch.zeros(200, dtype=torch.bfloat16))
-
-
 def test_fp8_gemm_edge_tiles_fill_the_spare_round(monkeypatch):
-    """The sm_90 module's plan for edge_tiles (the Gluon kernel that runs it is GPU-tested): N's partial
-    last column, in tiles as wide as it, goes to the programs with one whole tile fewer, where they can
-    take it without a round more; otherwise the column stays in whole tiles."""
-    use_arch(monkeypatch, "sm_90")
-    module = registry.dispatch("fp8_gemm", FP8_SCHEME.name, torch.device("cpu")).load()
-    tile = next(bucket.params for bucket in registry.select("fp8_gemm", FP8_SCHEME, arch="sm_90").tiles
-                if bucket.params["edge_tiles"])
-    assert tile["persistent"] and tile["deferred_rescale"] and (tile["BLOCK_M"], tile["BLOCK_N"]) == (128, 128)
+    """fp8_gemm/deferred_gluon's plan for edge_tiles (the Gluon kernel that runs it is GPU-tested): N's
+    partial last column, in tiles as wide as it, goes to the programs with one whole tile fewer, where they
+    can take it without a round more; otherwise the column stays in whole tiles."""
+    entry = registry.select("fp8_gemm", FP8_SCHEME, arch="sm_90")
+    module = entry.modules["deferred_gluon"].load()
+    tile = next(bucket.params for bucket in entry.tiles if bucket.params.get("edge_tiles"))
+    assert tile["persistent"] and tile["impl"] == "deferred_gluon" and (tile["BLOCK_M"], tile["BLOCK_N"]) == (128, 128)
     plan = module._edge_tiles
     # DeepSeek-V3's N = 2112 on 132 SMs: 512 whole tiles leave programs 116..131 a round to spare, and the
     # 32 half-width edge tiles go two to each of them.

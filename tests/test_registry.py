@@ -90,10 +90,11 @@ def test_explain_when_nothing_fits_does_not_raise():
     assert "needs sm_89 or newer" in text and "needs sm_90 or newer" in text
 
 
-# The Hopper variant: M <= 16; M <= 64 for N >= 16384, N >= 4096, then every N; M <= 128 the same;
-# M <= 512; the rest.
-@pytest.mark.parametrize("m, bucket", [(1, 0), (16, 0), (17, 3), (64, 3), (65, 6), (128, 6), (129, 7), (512, 7),
-                                       (513, 8), (100_000, 8)])
+# The Hopper variant: M <= 16; M <= 64 for N >= 16384, N >= 4096 (each a Gluon tile and its Triton
+# alternative), then every N; M <= 128 the same; M <= 512 and the rest (Gluon, then its alternative).
+# Without N the tile for every N serves.
+@pytest.mark.parametrize("m, bucket", [(1, 0), (16, 0), (17, 5), (64, 5), (65, 10), (128, 10), (129, 11), (512, 11),
+                                       (513, 13), (100_000, 13)])
 def test_tile_bucket_for_m(m, bucket):
     entry = registry.select("fp8_gemm", FP8_SCHEME, arch="sm_90", m=m)
     assert entry.bucket_index(m) == bucket

@@ -242,7 +242,7 @@ def _load_error(path) -> str:
     return message
 
 
-OPTIONS = {"persistent", "tile_order", "swap_ab", "warp_specialize", "deferred_rescale", "edge_tiles", "split_fill",
+OPTIONS = {"persistent", "tile_order", "swap_ab", "warp_specialize", "edge_tiles", "split_fill",
            "split_min_steps", "overlap_dequant", "mma_gemv"}
 
 
@@ -306,30 +306,43 @@ def test_warp_specialize_with_split_k_rejected(tmp_path):
     assert "tiles[1]" not in message  # warp specialization alone stays allowed
 
 
-def test_deferred_rescale_tiles_are_checked(tmp_path):
+def test_deferred_gluon_tiles_are_checked(tmp_path):
     path = _write(tmp_path, SCHEME + """
         [[variants]]
         op = "fp8_gemm"
         impl = "tma_persistent"
         min_arch = "sm_90"
         max_arch = "sm_90"
-        tiles = [{ m_max = 128, block_m = 64, num_warps = 8, options = { deferred_rescale = true } },
-                 { m_max = 256, block_m = 64, block_k = 64, options = { deferred_rescale = true } },
-                 { m_max = 512, block_m = 64, block_n = 256, options = { deferred_rescale = true } },
-                 { m_max = 1024, block_m = 64, split_k = 2, options = { persistent = true, deferred_rescale = true } },
-                 { block_m = 128, num_warps = 8, num_stages = 4, options = { deferred_rescale = true } }]
+        tiles = [{ impl = "deferred_gluon", m_max = 128, block_m = 64, num_warps = 8 },
+                 { impl = "deferred_gluon", m_max = 256, block_m = 64, block_k = 64 },
+                 { impl = "deferred_gluon", m_max = 512, block_m = 64, block_n = 256 },
+                 { impl = "deferred_gluon", m_max = 1024, block_m = 64, split_k = 2, options = { persistent = true, swap_ab = true } },
+                 { impl = "deferred_gluon", block_m = 128, num_warps = 8, num_stages = 4 },
+                 { block_m = 128, num_warps = 8, num_stages = 4 }]
     """)
     lines = _load_error(path).splitlines()
+    assert any("one warpgroup per 64 rows" in line for line in _tile_problems(lines, 0, ""))
+    assert any("needs 128, one scale group per K block" in line for line in _tile_problems(lines, 1, "block_k"))
+    assert any("weight block" in line for line in _tile_problems(lines, 2, "block_n"))
+    # Knobs of other kernels are not its knobs: named, not silently ignored.
+    assert any("fp8_gemm/deferred_gluon does not implement this knob" in line
+               for line in _tile_problems(lines, 3, "split_k"))
+    assert any("has no option" in line for line in _tile_problems(lines, 3, "swap_ab"))
+    assert not any("tiles[4]" in line for line in lines)  # the shipped prefill tile's shape
+    assert not any("tiles[5]" in line for line in lines)  # its alternative
 
-    def problems(index):
-        return _tile_problems(lines, index, "deferred_rescale")
 
-    assert any("one warpgroup per 64 rows" in line for line in problems(0))
-    assert any("block_k = 128" in line for line in problems(1))
-    assert any("weight block" in line for line in problems(2))
-    assert any("drop split_k" in line for line in problems(3))
-    assert not any("persistent" in line for line in problems(3))  # a persistent grid is fine
-    assert not problems(4)  # the shipped prefill tile's shape
+def test_deferred_gluon_as_the_last_tile_needs_an_alternative(tmp_path):
+    """Gluon has no interpreter, so the kernel refuses CPU calls: a last tile of it would leave them unserved."""
+    message = _load_error(_write(tmp_path, SCHEME + """
+        [[variants]]
+        op = "fp8_gemm"
+        impl = "tma_persistent"
+        min_arch = "sm_90"
+        max_arch = "sm_90"
+        tiles = [{ impl = "deferred_gluon", block_m = 128, num_warps = 8 }]
+    """))
+    assert "tiles[0]: the last tile must serve every call" in message and "deferred_gluon" in message
 
 
 def test_edge_tiles_are_checked(tmp_path):
@@ -340,16 +353,18 @@ def test_edge_tiles_are_checked(tmp_path):
         min_arch = "sm_90"
         max_arch = "sm_90"
         tiles = [{ m_max = 128, block_m = 64, block_n = 64, options = { persistent = true, edge_tiles = true } },
-                 { m_max = 512, block_m = 64, block_n = 128, options = { deferred_rescale = true, edge_tiles = true } },
-                 { m_max = 1024, block_m = 128, num_warps = 8, num_stages = 6, options = { persistent = true, deferred_rescale = true, edge_tiles = true } },
-                 { block_m = 128, block_n = 128, num_warps = 8, options = { persistent = true, deferred_rescale = true, edge_tiles = true } }]
+                 { impl = "deferred_gluon", m_max = 512, block_m = 64, block_n = 128, options = { edge_tiles = true } },
+                 { impl = "deferred_gluon", m_max = 1024, block_m = 128, num_warps = 8, num_stages = 6, options = { persistent = true, edge_tiles = true } },
+                 { impl = "deferred_gluon", block_m = 128, block_n = 128, num_warps = 8, options = { persistent = true, edge_tiles = true } },
+                 { block_m = 128, block_n = 128, num_warps = 8 }]
     """)
     lines = _load_error(path).splitlines()
 
     def problems(index, field="edge_tiles"):
         return _tile_problems(lines, index, field)
 
-    assert any("set deferred_rescale = true" in line for line in problems(0))
+    # The Triton kernel has no edge tiles: the option is the Gluon kernel's.
+    assert any("has no option" in line for line in problems(0))
     assert any("set persistent = true" in line for line in problems(1))
     # Six stages of 32 KB, the 32 KB epilogue tile and the edge's 16 KB: over an H100's 227 KB.
     assert any("KB of shared memory" in line for line in problems(2, ""))
@@ -362,18 +377,6 @@ def test_edge_tiles_are_checked(tmp_path):
         tiles = [{ block_m = 64, options = { edge_tiles = true } }]
     """, name="portable.toml"))
     assert "variants[0].tiles[0].options.edge_tiles" in message and "has no option" in message
-
-
-def test_deferred_rescale_is_a_knob_of_the_hopper_gemm_only(tmp_path):
-    path = _write(tmp_path, SCHEME + """
-        [[variants]]
-        op = "fp8_gemm"
-        impl = "portable"
-        min_arch = "sm_89"
-        tiles = [{ block_m = 64, options = { deferred_rescale = true } }]
-    """)
-    message = _load_error(path)
-    assert "variants[0].tiles[0].options.deferred_rescale" in message and "has no option" in message
 
 
 def test_block_k_not_dividing_group_rejected(tmp_path):
@@ -389,48 +392,24 @@ def test_block_k_not_dividing_group_rejected(tmp_path):
     assert "256" in message
 
 
-def test_fp8_gemv_tiles_step_whole_scale_groups(tmp_path):
-    """block_m = 1 on the Hopper variant is its GEMV: block_k a multiple of the 128 group (not a
-    divisor), block_n a divisor of the weight block's 128 rows; a GEMV-shaped tile on an impl
-    without one is still refused for its MMA rows."""
-    good = _write(tmp_path, SCHEME + """
+def test_fp8_mma_tiles_take_one_mma_of_rows(tmp_path):
+    """block_m = 1 is no switch to another algorithm: a block-FP8 MMA tile is refused for its MMA rows, and a
+    GEMV is an implementation a tile names (fp8_gemm has none)."""
+    message = _load_error(_write(tmp_path, SCHEME + """
         [[variants]]
         op = "fp8_gemm"
         impl = "tma_persistent"
         min_arch = "sm_90"
         max_arch = "sm_90"
-        [[variants.tiles]]
-        m_max = 1
-        block_m = 1
-        block_n = 64
-        block_k = 512
-        [[variants.tiles]]
-        block_m = 64
-    """, name="good.toml")
-    load_definition(good)
-    bad = _write(tmp_path, SCHEME + """
-        [[variants]]
-        op = "fp8_gemm"
-        impl = "tma_persistent"
-        min_arch = "sm_90"
-        max_arch = "sm_90"
-        [[variants.tiles]]
-        m_max = 1
-        block_m = 1
-        block_n = 256
-        block_k = 64
-        [[variants.tiles]]
-        block_m = 64
+        tiles = [{ m_max = 1, block_m = 1, block_n = 64, block_k = 128 }, { block_m = 64 }]
         [[variants]]
         op = "fp8_gemm"
         impl = "portable"
         min_arch = "sm_89"
-        tiles = [{ block_m = 1 }]
-    """, name="bad.toml")
-    message = _load_error(bad)
-    assert "variants[0].tiles[0].block_k: 64 is not a multiple of the quantization group along K (128)" in message
-    assert "variants[0].tiles[0].block_n: 256 does not divide the weight block's 128 rows" in message
-    assert "variants[1].tiles[0].block_m: 1 is below the 16 rows of one MMA" in message
+        tiles = [{ impl = "gemv", m_max = 1, block_m = 1 }, { block_m = 64 }]
+    """))
+    assert "variants[0].tiles[0].block_m: 1 is below the 16 rows of one MMA" in message
+    assert "no implementation 'gemv' of op 'fp8_gemm'" in message
 
 
 def test_block_k_error_names_the_right_bucket(tmp_path):

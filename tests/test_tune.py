@@ -139,16 +139,17 @@ def test_gemv_candidates_only_where_a_gemv_serves_the_bucket(definitions):
 
 def test_cap_keeps_the_current_tile_and_its_nearest_neighbours(definitions):
     (loaded, variant), = [(d, v) for d, v in tunable_variants(definitions) if v.impl == "tma_persistent"]
-    impl = find_impl(variant.op, variant.impl)
     schemes = loaded.definition.schemes
     for bucket in space.buckets(variant):
+        impl = find_impl(variant.op, variant.impl_of(bucket.tile))
         full = space.candidates(variant, bucket, schemes, max_candidates=10_000)
         capped = space.candidates(variant, bucket, schemes, max_candidates=5)
-        assert capped == full[:5] and len(capped) == 5
+        assert capped == full[:5] and len(capped) == min(5, len(full)) and len(full) >= 4
         assert space.candidates(variant, bucket, schemes, max_candidates=1) == [bucket.tile]
         # Neighbours first: every tile in the cap changes no more knobs than any tile left out.
         changed = [space._distance(t, bucket.tile, impl)[0] for t in full]
-        assert max(changed[1:5]) <= min(changed[5:])
+        if len(full) > 5:
+            assert max(changed[1:5]) <= min(changed[5:])
     assert len(space.candidates(variant, space.buckets(variant)[0], schemes)) == space.DEFAULT_MAX_CANDIDATES
     with pytest.raises(ValueError, match="at least 1"):
         space.candidates(variant, space.buckets(variant)[0], schemes, max_candidates=0)

@@ -197,9 +197,9 @@ FP8_GEMM = OpAbi(
     unexportable={
         "tma_persistent": (
             "its host code builds TMA descriptors per call (Triton TensorDescriptor), sizes a persistent grid "
-            "from the device's SM count, allocates a split-K workspace and counters at run time, and runs "
-            "M = 1 tiles through a separate GEMV kernel and deferred_rescale tiles through a Gluon kernel; "
-            "the C side does not reproduce that host code yet, so its cases go to the portable kernel"),
+            "from the device's SM count, allocates a split-K workspace and counters at run time, and its variant's "
+            "prefill tiles are Gluon kernels (fp8_gemm/deferred_gluon); the C side does not reproduce that host "
+            "code yet, so its cases go to the portable kernel"),
     },
 )
 

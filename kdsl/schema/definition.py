@@ -119,22 +119,13 @@ def _tile_problems(tile_where: str, variant: Variant, impl: KernelImpl, scheme, 
         return problems + [_option_problem(tile_where, variant, impl, e) for e in error.errors()]
     if "block_k" in impl.tile_knobs and isinstance(scheme, BlockFP8):
         group = scheme.quant_group_k
-        if impl.gemv_block_m and tile.block_m == 1:
-            # The GEMV scales whole groups per K step, and one weight block's scale serves its columns.
-            if tile.block_k % group:
-                problems.append(f"{tile_where}.block_k: {tile.block_k} is not a multiple of the quantization "
-                                f"group along K ({group}), which the GEMV (block_m = 1) steps over whole")
-            if scheme.weight_block[0] % tile.block_n:
-                problems.append(f"{tile_where}.block_n: {tile.block_n} does not divide the weight block's "
-                                f"{scheme.weight_block[0]} rows, as the GEMV (block_m = 1) needs")
-        elif group % tile.block_k:
+        if group % tile.block_k:
             problems.append(
                 f"{tile_where}.block_k: {tile.block_k} does not divide the quantization group along K ({group})"
             )
-    if tile.block_m < impl.min_block_m and not (impl.gemv_block_m and tile.block_m == 1):
-        also = " (or 1 for its CUDA-core GEMV)" if impl.gemv_block_m else ""
+    if tile.block_m < impl.min_block_m:
         problems.append(f"{tile_where}.block_m: {tile.block_m} is below the {impl.min_block_m} rows of one MMA; "
-                        f"{variant.op}/{impl.impl} takes {impl.min_block_m} or more{also}")
+                        f"{variant.op}/{impl.impl} takes {impl.min_block_m} or more")
     if hasattr(scheme, "pack_factor") and "block_k" in impl.tile_knobs and tile.block_k < scheme.pack_factor:
         problems.append(f"{tile_where}.block_k: {tile.block_k} is smaller than one packed int32 ({scheme.pack_factor} rows)")
     problems.extend(impl.problems(tile_where, scheme, variant, tile, options))

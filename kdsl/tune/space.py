@@ -59,10 +59,10 @@ GRIDS: dict[str, dict[str, tuple]] = {
     DECODE: {"block_n": (32, 64, 128), "block_k": (64, 128, 256), "split_k": (1, 2, 4, 8),
              "num_warps": (4,), "num_stages": (3, 4, 5)},
     MID: {"block_n": (64, 128, 256), "block_k": (64, 128), "split_k": (1, 2, 4),
-          "num_warps": (4, 8), "num_stages": (3, 4), "deferred_rescale": (False, True)},
+          "num_warps": (4, 8), "num_stages": (3, 4)},
     PREFILL: {"block_m": (64, 128, 256), "block_n": (64, 128, 256), "block_k": (64, 128), "split_k": (1, 2),
               "num_warps": (4, 8), "num_stages": (3, 4, 5), "persistent": (False, True),
-              "deferred_rescale": (False, True), "edge_tiles": (False, True)},
+              "edge_tiles": (False, True)},
 }
 
 
