@@ -103,7 +103,7 @@ def test_descriptors_key_on_their_tensor_sizes_and_block(act_quant_module):
 
 
 def test_gluon_descriptors_key_on_their_block():
-    mod = module("fp8_gemm", "sm_90")
+    mod = kdsl.registry.select("fp8_gemm", kdsl.BlockFP8().name, arch="sm_90").modules["deferred_gluon"].load()
     t = torch.zeros(256, 128, dtype=torch.float8_e4m3fn)
     whole, edge = mod._gluon_descriptor(t, (128, 128)), mod._gluon_descriptor(t, (64, 128))
     assert mod._specialization(whole) == mod._specialization(mod._gluon_descriptor(t.clone(), (128, 128)))
