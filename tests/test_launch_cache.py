@@ -423,6 +423,20 @@ def test_a_compiled_plan_declines_while_a_launch_hook_is_set(compiled_act_quant)
         knobs.runtime.launch_enter_hook.remove(hook)
 
 
+def test_a_compiled_plan_declines_inside_a_cuda_graph_capture(compiled_act_quant, monkeypatch):
+    """A captured graph's replays cost no host time, so a capture takes the ordinary path: the launches the
+    kernels were measured with (a replayed Gluon TMA launch measured slower inside a graph)."""
+    log, _ = compiled_act_quant
+    x, _ = fp8_operands()
+    kdsl.ops.act_quant(x)
+    (plan,) = plans("act_quant")
+    assert plan(x) is not None and log[-1][0] == "run"
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert plan(x) is None
+    kdsl.ops.act_quant(x)
+    assert log[-1][0] == "runner"
+
+
 def test_launches_that_go_around_the_launch_cache_leave_no_plan(compiled_act_quant):
     log, per_call = compiled_act_quant
     x, _ = fp8_operands()

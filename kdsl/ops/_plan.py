@@ -24,7 +24,10 @@ two of the call's tensors start at one address; no CUDA graph is being captured.
 NO_PLAN and every call takes the ordinary path.
 
 A plan declines (returns None, and the op takes the ordinary path) while Triton's launch hooks are set (a
-profiler sees every launch as Triton reports it) and, for CPU tensors, when TRITON_INTERPRET is unset.
+profiler sees every launch as Triton reports it), while a CUDA graph is being captured (the graph's replays have
+no host time to save, and a replayed launch of the Gluon TMA W4A16 kernel measured 3% slower on the GPU inside a
+graph than the ordinary path's: benchmarks/plan_probe.py, an H200) and, for CPU tensors, when TRITON_INTERPRET
+is unset.
 Plans live in kdsl.runtime.registry.plans: registry.reset() and add_generated() empty it; at most LIMIT
 are kept (the dict is emptied when full, like the modules' _COMPILED).
 """
@@ -232,10 +235,11 @@ def _build(rec: Recorder, inputs: tuple, outputs: tuple):
 
         ns["_knobs"], ns["_Chain"] = knobs, type(_hook_chain())
         ns["_stream"] = _triton_stream()
+        ns["_cuda"] = torch.cuda
         lines += ["    _rt = _knobs.runtime",
                   "    _h, _x = _rt.launch_enter_hook, _rt.launch_exit_hook",
                   "    if ((_h is not None and (type(_h) is not _Chain or _h.calls))",
-                  "            or (_x is not None and (type(_x) is not _Chain or _x.calls))):",
+                  "            or (_x is not None and (type(_x) is not _Chain or _x.calls)) or _cuda.is_current_stream_capturing()):",
                   "        return None"]
     else:
         lines += ['    if _environ.get("TRITON_INTERPRET") != "1":', "        return None"]
