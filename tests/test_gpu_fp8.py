@@ -119,7 +119,9 @@ def test_fp8_gemm(m, n, k, launched):
     err = rel_fro_error(c, fp8_gemm_ref(a, a_s, b, b_s))
     assert err < 1e-2, f"relative Frobenius error {err:.3g}"
     if capability() >= (8, 9):
-        assert launched and all(expected_gemm_impl() in name for name in launched), launched
+        # The entry's own kernels: on sm_90 its tiles name tma_persistent or the Gluon deferred_gluon.
+        kernels = ("tma_persistent", "deferred_gluon") if capability() == (9, 0) else ("portable",)
+        assert launched and all(any(k in name for k in kernels) for name in launched), launched
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32], ids=["float16", "float32"])
