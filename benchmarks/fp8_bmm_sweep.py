@@ -5,8 +5,9 @@
 For each (B, N, K) of issue 33 and M in {1, 16, 64, 128, 512, 4096}: every candidate tile of M's bucket is
 launched through the generated module's launch() (no registry), checked against an fp32 dequantize-then-bmm
 reference, then timed; bf16 torch.bmm on the dequantized weights and the portable kernel's shipped tile are
-timed beside them. a is the transpose(0, 1) view of a [M, B, K] tensor. M <= 512: CUDA-graph medians over
-calls that cycle through copies of the weights (each call reads them cold); M = 4096: do_bench (L2 flushed).
+timed beside them. a is the transpose(0, 1) view of a [M, B, K] tensor. CUDA-graph medians at every M (as
+kdsl bench times fp8_bmm); up to M = 512 over calls that cycle through copies of the weights (each call reads
+them cold). Prints each cell's best against bf16 bmm and the bandwidth roofline (a measured 1 GiB copy).
 """
 import json
 import sys
@@ -29,19 +30,34 @@ def T(bm, bn, warps, stages=3, **options):
     return dict(block_m=bm, block_n=bn, block_k=128, num_warps=warps, num_stages=stages, options=options)
 
 
-CANDIDATES = {  # second round (H100): the first round's leaders, and flattened pipelines everywhere
-    "small": [T(16, 64, 4, swap_ab=True, programs_per_sm=4), T(16, 64, 4, swap_ab=True, flatten=True),
-              T(16, 64, 4, swap_ab=True, flatten=True, programs_per_sm=4),
-              T(16, 128, 4, swap_ab=True, flatten=True), T(16, 128, 4, 4, swap_ab=True, flatten=True, programs_per_sm=3),
-              T(16, 64, 4, 2, swap_ab=True, programs_per_sm=8)],
-    "64": [T(64, 64, 4), T(64, 128, 4, persistent=False), T(64, 128, 4, flatten=True),
-           T(64, 64, 4, flatten=True, programs_per_sm=4), T(64, 128, 4, 4, flatten=True, programs_per_sm=3)],
-    "128": [T(64, 128, 4), T(64, 128, 4, flatten=True), T(64, 64, 4, flatten=True, programs_per_sm=4),
-            T(64, 128, 4, 4, flatten=True, programs_per_sm=3), T(128, 128, 8, flatten=True, programs_per_sm=1)],
-    "large": [T(128, 128, 8, programs_per_sm=1, flatten=True), T(128, 128, 8, 4, programs_per_sm=1, flatten=True),
-              T(128, 128, 8, 2, programs_per_sm=1, flatten=True), T(64, 128, 4, flatten=True),
-              T(64, 128, 4, 4, flatten=True, programs_per_sm=3), T(128, 64, 4, 4, flatten=True),
-              T(128, 128, 8, 4, programs_per_sm=1, flatten=True, batch_inner=True), T(64, 128, 4)],
+P = dict(pdl=True, prefetch_weights=True)  # programmatic dependent launch, weights prefetched into L2 first
+S = dict(swap_ab=True)
+CANDIDATES = {  # third round (pdl, prefetch_weights and the pointer epilogue are new); the shipped tile first
+    "small": [T(16, 64, 4, **S, flatten=True, programs_per_sm=4), T(16, 64, 4, 2, **S, programs_per_sm=8),
+              T(16, 64, 4, 2, **S, persistent=False), T(16, 128, 4, 2, **S, persistent=False),
+              T(16, 64, 4, **S, flatten=True, programs_per_sm=4, pdl=True),
+              T(16, 64, 4, 2, **S, programs_per_sm=8, pdl=True), T(16, 64, 4, 2, **S, programs_per_sm=8, **P),
+              T(16, 64, 4, 2, **S, persistent=False, **P), T(16, 64, 4, 4, **S, persistent=False, **P),
+              T(16, 128, 4, 2, **S, persistent=False, **P), T(16, 64, 4, **S, flatten=True, programs_per_sm=4, **P),
+              T(16, 64, 4, 2, **S, programs_per_sm=8, **P, epilogue="pointer")],
+    "64": [T(64, 128, 4, flatten=True), T(64, 64, 4), T(64, 128, 4, flatten=True, pdl=True),
+           T(64, 128, 4, flatten=True, **P), T(64, 64, 4, flatten=True, programs_per_sm=4, **P),
+           T(64, 128, 4, 2, persistent=False, **P), T(64, 64, 4, 2, persistent=False, **P),
+           T(64, 128, 4, flatten=True, **P, epilogue="pointer"), T(64, 128, 4, **S, flatten=True, **P),
+           T(64, 64, 4, 4, persistent=False, **P)],
+    "128": [T(64, 128, 4, flatten=True), T(64, 128, 4), T(64, 128, 4, flatten=True, **P),
+            T(64, 64, 4, flatten=True, programs_per_sm=4, **P), T(64, 128, 4, **P),
+            T(128, 128, 8, flatten=True, programs_per_sm=1, **P), T(64, 128, 4, 2, persistent=False, **P),
+            T(64, 128, 4, flatten=True, **P, epilogue="pointer"), T(64, 64, 4, 4, persistent=False, **P)],
+    "large": [T(64, 128, 4, flatten=True), T(64, 128, 4, flatten=True, pdl=True),
+              T(64, 128, 4, flatten=True, epilogue="pointer"), T(64, 128, 4, flatten=True, pdl=True, epilogue="pointer"),
+              T(128, 128, 8, 4, programs_per_sm=1, flatten=True),
+              T(128, 128, 8, 4, programs_per_sm=1, flatten=True, pdl=True),
+              T(128, 128, 8, 4, programs_per_sm=1, flatten=True, epilogue="pointer"),
+              T(128, 64, 4, 4, flatten=True, pdl=True), T(64, 128, 4, pdl=True),
+              T(128, 128, 8, 3, persistent=False, pdl=True), T(64, 128, 4, 4, flatten=True, programs_per_sm=3, pdl=True),
+              T(128, 128, 8, 4, programs_per_sm=1, flatten=True, batch_inner=True, pdl=True),
+              T(64, 128, 4, 3, persistent=False, pdl=True, epilogue="pointer")],
 }
 
 
@@ -55,11 +71,16 @@ def label(fields):
 
 
 def timed(calls, m):
-    """ms per call of `calls` (a list of callables run in turn)."""
+    """ms per call of `calls` (a list of callables run in turn): CUDA-graph medians at every M, as kdsl bench
+    times fp8_bmm."""
     fn = lambda: [c() for c in calls]  # noqa: E731
-    if m <= 512:
-        return tt.do_bench_cudagraph(fn, rep=10, return_mode="median") / len(calls)
-    return tt.do_bench(fn, return_mode="median") / len(calls)
+    return tt.do_bench_cudagraph(fn, rep=10, return_mode="median") / len(calls)
+
+
+def copy_rate():
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (tt.do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3)
 
 
 def main():
@@ -69,7 +90,20 @@ def main():
     module, portable_module = tma.load(), portable.load()
     impl = find_impl("fp8_bmm", "tma_persistent")
     rows = []
-    print(torch.cuda.get_device_name(), flush=True)
+    global CANDIDATES
+    try:  # a programmatic dependent launch captured in a CUDA graph (needs CUDA >= 12.3's programmatic edges)
+        a = torch.zeros(1, 16, 128, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.zeros(1, 64, 128, device="cuda").to(torch.float8_e4m3fn)
+        a_s, b_s = torch.ones(1, 16, 1, device="cuda"), torch.ones(1, 1, 1, device="cuda")
+        c = torch.empty(1, 16, 64, device="cuda", dtype=torch.bfloat16)
+        tile = tile_params(Tile(**T(16, 64, 4, 2, swap_ab=True, persistent=False, pdl=True, prefetch_weights=True)), impl)
+        tt.do_bench_cudagraph(lambda: module.launch(a, a_s, b, b_s, c, tile), rep=5)
+        print("pdl: captured and replayed in a CUDA graph", flush=True)
+    except Exception as exc:  # noqa: BLE001
+        print(f"pdl: not capturable here ({type(exc).__name__}: {exc}); pdl candidates dropped", flush=True)
+        CANDIDATES = {key: [c for c in cands if not c["options"].get("pdl")] for key, cands in CANDIDATES.items()}
+    rate = copy_rate()
+    print(torch.cuda.get_device_name(), f"copy {rate / 1e12:.2f} TB/s", flush=True)
     for batch, n, k in SHAPES:
         for m in MS:
             x = torch.randn(m, batch, k, device="cuda", dtype=torch.bfloat16)
@@ -86,6 +120,7 @@ def main():
             x_t = x.transpose(0, 1)
             c = torch.empty(batch, m, n, device="cuda", dtype=torch.bfloat16)
             row = {"batch": batch, "m": m, "n": n, "k": k, "copies": copies}
+            row["roofline_ms"] = 1e3 * (a.numel() + b.numel() + 4 * (a_s.numel() + b_s.numel()) + 2 * batch * m * n) / rate
             row["bf16_bmm_ms"] = timed([lambda w16=w16: torch.bmm(x_t, w16.transpose(1, 2)) for w16 in w16s], m)
             ptile = portable.tile_for(m, n)
             row["portable_ms"] = timed([lambda bq=bq, bs=bs: portable_module.launch(a, a_s, bq, bs, c, ptile)
@@ -113,12 +148,13 @@ def main():
             print(f"B={batch} N={n} K={k} M={m}: bf16 {row['bf16_bmm_ms'] * 1e3:.1f} us, portable "
                   f"{row['portable_ms'] * 1e3:.1f} us | " + " | ".join(
                       f"{nm} {r['ms'] * 1e3:.1f}" if "ms" in r else f"{nm} ERR {r['error']}" for nm, r in results.items())
-                  + (f" || best {best} {good[best] * 1e3:.1f} us = {row['bf16_bmm_ms'] / good[best]:.2f}x bf16" if best else ""),
+                  + (f" || best {best} {good[best] * 1e3:.1f} us = {row['bf16_bmm_ms'] / good[best]:.2f}x bf16, "
+                     f"{row['roofline_ms'] / good[best]:.0%} of roofline" if best else ""),
                   flush=True)
             del weights, w16s, ref, w_deq
             torch.cuda.empty_cache()
-    with open(out_path, "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            with open(out_path, "w") as f:  # after every cell: a run cut short keeps what it measured
+                json.dump({"gpu": torch.cuda.get_device_name(), "copy_rate": rate, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
