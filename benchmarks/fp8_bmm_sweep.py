@@ -32,32 +32,28 @@ def T(bm, bn, warps, stages=3, **options):
 
 P = dict(pdl=True, prefetch_weights=True)  # programmatic dependent launch, weights prefetched into L2 first
 S = dict(swap_ab=True)
-CANDIDATES = {  # third round (pdl, prefetch_weights and the pointer epilogue are new); the shipped tile first
-    "small": [T(16, 64, 4, **S, flatten=True, programs_per_sm=4), T(16, 64, 4, 2, **S, programs_per_sm=8),
-              T(16, 64, 4, 2, **S, persistent=False), T(16, 128, 4, 2, **S, persistent=False),
-              T(16, 64, 4, **S, flatten=True, programs_per_sm=4, pdl=True),
-              T(16, 64, 4, 2, **S, programs_per_sm=8, pdl=True), T(16, 64, 4, 2, **S, programs_per_sm=8, **P),
-              T(16, 64, 4, 2, **S, persistent=False, **P), T(16, 64, 4, 4, **S, persistent=False, **P),
-              T(16, 128, 4, 2, **S, persistent=False, **P), T(16, 64, 4, **S, flatten=True, programs_per_sm=4, **P),
-              T(16, 64, 4, 2, **S, programs_per_sm=8, **P, epilogue="pointer")],
-    "64": [T(64, 128, 4, flatten=True), T(64, 64, 4), T(64, 128, 4, flatten=True, pdl=True),
-           T(64, 128, 4, flatten=True, **P), T(64, 64, 4, flatten=True, programs_per_sm=4, **P),
-           T(64, 128, 4, 2, persistent=False, **P), T(64, 64, 4, 2, persistent=False, **P),
-           T(64, 128, 4, flatten=True, **P, epilogue="pointer"), T(64, 128, 4, **S, flatten=True, **P),
-           T(64, 64, 4, 4, persistent=False, **P)],
-    "128": [T(64, 128, 4, flatten=True), T(64, 128, 4), T(64, 128, 4, flatten=True, **P),
-            T(64, 64, 4, flatten=True, programs_per_sm=4, **P), T(64, 128, 4, **P),
-            T(128, 128, 8, flatten=True, programs_per_sm=1, **P), T(64, 128, 4, 2, persistent=False, **P),
-            T(64, 128, 4, flatten=True, **P, epilogue="pointer"), T(64, 64, 4, 4, persistent=False, **P)],
-    "large": [T(64, 128, 4, flatten=True), T(64, 128, 4, flatten=True, pdl=True),
-              T(64, 128, 4, flatten=True, epilogue="pointer"), T(64, 128, 4, flatten=True, pdl=True, epilogue="pointer"),
-              T(128, 128, 8, 4, programs_per_sm=1, flatten=True),
-              T(128, 128, 8, 4, programs_per_sm=1, flatten=True, pdl=True),
-              T(128, 128, 8, 4, programs_per_sm=1, flatten=True, epilogue="pointer"),
-              T(128, 64, 4, 4, flatten=True, pdl=True), T(64, 128, 4, pdl=True),
-              T(128, 128, 8, 3, persistent=False, pdl=True), T(64, 128, 4, 4, flatten=True, programs_per_sm=3, pdl=True),
-              T(128, 128, 8, 4, programs_per_sm=1, flatten=True, batch_inner=True, pdl=True),
-              T(64, 128, 4, 3, persistent=False, pdl=True, epilogue="pointer")],
+NP = dict(persistent=False)
+PTR = dict(epilogue="pointer")
+CANDIDATES = {  # fourth round (H200): round 3's leaders per shape and narrower N tiles for K = 512
+    "small": [T(16, 64, 4, 2, **S, programs_per_sm=8, pdl=True), T(16, 64, 4, 2, **S, programs_per_sm=8, **P),
+              T(16, 64, 4, 2, **S, programs_per_sm=8, **P, **PTR), T(16, 64, 4, 2, **S, programs_per_sm=8, pdl=True, **PTR),
+              T(16, 64, 4, 2, **S, **NP, pdl=True), T(16, 64, 4, 2, **S, programs_per_sm=6, **P),
+              T(16, 128, 4, 2, **S, **NP, pdl=True),
+              T(16, 64, 4, **S, flatten=True, programs_per_sm=4, **P), T(16, 64, 4, 4, **S, **NP, **P),
+              T(16, 32, 4, 4, **NP, **P), T(16, 32, 2, 4, **NP, **P), T(16, 16, 1, 4, **NP, **P),
+              T(16, 16, 2, 4, **NP, **P), T(16, 64, 4, 4, **NP, **P), T(16, 32, 4, 4, **NP, **P, **PTR),
+              T(16, 64, 4, 4, **S, flatten=True, programs_per_sm=4, **P), T(16, 32, 4, 2, programs_per_sm=8, **P)],
+    "64": [T(64, 128, 4, flatten=True, **P, **PTR), T(64, 64, 4, 2, **NP, **P), T(64, 64, 4, 4, **NP, **P),
+           T(64, 32, 4, 4, **NP, **P), T(64, 16, 4, 4, **NP, **P), T(64, 32, 4, 4, **NP, **P, **PTR),
+           T(64, 64, 4, flatten=True, programs_per_sm=4, **P, **PTR), T(64, 128, 4, flatten=True, pdl=True, **PTR),
+           T(64, 128, 4, 4, **NP, **P, **PTR), T(64, 64, 4, 4, **NP, **P, **PTR), T(64, 128, 4, **P, **PTR),
+           T(64, 32, 4, flatten=True, programs_per_sm=4, **P)],
+    "128": [T(64, 128, 4, flatten=True), T(64, 128, 4), T(64, 128, 4, 2, **NP, **P), T(64, 64, 4, 4, **NP, **P),
+            T(64, 128, 4, flatten=True, pdl=True), T(64, 128, 4, flatten=True, **PTR),
+            T(64, 128, 4, flatten=True, pdl=True, **PTR), T(64, 128, 4, **P, **PTR), T(64, 32, 4, 4, **NP, **P),
+            T(64, 64, 4, flatten=True, programs_per_sm=4, **P, **PTR), T(64, 128, 4, 4, flatten=True),
+            T(128, 128, 8, flatten=True, programs_per_sm=1, **PTR), T(64, 64, 4, 4, **NP, **P, **PTR)],
+    "large": [T(64, 128, 4, flatten=True), T(64, 128, 4, flatten=True, **PTR)],
 }
 
 
@@ -121,6 +117,14 @@ def main():
             c = torch.empty(batch, m, n, device="cuda", dtype=torch.bfloat16)
             row = {"batch": batch, "m": m, "n": n, "k": k, "copies": copies}
             row["roofline_ms"] = 1e3 * (a.numel() + b.numel() + 4 * (a_s.numel() + b_s.numel()) + 2 * batch * m * n) / rate
+            if m >= 512:  # the output's bytes alone, written (zero_) and copied: what the store side can reach
+                c2 = torch.empty_like(c)
+                row["zero_out_ms"] = tt.do_bench_cudagraph(lambda: c.zero_(), rep=10, return_mode="median")
+                row["copy_out_ms"] = tt.do_bench_cudagraph(lambda: c.copy_(c2), rep=10, return_mode="median")
+                print(f"  output {c.numel() * 2 / 1e6:.0f} MB: zero_ {row['zero_out_ms'] * 1e3:.1f} us "
+                      f"({c.numel() * 2 / row['zero_out_ms'] / 1e9:.2f} TB/s), copy {row['copy_out_ms'] * 1e3:.1f} us "
+                      f"({c.numel() * 4 / row['copy_out_ms'] / 1e9:.2f} TB/s)", flush=True)
+                del c2
             row["bf16_bmm_ms"] = timed([lambda w16=w16: torch.bmm(x_t, w16.transpose(1, 2)) for w16 in w16s], m)
             ptile = portable.tile_for(m, n)
             row["portable_ms"] = timed([lambda bq=bq, bs=bs: portable_module.launch(a, a_s, bq, bs, c, ptile)
