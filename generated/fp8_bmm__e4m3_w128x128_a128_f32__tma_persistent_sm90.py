@@ -3,7 +3,7 @@
 # kernel: fp8_bmm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_bmm/tma_persistent: batched, 3-D TMA descriptors (transposed activations without a copy), persistent grid over (batch, m-tile, n-tile), wgmma through Triton; refuses strides TMA cannot take)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: 5e9a61f77307dd27 (sha256 of this kernel's scheme, variant and templates)
+# digest: ba4bf7b565c1fc61 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -192,8 +192,11 @@ def fp8_bmm__e4m3_w128x128_a128_f32__tma_persistent_sm90(
 # Tiles per M bucket, from the definition: (largest M served or None for the rest,
 # smallest N served or None, launch parameters); the first that serves (M, N) is used.
 TILES = (
-    (16, None, {'impl': 'tma_persistent', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 4, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': True, 'flatten': True, 'warp_specialize': False, 'pdl': False, 'prefetch_weights': False, 'epilogue': 'tma'}),
-    (None, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': False, 'prefetch_weights': False, 'epilogue': 'tma'}),
+    (16, 256, {'impl': 'tma_persistent', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 2, 'persistent': True, 'programs_per_sm': 8, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': True, 'flatten': False, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': False, 'epilogue': 'tma'}),
+    (16, None, {'impl': 'tma_persistent', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 4, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': True, 'flatten': True, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': True, 'epilogue': 'tma'}),
+    (64, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': True, 'epilogue': 'pointer'}),
+    (None, 256, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': False, 'prefetch_weights': False, 'epilogue': 'tma'}),
+    (None, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': False, 'epilogue': 'pointer'}),
 )
 
 

@@ -101,7 +101,8 @@ def test_every_candidate_validates_honours_knobs_and_fits_shared_memory(definiti
 
 
 def test_knobs_an_impl_ignores_stay_unset(definitions):
-    (loaded, portable), = [(d, v) for d, v in tunable_variants(definitions) if v.impl == "portable"]
+    (loaded, portable), = [(d, v) for d, v in tunable_variants(definitions)
+                           if (v.op, v.impl) == ("fp8_gemm", "portable")]
     impl = find_impl("fp8_gemm", "portable")
     for bucket in space.buckets(portable):
         for tile in space.candidates(portable, bucket, loaded.definition.schemes, max_candidates=10_000):
@@ -112,7 +113,8 @@ def test_knobs_an_impl_ignores_stay_unset(definitions):
             params = tile_params(tile, impl)
             assert not {"persistent", "warp_specialize", "swap_ab"} & set(params) and "tile_order" in params
     # ...and a knob the impl honours is varied: the TMA kernel tries persistent grids for prefill.
-    (loaded, tma), = [(d, v) for d, v in tunable_variants(definitions) if v.impl == "tma_persistent"]
+    (loaded, tma), = [(d, v) for d, v in tunable_variants(definitions)
+                      if (v.op, v.impl) == ("fp8_gemm", "tma_persistent")]
     tma_impl = find_impl("fp8_gemm", "tma_persistent")
     rest = space.buckets(tma)[-1]
     tiles = space.candidates(tma, rest, loaded.definition.schemes, 10_000)
@@ -138,7 +140,8 @@ def test_gemv_candidates_only_where_a_gemv_serves_the_bucket(definitions):
 
 
 def test_cap_keeps_the_current_tile_and_its_nearest_neighbours(definitions):
-    (loaded, variant), = [(d, v) for d, v in tunable_variants(definitions) if v.impl == "tma_persistent"]
+    (loaded, variant), = [(d, v) for d, v in tunable_variants(definitions)
+                          if (v.op, v.impl) == ("fp8_gemm", "tma_persistent")]
     impl = find_impl(variant.op, variant.impl)
     schemes = loaded.definition.schemes
     for bucket in space.buckets(variant):
