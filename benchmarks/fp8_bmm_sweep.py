@@ -10,6 +10,7 @@ kdsl bench times fp8_bmm); up to M = 512 over calls that cycle through copies of
 them cold). Prints each cell's best against bf16 bmm and the bandwidth roofline (a measured 1 GiB copy).
 """
 import json
+import os
 import sys
 
 import torch
@@ -24,6 +25,9 @@ from kdsl.schema import Tile
 SHAPES = [(128, 512, 128), (128, 128, 512), (16, 512, 128), (16, 128, 512)]
 MS = [1, 16, 64, 128, 512, 4096]
 COLD_BYTES = 128 << 20
+# FP8_BMM_SWEEP_FRESH=1: every call writes a new output tensor, as kdsl bench's calls of kdsl.ops.fp8_bmm do
+# (one reused output buffer can stay in L2 between calls; new ones are written back to DRAM).
+FRESH = os.environ.get("FP8_BMM_SWEEP_FRESH") == "1"
 
 
 def T(bm, bn, warps, stages=3, **options):
@@ -141,7 +145,8 @@ def main():
                     if not err < 2e-2:
                         results[name] = {"error": f"rel err {err:.3g}"}
                         continue
-                    ms = timed([lambda bq=bq, bs=bs: module.launch(a, a_s, bq, bs, c, tile) for bq, bs in weights], m)
+                    ms = timed([lambda bq=bq, bs=bs: module.launch(a, a_s, bq, bs, torch.empty_like(c) if FRESH else c, tile)
+                                for bq, bs in weights], m)
                     results[name] = {"ms": ms, "rel_err": err}
                 except Exception as exc:  # noqa: BLE001 - a candidate that fails is a row
                     results[name] = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"}
