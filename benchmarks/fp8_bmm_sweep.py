@@ -25,8 +25,10 @@ from kdsl.schema import Tile
 SHAPES = [(128, 512, 128), (128, 128, 512), (16, 512, 128), (16, 128, 512)]
 MS = [1, 16, 64, 128, 512, 4096]
 COLD_BYTES = 128 << 20
-# FP8_BMM_SWEEP_FRESH=1: every call writes a new output tensor, as kdsl bench's calls of kdsl.ops.fp8_bmm do
-# (one reused output buffer can stay in L2 between calls; new ones are written back to DRAM).
+# FP8_BMM_SWEEP_FRESH=1: each weight copy's call writes its own output tensor, all alive together, as kdsl
+# bench's calls of kdsl.ops.fp8_bmm return theirs (one reused output buffer can stay in L2 between calls; a
+# callable's distinct outputs are written back to DRAM). Round 5 ran an earlier form that allocated each
+# output inside the call and dropped it, so the allocator handed the same block back: a reused buffer again.
 FRESH = os.environ.get("FP8_BMM_SWEEP_FRESH") == "1"
 
 
@@ -145,8 +147,10 @@ def main():
                     if not err < 2e-2:
                         results[name] = {"error": f"rel err {err:.3g}"}
                         continue
-                    ms = timed([lambda bq=bq, bs=bs: module.launch(a, a_s, bq, bs, torch.empty_like(c) if FRESH else c, tile)
-                                for bq, bs in weights], m)
+                    outs = [torch.empty_like(c) if FRESH else c for _ in weights]
+                    ms = timed([lambda bq=bq, bs=bs, out=out: module.launch(a, a_s, bq, bs, out, tile)
+                                for (bq, bs), out in zip(weights, outs)], m)
+                    del outs
                     results[name] = {"ms": ms, "rel_err": err}
                 except Exception as exc:  # noqa: BLE001 - a candidate that fails is a row
                     results[name] = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"}
