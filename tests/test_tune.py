@@ -395,6 +395,35 @@ def test_problems_launch_the_generated_kernel_and_check_it(interpreted, definiti
     assert math.isnan(err) and why == "rel err nan > 0.02"
 
 
+def test_fp8_bmm_is_timed_by_graphs_at_every_m_and_writes_an_output_per_weight_copy(interpreted, definitions):
+    """fp8_bmm is timed as kdsl bench times it: CUDA graphs at every M (its B = 16 calls are shorter than an eager
+    launch), and each launch takes the next weight copy and writes its own output (a reused one stays in L2)."""
+    from kdsl.runtime import registry
+    from kdsl.tune import problems
+
+    assert search.timer_for("fp8_bmm") is search.graph_timer
+    assert all(search.timer_for(op) is search.default_timer for op in TUNABLE if op != "fp8_bmm")
+    chosen = target.select_target("fp8_bmm", definitions, arch=registry.INTERPRETER_ARCH)
+    seen = []
+
+    class Spy:
+        layout, name = chosen.entry.layout, chosen.entry.name
+
+        def launch(self, a, a_s, b, b_s, c, params):
+            seen.append((b.data_ptr(), c.data_ptr()))
+            chosen.entry.launch(a, a_s, b, b_s, c, params)
+
+    shape = Shape(4, 64, 256, batch=3)
+    problem = problems.problem_factory("fp8_bmm", Spy())(shape)
+    tile = tile_params(space.buckets(chosen.variant)[0].tile, find_impl("fp8_bmm", chosen.variant.impl))
+    err, why = problem.check(tile)
+    assert why is None and err < 2e-2
+    for _ in range(3):
+        problem.launch(tile)
+    assert len({b for b, _ in seen}) == 4 and len({c for _, c in seen}) == 4
+    assert shape.label() == "B=3 M=4 N=64 K=256"
+
+
 # ---- write-back ----
 
 def _variant_line_range(text: str, index: int) -> tuple[int, int]:

@@ -67,6 +67,22 @@ def default_timer(fn: Callable[[], object], m: int) -> float:
     return float(bench(fn, return_mode="median"))
 
 
+def graph_timer(fn: Callable[[], object], m: int) -> float:
+    """Median ms of triton.testing.do_bench_cudagraph at every M."""
+    from triton.testing import do_bench_cudagraph
+
+    return float(do_bench_cudagraph(fn, return_mode="median"))
+
+
+# Ops timed by CUDA graphs at every M, as kdsl bench times them: fp8_bmm's B = 16 calls run in 5-25 us at
+# M = 512-4096, under an eager launch's host time.
+GRAPH_TIMED_OPS = frozenset({"fp8_bmm"})
+
+
+def timer_for(op: str) -> Timer:
+    return graph_timer if op in GRAPH_TIMED_OPS else default_timer
+
+
 def shapes_for_bucket(op: str, cases: Sequence[Case], bucket: Bucket) -> list[Shape]:
     """Every (N, K) the preset has for the op inside the bucket's N range, at the preset's M values
     inside the bucket, or at the bucket's m_max if none is (the last bucket: twice the previous
