@@ -5,10 +5,12 @@
 For each (B, N, K) of issue 33 and M in {1, 16, 64, 128, 512, 4096}: every candidate tile of M's bucket is
 launched through the generated module's launch() (no registry), checked against an fp32 dequantize-then-bmm
 reference, then timed; bf16 torch.bmm on the dequantized weights and the portable kernel's shipped tile are
-timed beside them. a is the transpose(0, 1) view of a [M, B, K] tensor. M <= 512: CUDA-graph medians over
-calls that cycle through copies of the weights (each call reads them cold); M = 4096: do_bench (L2 flushed).
+timed beside them. a is the transpose(0, 1) view of a [M, B, K] tensor. CUDA-graph medians at every M (as
+kdsl bench times fp8_bmm); up to M = 512 over calls that cycle through copies of the weights (each call reads
+them cold). Prints each cell's best against bf16 bmm and the bandwidth roofline (a measured 1 GiB copy).
 """
 import json
+import os
 import sys
 
 import torch
@@ -23,25 +25,41 @@ from kdsl.schema import Tile
 SHAPES = [(128, 512, 128), (128, 128, 512), (16, 512, 128), (16, 128, 512)]
 MS = [1, 16, 64, 128, 512, 4096]
 COLD_BYTES = 128 << 20
+# FP8_BMM_SWEEP_FRESH=1: each weight copy's call writes its own output tensor, all alive together, as kdsl
+# bench's calls of kdsl.ops.fp8_bmm return theirs (one reused output buffer can stay in L2 between calls; a
+# callable's distinct outputs are written back to DRAM). Round 5 ran an earlier form that allocated each
+# output inside the call and dropped it, so the allocator handed the same block back: a reused buffer again.
+FRESH = os.environ.get("FP8_BMM_SWEEP_FRESH") == "1"
 
 
 def T(bm, bn, warps, stages=3, **options):
     return dict(block_m=bm, block_n=bn, block_k=128, num_warps=warps, num_stages=stages, options=options)
 
 
-CANDIDATES = {  # second round (H100): the first round's leaders, and flattened pipelines everywhere
-    "small": [T(16, 64, 4, swap_ab=True, programs_per_sm=4), T(16, 64, 4, swap_ab=True, flatten=True),
-              T(16, 64, 4, swap_ab=True, flatten=True, programs_per_sm=4),
-              T(16, 128, 4, swap_ab=True, flatten=True), T(16, 128, 4, 4, swap_ab=True, flatten=True, programs_per_sm=3),
-              T(16, 64, 4, 2, swap_ab=True, programs_per_sm=8)],
-    "64": [T(64, 64, 4), T(64, 128, 4, persistent=False), T(64, 128, 4, flatten=True),
-           T(64, 64, 4, flatten=True, programs_per_sm=4), T(64, 128, 4, 4, flatten=True, programs_per_sm=3)],
-    "128": [T(64, 128, 4), T(64, 128, 4, flatten=True), T(64, 64, 4, flatten=True, programs_per_sm=4),
-            T(64, 128, 4, 4, flatten=True, programs_per_sm=3), T(128, 128, 8, flatten=True, programs_per_sm=1)],
-    "large": [T(128, 128, 8, programs_per_sm=1, flatten=True), T(128, 128, 8, 4, programs_per_sm=1, flatten=True),
-              T(128, 128, 8, 2, programs_per_sm=1, flatten=True), T(64, 128, 4, flatten=True),
-              T(64, 128, 4, 4, flatten=True, programs_per_sm=3), T(128, 64, 4, 4, flatten=True),
-              T(128, 128, 8, 4, programs_per_sm=1, flatten=True, batch_inner=True), T(64, 128, 4)],
+P = dict(pdl=True, prefetch_weights=True)  # programmatic dependent launch, weights prefetched into L2 first
+S = dict(swap_ab=True)
+NP = dict(persistent=False)
+PTR = dict(epilogue="pointer")
+CANDIDATES = {  # fourth round (H200): round 3's leaders per shape and narrower N tiles for K = 512
+    "small": [T(16, 64, 4, 2, **S, programs_per_sm=8, pdl=True), T(16, 64, 4, 2, **S, programs_per_sm=8, **P),
+              T(16, 64, 4, 2, **S, programs_per_sm=8, **P, **PTR), T(16, 64, 4, 2, **S, programs_per_sm=8, pdl=True, **PTR),
+              T(16, 64, 4, 2, **S, **NP, pdl=True), T(16, 64, 4, 2, **S, programs_per_sm=6, **P),
+              T(16, 128, 4, 2, **S, **NP, pdl=True),
+              T(16, 64, 4, **S, flatten=True, programs_per_sm=4, **P), T(16, 64, 4, 4, **S, **NP, **P),
+              T(16, 32, 4, 4, **NP, **P), T(16, 32, 2, 4, **NP, **P), T(16, 16, 1, 4, **NP, **P),
+              T(16, 16, 2, 4, **NP, **P), T(16, 64, 4, 4, **NP, **P), T(16, 32, 4, 4, **NP, **P, **PTR),
+              T(16, 64, 4, 4, **S, flatten=True, programs_per_sm=4, **P), T(16, 32, 4, 2, programs_per_sm=8, **P)],
+    "64": [T(64, 128, 4, flatten=True, **P, **PTR), T(64, 64, 4, 2, **NP, **P), T(64, 64, 4, 4, **NP, **P),
+           T(64, 32, 4, 4, **NP, **P), T(64, 16, 4, 4, **NP, **P), T(64, 32, 4, 4, **NP, **P, **PTR),
+           T(64, 64, 4, flatten=True, programs_per_sm=4, **P, **PTR), T(64, 128, 4, flatten=True, pdl=True, **PTR),
+           T(64, 128, 4, 4, **NP, **P, **PTR), T(64, 64, 4, 4, **NP, **P, **PTR), T(64, 128, 4, **P, **PTR),
+           T(64, 32, 4, flatten=True, programs_per_sm=4, **P)],
+    "128": [T(64, 128, 4, flatten=True), T(64, 128, 4), T(64, 128, 4, 2, **NP, **P), T(64, 64, 4, 4, **NP, **P),
+            T(64, 128, 4, flatten=True, pdl=True), T(64, 128, 4, flatten=True, **PTR),
+            T(64, 128, 4, flatten=True, pdl=True, **PTR), T(64, 128, 4, **P, **PTR), T(64, 32, 4, 4, **NP, **P),
+            T(64, 64, 4, flatten=True, programs_per_sm=4, **P, **PTR), T(64, 128, 4, 4, flatten=True),
+            T(128, 128, 8, flatten=True, programs_per_sm=1, **PTR), T(64, 64, 4, 4, **NP, **P, **PTR)],
+    "large": [T(64, 128, 4, flatten=True), T(64, 128, 4, flatten=True, **PTR)],
 }
 
 
@@ -55,11 +73,16 @@ def label(fields):
 
 
 def timed(calls, m):
-    """ms per call of `calls` (a list of callables run in turn)."""
+    """ms per call of `calls` (a list of callables run in turn): CUDA-graph medians at every M, as kdsl bench
+    times fp8_bmm."""
     fn = lambda: [c() for c in calls]  # noqa: E731
-    if m <= 512:
-        return tt.do_bench_cudagraph(fn, rep=10, return_mode="median") / len(calls)
-    return tt.do_bench(fn, return_mode="median") / len(calls)
+    return tt.do_bench_cudagraph(fn, rep=10, return_mode="median") / len(calls)
+
+
+def copy_rate():
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (tt.do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3)
 
 
 def main():
@@ -69,7 +92,20 @@ def main():
     module, portable_module = tma.load(), portable.load()
     impl = find_impl("fp8_bmm", "tma_persistent")
     rows = []
-    print(torch.cuda.get_device_name(), flush=True)
+    global CANDIDATES
+    try:  # a programmatic dependent launch captured in a CUDA graph (needs CUDA >= 12.3's programmatic edges)
+        a = torch.zeros(1, 16, 128, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.zeros(1, 64, 128, device="cuda").to(torch.float8_e4m3fn)
+        a_s, b_s = torch.ones(1, 16, 1, device="cuda"), torch.ones(1, 1, 1, device="cuda")
+        c = torch.empty(1, 16, 64, device="cuda", dtype=torch.bfloat16)
+        tile = tile_params(Tile(**T(16, 64, 4, 2, swap_ab=True, persistent=False, pdl=True, prefetch_weights=True)), impl)
+        tt.do_bench_cudagraph(lambda: module.launch(a, a_s, b, b_s, c, tile), rep=5)
+        print("pdl: captured and replayed in a CUDA graph", flush=True)
+    except Exception as exc:  # noqa: BLE001
+        print(f"pdl: not capturable here ({type(exc).__name__}: {exc}); pdl candidates dropped", flush=True)
+        CANDIDATES = {key: [c for c in cands if not c["options"].get("pdl")] for key, cands in CANDIDATES.items()}
+    rate = copy_rate()
+    print(torch.cuda.get_device_name(), f"copy {rate / 1e12:.2f} TB/s", flush=True)
     for batch, n, k in SHAPES:
         for m in MS:
             x = torch.randn(m, batch, k, device="cuda", dtype=torch.bfloat16)
@@ -86,6 +122,15 @@ def main():
             x_t = x.transpose(0, 1)
             c = torch.empty(batch, m, n, device="cuda", dtype=torch.bfloat16)
             row = {"batch": batch, "m": m, "n": n, "k": k, "copies": copies}
+            row["roofline_ms"] = 1e3 * (a.numel() + b.numel() + 4 * (a_s.numel() + b_s.numel()) + 2 * batch * m * n) / rate
+            if m >= 512:  # the output's bytes alone, written (zero_) and copied: what the store side can reach
+                c2 = torch.empty_like(c)
+                row["zero_out_ms"] = tt.do_bench_cudagraph(lambda: c.zero_(), rep=10, return_mode="median")
+                row["copy_out_ms"] = tt.do_bench_cudagraph(lambda: c.copy_(c2), rep=10, return_mode="median")
+                print(f"  output {c.numel() * 2 / 1e6:.0f} MB: zero_ {row['zero_out_ms'] * 1e3:.1f} us "
+                      f"({c.numel() * 2 / row['zero_out_ms'] / 1e9:.2f} TB/s), copy {row['copy_out_ms'] * 1e3:.1f} us "
+                      f"({c.numel() * 4 / row['copy_out_ms'] / 1e9:.2f} TB/s)", flush=True)
+                del c2
             row["bf16_bmm_ms"] = timed([lambda w16=w16: torch.bmm(x_t, w16.transpose(1, 2)) for w16 in w16s], m)
             ptile = portable.tile_for(m, n)
             row["portable_ms"] = timed([lambda bq=bq, bs=bs: portable_module.launch(a, a_s, bq, bs, c, ptile)
@@ -102,7 +147,10 @@ def main():
                     if not err < 2e-2:
                         results[name] = {"error": f"rel err {err:.3g}"}
                         continue
-                    ms = timed([lambda bq=bq, bs=bs: module.launch(a, a_s, bq, bs, c, tile) for bq, bs in weights], m)
+                    outs = [torch.empty_like(c) if FRESH else c for _ in weights]
+                    ms = timed([lambda bq=bq, bs=bs, out=out: module.launch(a, a_s, bq, bs, out, tile)
+                                for (bq, bs), out in zip(weights, outs)], m)
+                    del outs
                     results[name] = {"ms": ms, "rel_err": err}
                 except Exception as exc:  # noqa: BLE001 - a candidate that fails is a row
                     results[name] = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"}
@@ -113,12 +161,13 @@ def main():
             print(f"B={batch} N={n} K={k} M={m}: bf16 {row['bf16_bmm_ms'] * 1e3:.1f} us, portable "
                   f"{row['portable_ms'] * 1e3:.1f} us | " + " | ".join(
                       f"{nm} {r['ms'] * 1e3:.1f}" if "ms" in r else f"{nm} ERR {r['error']}" for nm, r in results.items())
-                  + (f" || best {best} {good[best] * 1e3:.1f} us = {row['bf16_bmm_ms'] / good[best]:.2f}x bf16" if best else ""),
+                  + (f" || best {best} {good[best] * 1e3:.1f} us = {row['bf16_bmm_ms'] / good[best]:.2f}x bf16, "
+                     f"{row['roofline_ms'] / good[best]:.0%} of roofline" if best else ""),
                   flush=True)
             del weights, w16s, ref, w_deq
             torch.cuda.empty_cache()
-    with open(out_path, "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            with open(out_path, "w") as f:  # after every cell: a run cut short keeps what it measured
+                json.dump({"gpu": torch.cuda.get_device_name(), "copy_rate": rate, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -3,17 +3,19 @@
 # kernel: fp8_bmm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_bmm/tma_persistent: batched, 3-D TMA descriptors (transposed activations without a copy), persistent grid over (batch, m-tile, n-tile), wgmma through Triton; refuses strides TMA cannot take)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: 432531333c9c9b21 (sha256 of this kernel's scheme, variant and templates)
+# digest: ba4bf7b565c1fc61 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
 import os
 
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 ACT_GROUP = tl.constexpr(128)
 W_BLOCK_N = tl.constexpr(128)
 W_BLOCK_K = tl.constexpr(128)
+L2_LINE = tl.constexpr(128)  # bytes
 
 
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -93,14 +95,36 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr, N_MAJOR: 
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    # One 128-byte line per address into L2 (no registers written, nothing waited for).
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _tile_of(tile_id, B, num_pid_m, num_pid_n, GROUP_M: tl.constexpr, N_MAJOR: tl.constexpr,
+             BATCH_INNER: tl.constexpr):
+    if BATCH_INNER:
+        batch = tile_id % B
+        local = tile_id // B
+    else:
+        batch = tile_id // (num_pid_m * num_pid_n)
+        local = tile_id % (num_pid_m * num_pid_n)
+    pid_m, pid_n = _tile_coords(local, num_pid_m, num_pid_n, GROUP_M, N_MAJOR)
+    return batch, pid_m, pid_n
+
+
+@triton.jit
 def fp8_bmm__e4m3_w128x128_a128_f32__tma_persistent_sm90(
-    a_desc, b_desc, c_desc, as_ptr, bs_ptr,
+    a_desc, b_desc, c_desc, as_ptr, bs_ptr, b_ptr, c_ptr,
     B, M, N, K,
     stride_asb, stride_asm, stride_ask, stride_bsb, stride_bsn, stride_bsk,
+    stride_bb, stride_bn, stride_cb, stride_cm,
     num_programs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, N_MAJOR: tl.constexpr, BATCH_INNER: tl.constexpr,
     SWAP_AB: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_WEIGHTS: tl.constexpr, POINTER_STORE: tl.constexpr,
 ):
     """C[g] = sum over K blocks of dot(A[g], B[g]^T) * a_scale[g, m] * b_scale[g, n-block], fp32 accumulation.
 
@@ -109,21 +133,30 @@ def fp8_bmm__e4m3_w128x128_a128_f32__tma_persistent_sm90(
     inside its batch, zero-filled past M and N on loads and clipped on stores. block_n divides the weight
     block, so one weight scale per K block serves the tile and folds into the row scales.
     SWAP_AB (few rows): the wgmma computes C^T = B A^T, so B's rows fill its 64-row side.
+    PDL (launched as a programmatic dependent launch): the program may start while the previous kernel on
+    the stream finishes. It reads nothing that kernel may write and writes nothing before gdc_wait; with
+    PREFETCH_WEIGHTS it first pulls its first tile's weights into L2 (weights are no earlier kernel's output).
+    Once the previous kernel is done, it lets the next kernel launch (gdc_launch_dependents), so at most
+    one kernel's programs wait beside a running one.
+    POINTER_STORE: the epilogue stores from registers (masked pointer stores) instead of a TMA store.
     """
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    per_batch = num_pid_m * num_pid_n
     k_blocks = tl.cdiv(K, BLOCK_K)
+    if PDL:
+        if PREFETCH_WEIGHTS:
+            first_batch, _, first_n = _tile_of(tl.program_id(0), B, num_pid_m, num_pid_n, GROUP_M, N_MAJOR,
+                                               BATCH_INNER)
+            w_rows = tl.minimum(first_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
+            w_lines = b_ptr + first_batch.to(tl.int64) * stride_bb + w_rows.to(tl.int64) * stride_bn
+            for k in range(0, K, L2_LINE):  # fp8: one byte per element
+                _prefetch_l2(w_lines + k)
+        gdc_wait()
+        gdc_launch_dependents()
 
-    for tile_id in tl.range(tl.program_id(0), B * per_batch, num_programs, flatten=FLATTEN,
+    for tile_id in tl.range(tl.program_id(0), B * num_pid_m * num_pid_n, num_programs, flatten=FLATTEN,
                             warp_specialize=WARP_SPECIALIZE):
-        if BATCH_INNER:
-            batch = tile_id % B
-            local = tile_id // B
-        else:
-            batch = tile_id // per_batch
-            local = tile_id % per_batch
-        pid_m, pid_n = _tile_coords(local, num_pid_m, num_pid_n, GROUP_M, N_MAJOR)
+        batch, pid_m, pid_n = _tile_of(tile_id, B, num_pid_m, num_pid_n, GROUP_M, N_MAJOR, BATCH_INNER)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         rows = off_m + tl.arange(0, BLOCK_M)
@@ -147,14 +180,23 @@ def fp8_bmm__e4m3_w128x128_a128_f32__tma_persistent_sm90(
                 acc += tl.dot(a, b.T) * scale[:, None]
         if SWAP_AB:
             acc = acc.T
-        c_desc.store([batch, off_m, off_n], acc.to(c_desc.dtype).reshape(1, BLOCK_M, BLOCK_N))
+        if POINTER_STORE:
+            cols = off_n + tl.arange(0, BLOCK_N)
+            c_ptrs = (c_ptr + batch.to(tl.int64) * stride_cb + rows.to(tl.int64)[:, None] * stride_cm
+                      + cols[None, :])
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+        else:
+            c_desc.store([batch, off_m, off_n], acc.to(c_desc.dtype).reshape(1, BLOCK_M, BLOCK_N))
 
 
 # Tiles per M bucket, from the definition: (largest M served or None for the rest,
 # smallest N served or None, launch parameters); the first that serves (M, N) is used.
 TILES = (
-    (16, None, {'impl': 'tma_persistent', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 4, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': True, 'flatten': True, 'warp_specialize': False}),
-    (None, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False}),
+    (16, 256, {'impl': 'tma_persistent', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 2, 'persistent': True, 'programs_per_sm': 8, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': True, 'flatten': False, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': False, 'epilogue': 'tma'}),
+    (16, None, {'impl': 'tma_persistent', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 4, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': True, 'flatten': True, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': True, 'epilogue': 'tma'}),
+    (64, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': True, 'epilogue': 'pointer'}),
+    (None, 256, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': False, 'prefetch_weights': False, 'epilogue': 'tma'}),
+    (None, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': False, 'epilogue': 'pointer'}),
 )
 
 
@@ -240,11 +282,16 @@ def launch(a, a_s, b, b_s, c, tile):
     c_desc = TensorDescriptor(c, [B, M, N], c_strides, [1, bm, bn])
     tiles = B * _cdiv(M, bm) * _cdiv(N, bn)
     programs = _programs(a.device, tiles, tile)
+    # Triton's interpreter has no grid dependency control: there the kernel launches as an ordinary one.
+    pdl = tile["pdl"] and not _INTERPRETING
     _launch(fp8_bmm__e4m3_w128x128_a128_f32__tma_persistent_sm90, (programs, 1, 1), (
-        a_desc, b_desc, c_desc, a_s, b_s, B, M, N, K,
-        a_s.stride(0), a_s.stride(1), a_s.stride(2), b_s.stride(0), b_s.stride(1), b_s.stride(2), programs,
+        a_desc, b_desc, c_desc, a_s, b_s, b, c, B, M, N, K,
+        a_s.stride(0), a_s.stride(1), a_s.stride(2), b_s.stride(0), b_s.stride(1), b_s.stride(2),
+        b.stride(0), b.stride(1), c.stride(0), c.stride(1), programs,
     ), dict(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tile["GROUP_M"], N_MAJOR=tile["tile_order"] == "n_major",
         BATCH_INNER=tile["batch_inner"], SWAP_AB=tile["swap_ab"], FLATTEN=tile["flatten"],
-        WARP_SPECIALIZE=tile["warp_specialize"], num_warps=tile["num_warps"], num_stages=tile["num_stages"],
+        WARP_SPECIALIZE=tile["warp_specialize"], PDL=pdl, PREFETCH_WEIGHTS=tile["prefetch_weights"],
+        POINTER_STORE=tile["epilogue"] == "pointer", num_warps=tile["num_warps"], num_stages=tile["num_stages"],
+        **({"launch_pdl": True} if pdl else {}),
     ))

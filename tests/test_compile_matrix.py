@@ -142,11 +142,13 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
         args={"a_desc": "tensordesc<fp8e4nv[1, {BLOCK_M}, {BLOCK_K}]>",
               "b_desc": "tensordesc<fp8e4nv[1, {BLOCK_N}, {BLOCK_K}]>",
               "c_desc": "tensordesc<{out}[1, {BLOCK_M}, {BLOCK_N}]>",
-              "as_ptr": F32, "bs_ptr": F32, "B": I32, "M": I32, "N": I32, "K": I32,
+              "as_ptr": F32, "bs_ptr": F32, "b_ptr": FP8, "c_ptr": "*{out}", "B": I32, "M": I32, "N": I32, "K": I32,
               "stride_asb": I32, "stride_asm": I32, "stride_ask": I32,
-              "stride_bsb": I32, "stride_bsn": I32, "stride_bsk": I32, "num_programs": I32},
+              "stride_bsb": I32, "stride_bsn": I32, "stride_bsk": I32,
+              "stride_bb": I32, "stride_bn": I32, "stride_cb": I32, "stride_cm": I32, "num_programs": I32},
         constexprs={**GEMM_BLOCKS, "BATCH_INNER": "batch_inner", "SWAP_AB": "swap_ab", "FLATTEN": "flatten",
-                    "WARP_SPECIALIZE": "warp_specialize"},
+                    "WARP_SPECIALIZE": "warp_specialize", "PDL": "pdl", "PREFETCH_WEIGHTS": "prefetch_weights",
+                    "POINTER_STORE": lambda tile: tile["epilogue"] == "pointer"},
         options=("num_warps", "num_stages"),
         out_types=("bf16", "fp16", "fp32"),
     ),
@@ -277,6 +279,14 @@ EXTRA_TILES: dict[str, dict] = {
                                find_impl("fp8_bmm", "tma_persistent")),
     "bmm-ws": tile_params(Tile(block_m=64, block_n=128, num_warps=4, num_stages=3,
                                options={"warp_specialize": True}), find_impl("fp8_bmm", "tma_persistent")),
+    # Programmatic dependent launch with the weight prefetch, and the pointer epilogue (swapped and not).
+    "bmm-pdl-pointer": tile_params(Tile(block_m=64, block_n=128, num_warps=4, num_stages=3,
+                                        options={"flatten": True, "pdl": True, "prefetch_weights": True,
+                                                 "epilogue": "pointer"}), find_impl("fp8_bmm", "tma_persistent")),
+    "bmm-pdl-swap-pointer": tile_params(Tile(block_m=16, block_n=64, num_warps=4, num_stages=2,
+                                             options={"swap_ab": True, "persistent": False, "pdl": True,
+                                                      "prefetch_weights": True, "epilogue": "pointer"}),
+                                        find_impl("fp8_bmm", "tma_persistent")),
 }
 
 
@@ -508,14 +518,18 @@ BMM_TMA_TILES = [i for i, tile in enumerate(BMM_TMA.tiles) if tile.params["impl"
 
 @pytest.mark.parametrize("job", [Job(TMA.name, 90, first_mma(TMA)), Job(TMA.name, 90, last(TMA)),
                                  *(Job(BMM_TMA.name, 90, i) for i in BMM_TMA_TILES),
-                                 Job(BMM_TMA.name, 90, "bmm-flatten"), Job(BMM_TMA.name, 90, "bmm-ws")],
+                                 Job(BMM_TMA.name, 90, "bmm-flatten"), Job(BMM_TMA.name, 90, "bmm-ws"),
+                                 Job(BMM_TMA.name, 90, "bmm-pdl-pointer"), Job(BMM_TMA.name, 90, "bmm-pdl-swap-pointer")],
                          ids=["decode", "prefill", *(f"bmm-tile{i}" for i in BMM_TMA_TILES),
-                              "bmm-flatten", "bmm-ws"])
+                              "bmm-flatten", "bmm-ws", "bmm-pdl-pointer", "bmm-pdl-swap-pointer"])
 def test_hopper_gemm_uses_wgmma(job, compiled):
     ptx = ptx_of(compiled, job)
     assert "wgmma" in ptx
     assert re.search(r"wgmma\.mma_async\S*e4m3\.e4m3", ptx), "wgmma does not take e4m3 operands"
     assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
+    if isinstance(job.tile, str) and job.tile.startswith("bmm-pdl"):
+        assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+        assert "prefetch.global.L2" in ptx
 
 
 DEFERRED = [i for i, tile in enumerate(TMA.tiles) if tile.params["impl"] == "deferred_gluon"]

@@ -490,3 +490,76 @@ def test_fp8_bmm_strided_fallback_on_gpu():
         assert call.align == 8 and entry.tile_for(m, n, call)["impl"] == "portable"  # 264-byte batch stride
     assert kdsl.ops.fp8_bmm(a, a_s, b, b_s, out=out) is out
     check_bmm(out, a, a_s, b, b_s)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", [(1, 512, 128), (16, 128, 512), (64, 512, 128), (128, 128, 512)])
+def test_fp8_bmm_pdl_waits_for_its_producer_on_gpu(m, n, k):
+    """Tiles with pdl start while the previous kernel finishes: each call here reads activations that act_quant
+    wrote just before it, and writes an output that the previous fp8_bmm call also wrote, eagerly and replayed
+    in a CUDA graph (where the launches become programmatic edges). Every result must be its own."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 kernels need sm_89 or newer")
+    torch.manual_seed(m + n)
+    heads, rounds = 16, 6
+    entry = registry.dispatch("fp8_bmm", kdsl.BlockFP8().name, torch.device("cuda"))
+    xs = [torch.randn(m, heads, k, device="cuda", dtype=torch.bfloat16) for _ in range(rounds)]
+    _, _, b, b_s = mla_operands(heads, m, n, k, device="cuda")
+    out = torch.empty(heads, m, n, dtype=torch.bfloat16, device="cuda")
+    got = [torch.empty_like(out) for _ in range(rounds)]
+
+    def chain():
+        for x, keep in zip(xs, got):
+            q, s = kdsl.ops.act_quant(x)
+            kdsl.ops.fp8_bmm(q.transpose(0, 1), s.transpose(0, 1), b, b_s, out=out)
+            keep.copy_(out)
+
+    def check():
+        for x, c in zip(xs, got):
+            q, s = kdsl.ops.act_quant(x)
+            check_bmm(c, q.transpose(0, 1), s.transpose(0, 1), b, b_s)
+
+    chain()
+    torch.cuda.synchronize()
+    check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    for c in got:
+        c.fill_(float("nan"))
+    for x in xs:
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    check()
+    if entry.name == TMA:
+        assert any(t.params.get("pdl") for t in entry.tiles)
+
+
+@pytest.mark.parametrize("options", [
+    {"epilogue": "pointer"},
+    {"swap_ab": True, "persistent": False, "epilogue": "pointer", "pdl": True, "prefetch_weights": True},
+    {"flatten": True, "pdl": True, "prefetch_weights": True},
+], ids=["pointer", "swap-pointer-pdl", "flatten-pdl"])
+def test_tma_kernel_options(options, monkeypatch):
+    """The pointer epilogue and the PDL options give the same answers as the TMA store, on MLA's views and a
+    transposed out= (the interpreter launches a pdl tile as an ordinary launch; the GPU tests launch it as a
+    programmatic dependent launch)."""
+    from kdsl.codegen.render import tile_params
+    from kdsl.kernels import find_impl
+    from kdsl.schema import Tile
+
+    monkeypatch.setenv("KDSL_ARCH", "sm_90")
+    registry.reset()
+    module = next(m for m in registry.select("fp8_bmm", kdsl.BlockFP8(), arch="sm_90").modules.values()
+                  if m.path.stem == TMA).load()
+    impl = find_impl("fp8_bmm", "tma_persistent")
+    bm = 16 if options.get("swap_ab") else 64
+    tile = tile_params(Tile(block_m=bm, block_n=64, num_warps=4, num_stages=2, options=options), impl)
+    for m in (1, 5, 70):
+        a, a_s, b, b_s = mla_operands(3, m, 192, 256)
+        buffer = torch.full((m, 3, 192), float("nan"), dtype=torch.bfloat16)
+        module.launch(a, a_s, b, b_s, buffer.transpose(0, 1), tile)
+        check_bmm(buffer.transpose(0, 1), a, a_s, b, b_s)
+    monkeypatch.delenv("KDSL_ARCH")
+    registry.reset()

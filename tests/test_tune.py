@@ -101,7 +101,8 @@ def test_every_candidate_validates_honours_knobs_and_fits_shared_memory(definiti
 
 
 def test_knobs_an_impl_ignores_stay_unset(definitions):
-    (loaded, portable), = [(d, v) for d, v in tunable_variants(definitions) if v.impl == "portable"]
+    (loaded, portable), = [(d, v) for d, v in tunable_variants(definitions)
+                           if (v.op, v.impl) == ("fp8_gemm", "portable")]
     impl = find_impl("fp8_gemm", "portable")
     for bucket in space.buckets(portable):
         for tile in space.candidates(portable, bucket, loaded.definition.schemes, max_candidates=10_000):
@@ -112,7 +113,8 @@ def test_knobs_an_impl_ignores_stay_unset(definitions):
             params = tile_params(tile, impl)
             assert not {"persistent", "warp_specialize", "swap_ab"} & set(params) and "tile_order" in params
     # ...and a knob the impl honours is varied: the TMA kernel tries persistent grids for prefill.
-    (loaded, tma), = [(d, v) for d, v in tunable_variants(definitions) if v.impl == "tma_persistent"]
+    (loaded, tma), = [(d, v) for d, v in tunable_variants(definitions)
+                      if (v.op, v.impl) == ("fp8_gemm", "tma_persistent")]
     tma_impl = find_impl("fp8_gemm", "tma_persistent")
     rest = space.buckets(tma)[-1]
     tiles = space.candidates(tma, rest, loaded.definition.schemes, 10_000)
@@ -138,7 +140,8 @@ def test_gemv_candidates_only_where_a_gemv_serves_the_bucket(definitions):
 
 
 def test_cap_keeps_the_current_tile_and_its_nearest_neighbours(definitions):
-    (loaded, variant), = [(d, v) for d, v in tunable_variants(definitions) if v.impl == "tma_persistent"]
+    (loaded, variant), = [(d, v) for d, v in tunable_variants(definitions)
+                          if (v.op, v.impl) == ("fp8_gemm", "tma_persistent")]
     schemes = loaded.definition.schemes
     for bucket in space.buckets(variant):
         impl = find_impl(variant.op, variant.impl_of(bucket.tile))
@@ -391,6 +394,35 @@ def test_problems_launch_the_generated_kernel_and_check_it(interpreted, definiti
     idle = types.SimpleNamespace(launch=lambda *args: None, layout=chosen.entry.layout, name="idle")
     err, why = problems.problem_factory(op, idle)(shape).check(tile_params(tiles[0], impl))
     assert math.isnan(err) and why == "rel err nan > 0.02"
+
+
+def test_fp8_bmm_is_timed_by_graphs_at_every_m_and_writes_an_output_per_weight_copy(interpreted, definitions):
+    """fp8_bmm is timed as kdsl bench times it: CUDA graphs at every M (its B = 16 calls are shorter than an eager
+    launch), and each launch takes the next weight copy and writes its own output (a reused one stays in L2)."""
+    from kdsl.runtime import registry
+    from kdsl.tune import problems
+
+    assert search.timer_for("fp8_bmm") is search.graph_timer
+    assert all(search.timer_for(op) is search.default_timer for op in TUNABLE if op != "fp8_bmm")
+    chosen = target.select_target("fp8_bmm", definitions, arch=registry.INTERPRETER_ARCH)
+    seen = []
+
+    class Spy:
+        layout, name = chosen.entry.layout, chosen.entry.name
+
+        def launch(self, a, a_s, b, b_s, c, params):
+            seen.append((b.data_ptr(), c.data_ptr()))
+            chosen.entry.launch(a, a_s, b, b_s, c, params)
+
+    shape = Shape(4, 64, 256, batch=3)
+    problem = problems.problem_factory("fp8_bmm", Spy())(shape)
+    tile = tile_params(space.buckets(chosen.variant)[0].tile, find_impl("fp8_bmm", chosen.variant.impl))
+    err, why = problem.check(tile)
+    assert why is None and err < 2e-2
+    for _ in range(3):
+        problem.launch(tile)
+    assert len({b for b, _ in seen}) == 4 and len({c for _, c in seen}) == 4
+    assert shape.label() == "B=3 M=4 N=64 K=256"
 
 
 # ---- write-back ----

@@ -29,7 +29,8 @@ For each M bucket of the variant (or those named by --bucket), and inside one ti
   shapes      every (N, K) of the --shapes preset for the op in the tile's N range, at the
               preset's M values that fall in the bucket (or at the bucket's m_max if none does)
   timing      the generated module's launch with each candidate tile; median of
-              triton.testing.do_bench_cudagraph for M <= 128, do_bench otherwise. Each candidate
+              triton.testing.do_bench_cudagraph for M <= 128 (fp8_bmm: every M, as its bench
+              times it), do_bench otherwise. Each candidate
               is checked once per shape against the fp32 reference (the bench's tolerance);
               wrong or failing tiles (out of resources, compile errors) are dropped, with why
   winner      lowest geometric mean over shapes of (time / current tile's time); ties keep
@@ -138,8 +139,8 @@ def run(args: argparse.Namespace) -> int:
         tiles = candidates(variant, bucket, chosen.loaded.definition.schemes, args.max_candidates)
         shapes = search.shapes_for_bucket(args.op, cases, bucket)
         print(f"kdsl tune: bucket {bucket.label()}: {len(tiles)} candidates on {len(shapes)} shapes", file=sys.stderr)
-        results.append(search.search_bucket(bucket, tiles, shapes, make_problem, search.default_timer, _progress,
-                                            impl=find_impl(variant.op, variant.impl_of(bucket.tile))))
+        results.append(search.search_bucket(bucket, tiles, shapes, make_problem, search.timer_for(args.op),
+                                            _progress, impl=find_impl(variant.op, variant.impl_of(bucket.tile))))
 
     from kdsl.tune.report import format_results
 

@@ -19,7 +19,7 @@ from kdsl.tune.search import Problem, ProblemFactory, Shape
 
 def problem_factory(op: str, entry) -> ProblemFactory:
     """Shape -> Problem for `entry` (a kdsl.runtime KernelEntry of `op`), on timing.DEVICE."""
-    builders = {"fp8_gemm": _fp8_gemm, "gptq_gemm": _gptq_gemm, "w4a16_gemm": _w4a16_gemm}
+    builders = {"fp8_gemm": _fp8_gemm, "gptq_gemm": _gptq_gemm, "w4a16_gemm": _w4a16_gemm, "fp8_bmm": _fp8_bmm}
     build = builders[op]
 
     def make(shape: Shape) -> Problem:
@@ -49,6 +49,43 @@ def _fp8_gemm(entry, shape: Shape) -> Problem:
     a, a_s, b, b_s = inputs.a, inputs.a_s, inputs.b, inputs.b_s
     c = torch.empty(shape.m, shape.n, dtype=torch.bfloat16, device=a.device)
     return _problem(c, inputs.ref, timing.GEMM_TOL, lambda p: entry.launch(a, a_s, b, b_s, c, p))
+
+
+def _fp8_bmm(entry, shape: Shape) -> Problem:
+    """As kdsl bench's fp8_bmm case: a is the transpose(0, 1) view of [M, B, K] activations (MLA's layout), b
+    [B, N, K] per-head block weights. Up to timing.COLD_MAX_M rows each launch takes the next of several copies of
+    the weights and writes its own output, so a CUDA graph of launches reads the weights cold from DRAM and writes
+    every output back, as the bench's calls do (one reused output buffer would stay in L2)."""
+    batch = shape.batch or 1
+    m, n, k = shape.m, shape.n, shape.k
+    x = torch.randn(m, batch, k, device=timing.DEVICE, dtype=torch.bfloat16)
+    q, s = timing.torch_act_quant(x.view(m * batch, k))
+    a, a_s = q.view(m, batch, k).transpose(0, 1), s.view(m, batch, k // GROUP).transpose(0, 1)
+    quantized = [timing.torch_weight_quant(torch.randn(n, k, device=timing.DEVICE, dtype=torch.bfloat16))
+                 for _ in range(batch)]
+    b = torch.stack([wq for wq, _ in quantized])
+    b_s = torch.stack([ws for _, ws in quantized])
+    w = torch.stack([timing.fp8_weight_reference(wq, ws) for wq, ws in quantized])
+    ref = torch.bmm(a.float() * a_s.repeat_interleave(GROUP, -1), w.transpose(1, 2))
+    del w
+    copies = min(timing.MAX_COPIES, -(-timing.COLD_BYTES // b.numel())) if m <= timing.COLD_MAX_M else 1
+    weights = [(b, b_s)] + [(b.clone(), b_s.clone()) for _ in range(copies - 1)]
+    outs = [torch.empty(batch, m, n, dtype=torch.bfloat16, device=a.device) for _ in range(copies)]
+    turn = [0]
+
+    def launch(params: dict) -> torch.Tensor:
+        i = turn[0] % copies
+        turn[0] += 1
+        entry.launch(a, a_s, *weights[i], outs[i], params)
+        return outs[i]
+
+    def check(params: dict) -> timing.Check:
+        outs[turn[0] % copies].fill_(float("nan"))  # a kernel that writes nothing must not pass on an earlier result
+        out = launch(params)
+        torch.cuda.synchronize()
+        return timing.check_close(out, ref, timing.GEMM_TOL)
+
+    return Problem(launch=launch, check=check)
 
 
 def _gptq_gemm(entry, shape: Shape) -> Problem:

@@ -25,7 +25,7 @@ from kdsl.schema import Tile
 from kdsl.tune.space import Bucket
 
 # Shapes of a bench preset: gptq_gemm's serve both GPTQ GEMMs.
-SHAPE_OPS = {"fp8_gemm": "fp8_gemm", "gptq_gemm": "gptq_gemm", "w4a16_gemm": "gptq_gemm"}
+SHAPE_OPS = {"fp8_gemm": "fp8_gemm", "gptq_gemm": "gptq_gemm", "w4a16_gemm": "gptq_gemm", "fp8_bmm": "fp8_bmm"}
 TUNABLE_OPS = tuple(SHAPE_OPS)
 
 Check = tuple[float, "str | None"]  # (relative error, why it is wrong or None)
@@ -36,9 +36,10 @@ class Shape:
     m: int
     n: int
     k: int
+    batch: int | None = None  # fp8_bmm's B (MLA's heads); None for the 2-D GEMMs
 
     def label(self) -> str:
-        return f"M={self.m} N={self.n} K={self.k}"
+        return (f"B={self.batch} " if self.batch is not None else "") + f"M={self.m} N={self.n} K={self.k}"
 
 
 @dataclass
@@ -66,19 +67,36 @@ def default_timer(fn: Callable[[], object], m: int) -> float:
     return float(bench(fn, return_mode="median"))
 
 
+def graph_timer(fn: Callable[[], object], m: int) -> float:
+    """Median ms of triton.testing.do_bench_cudagraph at every M."""
+    from triton.testing import do_bench_cudagraph
+
+    return float(do_bench_cudagraph(fn, return_mode="median"))
+
+
+# Ops timed by CUDA graphs at every M, as kdsl bench times them: fp8_bmm's B = 16 calls run in 5-25 us at
+# M = 512-4096, under an eager launch's host time.
+GRAPH_TIMED_OPS = frozenset({"fp8_bmm"})
+
+
+def timer_for(op: str) -> Timer:
+    return graph_timer if op in GRAPH_TIMED_OPS else default_timer
+
+
 def shapes_for_bucket(op: str, cases: Sequence[Case], bucket: Bucket) -> list[Shape]:
     """Every (N, K) the preset has for the op inside the bucket's N range, at the preset's M values
     inside the bucket, or at the bucket's m_max if none is (the last bucket: twice the previous
-    m_max, at least 1). An N range no preset shape falls in takes the preset's K at its edge N."""
+    m_max, at least 1). An N range no preset shape falls in takes the preset's K at its edge N.
+    fp8_bmm's shapes carry the preset's batch (B, N, K) with them."""
     mine = [c for c in cases if c.op == SHAPE_OPS[op]]
-    pairs = list(dict.fromkeys((c.n, c.k) for c in mine if bucket.holds_n(c.n)))
-    if not pairs and mine:  # only an N range (n_min or n_below set) can leave out every preset shape
+    triples = list(dict.fromkeys((c.n, c.k, c.batch) for c in mine if bucket.holds_n(c.n)))
+    if not triples and mine:  # only an N range (n_min or n_below set) can leave out every preset shape
         edge = bucket.n_min if bucket.n_min is not None else max(bucket.n_below // 2, 1)
-        pairs = list(dict.fromkeys((edge, c.k) for c in mine))
+        triples = list(dict.fromkeys((edge, c.k, c.batch) for c in mine))
     ms = sorted({c.m for c in mine if bucket.holds(c.m)})
     if not ms:
         ms = [bucket.m_max if bucket.m_max is not None else max(2 * bucket.lo, 1)]
-    return [Shape(m, n, k) for m in ms for n, k in pairs]
+    return [Shape(m, n, k, batch) for m in ms for n, k, batch in triples]
 
 
 def describe(exc: BaseException) -> str:

@@ -56,13 +56,17 @@ GRIDS: dict[str, dict[str, tuple]] = {
     # block_n 16: one mma.sync's columns per program (the mma.sync GEMV's only width).
     GEMV: {"block_m": (1,), "block_n": (16, 32, 64, 128), "block_k": (128, 256, 512), "split_k": (1, 2, 4, 8),
            "num_warps": (4, 8)},
+    # fp8_bmm's sm_90 kernel (its options only): programs per SM, the flattened pipeline, programmatic
+    # dependent launch and its weight prefetch, the epilogue's stores.
     DECODE: {"block_n": (32, 64, 128), "block_k": (64, 128, 256), "split_k": (1, 2, 4, 8),
-             "num_warps": (4,), "num_stages": (3, 4, 5)},
+             "num_warps": (4,), "num_stages": (3, 4, 5), "programs_per_sm": (4, 8), "flatten": (False, True),
+             "pdl": (False, True), "prefetch_weights": (False, True)},
     MID: {"block_n": (64, 128, 256), "block_k": (64, 128), "split_k": (1, 2, 4),
-          "num_warps": (4, 8), "num_stages": (3, 4)},
+          "num_warps": (4, 8), "num_stages": (3, 4), "flatten": (False, True),
+          "pdl": (False, True), "prefetch_weights": (False, True), "epilogue": ("tma", "pointer")},
     PREFILL: {"block_m": (64, 128, 256), "block_n": (64, 128, 256), "block_k": (64, 128), "split_k": (1, 2),
               "num_warps": (4, 8), "num_stages": (3, 4, 5), "persistent": (False, True),
-              "edge_tiles": (False, True)},
+              "edge_tiles": (False, True), "pdl": (False, True), "epilogue": ("tma", "pointer")},
 }
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from kdsl.schema import GPTQ, W4A16, BlockFP8, LoadedDefinition, Variant
 
 # The scheme each op is timed with: the bench's.
-TUNE_SCHEMES = {"fp8_gemm": BlockFP8(), "gptq_gemm": GPTQ(), "w4a16_gemm": W4A16()}
+TUNE_SCHEMES = {"fp8_gemm": BlockFP8(), "gptq_gemm": GPTQ(), "w4a16_gemm": W4A16(), "fp8_bmm": BlockFP8()}
 
 
 class TargetError(LookupError):

@@ -33,6 +33,15 @@ class Options(StrictModel):
                                              "finishes one (K = 128 is a single K block per tile)")
     warp_specialize: bool = Field(False, description="Triton's warp specialization of the tile loop: a load "
                                                      "partition feeding the wgmma warps")
+    pdl: bool = Field(False, description="programmatic dependent launch: the kernel may start while the previous "
+                                         "kernel on the stream finishes, waits for it (griddepcontrol.wait) before "
+                                         "reading activations or writing the output, then lets the next kernel "
+                                         "launch; hides the launch gap between kernels")
+    prefetch_weights: bool = Field(False, description="with pdl: before waiting for the previous kernel, each "
+                                                      "program pulls its first tile's weights into L2")
+    epilogue: Literal["tma", "pointer"] = Field("tma", description="how a tile's output is stored: a TMA store "
+                                                                  "from shared memory, or masked pointer stores "
+                                                                  "from registers")
 
 
 def shared_bytes(scheme, tile, options: Options) -> int:
@@ -53,6 +62,9 @@ def problems(where: str, scheme, variant, tile, options: Options) -> list[str]:
     if options.swap_ab and tile.block_n < 64:
         found.append(f"{where}.options.swap_ab: B's rows fill the wgmma's 64-row side; needs block_n >= 64 "
                      f"(got {tile.block_n})")
+    if options.prefetch_weights and not options.pdl:
+        found.append(f"{where}.options.prefetch_weights: weights are prefetched while the previous kernel "
+                     f"finishes, which needs pdl = true")
     if not options.persistent:
         for knob in ("flatten", "programs_per_sm"):
             if knob in options.model_fields_set:
