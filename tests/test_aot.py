@@ -592,7 +592,7 @@ def test_dispatcher_matches_the_registry_and_the_generated_launch(probe, manifes
         module.launch(*args)
         [(grid, params, options)] = calls
         dtype = call.get("x_dtype") or call.get("out_dtype")
-        bucket = entry.tiles.index(next(b for b in entry.tiles if b.params is tile))
+        bucket = next(i for i, bt in enumerate(entry.tiles) if bt.params is tile)
         spec, exact = _expected_spec(specs, entry, bucket, dtype, _keys(params), options)
         name, *numbers = answer.split()
         assert name == spec["name"], (op, call, answer)
@@ -1101,3 +1101,143 @@ def test_w4a16_refusals_and_scratch_reuse(exported_w4a16, tmp_path):
     assert int(first[2]) > 1 and first[3 + 7:3 + 9] == second[3 + 7:3 + 9]
     [sm80] = run(80, [line()])
     assert sm80 == "error 2 w4a16_gemm: this library has kernels for sm_90 only; the device is sm_80"
+
+
+# ---- fp8_bmm (kdsl_fp8_bmm): 3-D TMA descriptors over strided views, refusals to the portable alternative ------
+
+def _fp8_bmm_ci_problems():
+    """A CI-sized subset of fp8_bmm's MLA problems (transposed activations): both sm_90 TMA tiles and both
+    portable ones."""
+    for heads in (16,):
+        for m in (1, 16, 64, 1024):
+            for n, k in ((512, 128), (128, 512)):
+                yield dict(B=heads, M=m, N=n, K=k, stride_ab=k, stride_am=heads * k, stride_bb=n * k, stride_bn=k,
+                           stride_cb=m * n, stride_cm=n, stride_asb=k // 128, stride_asm=heads * k // 128,
+                           stride_ask=1, stride_bsb=-(-n // 128) * (k // 128), stride_bsn=k // 128, stride_bsk=1,
+                           out_dtype="bf16")
+
+
+@pytest.fixture(scope="module")
+def exported_bmm(tmp_path_factory):
+    """fp8_bmm for sm_89 (portable) and sm_90 (tma_persistent, its alternatives portable), bf16 and f32."""
+    import dataclasses
+
+    out = tmp_path_factory.mktemp("aot") / "bmm"
+    saved = abis.OPS["fp8_bmm"]
+    abis.OPS["fp8_bmm"] = dataclasses.replace(saved, problems=_fp8_bmm_ci_problems)
+    lines = []
+    try:
+        kdsl.registry.reset()
+        export(out, [89, 90], ["fp8_bmm"], dtypes=["bf16", "f32"], progress=lines.append)
+    finally:
+        abis.OPS["fp8_bmm"] = saved
+    return out, lines
+
+
+def _fp8_bmm_cases():
+    base = 1 << 24
+    for heads in (1, 16, 128):
+        for m in (1, 5, 16, 17, 64, 300, 1024):
+            for n, k in ((512, 128), (128, 512), (16, 128)):
+                for layout in ("transposed", "contiguous", "misaligned", "broadcast"):
+                    ks = k // 128
+                    if layout == "transposed":  # MLA: [M, heads, K] activations; a [M, heads, N] output buffer
+                        a_strides, as_strides = (k, heads * k), (ks, heads * ks, 1)
+                        c_strides = (n, heads * n) if m % 2 else (m * n, n)
+                    elif layout == "misaligned":  # a row stride of 8 bytes more: TMA refuses, portable serves
+                        a_strides, as_strides, c_strides = (m * (k + 8), k + 8), (m * ks, ks, 1), (m * n, n)
+                    elif layout == "broadcast":  # one weight for every head: b's batch stride 0
+                        a_strides, as_strides, c_strides = (m * k, k), (m * ks, ks, 1), (m * n, n)
+                    else:
+                        a_strides, as_strides, c_strides = (m * k, k), (m * ks, ks, 1), (m * n, n)
+                    b_batch = 0 if layout == "broadcast" else n * k
+                    yield dict(a=base, stride_ab=a_strides[0], stride_am=a_strides[1], a_s=2 * base,
+                               stride_asb=as_strides[0], stride_asm=as_strides[1], stride_ask=as_strides[2],
+                               b=3 * base, stride_bb=b_batch, stride_bn=k, b_s=4 * base,
+                               stride_bsb=-(-n // 128) * ks, stride_bsn=ks, stride_bsk=1,
+                               c=5 * base + (8 if layout == "misaligned" and m % 2 else 0), stride_cb=c_strides[0],
+                               stride_cm=c_strides[1],
+                               out_dtype="bf16" if layout == "transposed" or (m + heads) % 2 else "f32",
+                               B=heads, M=m, N=n, K=k)
+
+
+@needs_cc
+@pytest.mark.parametrize("arch", (89, 90))
+def test_fp8_bmm_dispatcher_matches_the_registry_and_the_generated_launch(exported_bmm, tmp_path, arch):
+    """The registry's tile for the call's facts (the TMA module's refusal reads kdsl.ops' alignment of a, b and
+    c; refused calls take the portable alternative tile after it), then specialization, arguments, grid and
+    every 3-D CUtensorMap against the generated launch() and Triton's own descriptor handling."""
+    from kdsl.ops import _checks as check
+
+    out, lines = exported_bmm
+    manifest = json.loads((out / "aot_manifest.json").read_text())
+    assert {(o["arch"], o["impl"]) for o in manifest["ops"]} == {("sm_89", "portable"), ("sm_90", "tma_persistent")}
+    assert not manifest["not_exported"] and not any(o.get("fallback") for o in manifest["ops"])
+    specs = manifest["specializations"]
+    run = build_probe(out, tmp_path)
+    cases = list(_fp8_bmm_cases())
+    answers = run(arch, ["kdsl_fp8_bmm " + " ".join(
+        str(abis.DTYPE_CODES[call[a.name]]) if a.ctype == "dtype" else str(call[a.name]) for a in abis.FP8_BMM.args)
+        for call in cases])
+    assert len(answers) == len(cases)
+    kdsl.registry.reset()
+    entry = kdsl.registry.select("fp8_bmm", arch=arch)
+    recorders = {impl: _recording_module(entry, module.path) for impl, module in entry.modules.items()}
+    problems = list(_fp8_bmm_ci_problems())
+    exact_hits, by_impl = 0, {}
+    for call, answer in zip(cases, answers):
+        heads, m, n, k = call["B"], call["M"], call["N"], call["K"]
+        ks = k // 128
+        a = Fake((heads, m, k), (call["stride_ab"], call["stride_am"], 1), torch.float8_e4m3fn, call["a"])
+        a_s = Fake((heads, m, ks), (call["stride_asb"], call["stride_asm"], call["stride_ask"]), torch.float32,
+                   call["a_s"])
+        b = Fake((heads, n, k), (call["stride_bb"], call["stride_bn"], 1), torch.float8_e4m3fn, call["b"])
+        b_s = Fake((heads, -(-n // 128), ks), (call["stride_bsb"], call["stride_bsn"], call["stride_bsk"]),
+                   torch.float32, call["b_s"])
+        c = Fake((heads, m, n), (call["stride_cb"], call["stride_cm"], 1), DT[call["out_dtype"]], call["c"])
+        facts = kdsl.registry.Call(m=m, n=n, device_type="cuda", dtype="float8_e4m3fn", align=check.alignment(a, b, c))
+        tile = entry.tile_for(m, n, facts)
+        by_impl[tile["impl"]] = by_impl.get(tile["impl"], 0) + 1
+        module, calls = recorders[tile["impl"]]
+        calls.clear()
+        module.launch(a, a_s, b, b_s, c, tile)
+        [(grid, params, options)] = calls
+        bucket = next(i for i, bt in enumerate(entry.tiles) if bt.params is tile)
+        spec, exact = _expected_spec(specs, entry, bucket, call["out_dtype"], _keys(params), options)
+        assert not answer.startswith("error"), (call, answer)
+        name, *numbers = answer.split()
+        assert name == spec["name"], (call, answer)
+        numbers = [int(v) for v in numbers if not v.startswith("|")]
+        assert tuple(numbers[:3]) == grid, (call, answer)
+        assert numbers[3:] == _launch_values(params), (call, answer)
+        _check_tma(answer, spec, params)
+        problem = {key: call[key] for key in problems[0]}
+        if problem in problems and call["a"] % 16 == 0:
+            assert exact, call
+            exact_hits += 1
+    if arch == 90:
+        assert by_impl["tma_persistent"] > 100 and by_impl["portable"] > 50, by_impl
+    else:
+        assert set(by_impl) == {"portable"}
+    assert exact_hits >= 6, exact_hits
+
+
+@needs_cc
+def test_fp8_bmm_refusals_name_the_problem(exported_bmm, tmp_path):
+    run = build_probe(exported_bmm[0], tmp_path)
+    good = dict(a=16, stride_ab=128, stride_am=2048, a_s=16, stride_asb=1, stride_asm=16, stride_ask=1, b=16,
+                stride_bb=65536, stride_bn=128, b_s=16, stride_bsb=4, stride_bsn=1, stride_bsk=1, c=16,
+                stride_cb=512, stride_cm=8192, out_dtype=0, B=16, M=4, N=512, K=128)
+
+    def line(**changes):
+        values = {**good, **changes}
+        return "kdsl_fp8_bmm " + " ".join(str(values[a.name]) for a in abis.FP8_BMM.args)
+    answers = run(90, [line(N=24), line(K=100), line(stride_am=-1), line(b_s=0), line(B=0), line(M=2 ** 31)])
+    assert answers[0] == "error 1 fp8_bmm: N = 24 must be a multiple of 16"
+    assert answers[1] == "error 1 fp8_bmm: K = 100 must be a multiple of 128"
+    assert answers[2] == "error 1 fp8_bmm: strides must be >= 0"
+    assert answers[3] == "error 1 fp8_bmm: a, a_s, b, b_s and c must not be NULL"
+    assert answers[4] == "ok, nothing launched"
+    assert answers[5] == "error 1 fp8_bmm: sizes and strides must fit in 32 bits"
+    [older] = run(80, [line()])
+    assert older == "error 2 fp8_bmm: this library has kernels for sm_89, sm_90 only; the device is sm_80"
