@@ -3,9 +3,10 @@
  *
  *   bmm_example DIR [CALLS]
  *
- * DIR/bmm_cases.txt holds lines "B M N K"; for each, DIR has a_B_M_K.bin (e4m3 [M, B, K]: tokens first, as
+ * DIR/bmm_cases.txt holds lines "B M N K OFFSET"; for each, DIR has a_B_M_K.bin (e4m3 [M, B, K]: tokens first, as
  * attention produces them), as_B_M_K.bin (float32 [M, B, K / 128]), b_B_N_K.bin (e4m3 [B, N, K]) and
- * bs_B_N_K.bin (float32 [B, ceil(N / 128), K / 128]); this writes c_B_M_N_K.out (bf16 [B, M, N]). The [B, M, K]
+ * bs_B_N_K.bin (float32 [B, ceil(N / 128), K / 128]); this writes c_B_M_N_K_OFFSET.out (bf16 [B, M, N], stored
+ * OFFSET bytes past a 16-byte boundary: 8 makes TMA refuse it, so the portable alternative runs). The [B, M, K]
  * operand is the transposed view of a (strides K, B * K, 1): no copy. CALLS (default 200): back-to-back calls
  * timed on the host clock after the checked run.
  */
@@ -41,7 +42,8 @@ static double now_us(void) {
   return t.tv_sec * 1e6 + t.tv_nsec * 1e-3;
 }
 
-static int run_case(const char *dir, long long B, long long M, long long N, long long K, int calls) {
+static int run_case(const char *dir, long long B, long long M, long long N, long long K, long long offset,
+                    int calls) {
   char name[256];
   long long groups = K / 128, n_blocks = (N + 127) / 128;
   size_t a_bytes = (size_t)(M * B * K), as_bytes = (size_t)(M * B * groups * 4);
@@ -61,22 +63,23 @@ static int run_case(const char *dir, long long B, long long M, long long N, long
   CHECK_CU(cuMemAlloc(&das, as_bytes));
   CHECK_CU(cuMemAlloc(&db, b_bytes));
   CHECK_CU(cuMemAlloc(&dbs, bs_bytes));
-  CHECK_CU(cuMemAlloc(&dc, c_bytes));
+  CHECK_CU(cuMemAlloc(&dc, c_bytes + 16));
   CHECK_CU(cuMemcpyHtoD(da, a, a_bytes));
   CHECK_CU(cuMemcpyHtoD(das, as, as_bytes));
   CHECK_CU(cuMemcpyHtoD(db, b, b_bytes));
   CHECK_CU(cuMemcpyHtoD(dbs, bs, bs_bytes));
 
   CUstream stream = 0;
+  CUdeviceptr c_at = dc + (CUdeviceptr)offset;
 #define CALL_BMM() kdsl_fp8_bmm((const void *)da, K, B * K, (const void *)das, groups, B * groups, 1,             \
                                 (const void *)db, N * K, K, (const void *)dbs, n_blocks * groups, groups, 1,    \
-                                (void *)dc, M * N, N, KDSL_BF16, B, M, N, K, stream)
+                                (void *)c_at, M * N, N, KDSL_BF16, B, M, N, K, stream)
   CHECK_KDSL(CALL_BMM());
   CHECK_CU(cuCtxSynchronize());
   void *c = malloc(c_bytes);
-  CHECK_CU(cuMemcpyDtoH(c, dc, c_bytes));
+  CHECK_CU(cuMemcpyDtoH(c, c_at, c_bytes));
   char path[4096];
-  snprintf(path, sizeof path, "%s/c_%lld_%lld_%lld_%lld.out", dir, B, M, N, K);
+  snprintf(path, sizeof path, "%s/c_%lld_%lld_%lld_%lld_%lld.out", dir, B, M, N, K, offset);
   FILE *f = fopen(path, "wb");
   if (!f || fwrite(c, 1, c_bytes, f) != c_bytes) { fprintf(stderr, "cannot write %s\n", path); return 1; }
   fclose(f);
@@ -85,7 +88,9 @@ static int run_case(const char *dir, long long B, long long M, long long N, long
   for (int i = 0; i < calls; i++) CHECK_KDSL(CALL_BMM());
   double t1 = now_us();
   CHECK_CU(cuCtxSynchronize());
-  if (calls > 0) printf("case B=%lld M=%lld N=%lld K=%lld: host us/call fp8_bmm %.2f\n", B, M, N, K, (t1 - t0) / calls);
+  if (calls > 0)
+    printf("case B=%lld M=%lld N=%lld K=%lld offset=%lld: host us/call fp8_bmm %.2f\n", B, M, N, K, offset,
+           (t1 - t0) / calls);
 #undef CALL_BMM
   cuMemFree(da), cuMemFree(das), cuMemFree(db), cuMemFree(dbs), cuMemFree(dc);
   free(a), free(as), free(b), free(bs), free(c);
@@ -108,9 +113,10 @@ int main(int argc, char **argv) {
   snprintf(path, sizeof path, "%s/bmm_cases.txt", argv[1]);
   FILE *cases = fopen(path, "r");
   if (!cases) { fprintf(stderr, "cannot open %s\n", path); return 1; }
-  long long B, M, N, K;
+  long long B, M, N, K, offset;
   int failed = 0;
-  while (fscanf(cases, "%lld %lld %lld %lld", &B, &M, &N, &K) == 4) failed |= run_case(argv[1], B, M, N, K, calls);
+  while (fscanf(cases, "%lld %lld %lld %lld %lld", &B, &M, &N, &K, &offset) == 5)
+    failed |= run_case(argv[1], B, M, N, K, offset, calls);
   fclose(cases);
   cuDevicePrimaryCtxRelease(device);
   return failed;
