@@ -61,4 +61,15 @@ cat "$OUT/aot_tma_bmm_example.txt"
   fi
 } > "$OUT/aot_tma_sanitizer.txt" 2>&1
 tail -6 "$OUT/aot_tma_sanitizer.txt"
-cp "$EXPORT/aot_manifest.json" "$OUT/aot_tma_manifest.json"
+python3 - "$EXPORT/aot_manifest.json" > "$OUT/aot_tma_manifest.txt" <<'PY'
+import json, sys
+m = json.load(open(sys.argv[1]))
+print("triton", m["triton"], "archs", m["archs"])
+for o in m["ops"]:
+    print("op", o["op"], o["function"], o["arch"], o["entry"], o["specializations"], "fallback:", o.get("fallback"))
+for r in m["routes"]:
+    print(r)
+for s in m["specializations"]:
+    tma = "; ".join(f"{d['param']} box {d['box']} swizzle {d['swizzle']} type {d['host_type']}" for d in s.get("tma", []))
+    print(s["name"], s["impl"], "bucket", s["bucket"], s["sha256"][:16], s["specialization"], tma)
+PY
