@@ -613,6 +613,35 @@ def test_dispatcher_matches_the_registry_and_the_generated_launch(probe, manifes
     assert exact_hits > 20 and min(through.values()) > 20, (exact_hits, through)
 
 
+def test_fp8_gemm_routing_survives_the_split_into_one_module_per_algorithm():
+    """The lead's split of fp8_gemm_tma_persistent into one implementation per algorithm moves the deferred_rescale
+    tiles into a Gluon unit of their own. Simulated here (those tiles named impl "deferred", served by a Gluon
+    module, without the deferred_rescale option): they are left out as Gluon by what their module is, and every
+    call is routed exactly as today."""
+    import dataclasses
+
+    from kdsl.aot.export import exported_buckets, left_out_reason, needs_fallback, route
+    from kdsl.runtime.manifest import KernelModule, TileBucket
+
+    kdsl.registry.reset()
+    entry = kdsl.registry.select("fp8_gemm", arch=90)
+    gluon = next(m for e in kdsl.registry.entries() for m in e.modules.values() if m.impl.endswith("_gluon"))
+    tiles = tuple(TileBucket(t.m_max, t.n_min, {**{k: v for k, v in t.params.items() if k != "deferred_rescale"},
+                                                 "impl": "deferred"} if t.params["deferred_rescale"] else t.params)
+                  for t in entry.tiles)
+    split = dataclasses.replace(entry, tiles=tiles, modules={**entry.modules, "deferred": KernelModule(
+        impl="deferred", path=gluon.path, function="launch", refusal_function=None, import_name="unused")})
+    abi = abis.FP8_GEMM
+    moved = [i for i, t in enumerate(tiles) if t.params["impl"] == "deferred"]
+    assert moved and all("Gluon" in left_out_reason(abi, split, i) for i in moved)
+    assert exported_buckets(abi, split) == exported_buckets(abi, entry) and needs_fallback(abi, split)
+    for m in (1, 2, 16, 17, 64, 65, 100, 128, 129, 512, 4096):
+        for n in (8, 2112, 4096, 7168, 16384, 24576):
+            for pad in (0, 8):
+                call = dict(M=m, N=n, K=7168, lda=7168 + pad, ldb=7168, ldc=n, out_dtype="bf16", a=16, b=16, c=16)
+                assert route(abi, split, call) == route(abi, entry, call), (m, n, pad)
+
+
 def test_dispatcher_refusals_name_the_problem(probe):
     good = dict(a=16, lda=256, a_s=16, lda_s=2, b=16, ldb=256, b_s=16, ldb_s=2, c=16, ldc=64, out_dtype=0,
                 M=4, N=64, K=256)

@@ -63,7 +63,7 @@ def header(abi: abis.OpAbi, functions: list, schemes: dict) -> str:
     return "\n".join(lines)
 
 
-def _bucket_code(abi: abis.OpAbi, entry, scheme_values: dict, has_fallback: bool) -> list:
+def _bucket_code(abi: abis.OpAbi, entry, scheme_values: dict) -> list:
     """The tile bucket, as kdsl.aot.export.route picks it (the registry's tile_for with the left-out tiles
     disabled): the first exported tile serving M (and N) whose launch does not refuse the call; a tile refusing
     to "entry" sends the call to the fallback; where tiles served but all refused, the entry's last tile; else
@@ -142,7 +142,7 @@ def _entry_function(abi: abis.OpAbi, function: str, name: str, tag: str, arch: i
     out += [f"/* sm_{arch}: {entry.name} ({entry.arch_range()}), chosen as the registry chooses. */",
             f"static kdsl_status {name}({prototype(abi, name).split('(', 1)[1]} {{",
             "  " + " ".join(f"(void){a.name};" for a in abi.args) + "  /* a tile may not read every one */"]
-    out += _bucket_code(abi, entry, scheme_values, fallback is not None)
+    out += _bucket_code(abi, entry, scheme_values)
     if fallback:
         out.append(f"  if (bucket < 0) return {fallback}({arguments});")
     else:

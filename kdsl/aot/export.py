@@ -241,8 +241,19 @@ def left_out_reason(abi: abis.OpAbi, entry, index: int) -> str | None:
         return abi.unexportable[impl]
     launch = launch_of(abi, entry, index)
     if launch is None:
+        if _is_gluon(entry, impl):  # e.g. a Gluon unit split out of a module whose Triton kernel is exported
+            return f"implementation {impl} is a Gluon kernel (the exporter compiles Triton kernels only)"
         return f"implementation {impl} has no C launch description in kdsl/aot/abi.py"
     return launch.tile_reason(entry.tiles[index].params) if launch.tile_reason else None
+
+
+def _is_gluon(entry, impl: str) -> bool:
+    """Whether the implementation's generated module defines its kernels with @gluon.jit (read, not imported)."""
+    module = getattr(entry, "modules", {}).get(impl)
+    try:
+        return module is not None and "@gluon.jit" in Path(module.path).read_text(encoding="utf-8")
+    except OSError:
+        return False
 
 
 def exported_buckets(abi: abis.OpAbi, entry) -> list:
@@ -293,11 +304,6 @@ def _refused(abi: abis.OpAbi, launch: abis.ImplLaunch, tile: dict, scheme: dict,
         if arg.ctype == "ptr":
             values.setdefault(arg.name, 4096)  # problems name no pointers: allocations are aligned
     return bool(abis.evaluate(abis.fill(launch.refuses, tile, scheme), values))
-
-
-def served_bucket(abi: abis.OpAbi, entry, m: int, n) -> int | None:
-    """The exported tile an aligned call of (m, n) gets (None: the fallback entry's)."""
-    return route(abi, entry, {abi.m: m, **({abi.n: n} if abi.n else {})})
 
 
 def runtime_values(launch: abis.ImplLaunch, tile: dict, scheme: dict, values: dict) -> dict:
