@@ -148,7 +148,8 @@ def _entry_function(abi: abis.OpAbi, function: str, name: str, tag: str, arch: i
     else:
         out += ["  if (bucket < 0)",
                 f'    return kdsl__fail(KDSL_ERR_INVALID_ARGUMENT, "{abi.op}: no exported tile of {entry.name} takes '
-                f'this call (TMA needs 16-byte aligned bases and strides)");']
+                f'this call (M = %lld): the tiles serving it are left out or refuse it (TMA kernels need 16-byte '
+                f'aligned bases and strides)", (long long){abi.m});']
     buckets = exported_buckets(abi, entry)
     launches = {i: abis.launch_for(abi, entry, tile_impl(entry, entry.tiles[i].params)) for i in buckets}
     nparams = max(len(launch.params) for launch in launches.values())
