@@ -642,6 +642,37 @@ def test_fp8_gemm_routing_survives_the_split_into_one_module_per_algorithm():
                 assert route(abi, split, call) == route(abi, entry, call), (m, n, pad)
 
 
+def test_descriptor_expansion_is_read_from_the_ptx_and_refused_when_it_differs():
+    """A host descriptor's kernel parameters come from the compiled kernel's PTX: the CUtensorMap then its shape
+    (int32s) and strides (int64s), as Triton 3.6 and 3.9 pass them; any other layout fails the export, naming the
+    parameter, instead of launching with misplaced arguments."""
+    from kdsl.aot.worker import expansion
+
+    params = [dict(name="a_desc", kind="desc", type="tensordesc<fp8e4nv[16, 128]>", claim="", rank=2),
+              dict(name="as_ptr", kind="ptr", type="*fp32", claim="D"),
+              dict(name="M", kind="int", type="i32", claim="1"),
+              dict(name="N", kind="int", type="i32", claim="")]
+    described, hidden = expansion(params, ["map", "u32", "u32", "u64", "u64", "u64", "u32", "u64", "u64"], "k")
+    assert described == [dict(param="a_desc", shape_params=2, stride_params=2)] and hidden == 2
+    with pytest.raises(RuntimeError, match="a_desc is not passed as a CUtensorMap"):  # lowered to a pointer
+        expansion(params, ["u64", "u64", "u64", "u64", "u64", "u64", "u32"], "k")
+    with pytest.raises(RuntimeError, match="a_desc expands to 1 int32 and 2 int64"):
+        expansion(params, ["map", "u32", "u64", "u64", "u64", "u32"], "k")
+    with pytest.raises(RuntimeError, match="trailing PTX parameters"):
+        expansion(params, ["map", "u32", "u32", "u64", "u64", "u64", "u32", "u32"], "k")
+
+
+def test_triton_launcher_expands_descriptors_as_the_c_launcher_passes_them():
+    """Triton's own launcher rule (3.9: triton.backends.driver.expand_signature) for a lowered host descriptor:
+    the CUtensorMap, then rank int32 and rank int64 -- what kdsl__launch passes after reading the PTX."""
+    driver = pytest.importorskip("triton.backends.driver")
+    if not hasattr(driver, "expand_signature"):
+        pytest.skip("this Triton expands descriptors inside make_launcher")
+    meta = [dict(swizzle=3, elem_size=1, elem_type=0, block_size=[1, 16, 128], fp4_padded=False)]
+    assert driver.expand_signature(["tensordesc<fp8e4nv[1, 16, 128]>", "*fp32"], meta, "nvTmaDesc") == [
+        "nvTmaDesc", "i32", "i32", "i32", "i64", "i64", "i64", "*fp32"]
+
+
 def test_dispatcher_refusals_name_the_problem(probe):
     good = dict(a=16, lda=256, a_s=16, lda_s=2, b=16, ldb=256, b_s=16, ldb_s=2, c=16, ldc=64, out_dtype=0,
                 M=4, N=64, K=256)
