@@ -29,13 +29,30 @@ CUDA_INCLUDE = Path(__import__("triton").__file__).parent / "backends" / "nvidia
 OPS = ("act_quant", "fp8_gemm")
 
 
+def _fp8_gemm_ci_problems():
+    """A CI-sized subset of fp8_gemm's representative problems: every exported sm_90 tile (tma_persistent's
+    Triton tiles, M <= 128, split and not) and the portable fallback's (M > 128)."""
+    for m in (1, 16, 64, 128, 4096):
+        for n in (2112, 7168):
+            for dtype in ("bf16", "f32"):
+                yield dict(M=m, N=n, K=7168, lda=7168, ldb=7168, ldc=n, lda_s=56, ldb_s=56, out_dtype=dtype)
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """act_quant and fp8_gemm for sm_90, bf16 and f32 (about 30 s on 2 cores: every specialization compiles)."""
+    """act_quant and fp8_gemm for sm_90, bf16 and f32 (fp8_gemm on a CI-sized subset of its problems: the TMA
+    kernel's wgmma specializations take 1-3 s each to compile)."""
+    import dataclasses
+
     out = tmp_path_factory.mktemp("aot") / "sm90"
     kdsl.registry.reset()
     lines = []
-    export(out, [90], list(OPS), dtypes=["bf16", "f32"], progress=lines.append)
+    saved = abis.OPS["fp8_gemm"]
+    abis.OPS["fp8_gemm"] = dataclasses.replace(saved, problems=_fp8_gemm_ci_problems)
+    try:
+        export(out, [90], list(OPS), dtypes=["bf16", "f32"], progress=lines.append)
+    finally:
+        abis.OPS["fp8_gemm"] = saved
     return out, lines
 
 
@@ -60,11 +77,24 @@ def test_manifest_lists_ops_kernels_and_cubin_hashes(exported, manifest):
     out, lines = exported
     assert manifest["archs"] == ["sm_90"]
     assert {(o["op"], o["impl"], o["arch"]) for o in manifest["ops"]} == {
-        ("act_quant", "rowwise", "sm_90"), ("fp8_gemm", "portable", "sm_90")}
-    # The sm_90 TMA kernel is named, with the reason, and its cases went to the portable kernel.
-    [skipped] = [s for s in manifest["not_exported"] if "tma_persistent" in s["kernel"]]
-    assert "TMA descriptors" in skipped["reason"]
-    assert any(line.startswith("skipped fp8_gemm__") and "tma_persistent" in line for line in lines)
+        ("act_quant", "rowwise", "sm_90"), ("fp8_gemm", "tma_persistent", "sm_90")}
+    # The TMA kernel's wgmma tiles are exported; fp8_gemm/deferred_gluon's tiles are named with the reason and
+    # routed as if disabled: to their alternatives (the Triton tiles with the same blocks); calls TMA cannot take
+    # go to the portable kernel (the fallback).
+    [fp8] = [o for o in manifest["ops"] if o["op"] == "fp8_gemm"]
+    assert fp8["fallback"]["entry"] == "fp8_gemm__e4m3_w128x128_a128_f32__portable_sm89"
+    [skipped] = [s for s in manifest["not_exported"] if "deferred_gluon" in s["kernel"]]
+    assert "Gluon" in skipped["reason"]
+    assert any(line.startswith("skipped fp8_gemm__") and "deferred_gluon" in line for line in lines)
+    assert any(line.startswith("routed fp8_gemm__") and "KDSL_DISABLE=fp8_gemm__e4m3_w128x128_a128_f32__tma_"
+               in line for line in lines)
+    assert {s["impl"] for s in manifest["specializations"] if s["op"] == "fp8_gemm"} == {"tma_persistent", "portable"}
+    tma = [s for s in manifest["specializations"] if s["impl"] == "tma_persistent"]
+    tma_entry = kdsl.registry.select("fp8_gemm", arch=90)
+    assert {s["bucket"] for s in tma} == {i for i, t in enumerate(tma_entry.tiles) if t.params["impl"] == "tma_persistent"}
+    for spec in tma:  # three 2-D descriptors each, with the compiled kernel's box and swizzle
+        assert [d["param"] for d in spec["tma"]] == ["a_desc", "b_desc", "c_desc"]
+        assert all(len(d["box"]) == 2 and d["shape_params"] == d["stride_params"] == 2 for d in spec["tma"])
     for spec in manifest["specializations"]:
         data = (out / spec["cubin"]).read_bytes()
         assert data[:4] == b"\x7fELF"
@@ -77,10 +107,11 @@ def test_manifest_lists_ops_kernels_and_cubin_hashes(exported, manifest):
 def test_each_bucket_has_an_assumption_free_specialization(manifest):
     seen = {}
     for spec in manifest["specializations"]:
-        if all(p["claim"] == "" and (p["kind"] == "ptr" or p["type"] == "i32") for p in spec["params"]):
+        if all(p["claim"] == "" and (p["kind"] in ("ptr", "desc") or p["type"] == "i32") for p in spec["params"]):
             seen.setdefault((spec["entry"], spec["bucket"]), set()).update(spec["dtypes"].values())
     entries = {(s["entry"], s["bucket"]) for s in manifest["specializations"]}
     assert set(seen) == entries
+    # A K split tile's assumption-free specializations are unsplit ones; each dtype has one.
     assert all(v == {"bf16", "f32"} for v in seen.values())
 
 
@@ -93,12 +124,19 @@ def test_sm80_has_no_fp8_kernel_and_says_why(capsys, tmp_path):
 
 
 def test_plan_for_sm89_and_sm90_picks_what_the_registry_picks(monkeypatch):
-    monkeypatch.setenv(kdsl.registry.DISABLE_ENV, "*tma_persistent*")
     kdsl.registry.reset()
-    result = plan([89, 90], list(OPS), generic_only=True)
+    ops = (*OPS, "fp8_bmm")
+    result = plan([89, 90], list(ops), generic_only=True)
     for abi, scheme, arch, entry, _ in result.selected:
         assert entry is kdsl.registry.select(abi.op, scheme, arch=arch)
-    assert {(a.op, arch) for a, _, arch, *_ in result.selected} == {(op, arch) for op in OPS for arch in (89, 90)}
+    assert {(a.op, arch) for a, _, arch, *_ in result.selected} == {(op, arch) for op in ops for arch in (89, 90)}
+    # fp8_gemm on sm_90 has a fallback: the registry's choice with its TMA kernel disabled.
+    [(key, (fallback, _))] = result.fallbacks.items()
+    tma = kdsl.registry.select("fp8_gemm", key[1], arch=90)
+    monkeypatch.setenv(kdsl.registry.DISABLE_ENV, tma.name)
+    kdsl.registry.reset()
+    assert key[::2] == ("fp8_gemm", 90) and fallback.name == kdsl.registry.select("fp8_gemm", key[1], arch=90).name
+    kdsl.registry.reset()
 
 
 def test_a_dtype_an_op_does_not_take_leaves_it_out_with_the_reason():
@@ -169,6 +207,7 @@ STUB = r"""
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdint.h>
 #include "kdsl_aot_internal.h"
 /*INCLUDES*/
 
@@ -195,9 +234,48 @@ static CUresult load(CUmodule *m, const void *image) {
 }
 static CUresult function(CUfunction *f, CUmodule m, const char *name) { (void)m; (void)name; *f = (CUfunction)0x3000; return CUDA_SUCCESS; }
 static CUresult attribute_set(CUfunction f, CUfunction_attribute a, int v) { (void)f; (void)a; (void)v; return CUDA_SUCCESS; }
+/* TMA: every encode is printed (" |E,type,rank,base,dims..,strides..,box..,element strides..,interleave,swizzle,
+ * l2,oob"), and the map remembers its number; the launch prints, per map argument, that number and the int32 and
+ * int64 arguments after it (" |A,number,shape..,strides.."), decoded with the spec's metadata. */
+static char tma_text[4096];
+static int encodes;
+static void note(const char *format, long long value) {
+  size_t used = strlen(tma_text);
+  snprintf(tma_text + used, sizeof tma_text - used, format, value);
+}
+static CUresult encode(CUtensorMap *map, CUtensorMapDataType type, cuuint32_t rank, void *base, const cuuint64_t *dims,
+                       const cuuint64_t *strides, const cuuint32_t *box, const cuuint32_t *element_strides,
+                       CUtensorMapInterleave interleave, CUtensorMapSwizzle swizzle, CUtensorMapL2promotion l2,
+                       CUtensorMapFloatOOBfill oob) {
+  memset(map, 0, sizeof *map);
+  map->opaque[0] = (cuuint64_t)encodes++;
+  note(" |E,%lld", (long long)type);
+  note(",%lld", (long long)rank);
+  note(",%lld", (long long)(uintptr_t)base);
+  for (cuuint32_t i = 0; i < rank; i++) note(",%lld", (long long)dims[i]);
+  for (cuuint32_t i = 0; i + 1 < rank; i++) note(",%lld", (long long)strides[i]);
+  for (cuuint32_t i = 0; i < rank; i++) note(",%lld", (long long)box[i]);
+  for (cuuint32_t i = 0; i < rank; i++) note(",%lld", (long long)element_strides[i]);
+  note(",%lld", (long long)interleave);
+  note(",%lld", (long long)swizzle);
+  note(",%lld", (long long)l2);
+  note(",%lld", (long long)oob);
+  return CUDA_SUCCESS;
+}
 static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                        unsigned shared, CUstream s, void **params, void **extra) {
-  (void)f; (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shared; (void)s; (void)params; (void)extra;
+  (void)f; (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shared; (void)s; (void)extra;
+  const kdsl__spec *spec = kdsl_aot_test_last_launch()->spec;
+  int at = 0, maps = 0;
+  for (int i = 0; i < spec->nparams; i++) {
+    if (spec->claims[i] == '1') continue;
+    if (spec->types[i] != 'T') { at++; continue; }
+    const kdsl__tma_meta *meta = &spec->tma[maps++];
+    if ((uintptr_t)params[at] % 64 != 0) return CUDA_ERROR_MISALIGNED_ADDRESS;  /* CUtensorMap wants 64 bytes */
+    note(" |A,%lld", (long long)((const CUtensorMap *)params[at++])->opaque[0]);
+    for (int d = 0; d < meta->shape_params; d++) note(",%lld", (long long)*(const int32_t *)params[at++]);
+    for (int d = 0; d < meta->stride_params; d++) note(",%lld", (long long)*(const int64_t *)params[at++]);
+  }
   return CUDA_SUCCESS;
 }
 static CUresult error_string(CUresult r, const char **s) { (void)r; *s = "stub"; return CUDA_SUCCESS; }
@@ -206,7 +284,7 @@ int main(int argc, char **argv) {
   if (argc < 2) return 2;
   arch = atoi(argv[1]);
   kdsl__driver stub = {init, current, device, attribute, load, function, attribute_set, launch, error_string,
-                       mem_alloc, memset_d32};
+                       mem_alloc, memset_d32, encode};
   kdsl_aot_test_set_driver(&stub);
   (void)zeroed;
   char op[128];
@@ -214,6 +292,7 @@ int main(int argc, char **argv) {
   while (scanf("%127s", op) == 1) {
     kdsl_status status;
     memset((void *)kdsl_aot_test_last_launch(), 0, sizeof(kdsl__launch_record));
+    tma_text[0] = '\0', encodes = 0;
 /*CALLS*/
     const kdsl__launch_record *r = kdsl_aot_test_last_launch();
     if (status != KDSL_OK) {
@@ -223,7 +302,7 @@ int main(int argc, char **argv) {
     } else {
       printf("%s %u %u %u", r->spec->name, r->grid[0], r->grid[1], r->grid[2]);
       for (int i = 0; i < r->nvalues; i++) printf(" %lld", (long long)r->values[i]);
-      printf("\n");
+      printf("%s\n", tma_text);
     }
     fflush(stdout);
   }
@@ -280,16 +359,25 @@ class Fake:
         self.shape, self._strides, self.dtype, self._address = tuple(shape), tuple(strides), dtype, address
         self.device = types.SimpleNamespace(type="cuda", index=0)
 
-    def stride(self, dim):
-        return self._strides[dim]
+    def stride(self, dim=None):
+        return self._strides if dim is None else self._strides[dim]
 
     def data_ptr(self):
         return self._address
 
+    def dim(self):
+        return len(self.shape)
 
-def _recording_module(entry):
-    """The entry's generated module, imported apart, with its kernel replaced by a recorder of launches."""
-    spec = importlib.util.spec_from_file_location(f"aot_record_{entry.name}", entry.module_path)
+    def element_size(self):
+        return self.dtype.itemsize
+
+
+def _recording_module(entry, path=None, kernel=None):
+    """A generated module imported apart (the entry's own, or `path`), its kernel (`kernel`, else the module's
+    name) replaced by a recorder of launches; the SM count and split-K scratch faked (132 SMs, as the C probe's
+    driver says; scratch at recognizable addresses)."""
+    path = Path(path or entry.module_path)
+    spec = importlib.util.spec_from_file_location(f"aot_record_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -303,11 +391,17 @@ def _recording_module(entry):
             def record(*params, **options):
                 calls.append((tuple(grid) + (1,) * (3 - len(grid)), params, options))
             return record
-    setattr(module, entry.name, Recorder())
+    setattr(module, kernel or path.stem, Recorder())
+    if hasattr(module, "_sm_count"):
+        module._sm_count = lambda device: 132
+    if hasattr(module, "_splitk_scratch"):
+        module._splitk_scratch = lambda device, tiles, split, elems: (
+            Fake((tiles * split * elems,), (1,), torch.float32, 0x7000000),
+            Fake((tiles,), (1,), torch.int32, 0x7100000))
     return module, calls
 
 
-DT = {"bf16": torch.bfloat16, "f32": torch.float32}
+DT = {"bf16": torch.bfloat16, "f32": torch.float32, "f16": torch.float16}
 
 
 def _cases():
@@ -328,57 +422,146 @@ def _cases():
                                            ldc=n + pad, out_dtype="bf16" if m % 2 else "f32", M=m, N=n, K=k)
 
 
-def _launch_through_module(op, entry, module, call):
-    """Run the generated module's launch() on fakes shaped like the C call; the tile as kdsl.ops picks it."""
-    m = call["M"]
-    if op == "act_quant":
-        k = call["K"]
-        x = Fake((m, k), (call["ldx"], 1), DT[call["x_dtype"]], call["x"])
-        q = Fake((m, k), (k, 1), torch.float8_e4m3fn, call["q"])
-        s = Fake((m, k // 128), (k // 128, 1), torch.float32, call["s"])
-        tile = entry.tile_for(m)
-        module.launch(x, q, s, tile)
-    else:
-        n, k = call["N"], call["K"]
-        a = Fake((m, k), (call["lda"], 1), torch.float8_e4m3fn, call["a"])
-        a_s = Fake((m, k // 128), (call["lda_s"], 1), torch.float32, call["a_s"])
-        b = Fake((n, k), (call["ldb"], 1), torch.float8_e4m3fn, call["b"])
-        b_s = Fake((-(-n // 128), k // 128), (call["ldb_s"], 1), torch.float32, call["b_s"])
-        c = Fake((m, n), (call["ldc"], 1), DT[call["out_dtype"]], call["c"])
-        tile = entry.tile_for(m, n)
-        module.launch(a, a_s, b, b_s, c, tile)
-    return tile
+def _fp8_gemm_tensors(call):
+    m, n, k = call["M"], call["N"], call["K"]
+    return (Fake((m, k), (call["lda"], 1), torch.float8_e4m3fn, call["a"]),
+            Fake((m, k // 128), (call["lda_s"], 1), torch.float32, call["a_s"]),
+            Fake((n, k), (call["ldb"], 1), torch.float8_e4m3fn, call["b"]),
+            Fake((-(-n // 128), k // 128), (call["ldb_s"], 1), torch.float32, call["b_s"]),
+            Fake((m, n), (call["ldc"], 1), DT[call["out_dtype"]], call["c"]))
+
+
+def _tma_takes(*pairs) -> bool:
+    """Whether Triton's host TensorDescriptor accepts these (tensor, block) operands (16-byte bases and strides)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    try:
+        for t, block in pairs:
+            TensorDescriptor(t, list(t.shape), [t.stride(d) for d in range(len(t.shape))], block)
+    except AssertionError:
+        return False
+    return True
+
+
+def _triton_descriptor(desc, tma: dict) -> tuple[list, list]:
+    """What Triton's own launcher does with a host TensorDescriptor (its nvidia driver's make_tensordesc_arg, the
+    descriptor fill faked): the cuTensorMapEncodeTiled arguments its C fill_tma_descriptor passes, as the probe
+    prints them, and the kernel arguments after the CUtensorMap."""
+    import inspect
+
+    import triton
+    from triton.backends.nvidia import driver as nvidia
+
+    filled = []
+
+    def fill(address, swizzle, elem_size, elem_type, block, shape, strides, padding, *rest):
+        filled.append((address, swizzle, elem_size, elem_type, list(block), list(shape), list(strides), padding))
+        return "map"
+    utils = types.SimpleNamespace(fill_tma_descriptor_tiled=fill, fill_tma_descriptor=fill)
+    meta = dict(swizzle=tma["swizzle"], elem_size=tma["elem_size"], elem_type=tma["elem_type"],
+                block_size=tma["box"], fp4_padded=False, is_im2col=False)
+    saved = triton.runtime.driver._active
+    triton.runtime.driver._active = types.SimpleNamespace(utils=utils)
+    try:
+        extra = (None,) if len(inspect.signature(nvidia.make_tensordesc_arg).parameters) == 3 else ()
+        expanded = nvidia.make_tensordesc_arg(desc, meta, *extra)
+    finally:
+        triton.runtime.driver._active = saved
+    [(address, swizzle, elem_size, elem_type, block, shape, strides, padding)] = filled
+    rank = len(shape)
+    # driver.c: sizes and box innermost first, byte strides of the outer dimensions, element strides 1,
+    # INTERLEAVE_NONE (0), the swizzle, L2_PROMOTION_L2_128B (2), OOB fill NONE (0) for zero padding.
+    encode = [elem_type, rank, address, *shape[::-1], *[s * elem_size for s in strides[:-1]][::-1], *block[::-1],
+              *[1] * rank, 0, swizzle, 2, 1 if padding else 0]
+    assert expanded[0] == "map"
+    return encode, list(expanded[1:])
+
+
+def _check_tma(answer: str, spec: dict, params) -> None:
+    """The probe's TMA records (encodes, map arguments) against Triton's for the recorded launch's descriptors."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    records = [token.split(",") for token in answer.split() if token.startswith("|")]
+    encodes = [list(map(int, r[1:])) for r in records if r[0] == "|E"]
+    arguments = [list(map(int, r[1:])) for r in records if r[0] == "|A"]
+    descriptors = [p for p in params if isinstance(p, TensorDescriptor)]
+    assert len(encodes) == len(arguments) == len(descriptors) == len(spec.get("tma", []))
+    for index, (desc, tma) in enumerate(zip(descriptors, spec["tma"])):
+        encode, expanded = _triton_descriptor(desc, tma)
+        assert encodes[index] == encode, (spec["name"], tma["param"])
+        assert arguments[index] == [index, *expanded], (spec["name"], tma["param"])
+
+
+def _launch_values(params) -> list:
+    """A recorded launch's parameters as the probe prints them: addresses, integers, and a descriptor's index."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    values, described = [], 0
+    for p in params:
+        if isinstance(p, TensorDescriptor):
+            values.append(described)
+            described += 1
+        else:
+            values.append(p.data_ptr() if isinstance(p, Fake) else p)
+    return values
+
+
+def _keys(params) -> tuple:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return tuple(("desc", "") if isinstance(p, TensorDescriptor) else aot_runtime.argument_key(p) for p in params)
 
 
 def _expected_spec(specs, entry, bucket, dtype, keys, options):
     """Exactly Triton's specialization of the recorded launch if it was exported, else the most specific one
-    whose assumptions the call meets (the rule kdsl__pick implements)."""
+    whose assumptions the call meets (the rule kdsl__pick implements). launch_pdl is a launch attribute, not a
+    compile option: the C launcher does not set it (see the pdl note in abi.FP8_BMM)."""
+    options = {k: v for k, v in options.items() if k != "launch_pdl"}
     def usable(spec):
         for (kind, claim), p in zip(keys, spec["params"]):
+            if p["kind"] == "desc":
+                continue
             if p["claim"] == "1" and claim != "1" or p["claim"] == "D" and claim not in ("D",) or (
                     p["kind"] == "int" and p["type"] == "i32" and kind != "i32"):
                 return False
         return True
     candidates = [s for s in specs if s["entry"] == entry.name and s["bucket"] == bucket
                   and set(s["dtypes"].values()) == {dtype} and {**s["constexprs"], **s["options"]} == options]
-    exact = [s for s in candidates if tuple((p["type"], p["claim"]) for p in s["params"]) == keys]
+    exact = [s for s in candidates if all(key == (p["type"], p["claim"]) or key[0] == p["kind"] == "desc"
+                                          for key, p in zip(keys, s["params"]))]
     if exact:
         return exact[0], True
     best = max((s for s in candidates if usable(s)), key=lambda s: sum(p["claim"] != "" for p in s["params"]))
     return best, False
 
 
+def _disabled(monkeypatch, op, name):
+    """The registry's choice for op on sm_90 with the entry `name` disabled (KDSL_DISABLE)."""
+    monkeypatch.setenv(kdsl.registry.DISABLE_ENV, name)
+    kdsl.registry.reset()
+    try:
+        return kdsl.registry.select(op, arch=90)
+    finally:
+        monkeypatch.delenv(kdsl.registry.DISABLE_ENV)
+        kdsl.registry.reset()
+
+
 def test_dispatcher_matches_the_registry_and_the_generated_launch(probe, manifest, monkeypatch):
-    monkeypatch.setenv(kdsl.registry.DISABLE_ENV, "*tma_persistent*")  # the exporter's routing, said to the registry
+    """act_quant and fp8_gemm on sm_90. fp8_gemm: the registry's tma_persistent tile with its Gluon tiles left out
+    (the first Triton tile serving M and N) for operands TMA takes; other calls (M > 128, where only Gluon tiles
+    serve, or operands TMA refuses) run the registry's choice with tma_persistent disabled. Specialization, kernel
+    arguments, grid, K split and its scratch, and every CUtensorMap against the generated launch() and Triton."""
     kdsl.registry.reset()
     specs = manifest["specializations"]
-    entries, modules = {}, {}
-    for op in OPS:
-        entry = kdsl.registry.select(op, arch=90)
-        entries[op] = entry
-        modules[op] = _recording_module(entry)
+    tma_entry = kdsl.registry.select("fp8_gemm", arch=90)
+    assert tma_entry.impl == "tma_persistent"
+    portable = _disabled(monkeypatch, "fp8_gemm", tma_entry.name)
+    assert portable.impl == "portable"
+    act_entry = kdsl.registry.select("act_quant", arch=90)
+    recorders = {e.name: _recording_module(e) for e in (act_entry, tma_entry, portable)}
     cases = list(_cases())
     problems = {op: list(abis.OPS[op].problems()) for op in OPS}
+    problems["fp8_gemm"] = list(_fp8_gemm_ci_problems())
     lines = []
     for op, call in cases:
         abi = abis.OPS[op]
@@ -386,29 +569,105 @@ def test_dispatcher_matches_the_registry_and_the_generated_launch(probe, manifes
         lines.append(" ".join([abis.OPS[op].function, *map(str, values)]))
     answers = probe(90, lines)
     assert len(answers) == len(cases)
-    exact_hits = 0
+    exact_hits, through = 0, {"tma": 0, "fallback": 0, "split": 0}
     for (op, call), answer in zip(cases, answers):
-        entry = entries[op]
-        module, calls = modules[op]
+        m = call["M"]
+        if op == "act_quant":
+            entry = act_entry
+            k = call["K"]
+            tile = entry.tile_for(m)
+            args = (Fake((m, k), (call["ldx"], 1), DT[call["x_dtype"]], call["x"]),
+                    Fake((m, k), (k, 1), torch.float8_e4m3fn, call["q"]),
+                    Fake((m, k // 128), (k // 128, 1), torch.float32, call["s"]), tile)
+        else:
+            n = call["N"]
+            a, a_s, b, b_s, c = _fp8_gemm_tensors(call)
+            triton_tiles = [t for t in tma_entry.tiles if t.serves(m, n) and t.params["impl"] == "tma_persistent"]
+            if triton_tiles and _tma_takes((a, [16, 128]), (b, [16, 128]), (c, [16, 16])):
+                entry, tile = tma_entry, triton_tiles[0].params
+                through["tma"] += 1
+            else:
+                entry = portable
+                tile = entry.tile_for(m, n)
+                through["fallback"] += 1
+            args = (a, a_s, b, b_s, c, tile)
+        module, calls = recorders[entry.name]
         calls.clear()
-        tile = _launch_through_module(op, entry, module, call)
+        module.launch(*args)
         [(grid, params, options)] = calls
-        keys = tuple(aot_runtime.argument_key(p) for p in params)
         dtype = call.get("x_dtype") or call.get("out_dtype")
-        bucket = entry.tiles.index(next(b for b in entry.tiles if b.params is tile))
-        spec, exact = _expected_spec(specs, entry, bucket, dtype, keys, options)
+        bucket = next(i for i, bt in enumerate(entry.tiles) if bt.params is tile)
+        spec, exact = _expected_spec(specs, entry, bucket, dtype, _keys(params), options)
         name, *numbers = answer.split()
         assert name == spec["name"], (op, call, answer)
-        numbers = list(map(int, numbers))
+        numbers = [int(v) for v in numbers if not v.startswith("|")]
         assert tuple(numbers[:3]) == grid, (op, call)
-        expected_values = [p.data_ptr() if isinstance(p, Fake) else p for p in params]
-        assert numbers[3:] == expected_values, (op, call)
+        expected = _launch_values(params)
+        if options.get("SPLIT_K", 1) > 1:  # ws_ptr, count_ptr: the C side's own per-context scratch
+            assert all(v >= 0x40000000 and v % 256 == 0 for v in numbers[3 + 6:3 + 8]), answer
+            del numbers[3 + 6:3 + 8], expected[6:8]
+            through["split"] += 1
+        assert numbers[3:] == expected, (op, call)
+        _check_tma(answer, spec, params)
         # A call shaped like one of the op's representative problems, aligned, runs exactly what the JIT compiles.
-        problem = {k: call[k] for k in next(iter(abis.OPS[op].problems()))}
+        problem = {k: call[k] for k in next(iter(problems[op]))}
         if problem in problems[op]:
             assert exact, (op, call)
             exact_hits += 1
-    assert exact_hits > 50
+    assert exact_hits > 20 and min(through.values()) > 20, (exact_hits, through)
+
+
+def test_fp8_gemm_gluon_tiles_route_to_their_alternatives():
+    """fp8_gemm/deferred_gluon's tiles are left out as Gluon by what their module is, and the dispatcher sends
+    their calls where the registry sends a call the Gluon kernel refuses: the alternative tile after each,
+    tma_persistent's Triton kernel with the same blocks (aligned calls; misaligned ones go to the fallback)."""
+    from kdsl.aot.export import exported_buckets, left_out_reason, needs_fallback, route
+    from kdsl.runtime.manifest import Call
+
+    kdsl.registry.reset()
+    entry = kdsl.registry.select("fp8_gemm", arch=90)
+    abi = abis.FP8_GEMM
+    gluon = [i for i, t in enumerate(entry.tiles) if t.params["impl"] == "deferred_gluon"]
+    assert gluon and all("Gluon" in left_out_reason(abi, entry, i) for i in gluon)
+    assert not set(gluon) & set(exported_buckets(abi, entry)) and needs_fallback(abi, entry)
+    for m in (1, 2, 16, 17, 64, 65, 100, 128, 129, 512, 4096):
+        for n in (8, 2112, 4096, 7168, 16384, 24576):
+            call = Call(m=m, n=n, device_type="cpu", dtype="bf16", align=16)  # a call the Gluon kernel refuses
+            want = next(i for i, t in enumerate(entry.tiles) if t.params is entry.tile_for(m, n, call))
+            aligned = dict(M=m, N=n, K=7168, lda=7168, ldb=7168, ldc=n, out_dtype="bf16", a=16, b=16, c=16)
+            assert route(abi, entry, aligned) == want, (m, n)
+            assert route(abi, entry, dict(aligned, lda=7168 + 8)) is None, (m, n)
+
+
+def test_descriptor_expansion_is_read_from_the_ptx_and_refused_when_it_differs():
+    """A host descriptor's kernel parameters come from the compiled kernel's PTX: the CUtensorMap then its shape
+    (int32s) and strides (int64s), as Triton 3.6 and 3.9 pass them; any other layout fails the export, naming the
+    parameter, instead of launching with misplaced arguments."""
+    from kdsl.aot.worker import expansion
+
+    params = [dict(name="a_desc", kind="desc", type="tensordesc<fp8e4nv[16, 128]>", claim="", rank=2),
+              dict(name="as_ptr", kind="ptr", type="*fp32", claim="D"),
+              dict(name="M", kind="int", type="i32", claim="1"),
+              dict(name="N", kind="int", type="i32", claim="")]
+    described, hidden = expansion(params, ["map", "u32", "u32", "u64", "u64", "u64", "u32", "u64", "u64"], "k")
+    assert described == [dict(param="a_desc", shape_params=2, stride_params=2)] and hidden == 2
+    with pytest.raises(RuntimeError, match="a_desc is not passed as a CUtensorMap"):  # lowered to a pointer
+        expansion(params, ["u64", "u64", "u64", "u64", "u64", "u64", "u32"], "k")
+    with pytest.raises(RuntimeError, match="a_desc expands to 1 int32 and 2 int64"):
+        expansion(params, ["map", "u32", "u64", "u64", "u64", "u32"], "k")
+    with pytest.raises(RuntimeError, match="trailing PTX parameters"):
+        expansion(params, ["map", "u32", "u32", "u64", "u64", "u64", "u32", "u32"], "k")
+
+
+def test_triton_launcher_expands_descriptors_as_the_c_launcher_passes_them():
+    """Triton's own launcher rule (3.9: triton.backends.driver.expand_signature) for a lowered host descriptor:
+    the CUtensorMap, then rank int32 and rank int64 -- what kdsl__launch passes after reading the PTX."""
+    driver = pytest.importorskip("triton.backends.driver")
+    if not hasattr(driver, "expand_signature"):
+        pytest.skip("this Triton expands descriptors inside make_launcher")
+    meta = [dict(swizzle=3, elem_size=1, elem_type=0, block_size=[1, 16, 128], fp4_padded=False)]
+    assert driver.expand_signature(["tensordesc<fp8e4nv[1, 16, 128]>", "*fp32"], meta, "nvTmaDesc") == [
+        "nvTmaDesc", "i32", "i32", "i32", "i64", "i64", "i64", "*fp32"]
 
 
 def test_dispatcher_refusals_name_the_problem(probe):
@@ -561,7 +820,7 @@ static void *worker(void *arg) {
 
 int main(void) {
   kdsl__driver stub = {init, current, device, attribute, load, function, attribute_set, launch, error_string,
-                       mem_alloc, memset_d32};
+                       mem_alloc, memset_d32, NULL};
   kdsl_aot_test_set_driver(&stub);
   /* No context on this thread: an error code, not a crash or an exit. */
   kdsl_status status = kdsl_act_quant((void *)4096, KDSL_BF16, 256, (void *)8192, (void *)12288, 4, 256, 0);
@@ -899,3 +1158,145 @@ def test_w4a16_refusals_and_scratch_reuse(exported_w4a16, tmp_path):
     assert int(first[2]) > 1 and first[3 + 7:3 + 9] == second[3 + 7:3 + 9]
     [sm80] = run(80, [line()])
     assert sm80 == "error 2 w4a16_gemm: this library has kernels for sm_90 only; the device is sm_80"
+
+
+# ---- fp8_bmm (kdsl_fp8_bmm): 3-D TMA descriptors over strided views, refusals to the portable alternative ------
+
+def _fp8_bmm_ci_problems():
+    """A CI-sized subset of fp8_bmm's MLA problems (transposed activations): both sm_90 TMA tiles and both
+    portable ones."""
+    for heads in (16,):
+        for m in (1, 16, 64, 1024):
+            for n, k in ((512, 128), (128, 512)):
+                yield dict(B=heads, M=m, N=n, K=k, stride_ab=k, stride_am=heads * k, stride_bb=n * k, stride_bn=k,
+                           stride_cb=m * n, stride_cm=n, stride_asb=k // 128, stride_asm=heads * k // 128,
+                           stride_ask=1, stride_bsb=-(-n // 128) * (k // 128), stride_bsn=k // 128, stride_bsk=1,
+                           out_dtype="bf16")
+
+
+@pytest.fixture(scope="module")
+def exported_bmm(tmp_path_factory):
+    """fp8_bmm for sm_89 (portable) and sm_90 (tma_persistent, its alternatives portable), bf16 and f32."""
+    import dataclasses
+
+    out = tmp_path_factory.mktemp("aot") / "bmm"
+    saved = abis.OPS["fp8_bmm"]
+    abis.OPS["fp8_bmm"] = dataclasses.replace(saved, problems=_fp8_bmm_ci_problems)
+    lines = []
+    try:
+        kdsl.registry.reset()
+        export(out, [89, 90], ["fp8_bmm"], dtypes=["bf16", "f32"], progress=lines.append)
+    finally:
+        abis.OPS["fp8_bmm"] = saved
+    return out, lines
+
+
+def _fp8_bmm_cases():
+    base = 1 << 24
+    for heads in (1, 16, 128):
+        for m in (1, 5, 16, 17, 64, 300, 1024):
+            for n, k in ((512, 128), (128, 512), (16, 128)):
+                for layout in ("transposed", "contiguous", "misaligned", "broadcast"):
+                    ks = k // 128
+                    if layout == "transposed":  # MLA: [M, heads, K] activations; a [M, heads, N] output buffer
+                        a_strides, as_strides = (k, heads * k), (ks, heads * ks, 1)
+                        c_strides = (n, heads * n) if m % 2 else (m * n, n)
+                    elif layout == "misaligned":  # a row stride of 8 bytes more: TMA refuses, portable serves
+                        a_strides, as_strides, c_strides = (m * (k + 8), k + 8), (m * ks, ks, 1), (m * n, n)
+                    elif layout == "broadcast":  # one weight for every head: b's batch stride 0
+                        a_strides, as_strides, c_strides = (m * k, k), (m * ks, ks, 1), (m * n, n)
+                    else:
+                        a_strides, as_strides, c_strides = (m * k, k), (m * ks, ks, 1), (m * n, n)
+                    b_batch = 0 if layout == "broadcast" else n * k
+                    yield dict(a=base, stride_ab=a_strides[0], stride_am=a_strides[1], a_s=2 * base,
+                               stride_asb=as_strides[0], stride_asm=as_strides[1], stride_ask=as_strides[2],
+                               b=3 * base, stride_bb=b_batch, stride_bn=k, b_s=4 * base,
+                               stride_bsb=-(-n // 128) * ks, stride_bsn=ks, stride_bsk=1,
+                               c=5 * base + (8 if layout == "misaligned" and m % 2 else 0), stride_cb=c_strides[0],
+                               stride_cm=c_strides[1],
+                               out_dtype="bf16" if layout == "transposed" or (m + heads) % 2 else "f32",
+                               B=heads, M=m, N=n, K=k)
+
+
+@needs_cc
+@pytest.mark.parametrize("arch", (89, 90))
+def test_fp8_bmm_dispatcher_matches_the_registry_and_the_generated_launch(exported_bmm, tmp_path, arch):
+    """The registry's tile for the call's facts (the TMA module's refusal reads kdsl.ops' alignment of a, b and
+    c; refused calls take the portable alternative tile after it), then specialization, arguments, grid and
+    every 3-D CUtensorMap against the generated launch() and Triton's own descriptor handling."""
+    from kdsl.ops import _checks as check
+
+    out, lines = exported_bmm
+    manifest = json.loads((out / "aot_manifest.json").read_text())
+    assert {(o["arch"], o["impl"]) for o in manifest["ops"]} == {("sm_89", "portable"), ("sm_90", "tma_persistent")}
+    assert not manifest["not_exported"] and not any(o.get("fallback") for o in manifest["ops"])
+    specs = manifest["specializations"]
+    run = build_probe(out, tmp_path)
+    cases = list(_fp8_bmm_cases())
+    answers = run(arch, ["kdsl_fp8_bmm " + " ".join(
+        str(abis.DTYPE_CODES[call[a.name]]) if a.ctype == "dtype" else str(call[a.name]) for a in abis.FP8_BMM.args)
+        for call in cases])
+    assert len(answers) == len(cases)
+    kdsl.registry.reset()
+    entry = kdsl.registry.select("fp8_bmm", arch=arch)
+    recorders = {impl: _recording_module(entry, module.path) for impl, module in entry.modules.items()}
+    problems = list(_fp8_bmm_ci_problems())
+    exact_hits, by_impl = 0, {}
+    for call, answer in zip(cases, answers):
+        heads, m, n, k = call["B"], call["M"], call["N"], call["K"]
+        ks = k // 128
+        a = Fake((heads, m, k), (call["stride_ab"], call["stride_am"], 1), torch.float8_e4m3fn, call["a"])
+        a_s = Fake((heads, m, ks), (call["stride_asb"], call["stride_asm"], call["stride_ask"]), torch.float32,
+                   call["a_s"])
+        b = Fake((heads, n, k), (call["stride_bb"], call["stride_bn"], 1), torch.float8_e4m3fn, call["b"])
+        b_s = Fake((heads, -(-n // 128), ks), (call["stride_bsb"], call["stride_bsn"], call["stride_bsk"]),
+                   torch.float32, call["b_s"])
+        c = Fake((heads, m, n), (call["stride_cb"], call["stride_cm"], 1), DT[call["out_dtype"]], call["c"])
+        facts = kdsl.registry.Call(m=m, n=n, device_type="cuda", dtype="float8_e4m3fn", align=check.alignment(a, b, c))
+        tile = entry.tile_for(m, n, facts)
+        by_impl[tile["impl"]] = by_impl.get(tile["impl"], 0) + 1
+        module, calls = recorders[tile["impl"]]
+        calls.clear()
+        module.launch(a, a_s, b, b_s, c, tile)
+        if tile.get("pdl"):  # the recording module runs as under the interpreter, which launches pdl tiles plainly
+            calls[0][2]["PDL"] = True
+        [(grid, params, options)] = calls
+        bucket = next(i for i, bt in enumerate(entry.tiles) if bt.params is tile)
+        spec, exact = _expected_spec(specs, entry, bucket, call["out_dtype"], _keys(params), options)
+        assert not answer.startswith("error"), (call, answer)
+        name, *numbers = answer.split()
+        assert name == spec["name"], (call, answer)
+        numbers = [int(v) for v in numbers if not v.startswith("|")]
+        assert tuple(numbers[:3]) == grid, (call, answer)
+        assert numbers[3:] == _launch_values(params), (call, answer)
+        _check_tma(answer, spec, params)
+        problem = {key: call[key] for key in problems[0]}
+        if problem in problems and call["a"] % 16 == 0:
+            assert exact, call
+            exact_hits += 1
+    if arch == 90:
+        assert by_impl["tma_persistent"] > 100 and by_impl["portable"] > 50, by_impl
+    else:
+        assert set(by_impl) == {"portable"}
+    assert exact_hits >= 6, exact_hits
+
+
+@needs_cc
+def test_fp8_bmm_refusals_name_the_problem(exported_bmm, tmp_path):
+    run = build_probe(exported_bmm[0], tmp_path)
+    good = dict(a=16, stride_ab=128, stride_am=2048, a_s=16, stride_asb=1, stride_asm=16, stride_ask=1, b=16,
+                stride_bb=65536, stride_bn=128, b_s=16, stride_bsb=4, stride_bsn=1, stride_bsk=1, c=16,
+                stride_cb=512, stride_cm=8192, out_dtype=0, B=16, M=4, N=512, K=128)
+
+    def line(**changes):
+        values = {**good, **changes}
+        return "kdsl_fp8_bmm " + " ".join(str(values[a.name]) for a in abis.FP8_BMM.args)
+    answers = run(90, [line(N=24), line(K=100), line(stride_am=-1), line(b_s=0), line(B=0), line(M=2 ** 31)])
+    assert answers[0] == "error 1 fp8_bmm: N = 24 must be a multiple of 16"
+    assert answers[1] == "error 1 fp8_bmm: K = 100 must be a multiple of 128"
+    assert answers[2] == "error 1 fp8_bmm: strides must be >= 0"
+    assert answers[3] == "error 1 fp8_bmm: a, a_s, b, b_s and c must not be NULL"
+    assert answers[4] == "ok, nothing launched"
+    assert answers[5] == "error 1 fp8_bmm: sizes and strides must fit in 32 bits"
+    [older] = run(80, [line()])
+    assert older == "error 2 fp8_bmm: this library has kernels for sm_89, sm_90 only; the device is sm_80"

@@ -4,10 +4,12 @@
 
 DIR is the `python -m kdsl aot` folder the program was built from. Checks, per (M, N, K):
   act_quant q and s from C == kdsl.ops.act_quant, bit for bit (one kernel: the same cubin ran);
-  fp8_gemm c from C == kdsl.ops.fp8_gemm with the registry routed as the export routes it (the portable
-  kernel; KDSL_DISABLE=*tma_persistent*), bit for bit; against the sm_90 TMA kernel kdsl.ops picks by
-  default, and an fp32 dequantize-then-matmul reference, the relative error is printed;
-  kdsl.ops with kdsl.aot.load(DIR) (exported cubins from Python) == C, bit for bit.
+  fp8_gemm c from C == the same kernel and tile launched from Python (the generated module's launch(), with
+  the tile the export's dispatcher routes the call to: on sm_90 tma_persistent's Triton wgmma tiles for
+  M <= 128, the portable kernel above, where kdsl.ops runs Gluon tiles the export leaves out), bit for bit;
+  against kdsl.ops' default and an fp32 dequantize-then-matmul reference, the relative error is printed;
+  kdsl.ops with kdsl.aot.load(DIR) (exported cubins from Python; TMA kernels go to the JIT) == the JIT,
+  bit for bit, with the registry routed to the portable kernel (KDSL_DISABLE=*tma_persistent*).
 Prints host time per call from Python (JIT and AOT) beside the C program's. Exit 1 on any mismatch.
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-CASES = [(m, n, 7168) for m in (1, 16, 4096) for n in (2112, 7168)]
+CASES = [(m, n, 7168) for m in (1, 16, 4096) for n in (2112, 7168)] + [(64, 2112, 7168), (128, 7168, 7168)]
 QUICK = [(1, 2112, 7168), (16, 2112, 7168), (129, 7168, 7168)]
 
 
@@ -88,6 +90,18 @@ def main() -> int:
                                dtype=torch.uint8)
         return data.view(dtype).view(*shape).cuda()
 
+    import json
+
+    from kdsl.aot import abi as abis
+    from kdsl.aot.export import route
+
+    # The kernel and tile the export's sm_XY dispatcher gives each call (its entry, else its fallback).
+    arch = registry.device_arch()
+    exported = {o["arch"]: o for o in json.loads((args.export / "aot_manifest.json").read_text())["ops"]
+                if o["op"] == "fp8_gemm"}
+    record = exported[f"sm_{arch}"]
+    by_name = {e.name: e for e in registry.entries()}
+
     failures = 0
     expected = {}
     for m, n, k in cases:
@@ -97,22 +111,44 @@ def main() -> int:
         s_c = read(f"s_{m}_{k}.out", torch.float32, (m, k // 128))
         c_c = read(f"c_{m}_{n}_{k}.out", torch.bfloat16, (m, n))
         q, s = ops.act_quant(x)
-        os.environ["KDSL_DISABLE"] = "*tma_persistent*"
-        registry.reset()
-        c_portable = ops.fp8_gemm(q, s, w, ws)
-        os.environ.pop("KDSL_DISABLE")
-        registry.reset()
+        call = dict(M=m, N=n, K=k, lda=k, ldb=k, ldc=n, lda_s=k // 128, ldb_s=k // 128, out_dtype="bf16",
+                    a=16, b=16, c=16, a_s=16, b_s=16)  # the C program's allocations: aligned
+        entry = by_name[record["entry"]]
+        bucket = route(abis.FP8_GEMM, entry, call)
+        if bucket is None:
+            entry = by_name[record["fallback"]["entry"]]
+            bucket = route(abis.FP8_GEMM, entry, call)
+        tile = entry.tiles[bucket].params
+        c_same = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        entry.launch(q, s, w, ws, c_same, tile)
         c_default = ops.fp8_gemm(q, s, w, ws)
-        chosen = registry.select("fp8_gemm", arch=registry.device_arch()).name
+        default = registry.select("fp8_gemm", arch=arch)
+        default_tile = default.tile_for(m, n)
         ref = reference(q, s, w, ws)
         same_q = torch.equal(bits(q_c), bits(q)) and torch.equal(bits(s_c), bits(s))
-        same_c = torch.equal(bits(c_c), bits(c_portable))
+        same_c = torch.equal(bits(c_c), bits(c_same))
         rel = ((c_c.float() - ref).norm() / ref.norm()).item()
         rel_default = ((c_c.float() - c_default.float()).norm() / c_default.float().norm()).item()
-        print(f"M={m} N={n} K={k}: act_quant bit-exact {same_q}; fp8_gemm bit-exact vs kdsl.ops portable {same_c}; "
-              f"rel err vs fp32 reference {rel:.2e}; vs kdsl.ops default ({chosen}) {rel_default:.2e}")
+        print(f"M={m} N={n} K={k}: act_quant bit-exact {same_q}; fp8_gemm ran {entry.name} tile {bucket} "
+              f"({tile['impl']}, {tile['BLOCK_M']}x{tile['BLOCK_N']}), bit-exact vs the same from Python {same_c}; "
+              f"rel err vs fp32 reference {rel:.2e}; vs kdsl.ops default ({default_tile['impl']}"
+              f"{', deferred_rescale' if default_tile.get('deferred_rescale') else ''}) {rel_default:.2e}")
         failures += (not same_q) + (not same_c) + (rel > 1e-2)
-        expected[m, n, k] = (q_c, s_c, c_c)
+
+    for m, n, k in cases:  # host time of kdsl.ops' default route (compare with the C program's 'case' lines)
+        q, s = ops.act_quant(inputs[m, k])
+        w, ws = weights[n, k]
+        print(f"M={m} N={n} K={k}: host us/call kdsl.ops.fp8_gemm (JIT, default registry) "
+              f"{host_us(lambda: ops.fp8_gemm(q, s, w, ws), args.calls):.2f}")
+
+    os.environ["KDSL_DISABLE"] = "*tma_persistent*"
+    registry.reset()
+    for m, n, k in cases:  # what kdsl.aot.load must reproduce: the portable kernel through the JIT
+        q, s = ops.act_quant(inputs[m, k])
+        w, ws = weights[n, k]
+        expected[m, n, k] = (q, s, ops.fp8_gemm(q, s, w, ws))
+    os.environ.pop("KDSL_DISABLE")
+    registry.reset()
 
     # kdsl.ops with the exported cubins (no compilation), the registry routed like the export.
     os.environ["KDSL_DISABLE"] = "*tma_persistent*"
@@ -130,7 +166,7 @@ def main() -> int:
         w, ws = weights[n, k]
         c = ops.fp8_gemm(q, s, w, ws)
         same = torch.equal(bits(q), bits(q_c)) and torch.equal(bits(s), bits(s_c)) and torch.equal(bits(c), bits(c_c))
-        print(f"M={m} N={n} K={k}: kdsl.ops through kdsl.aot.load == C, bit for bit: {same}")
+        print(f"M={m} N={n} K={k}: kdsl.ops through kdsl.aot.load == the JIT (portable), bit for bit: {same}")
         failures += not same
     after = kdsl.aot.stats()
     print(f"kdsl.ops launches through exported cubins: {after['aot'] - before['aot']}, "

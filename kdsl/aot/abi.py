@@ -8,7 +8,10 @@ Expressions (`params`, `grid`, `runtime_constexprs`) are written once in a subse
 names of the op's C arguments, integer literals, the dtype codes (KDSL_F16, ...), + - * == <= >=, and the helpers
 cdiv(a, b), div(a, b) (floor division of non-negative numbers), nonzero(p) (1 if p is not 0/NULL), either(p, q)
 (p unless it is NULL, then q), split_cap and split_for (the generated modules' K split, below; `sms` is the
-device's SM count). `{NAME}` fields are filled from the tile (BLOCK_M, ...) and the scheme (act_group, group_rows, ...)
+device's SM count), least(a, b), addr(p) (a pointer's address), dtype_size(d) (bytes of a kdsl_dtype),
+programs(work, persistent, per_sm, sms) (a persistent grid: min(work, per_sm * sms) where persistent, else work),
+tma_stride(size, stride, cols, esize) and bad_tma_stride(size, stride, esize) (a TMA descriptor's stride of a
+dimension, and whether it breaks TMA's 16-byte rule; see below). `{NAME}` fields are filled from the tile (BLOCK_M, ...) and the scheme (act_group, group_rows, ...)
 before either language sees them.
 """
 from __future__ import annotations
@@ -42,6 +45,19 @@ class Check:
 
 
 @dataclass(frozen=True)
+class TmaDescriptor:
+    """A kernel parameter that launch() passes as a host `TensorDescriptor(base, shape, strides, block)`. The C side
+    encodes it with cuTensorMapEncodeTiled; the box, swizzle and element type come from the compiled kernel's
+    metadata (tensordesc_meta), and the kernel parameters it expands to from the compiled kernel's PTX (Triton
+    3.6 and 3.9: the CUtensorMap by value, then the shape as int32s and the strides as int64s)."""
+    base: str  # the op's pointer argument
+    element: str  # Triton element type, or "dtype:ARG"
+    shape: tuple  # expressions, outermost dimension first (elements)
+    strides: tuple  # expressions in elements, the last one 1
+    block: tuple  # expressions (the tile), as launch() passes block_shape
+
+
+@dataclass(frozen=True)
 class ImplLaunch:
     """How the dispatcher launches one kernel implementation of the op (mirrors the module's launch())."""
     params: tuple[tuple[str, str], ...]  # (kernel parameter, expression); pointers are the op's "ptr" args
@@ -63,6 +79,16 @@ class ImplLaunch:
     # (`scratch_alias`) for both, so no scratch is taken.
     scratch: tuple | None = None
     scratch_alias: str = ""
+    # Parameters launch() passes as host TMA descriptors: {parameter: TmaDescriptor}; in `params` they appear as
+    # (parameter, "desc").
+    descriptors: dict = field(default_factory=dict)
+    # A condition (expression, non-zero = refused) under which the kernel cannot take the call, and where the
+    # call then goes: "tile" -- the registry's refusal function says the same, so the next tile serving the call
+    # (its alternative), else the entry's last tile, as KernelEntry.tile_for(m, n, call) picks; "entry" -- a
+    # condition Python meets by copying the operands (kdsl.ops makes them contiguous and aligned), which C
+    # cannot: the call goes to the kernel the registry picks with this entry disabled.
+    refuses: str = ""
+    refused_to: str = "tile"
 
 
 SPLIT = "split"  # ImplLaunch.runtime_constexprs: the values of a K split (see there)
@@ -100,6 +126,12 @@ def _fp8_gemm_problems():
             for k in (2048, 7168):
                 for dtype in DTYPES:
                     yield dict(M=m, N=n, K=k, lda=k, ldb=k, ldc=n, lda_s=k // 128, ldb_s=k // 128, out_dtype=dtype)
+
+
+# fp8_gemm / tma_persistent (launch() of fp8_gemm_tma_persistent.py.j2): tiles, K split and persistent grid.
+_FP8_TILES = "cdiv(M, {BLOCK_M}) * cdiv(N, {BLOCK_N})"
+_FP8_SPLIT = f"split_for(cdiv(K, {{BLOCK_K}}), {_FP8_TILES}, {{SPLIT_K}}, {{split_min_steps}}, {{split_fill}}, sms)"
+_FP8_PROGRAMS = (f"programs({_FP8_TILES} * split, {{persistent}}, {{split_fill}} + 2 * ({{split_fill}} == 0), sms)")
 
 
 ACT_QUANT = OpAbi(
@@ -192,16 +224,170 @@ FP8_GEMM = OpAbi(
                 "GROUP_M": tile["GROUP_M"], "N_MAJOR": tile["tile_order"] == "n_major"},
             options=lambda tile: {"num_warps": tile["num_warps"], "num_stages": tile["num_stages"]},
         ),
+        "tma_persistent": ImplLaunch(
+            # launch(): TensorDescriptors over a [M, K], b [N, K] and c [M, N]; a persistent grid from the SM count;
+            # the K split of split_for with its scratch (c itself where there is no split).
+            params=(("a_desc", "desc"), ("b_desc", "desc"), ("c_desc", "desc"), ("as_ptr", "a_s"), ("bs_ptr", "b_s"),
+                    ("c_ptr", "c"), ("ws_ptr", "c"), ("count_ptr", "c"), ("M", "M"), ("N", "N"), ("K", "K"),
+                    ("stride_asm", "lda_s"), ("stride_bsn", "ldb_s"), ("stride_cm", "ldc"),
+                    ("num_programs", _FP8_PROGRAMS)),
+            pointer_types={"as_ptr": "fp32", "bs_ptr": "fp32", "c_ptr": "dtype:out_dtype",
+                           "ws_ptr": "scratch:fp32:out_dtype", "count_ptr": "scratch:i32:out_dtype"},
+            descriptors={
+                "a_desc": TmaDescriptor("a", "fp8e4nv", ("M", "K"), ("lda", "1"), ("{BLOCK_M}", "{BLOCK_K}")),
+                "b_desc": TmaDescriptor("b", "fp8e4nv", ("N", "K"), ("ldb", "1"), ("{BLOCK_N}", "{BLOCK_K}")),
+                "c_desc": TmaDescriptor("c", "dtype:out_dtype", ("M", "N"), ("ldc", "1"), ("{BLOCK_M}", "{BLOCK_N}")),
+            },
+            grid=(_FP8_PROGRAMS, "1", "1"),
+            constexprs=lambda tile, scheme: {
+                "BLOCK_M": tile["BLOCK_M"], "BLOCK_N": tile["BLOCK_N"], "BLOCK_K": tile["BLOCK_K"],
+                "GROUP_M": tile["GROUP_M"], "N_MAJOR": tile["tile_order"] == "n_major",
+                "NUM_STAGES": tile["num_stages"], "WARP_SPECIALIZE": tile["warp_specialize"],
+                "SWAP_AB": tile["swap_ab"]},
+            options=lambda tile: {"num_warps": tile["num_warps"]},  # launch() passes num_stages as a constexpr
+            runtime_constexprs=(("SPLIT_K", _FP8_SPLIT, SPLIT),),
+            scratch=("ws_ptr", "count_ptr", f"{_FP8_TILES} * split * {{BLOCK_M}} * {{BLOCK_N}}", _FP8_TILES),
+            scratch_alias="c",
+            # TMA: 16-byte aligned bases and row strides. kdsl.ops copies other operands to aligned contiguous
+            # ones; C cannot, so such calls run the kernel the registry picks without this one (the portable).
+            refuses="nonzero(addr(a) % 16) + nonzero(addr(b) % 16) + nonzero(addr(c) % 16) + nonzero(lda % 16)"
+                    " + nonzero(ldb % 16) + nonzero(ldc * dtype_size(out_dtype) % 16)",
+            refused_to="entry",
+        ),
     },
     problems=_fp8_gemm_problems,
-    unexportable={
-        "tma_persistent": (
-            "its host code builds TMA descriptors per call (Triton TensorDescriptor), sizes a persistent grid "
-            "from the device's SM count, allocates a split-K workspace and counters at run time, and its variant's "
-            "prefill tiles are Gluon kernels (fp8_gemm/deferred_gluon); the C side does not reproduce that host "
-            "code yet, so its cases go to the portable kernel"),
-    },
 )
+
+# ---- fp8_bmm: the batched block-FP8 GEMM (MLA), strided views passed as they are -------------------------
+
+def _fp8_bmm_problems():
+    # DeepSeek-V3's MLA: heads 128 (TP 1) or 16 (TP 8); (N, K) = (512, 128) or (128, 512); activations arrive as
+    # [tokens, heads, K], so a is the transposed view (strides K, heads * K, 1), and so are its scales.
+    for heads in (16, 128):
+        for m in (1, 4, 16, 17, 64, 128, 1024, 4096):
+            for n, k in ((512, 128), (128, 512)):
+                for dtype in DTYPES:
+                    yield dict(B=heads, M=m, N=n, K=k, stride_ab=k, stride_am=heads * k, stride_bb=n * k, stride_bn=k,
+                               stride_cb=m * n, stride_cm=n, stride_asb=k // 128, stride_asm=heads * k // 128,
+                               stride_ask=1, stride_bsb=-(-n // 128) * (k // 128), stride_bsn=k // 128, stride_bsk=1,
+                               out_dtype=dtype)
+
+
+_BMM_TILES = "B * cdiv(M, {BLOCK_M}) * cdiv(N, {BLOCK_N})"
+_BMM_PROGRAMS = f"programs({_BMM_TILES}, {{persistent}}, {{programs_per_sm}}, sms)"
+_BMM_STRIDE_NAMES = ("stride_ab", "stride_am", "stride_bb", "stride_bn", "stride_cb", "stride_cm", "stride_asb",
+                     "stride_asm", "stride_ask", "stride_bsb", "stride_bsn", "stride_bsk")
+
+FP8_BMM = OpAbi(
+    op="fp8_bmm",
+    function="kdsl_fp8_bmm",
+    summary="c[g] = (a[g] * a_s[g]) @ (b[g] * b_s[g])^T for each batch g, block scaling as kdsl_fp8_gemm.",
+    args=(
+        CArg("a", "ptr", "a [B, M, K] float8_e4m3fn, strides (stride_ab, stride_am, 1): MLA's [tokens, heads, K] "
+                         "activations are (K, heads * K, 1)"),
+        CArg("stride_ab", "i64", "a's batch stride in elements"),
+        CArg("stride_am", "i64", "a's row stride in elements"),
+        CArg("a_s", "ptr", "a_s [B, M, K / act_group] float32, strides (stride_asb, stride_asm, stride_ask)"),
+        CArg("stride_asb", "i64", "a_s's batch stride"),
+        CArg("stride_asm", "i64", "a_s's row stride"),
+        CArg("stride_ask", "i64", "a_s's stride along K"),
+        CArg("b", "ptr", "b [B, N, K] float8_e4m3fn, strides (stride_bb, stride_bn, 1) (the weights)"),
+        CArg("stride_bb", "i64", "b's batch stride"),
+        CArg("stride_bn", "i64", "b's row stride"),
+        CArg("b_s", "ptr", "b_s [B, ceil(N / block_n), K / block_k] float32, strides (stride_bsb, stride_bsn, stride_bsk)"),
+        CArg("stride_bsb", "i64", "b_s's batch stride"),
+        CArg("stride_bsn", "i64", "b_s's row stride"),
+        CArg("stride_bsk", "i64", "b_s's stride along K"),
+        CArg("c", "ptr", "c [B, M, N] of out_dtype, strides (stride_cb, stride_cm, 1) (output)", const=False),
+        CArg("stride_cb", "i64", "c's batch stride"),
+        CArg("stride_cm", "i64", "c's row stride"),
+        CArg("out_dtype", "dtype", "KDSL_BF16, KDSL_F16 or KDSL_F32"),
+        CArg("B", "i64", "batches (heads), >= 0"),
+        CArg("M", "i64", "rows of a and c (tokens), >= 0"),
+        CArg("N", "i64", "rows of b, columns of c: a multiple of 16"),
+        CArg("K", "i64", "a multiple of act_group, > 0"),
+    ),
+    dtype_choices={"out_dtype": ("bf16", "f16", "f32")},
+    checks=(
+        Check("B < 0 || M < 0 || N < 0 || K <= 0", "fp8_bmm: B = %lld, M = %lld and N = %lld must be >= 0, K = %lld > 0",
+              ("B", "M", "N", "K")),
+        Check("K % {act_group} != 0", "fp8_bmm: K = %lld must be a multiple of {act_group}", ("K",)),
+        Check("N % 16 != 0", "fp8_bmm: N = %lld must be a multiple of 16", ("N",)),
+        Check(" || ".join(f"{name} < 0" for name in _BMM_STRIDE_NAMES), "fp8_bmm: strides must be >= 0"),
+        Check(" || ".join(f"{name} > 2147483647" for name in ("B", "M", "N", "K", *_BMM_STRIDE_NAMES)),
+              "fp8_bmm: sizes and strides must fit in 32 bits"),
+        Check("B > 0 && M > 0 && N > 0 && (a == 0 || a_s == 0 || b == 0 || b_s == 0 || c == 0)",
+              "fp8_bmm: a, a_s, b, b_s and c must not be NULL"),
+    ),
+    nothing_to_do="B == 0 || M == 0 || N == 0",
+    m="M",
+    n="N",
+    impls={
+        "portable": ImplLaunch(
+            params=(("a_ptr", "a"), ("b_ptr", "b"), ("c_ptr", "c"), ("as_ptr", "a_s"), ("bs_ptr", "b_s"),
+                    ("M", "M"), ("N", "N"), ("K", "K"), ("stride_ab", "stride_ab"), ("stride_am", "stride_am"),
+                    ("stride_bb", "stride_bb"), ("stride_bn", "stride_bn"), ("stride_cb", "stride_cb"),
+                    ("stride_cm", "stride_cm"), ("stride_asb", "stride_asb"), ("stride_asm", "stride_asm"),
+                    ("stride_ask", "stride_ask"), ("stride_bsb", "stride_bsb"), ("stride_bsn", "stride_bsn"),
+                    ("stride_bsk", "stride_bsk")),
+            pointer_types={"a_ptr": "fp8e4nv", "b_ptr": "fp8e4nv", "c_ptr": "dtype:out_dtype",
+                           "as_ptr": "fp32", "bs_ptr": "fp32"},
+            grid=("cdiv(M, {BLOCK_M}) * cdiv(N, {BLOCK_N})", "1", "B"),
+            constexprs=lambda tile, scheme: {
+                "BLOCK_M": tile["BLOCK_M"], "BLOCK_N": tile["BLOCK_N"], "BLOCK_K": tile["BLOCK_K"],
+                "GROUP_M": tile["GROUP_M"], "N_MAJOR": tile["tile_order"] == "n_major"},
+            options=lambda tile: {"num_warps": tile["num_warps"], "num_stages": tile["num_stages"]},
+            kernel="{module}",
+        ),
+        "tma_persistent": ImplLaunch(
+            # 3-D descriptors over [B, rows, cols] with the strides as given (_tma_strides: a dimension of size 1
+            # gets the padded row instead, as it is never stepped).
+            # b_ptr, c_ptr and their strides serve the weight prefetch and the pointer epilogue (tile options).
+            params=(("a_desc", "desc"), ("b_desc", "desc"), ("c_desc", "desc"), ("as_ptr", "a_s"), ("bs_ptr", "b_s"),
+                    ("b_ptr", "b"), ("c_ptr", "c"),
+                    ("B", "B"), ("M", "M"), ("N", "N"), ("K", "K"), ("stride_asb", "stride_asb"),
+                    ("stride_asm", "stride_asm"), ("stride_ask", "stride_ask"), ("stride_bsb", "stride_bsb"),
+                    ("stride_bsn", "stride_bsn"), ("stride_bsk", "stride_bsk"), ("stride_bb", "stride_bb"),
+                    ("stride_bn", "stride_bn"), ("stride_cb", "stride_cb"), ("stride_cm", "stride_cm"),
+                    ("num_programs", _BMM_PROGRAMS)),
+            pointer_types={"as_ptr": "fp32", "bs_ptr": "fp32", "b_ptr": "fp8e4nv", "c_ptr": "dtype:out_dtype"},
+            descriptors={
+                "a_desc": TmaDescriptor("a", "fp8e4nv", ("B", "M", "K"),
+                                        ("tma_stride(B, stride_ab, K, 1)", "tma_stride(M, stride_am, K, 1)", "1"),
+                                        ("1", "{BLOCK_M}", "{BLOCK_K}")),
+                "b_desc": TmaDescriptor("b", "fp8e4nv", ("B", "N", "K"),
+                                        ("tma_stride(B, stride_bb, K, 1)", "tma_stride(N, stride_bn, K, 1)", "1"),
+                                        ("1", "{BLOCK_N}", "{BLOCK_K}")),
+                "c_desc": TmaDescriptor("c", "dtype:out_dtype", ("B", "M", "N"),
+                                        ("tma_stride(B, stride_cb, N, dtype_size(out_dtype))",
+                                         "tma_stride(M, stride_cm, N, dtype_size(out_dtype))", "1"),
+                                        ("1", "{BLOCK_M}", "{BLOCK_N}")),
+            },
+            grid=(_BMM_PROGRAMS, "1", "1"),
+            constexprs=lambda tile, scheme: {
+                "BLOCK_M": tile["BLOCK_M"], "BLOCK_N": tile["BLOCK_N"], "BLOCK_K": tile["BLOCK_K"],
+                "GROUP_M": tile["GROUP_M"], "N_MAJOR": tile["tile_order"] == "n_major",
+                "BATCH_INNER": tile["batch_inner"], "SWAP_AB": tile["swap_ab"], "FLATTEN": tile["flatten"],
+                "WARP_SPECIALIZE": tile["warp_specialize"],
+                # The C launcher sets no programmatic-dependent-launch attribute: a pdl tile's grid-dependency
+                # wait then finds its producer finished (stream order), so the same cubin is correct, without
+                # the overlap kdsl.ops gets.
+                "PDL": tile["pdl"], "PREFETCH_WEIGHTS": tile["prefetch_weights"],
+                "POINTER_STORE": tile["epilogue"] == "pointer"},
+            options=lambda tile: {"num_warps": tile["num_warps"], "num_stages": tile["num_stages"]},
+            # The module's refusal (call.align < 16): every base and stepped stride of a, b and c a non-zero
+            # multiple of 16 bytes; its calls go to the alternative tile after it (the portable kernel).
+            refuses=("nonzero(addr(a) % 16) + nonzero(addr(b) % 16) + nonzero(addr(c) % 16)"
+                     " + bad_tma_stride(B, stride_ab, 1) + bad_tma_stride(M, stride_am, 1)"
+                     " + bad_tma_stride(B, stride_bb, 1) + bad_tma_stride(N, stride_bn, 1)"
+                     " + bad_tma_stride(B, stride_cb, dtype_size(out_dtype))"
+                     " + bad_tma_stride(M, stride_cm, dtype_size(out_dtype))"),
+            refused_to="tile",
+        ),
+    },
+    problems=_fp8_bmm_problems,
+)
+
 
 def _gptq_dequant_problems():
     for n in (4096, 11008, 24):
@@ -421,7 +607,7 @@ W4A16_GEMM = OpAbi(
     },
 )
 
-OPS = {abi.op: abi for abi in (ACT_QUANT, FP8_GEMM, GPTQ_DEQUANT, W4A16_GEMM)}
+OPS = {abi.op: abi for abi in (ACT_QUANT, FP8_GEMM, FP8_BMM, GPTQ_DEQUANT, W4A16_GEMM)}
 
 
 def launch_for(abi: OpAbi, entry, impl: str) -> ImplLaunch | None:
@@ -442,6 +628,27 @@ def split_for(k_steps: int, tiles: int, split_k: int, min_steps: int, fill: int,
     if tiles >= slots:
         return 1
     return min(range(1, cap + 1), key=lambda s: ((-(-tiles * s // slots)) * (-(-k_steps // s) + 6), s))
+
+
+def dtype_size(code: int) -> int:
+    """Bytes of an element of a kdsl_dtype (its code)."""
+    return {"bf16": 2, "f16": 2, "f32": 4}[list(DTYPES)[code]]
+
+
+def programs(work: int, persistent: int, per_sm: int, sms: int) -> int:
+    """A persistent grid: per_sm programs per SM loop over the work (_programs in the generated modules)."""
+    return min(work, per_sm * sms) if persistent else work
+
+
+def tma_stride(size: int, stride: int, cols: int, esize: int) -> int:
+    """_tma_strides in fp8_bmm_tma_sm90.py.j2: a dimension of size 1 is never stepped, so TMA gets the row padded
+    to 16 bytes (in elements) instead of whatever stride it has."""
+    return stride if size > 1 else -(-cols * esize // 16) * 16 // esize
+
+
+def bad_tma_stride(size: int, stride: int, esize: int) -> int:
+    """1 where a stepped dimension's stride (in bytes) is 0 or not a multiple of 16 (kdsl.ops.check.alignment)."""
+    return int(size > 1 and (stride == 0 or stride * esize % 16 != 0))
 
 
 def scheme_values(entry) -> dict:
@@ -471,5 +678,7 @@ def evaluate(expression: str, values: dict) -> int:
     """Evaluate a filled expression in Python (the C dispatcher compiles the same text)."""
     namespace = {"cdiv": lambda a, b: -(-a // b), "div": lambda a, b: a // b, "nonzero": lambda p: int(p != 0),
                  "either": lambda p, q: p if p else q, "split_cap": split_cap, "split_for": split_for,
+                 "least": min, "addr": lambda p: p, "dtype_size": dtype_size, "programs": programs,
+                 "tma_stride": tma_stride, "bad_tma_stride": bad_tma_stride,
                  **{code: DTYPE_CODES[name] for name, (code, *_) in DTYPES.items()}, "__builtins__": {}}
     return int(eval(expression, namespace, dict(values)))  # noqa: S307 (text written in abi.py, not user input)

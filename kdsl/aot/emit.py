@@ -63,27 +63,201 @@ def header(abi: abis.OpAbi, functions: list, schemes: dict) -> str:
     return "\n".join(lines)
 
 
-def _bucket_code(abi: abis.OpAbi, entry) -> list:
-    """The tile bucket, as the registry picks it; tiles of unexported implementations (Gluon) are passed
-    over, so their calls reach the tile after them (its alternative, same m_max and n_min)."""
+def _bucket_code(abi: abis.OpAbi, entry, scheme_values: dict) -> list:
+    """The tile bucket, as kdsl.aot.export.route picks it (the registry's tile_for with the left-out tiles
+    disabled): the first exported tile serving M (and N) whose launch does not refuse the call; a tile refusing
+    to "entry" sends the call to the fallback; where tiles served but all refused, the entry's last tile; else
+    (no tile served) the fallback. bucket -1: the fallback's (or, without one, an error)."""
+    from kdsl.aot.export import launch_of
+
     exported = exported_buckets(abi, entry)
-    lines = [f"  int bucket = {exported[-1]};"]
-    for position, index in enumerate(exported):
+    lines = ["  int bucket = -1, served = 0, routed_away = 0;"]
+    for index in exported:
         bucket = entry.tiles[index]
-        conditions = []
+        conditions = ["bucket < 0", "!routed_away"]
         if bucket.m_max is not None:
             conditions.append(f"{abi.m} <= {bucket.m_max}")
         if bucket.n_min is not None:
             conditions.append(f"{abi.n} >= {bucket.n_min}" if abi.n else "0")
-        condition = " && ".join(conditions) or "1"
-        lines.append(f"  {'if' if position == 0 else 'else if'} ({condition}) bucket = {index};")
+        launch = launch_of(abi, entry, index)
+        body = f"bucket = {index};"
+        if launch.refuses:
+            refused = _c_expression(abis.fill(launch.refuses, bucket.params, scheme_values))
+            otherwise = "routed_away = 1;" if launch.refused_to == "entry" else "/* the next serving tile */"
+            body = f"if ({refused}) {{ {otherwise} }} else {body}"
+        lines.append(f"  if ({' && '.join(conditions)}) {{ served = 1; {body} }}")
+    last = len(entry.tiles) - 1
+    if last in exported:
+        lines.append(f"  if (bucket < 0 && !routed_away && served) bucket = {last};  /* every serving tile refused */")
+    lines.append("  (void)served;")
     return lines
 
 
-def op_source(abi: abis.OpAbi, function: str, selected: list) -> str:
+def _spec_table(function: str, tag: str, arch: int, specs: list, dtype_arg, out: list, embedded: set) -> tuple:
+    """The static spec table of one entry's specializations: (table name, count)."""
+    # Exact specializations first, the assumption-free ones last (kdsl__pick takes the first of the best).
+    ordered = sorted(specs, key=lambda s: (s.bucket, -sum(p["claim"] != "" for p in s.params)))
+    table = f"specs_{tag}"
+    for index, spec in enumerate(ordered):
+        cubin = Path(spec.compiled["cubin"]).name
+        symbol = f"kdsl__cubin_{function}_{c_identifier(Path(cubin).stem)}"
+        if symbol not in embedded:
+            embedded.add(symbol)
+            out.append(f'KDSL__CUBIN({symbol}, "{cubin}")')
+        types = "".join("T" if p["kind"] == "desc" else "p" if p["kind"] == "ptr" else ("i" if p["type"] == "i32" else "l")
+                        for p in spec.params)
+        claims = "".join(p["claim"] or "-" for p in spec.params)
+        dtype = abis.DTYPE_CODES[spec.dtypes[dtype_arg]] if dtype_arg else -1
+        variant = "0"
+        if spec.variant:
+            variant = f"variant_{tag}_{index}"
+            out.append(f"static const int64_t {variant}[] = {{{', '.join(str(v) for v in spec.variant)}}};")
+        tma = "0"
+        if spec.compiled.get("tma"):
+            tma = f"tma_{tag}_{index}"
+            rows = []
+            for described in spec.compiled["tma"]:
+                box = ", ".join(str(b) for b in described["box"])
+                rows.append(f"{{{described['host_type']}, {described['elem_size']}, {described['swizzle']}, "
+                            f"{len(described['box'])}, {{{box}}}, {described['shape_params']}, "
+                            f"{described['stride_params']}}}  /* {described['param']} */")
+            out.append(f"static const kdsl__tma_meta {tma}[] = {{" + ", ".join(rows) + "};")
+        out += [f"static kdsl__spec spec_{tag}_{index} = {{",
+                f'  "{spec.name}", "{spec.compiled["symbol"]}", {symbol}, {symbol}_end,',
+                f"  {spec.compiled['shared']}, {spec.compiled['num_warps'] * 32}, {arch}, {spec.bucket}, {dtype},"
+                f" {len(spec.params)}, \"{types}\", \"{claims}\", {spec.compiled['hidden']},"
+                f" {len(spec.variant)}, {variant}, {tma}, 0}};"]
+    out += [f"static kdsl__spec *const {table}[] = {{" + ", ".join(f"&spec_{tag}_{i}" for i in range(len(ordered))) + "};", ""]
+    return table, len(ordered)
+
+
+def _entry_function(abi: abis.OpAbi, function: str, name: str, tag: str, arch: int, entry, specs: list,
+                    fallback: str | None, out: list, embedded: set) -> None:
+    """A static function launching one entry's exported tiles (`fallback`: the function taking the calls that
+    none of them takes)."""
+    dtype_arg = next(iter(abi.dtype_choices), None)
+    scheme_values = abis.scheme_values(entry)
+    table, count = _spec_table(function, tag, arch, specs, dtype_arg, out, embedded)
+    arguments = ", ".join(a.name for a in abi.args) + ", stream"
+    out += [f"/* sm_{arch}: {entry.name} ({entry.arch_range()}), chosen as the registry chooses. */",
+            f"static kdsl_status {name}({prototype(abi, name).split('(', 1)[1]} {{",
+            "  " + " ".join(f"(void){a.name};" for a in abi.args) + "  /* a tile may not read every one */"]
+    out += _bucket_code(abi, entry, scheme_values)
+    if fallback:
+        out.append(f"  if (bucket < 0) return {fallback}({arguments});")
+    else:
+        out += ["  if (bucket < 0)",
+                f'    return kdsl__fail(KDSL_ERR_INVALID_ARGUMENT, "{abi.op}: no exported tile of {entry.name} takes '
+                f'this call (M = %lld): the tiles serving it are left out or refuse it (TMA kernels need 16-byte '
+                f'aligned bases and strides)", (long long){abi.m});']
+    buckets = exported_buckets(abi, entry)
+    launches = {i: abis.launch_for(abi, entry, tile_impl(entry, entry.tiles[i].params)) for i in buckets}
+    nparams = max(len(launch.params) for launch in launches.values())
+    ndesc = max(len(launch.descriptors) for launch in launches.values())
+    nvariant = max(len(launch.runtime_constexprs) for launch in launches.values())
+    uses_sms = any("sms" in expression for launch in launches.values()
+                   for expression in [e for _, e, _ in launch.runtime_constexprs] + [e for _, e in launch.params]
+                   + list(launch.grid))
+    out += [f"  int64_t values[{nparams}];", f"  int64_t variant[{max(1, nvariant)}] = {{0}};",
+            "  int64_t grid[3] = {0, 0, 0};",
+            "  int nvalues = 0, nvariant = 0, split_at = -1, workspace_at = -1, counters_at = -1;",
+            "  int64_t unsplit_scratch = 0, split = 1;"]
+    if ndesc:
+        out.append(f"  kdsl__tma_call descriptors[{ndesc}];")
+        out.append("  memset(descriptors, 0, sizeof descriptors);")
+    if uses_sms:
+        out += ["  int sms = 0;", f'  kdsl_status found = kdsl__current_sms("{abi.op}", &sms);',
+                "  if (found != KDSL_OK) return found;"]
+    out.append("  switch (bucket) {")
+    for index in buckets:
+        tile = entry.tiles[index].params
+        launch = launches[index]
+        out.append(f"    case {index}: /* {json.dumps(tile)} */")
+        out.append(f"      nvalues = {len(launch.params)}, nvariant = {len(launch.runtime_constexprs)};")
+        for position, (name_, expression, allowed) in enumerate(launch.runtime_constexprs):
+            value = _c_expression(abis.fill(expression, tile, scheme_values))
+            out.append(f"      variant[{position}] = {value};  /* {name_} */")
+            if allowed == abis.SPLIT:
+                out.append(f"      split_at = {position}, split = variant[{position}];")
+        out.append("      break;")
+    out += ["  }",
+            "  /* The K split launch() would take, else the largest exported one below it (1 always is). */",
+            "  const kdsl__spec *spec = NULL;",
+            "  for (;;) {",
+            "    if (split_at >= 0) variant[split_at] = split;",
+            "    switch (bucket) {"]
+    # The kernel arguments may name the split (a persistent grid's program count): computed per split tried.
+    for index in buckets:
+        tile = entry.tiles[index].params
+        launch = launches[index]
+        out.append(f"      case {index}:")
+        described = 0
+        for position, (param, expression) in enumerate(launch.params):
+            if param in launch.descriptors:
+                desc = launch.descriptors[param]
+                out.append(f"        descriptors[{described}].base = kdsl__addr({desc.base}), "
+                           f"descriptors[{described}].rank = {len(desc.shape)};  /* {param} */")
+                for axis, (size, stride) in enumerate(zip(desc.shape, desc.strides)):
+                    out.append(f"        descriptors[{described}].shape[{axis}] = "
+                               f"{_c_expression(abis.fill(size, tile, scheme_values))}, "
+                               f"descriptors[{described}].strides[{axis}] = "
+                               f"{_c_expression(abis.fill(stride, tile, scheme_values))};")
+                out.append(f"        values[{position}] = {described};  /* {param}: descriptors[{described}] */")
+                described += 1
+                continue
+            value = abis.fill(expression, tile, scheme_values)
+            if param in launch.pointer_types:
+                value = f"(int64_t)(uintptr_t)({_c_expression(value)})"
+            else:
+                value = _c_expression(value)
+            out.append(f"        values[{position}] = {value};  /* {param} */")
+            if launch.scratch and param == launch.scratch[0]:
+                out.append(f"        workspace_at = {position}, unsplit_scratch = values[{position}];")
+            if launch.scratch and param == launch.scratch[1]:
+                out.append(f"        counters_at = {position};")
+        out.append("        break;")
+    out += ["    }",
+            "    if (workspace_at >= 0) /* scratch is allocated per context, 256-byte aligned */",
+            "      values[workspace_at] = values[counters_at] = split > 1 ? 4096 : unsplit_scratch;",
+            f"    spec = kdsl__pick({table}, {count}, bucket, "
+            f"{('(int)' + dtype_arg) if dtype_arg else '-1'}, variant, nvariant, values, nvalues);",
+            "    if (spec || split_at < 0 || split <= 1) break;",
+            "    split--;",
+            "  }",
+            "  if (!spec)",
+            f'    return kdsl__fail(KDSL_ERR_NO_KERNEL, "{abi.op}: no exported specialization of {entry.name} '
+            f'(sm_{arch}, tile bucket %d) takes these arguments", bucket);',
+            "  int64_t workspace_elements = 0, counters = 0;",
+            "  switch (bucket) {"]
+    for index in buckets:
+        tile = entry.tiles[index].params
+        launch = launches[index]
+        out.append(f"    case {index}:")
+        for axis, expression in enumerate(launch.grid):
+            out.append(f"      grid[{axis}] = {_c_expression(abis.fill(expression, tile, scheme_values))};")
+        if launch.scratch:
+            out.append(f"      workspace_elements = {_c_expression(abis.fill(launch.scratch[2], tile, scheme_values))};")
+            out.append(f"      counters = {_c_expression(abis.fill(launch.scratch[3], tile, scheme_values))};")
+        out.append("      break;")
+    out += ["  }",
+            "  (void)workspace_elements, (void)counters;",
+            "  if (workspace_at >= 0 && split > 1) {",
+            "    int64_t workspace = 0, counter_words = 0;",
+            f'    kdsl_status status = kdsl__splitk_scratch("{abi.op}", workspace_elements * 4, counters, stream, '
+            "&workspace, &counter_words);",
+            "    if (status != KDSL_OK) return status;",
+            "    values[workspace_at] = workspace, values[counters_at] = counter_words;",
+            "  }",
+            f'  return kdsl__launch("{abi.op}", (kdsl__spec *)spec, stream, grid[0], grid[1], grid[2], values, '
+            f'{"descriptors" if ndesc else "NULL"});',
+            "}", ""]
+
+
+def op_source(abi: abis.OpAbi, function: str, selected: list, fallbacks: dict | None = None) -> str:
     """The dispatcher for one (op, scheme): its spec tables per arch, its checks, its arch/tile choice."""
+    fallbacks = fallbacks or {}
     out = [f"/* {function}: generated by `python -m kdsl aot` -- do not edit. */",
-           "#include <stdint.h>", "", '#include "kdsl_aot_internal.h"', f'#include "kdsl_{abi.op}.h"', "",
+           "#include <stdint.h>", "#include <string.h>", "", '#include "kdsl_aot_internal.h"', f'#include "kdsl_{abi.op}.h"', "",
            "#ifndef KDSL_CUBIN_DIR", '#error "define KDSL_CUBIN_DIR, the folder of the cubins (the build files do)"',
            "#endif", "",
            "/* Cubins are embedded with .incbin: no multi-megabyte hex arrays to compile. */",
@@ -95,110 +269,15 @@ def op_source(abi: abis.OpAbi, function: str, selected: list) -> str:
     dtype_arg = next(iter(abi.dtype_choices), None)
     arch_functions, embedded = [], set()
     for _, scheme, arch, entry, specs in selected:
-        scheme_values = abis.scheme_values(entry)
-        # Exact specializations first, the assumption-free ones last (kdsl__pick takes the first of the best).
-        ordered = sorted(specs, key=lambda s: (s.bucket, -sum(p["claim"] != "" for p in s.params)))
-        table = f"specs_sm{arch}"
-        for index, spec in enumerate(ordered):
-            cubin = Path(spec.compiled["cubin"]).name
-            symbol = f"kdsl__cubin_{function}_{c_identifier(Path(cubin).stem)}"
-            if symbol not in embedded:
-                embedded.add(symbol)
-                out.append(f'KDSL__CUBIN({symbol}, "{cubin}")')
-            types = "".join("p" if p["kind"] == "ptr" else ("i" if p["type"] == "i32" else "l") for p in spec.params)
-            claims = "".join(p["claim"] or "-" for p in spec.params)
-            dtype = abis.DTYPE_CODES[spec.dtypes[dtype_arg]] if dtype_arg else -1
-            variant = "0"
-            if spec.variant:
-                variant = f"variant_sm{arch}_{index}"
-                out.append(f"static const int64_t {variant}[] = {{{', '.join(str(v) for v in spec.variant)}}};")
-            out += [f"static kdsl__spec spec_sm{arch}_{index} = {{",
-                    f'  "{spec.name}", "{spec.compiled["symbol"]}", {symbol}, {symbol}_end,',
-                    f"  {spec.compiled['shared']}, {spec.compiled['num_warps'] * 32}, {arch}, {spec.bucket}, {dtype},"
-                    f" {len(spec.params)}, \"{types}\", \"{claims}\", {spec.compiled['hidden']},"
-                    f" {len(spec.variant)}, {variant}, 0}};"]
-        out += [f"static kdsl__spec *const {table}[] = {{" + ", ".join(f"&spec_sm{arch}_{i}" for i in range(len(ordered))) + "};", ""]
         name = f"{function}_sm{arch}"
+        fallback = fallbacks.get((abi.op, scheme, arch))
+        fallback_name = None
+        if fallback is not None:
+            fallback_name = f"{name}_fallback"
+            _entry_function(abi, function, fallback_name, f"sm{arch}_fallback", arch, fallback[0], fallback[1], None,
+                            out, embedded)
+        _entry_function(abi, function, name, f"sm{arch}", arch, entry, specs, fallback_name, out, embedded)
         arch_functions.append((arch, name))
-        arguments = ", ".join(a.name for a in abi.args)
-        out += [f"/* sm_{arch}: {entry.name} ({entry.arch_range()}), chosen as the registry chooses. */",
-                f"static kdsl_status {name}({prototype(abi, name).split('(', 1)[1]} {{",
-                "  " + " ".join(f"(void){a.name};" for a in abi.args) + "  /* a tile may not read every one */"]
-        out += _bucket_code(abi, entry)
-        buckets = exported_buckets(abi, entry)
-        launches = {i: abis.launch_for(abi, entry, tile_impl(entry, entry.tiles[i].params)) for i in buckets}
-        count = max(len(launch.params) for launch in launches.values())
-        nvariant = max(len(launch.runtime_constexprs) for launch in launches.values())
-        uses_sms = any("sms" in expression for launch in launches.values()
-                       for _, expression, _ in launch.runtime_constexprs)
-        out += [f"  int64_t values[{count}];", f"  int64_t variant[{max(1, nvariant)}] = {{0}};", "  int64_t grid[3] = {0, 0, 0};",
-                "  int nvalues = 0, nvariant = 0, split_at = -1, workspace_at = -1, counters_at = -1;",
-                "  int64_t unsplit_scratch = 0, split = 1;"]
-        if uses_sms:
-            out += ["  int sms = 0;", f'  kdsl_status found = kdsl__current_sms("{abi.op}", &sms);',
-                    "  if (found != KDSL_OK) return found;"]
-        out.append("  switch (bucket) {")
-        for index in buckets:
-            tile = entry.tiles[index].params
-            launch = launches[index]
-            out.append(f"    case {index}: /* {json.dumps(tile)} */")
-            out.append(f"      nvalues = {len(launch.params)}, nvariant = {len(launch.runtime_constexprs)};")
-            for position, (param, expression) in enumerate(launch.params):
-                value = abis.fill(expression, tile, scheme_values)
-                if param in launch.pointer_types:
-                    value = f"(int64_t)(uintptr_t)({_c_expression(value)})"
-                else:
-                    value = _c_expression(value)
-                out.append(f"      values[{position}] = {value};  /* {param} */")
-                if launch.scratch and param == launch.scratch[0]:
-                    out.append(f"      workspace_at = {position}, unsplit_scratch = values[{position}];")
-                if launch.scratch and param == launch.scratch[1]:
-                    out.append(f"      counters_at = {position};")
-            for position, (name, expression, allowed) in enumerate(launch.runtime_constexprs):
-                value = _c_expression(abis.fill(expression, tile, scheme_values))
-                out.append(f"      variant[{position}] = {value};  /* {name} */")
-                if allowed == abis.SPLIT:
-                    out.append(f"      split_at = {position};")
-            out.append("      break;")
-        out += ["  }",
-                "  /* The K split launch() would take, else the largest exported one below it (1 always is). */",
-                "  if (split_at >= 0) split = variant[split_at];",
-                "  const kdsl__spec *spec = NULL;",
-                "  for (;;) {",
-                "    if (split_at >= 0) variant[split_at] = split;",
-                "    if (workspace_at >= 0) /* scratch is allocated per context, 256-byte aligned */",
-                "      values[workspace_at] = values[counters_at] = split > 1 ? 4096 : unsplit_scratch;",
-                f"    spec = kdsl__pick({table}, {len(ordered)}, bucket, "
-                f"{('(int)' + dtype_arg) if dtype_arg else '-1'}, variant, nvariant, values, nvalues);",
-                "    if (spec || split_at < 0 || split <= 1) break;",
-                "    split--;",
-                "  }",
-                "  if (!spec)",
-                f'    return kdsl__fail(KDSL_ERR_NO_KERNEL, "{abi.op}: no exported specialization of {entry.name} '
-                f'(sm_{arch}, tile bucket %d) takes these arguments", bucket);',
-                "  int64_t workspace_elements = 0, counters = 0;",
-                "  switch (bucket) {"]
-        for index in buckets:
-            tile = entry.tiles[index].params
-            launch = launches[index]
-            out.append(f"    case {index}:")
-            for axis, expression in enumerate(launch.grid):
-                out.append(f"      grid[{axis}] = {_c_expression(abis.fill(expression, tile, scheme_values))};")
-            if launch.scratch:
-                out.append(f"      workspace_elements = {_c_expression(abis.fill(launch.scratch[2], tile, scheme_values))};")
-                out.append(f"      counters = {_c_expression(abis.fill(launch.scratch[3], tile, scheme_values))};")
-            out.append("      break;")
-        out += ["  }",
-                "  (void)workspace_elements, (void)counters;",
-                "  if (workspace_at >= 0 && split > 1) {",
-                "    int64_t workspace = 0, counter_words = 0;",
-                f'    kdsl_status status = kdsl__splitk_scratch("{abi.op}", workspace_elements * 4, counters, stream, '
-                "&workspace, &counter_words);",
-                "    if (status != KDSL_OK) return status;",
-                "    values[workspace_at] = workspace, values[counters_at] = counter_words;",
-                "  }",
-                f'  return kdsl__launch("{abi.op}", (kdsl__spec *)spec, stream, grid[0], grid[1], grid[2], values);',
-                "}", ""]
     # The public function: checks, then the arch.
     scheme_values = abis.scheme_values(selected[0][3])
     out += [prototype(abi, function) + " {", "  kdsl__clear_error();"]
@@ -234,7 +313,8 @@ def op_source(abi: abis.OpAbi, function: str, selected: list) -> str:
 
 
 def _c_expression(expression: str) -> str:
-    return re.sub(r"\b(cdiv|div|nonzero|either|split_cap|split_for)\(", r"kdsl__\1(", expression)
+    return re.sub(r"\b(cdiv|div|nonzero|either|split_cap|split_for|least|addr|dtype_size|programs|tma_stride|"
+                  r"bad_tma_stride)\(", r"kdsl__\1(", expression)
 
 
 def info_source(result) -> str:
@@ -304,7 +384,8 @@ def write_all(out: Path, result) -> None:
     per_op: dict = {}
     for (op, function), selected in by_function.items():
         abi = selected[0][0]
-        (out / "src" / f"{function}.c").write_text(op_source(abi, function, selected), encoding="utf-8")
+        (out / "src" / f"{function}.c").write_text(op_source(abi, function, selected, result.fallbacks),
+                                                   encoding="utf-8")
         per_op.setdefault(op, (abi, {}))[1][function] = dict(scheme=selected[0][1],
                                                             values=abis.scheme_values(selected[0][3]))
     for op, (abi, functions) in per_op.items():

@@ -82,25 +82,32 @@ class Plan:
     archs: list
     selected: list = field(default_factory=list)  # (abi, scheme, arch, entry, [Spec])
     skipped: list = field(default_factory=list)  # (what, reason)
+    # (op, scheme, arch) -> (entry, [Spec]): the kernel that takes the calls the selected entry's exported tiles
+    # cannot (no exported tile serves them, or a refusal routed to "entry"), as the registry picks it with the
+    # selected entry disabled.
+    fallbacks: dict = field(default_factory=dict)
+    routes: list = field(default_factory=list)  # lines saying where left-out tiles' calls go
 
     @property
     def specs(self) -> list:
-        return [spec for *_, specs in self.selected for spec in specs]
+        return ([spec for *_, specs in self.selected for spec in specs]
+                + [spec for _, specs in self.fallbacks.values() for spec in specs])
 
 
-def choose(op: str, scheme: str, arch: int, unexportable: dict):
-    """The registry's kernel for (op, scheme, arch), among the exportable ones: (entry, [(skipped, why)])."""
+def choose(op: str, scheme: str, arch: int, unexportable: dict, left_out=()):
+    """The registry's kernel for (op, scheme, arch), among the exportable ones and those not in `left_out`
+    (entry names, as KDSL_DISABLE would name them): (entry, [(skipped, why)])."""
     skipped = []
     try:
         chosen = registry.select(op, scheme, arch=arch)
     except registry.NoKernelError as error:
         return None, [(f"{op} [{scheme}] for {format_arch(arch)}", str(error).replace("\n", ";"))]
-    if chosen.impl not in unexportable:
+    if chosen.impl not in unexportable and chosen.name not in left_out:
         return chosen, skipped
     # Same rule as the registry (registry._specificity), over the kernels left once the unexportable go.
     fitting = []
     for entry in registry.entries():
-        if entry.op != op or entry.scheme != scheme or arch < entry.min_arch:
+        if entry.op != op or entry.scheme != scheme or arch < entry.min_arch or entry.name in left_out:
             continue
         if entry.max_arch is not None and arch > entry.max_arch:
             continue
@@ -113,9 +120,19 @@ def choose(op: str, scheme: str, arch: int, unexportable: dict):
     return max(fitting, key=registry._specificity), skipped
 
 
-def spec_params(launch: abis.ImplLaunch, values: dict, dtypes: dict, generic: bool, split: int = 1) -> list:
+def spec_params(launch: abis.ImplLaunch, values: dict, dtypes: dict, generic: bool, split: int = 1,
+                tile: dict | None = None) -> list:
     params = []
+    values = {**values, "split": split}
     for name, expression in launch.params:
+        if name in launch.descriptors:  # a host TMA descriptor: Triton specializes on its type and block only
+            desc = launch.descriptors[name]
+            element = abis.DTYPES[dtypes[desc.element.split(":", 1)[1]]][1] if desc.element.startswith("dtype:") \
+                else desc.element
+            block = ", ".join(str(abis.evaluate(abis.fill(b, tile or {}, {}), {})) for b in desc.block)
+            params.append(dict(name=name, kind="desc", type=f"tensordesc<{element}[{block}]>", claim="",
+                               rank=len(desc.shape)))
+            continue
         if name in launch.pointer_types:
             kind = launch.pointer_types[name]
             if kind.startswith("scratch:"):  # split-K scratch of this type, or the output when not split
@@ -126,7 +143,7 @@ def spec_params(launch: abis.ImplLaunch, values: dict, dtypes: dict, generic: bo
             claim = "" if generic else pointer_key(abis.evaluate(expression, values))
             params.append(dict(name=name, kind="ptr", type=f"*{element}", claim=claim))
         else:
-            kind, claim = ("i32", "") if generic else int_key(abis.evaluate(expression, values))
+            kind, claim = ("i32", "") if generic else int_key(abis.evaluate(abis.fill(expression, tile or {}, {}), values))
             params.append(dict(name=name, kind="int", type=kind, claim=claim))
     return params
 
@@ -140,38 +157,71 @@ def plan(archs, ops=None, schemes=None, dtypes=None, generic_only: bool = False)
     """Choose kernels and enumerate their specializations; compiles nothing."""
     archs = sorted(set(archs))
     result = Plan(archs=archs)
+
+    def skip(what, why):
+        if (what, why) not in result.skipped:
+            result.skipped.append((what, why))
+
     for op in ops or list(abis.OPS):
         abi = abis.OPS[op]
         served = sorted(registry.served_schemes(op))
         for scheme in served if not schemes else [s for s in served if s in schemes]:
             for arch in archs:
                 entry, skipped = choose(op, scheme, arch, abi.unexportable)
-                result.skipped += [(what, why) for what, why in skipped if (what, why) not in result.skipped]
+                for what, why in skipped:
+                    skip(what, why)
                 if entry is None:
                     continue
-                impls = {tile_impl(entry, b.params) for b in entry.tiles}
-                missing = sorted(i for i in impls if i not in abi.unexportable and not abis.launch_for(abi, entry, i))
-                # Implementations of some tiles only (Gluon ones): reported, their tiles' calls routed to the
-                # exportable tile after each (the registry's alternative for calls they refuse).
-                for impl in sorted(impls & set(abi.unexportable)):
-                    what = Path(str(entry.modules[impl].path)).stem if hasattr(entry, "modules") else entry.name
-                    if (what, f"not exported: {abi.unexportable[impl]}") not in result.skipped:
-                        result.skipped.append((what, f"not exported: {abi.unexportable[impl]}"))
+                # Tiles whose implementation (or kernel, within today's multi-kernel modules) is not exported:
+                # reported by module and reason; their calls routed as the registry would with it disabled.
+                for index, bucket in enumerate(entry.tiles):
+                    why = left_out_reason(abi, entry, index)
+                    if why is not None:
+                        module = entry.modules.get(tile_impl(entry, bucket.params)) if hasattr(entry, "modules") else None
+                        skip(Path(str(module.path)).stem if module is not None else entry.name, f"not exported: {why}")
                 if not exported_buckets(abi, entry):
-                    result.skipped.append((entry.name, "not exported: every tile's implementation is unexportable"))
-                    continue
-                if missing:
-                    result.skipped.append((entry.name, f"not exported: no C launch description for "
-                                                       f"implementation(s) {', '.join(missing)} in kdsl/aot/abi.py"))
+                    skip(entry.name, "not exported: every tile's implementation is unexportable")
                     continue
                 specs = _enumerate(abi, entry, arch, dtypes, generic_only)
                 if not specs:
                     allowed = sorted({d for choices in abi.dtype_choices.values() for d in choices})
-                    result.skipped.append((entry.name, f"not exported: no --dtype given applies to {op} "
-                                                       f"(its dtypes: {', '.join(allowed)})"))
+                    skip(entry.name, f"not exported: no --dtype given applies to {op} (its dtypes: {', '.join(allowed)})")
                     continue
                 result.selected.append((abi, scheme, arch, entry, specs))
+                fallback = None
+                if needs_fallback(abi, entry):
+                    fallback, skipped = choose(op, scheme, arch, abi.unexportable, left_out=(entry.name,))
+                    for what, why in skipped:
+                        skip(what, why)
+                    if fallback is not None and needs_fallback(abi, fallback):
+                        fallback = None  # one level of routing; such calls are refused with a message instead
+                    if fallback is not None:
+                        routed = [p for p in abi.problems() if route(abi, entry, p) is None]
+                        fallback_specs = _enumerate(abi, fallback, arch, dtypes, generic_only, routed)
+                        result.fallbacks[(op, scheme, arch)] = (fallback, fallback_specs)
+                result.routes += _route_lines(abi, entry, arch, fallback)
     return result
+
+
+def _route_lines(abi: abis.OpAbi, entry, arch: int, fallback) -> list:
+    """Where the calls of the tiles left out go, in words (printed by `kdsl aot`, kept in the manifest)."""
+    exported = exported_buckets(abi, entry)
+    lines = []
+    left = [i for i in range(len(entry.tiles)) if i not in exported]
+    if left:
+        lines.append(f"routed {entry.name} ({format_arch(arch)}): tiles {', '.join(map(str, left))} are left out, as "
+                     f"if their implementation were disabled: a call goes to the first exported tile serving its M "
+                     f"and N ({', '.join(map(str, exported))}) that does not refuse it"
+                     + (f", else to {fallback.name}, the registry's choice with KDSL_DISABLE={entry.name}"
+                        if fallback else ""))
+    for index in exported:
+        launch = launch_of(abi, entry, index)
+        if launch.refuses and launch.refused_to == "entry":
+            lines.append(f"routed {entry.name} ({format_arch(arch)}): tile {index} refuses calls whose TMA operands "
+                         f"are not 16-byte aligned (kdsl.ops copies them; C cannot): "
+                         + (f"they go to {fallback.name}" if fallback else "refused with KDSL_ERR_INVALID_ARGUMENT"))
+            break
+    return lines
 
 
 def tile_impl(entry, tile: dict) -> str:
@@ -179,19 +229,81 @@ def tile_impl(entry, tile: dict) -> str:
     return tile.get("impl", entry.impl)
 
 
+def launch_of(abi: abis.OpAbi, entry, index: int) -> abis.ImplLaunch | None:
+    return abis.launch_for(abi, entry, tile_impl(entry, entry.tiles[index].params))
+
+
+def left_out_reason(abi: abis.OpAbi, entry, index: int) -> str | None:
+    """Why tile `index` of the entry is not exported (None: it is): its implementation is unexportable or has no
+    C launch description."""
+    impl = tile_impl(entry, entry.tiles[index].params)
+    if impl in abi.unexportable:
+        return abi.unexportable[impl]
+    launch = launch_of(abi, entry, index)
+    if launch is None:
+        if _is_gluon(entry, impl):  # e.g. a Gluon unit split out of a module whose Triton kernel is exported
+            return f"implementation {impl} is a Gluon kernel (the exporter compiles Triton kernels only)"
+        return f"implementation {impl} has no C launch description in kdsl/aot/abi.py"
+    return None
+
+
+def _is_gluon(entry, impl: str) -> bool:
+    """Whether the implementation's generated module defines its kernels with @gluon.jit (read, not imported)."""
+    module = getattr(entry, "modules", {}).get(impl)
+    try:
+        return module is not None and "@gluon.jit" in Path(module.path).read_text(encoding="utf-8")
+    except OSError:
+        return False
+
+
 def exported_buckets(abi: abis.OpAbi, entry) -> list:
     """Indices of the entry's tiles that are exported (the others' calls go to the next serving tile)."""
-    return [i for i, b in enumerate(entry.tiles) if tile_impl(entry, b.params) not in abi.unexportable]
+    return [i for i in range(len(entry.tiles)) if left_out_reason(abi, entry, i) is None]
 
 
-def served_bucket(abi: abis.OpAbi, entry, m: int, n) -> int:
-    """The exported tile the dispatcher gives (m, n): the first exported one serving them, else the last
-    exported (as the registry's tile_for falls back to the last tile)."""
+def needs_fallback(abi: abis.OpAbi, entry) -> bool:
+    """Whether some call finds no exported tile of the entry: none serves its M and N, or a refusal sends it to
+    another entry, or every tile serving it refuses it and the entry's last tile (the registry's answer then)
+    is not exported."""
     exported = exported_buckets(abi, entry)
+    covered = any(entry.tiles[i].m_max is None and entry.tiles[i].n_min is None for i in exported)
+    launches = [launch_of(abi, entry, i) for i in exported]
+    last = len(entry.tiles) - 1
+    safe_last = last in exported and not launch_of(abi, entry, last).refuses
+    return (not covered or any(launch.refuses and launch.refused_to == "entry" for launch in launches)
+            or (any(launch.refuses for launch in launches) and not safe_last))
+
+
+def route(abi: abis.OpAbi, entry, call: dict) -> int | None:
+    """The exported tile the dispatcher gives a call (its C arguments: at least M, N and whatever the refusals
+    read; a call without them is aligned), or None where it goes to the fallback entry. The registry's
+    tile_for(m, n, call) with the left-out tiles disabled: the first serving tile that does not refuse the
+    call, else the last tile."""
+    m, n = call[abi.m], call[abi.n] if abi.n else None
+    scheme = abis.scheme_values(entry)
+    exported = exported_buckets(abi, entry)
+    served = False
     for index in exported:
-        if entry.tiles[index].serves(m, n):
-            return index
-    return exported[-1]
+        bucket = entry.tiles[index]
+        if not bucket.serves(m, n):
+            continue
+        served = True
+        launch = launch_of(abi, entry, index)
+        if launch.refuses and _refused(abi, launch, bucket.params, scheme, call):
+            if launch.refused_to == "entry":
+                return None
+            continue
+        return index
+    last = len(entry.tiles) - 1
+    return last if served and last in exported else None
+
+
+def _refused(abi: abis.OpAbi, launch: abis.ImplLaunch, tile: dict, scheme: dict, call: dict) -> bool:
+    values = {**call, **{k: abis.DTYPE_CODES[v] for k, v in call.items() if isinstance(v, str) and v in abis.DTYPES}}
+    for arg in abi.args:
+        if arg.ctype == "ptr":
+            values.setdefault(arg.name, 4096)  # problems name no pointers: allocations are aligned
+    return bool(abis.evaluate(abis.fill(launch.refuses, tile, scheme), values))
 
 
 def runtime_values(launch: abis.ImplLaunch, tile: dict, scheme: dict, values: dict) -> dict:
@@ -208,21 +320,22 @@ def split_name(launch: abis.ImplLaunch) -> str | None:
 
 
 def _runtime_choices(launch: abis.ImplLaunch, tile: dict, scheme: dict, values: dict) -> list:
-    """Every constexpr combination this call can take: a split for each SM count planned for, and 1."""
+    """Every (constexpr combination, SM count) this call can take: per SM count planned for, the split launch()
+    takes there, and 1 (a persistent grid also follows the SM count)."""
     split = split_name(launch)
-    if split is None:
-        return [runtime_values(launch, tile, scheme, values)]
     out = []
     for sms in abis.SPLIT_SMS:
         runtime = runtime_values(launch, tile, scheme, {**values, "sms": sms})
-        for value in sorted({runtime[split], 1}):
-            choice = {**runtime, split: value}
-            if choice not in out:
-                out.append(choice)
+        for value in sorted({runtime[split], 1}) if split else [None]:
+            choice = {**runtime, split: value} if split else runtime
+            if (choice, sms) not in out:
+                out.append((choice, sms))
     return out
 
 
-def _enumerate(abi: abis.OpAbi, entry, arch: int, dtypes, generic_only: bool) -> list:
+def _enumerate(abi: abis.OpAbi, entry, arch: int, dtypes, generic_only: bool, problems=None) -> list:
+    """The entry's specializations for the op's representative problems (or `problems`: those another
+    entry routes to this one)."""
     scheme = abis.scheme_values(entry)
     wanted = {}
     # Every problem names one dtype per dtype argument; generic specs for each allowed combination.
@@ -230,7 +343,7 @@ def _enumerate(abi: abis.OpAbi, entry, arch: int, dtypes, generic_only: bool) ->
     for argument, allowed in abi.dtype_choices.items():
         allowed = [d for d in allowed if not dtypes or d in dtypes]
         combos = [{**c, argument: d} for c in combos for d in allowed]
-    problems = list(abi.problems())
+    problems = list(abi.problems() if problems is None else problems)
     for bucket_index in exported_buckets(abi, entry):
         tile = entry.tiles[bucket_index].params
         impl = tile_impl(entry, tile)
@@ -241,7 +354,7 @@ def _enumerate(abi: abis.OpAbi, entry, arch: int, dtypes, generic_only: bool) ->
         split = split_name(launch)
         calls, seen_runtime = [], {}  # per dtype combination: the constexpr combinations its problems reach
         reaching = [p for p in problems
-                    if served_bucket(abi, entry, p[abi.m], p[abi.n] if abi.n else None) == bucket_index]
+                    if route(abi, entry, p) == bucket_index]
         if not reaching:  # no representative size reaches this tile: the problems moved to its M and N bounds
             bucket = entry.tiles[bucket_index]
             # M at the tile's bound (for the last tile, just past the others').
@@ -251,25 +364,25 @@ def _enumerate(abi: abis.OpAbi, entry, arch: int, dtypes, generic_only: bool) ->
                       **({abi.n: max(p[abi.n], bucket.n_min)} if abi.n and bucket.n_min is not None else {})}
                      for p in problems]
             reaching = [p for p in moved
-                        if served_bucket(abi, entry, p[abi.m], p[abi.n] if abi.n else None) == bucket_index]
+                        if route(abi, entry, p) == bucket_index]
         for problem in reaching:
             problem_dtypes = {a: problem[a] for a in abi.dtype_choices}
             if problem_dtypes not in combos:
                 continue
             m = problem[abi.m]
             n = problem[abi.n] if abi.n else None
-            if served_bucket(abi, entry, m, n) != bucket_index:
+            if route(abi, entry, problem) != bucket_index:
                 continue
             # Pointers as the deployments' allocators give them: 16-byte aligned (misaligned ones take the
             # generic specialization); NULL stays NULL (an optional tensor left out).
             values = {**problem, **{a.name: 4096 if problem.get(a.name, 1) else 0 for a in abi.args if a.ctype == "ptr"},
                       **{a: abis.DTYPE_CODES[problem[a]] for a in abi.dtype_choices}}  # as C sees them: kdsl_dtype
             seen = seen_runtime.setdefault(json.dumps(problem_dtypes, sort_keys=True), [])
-            for runtime in _runtime_choices(launch, tile, scheme, values):
+            for runtime, sms in _runtime_choices(launch, tile, scheme, values):
                 if runtime not in seen:
                     seen.append(runtime)
                 if not generic_only:
-                    calls.append((problem_dtypes, values, runtime, False))
+                    calls.append((problem_dtypes, {**values, "sms": sms}, runtime, False))
         if abi.call_flags and reaching:
             # Every combination of the flag arguments, unsplit, for each dtype combination.
             flags = [{}]
@@ -296,7 +409,8 @@ def _enumerate(abi: abis.OpAbi, entry, arch: int, dtypes, generic_only: bool) ->
             generic_calls += [(combo, {}, runtime, True) for runtime in seen]
         # The assumption-free specializations first: one per dtype and run-time constexpr combination.
         for dtype_choice, values, runtime, generic in generic_calls + calls:
-            params = spec_params(launch, values, dtype_choice, generic, runtime.get(split, 1) if split else 1)
+            params = spec_params(launch, values, dtype_choice, generic, runtime.get(split, 1) if split else 1,
+                                 tile)
             constexprs = {**launch.constexprs(tile, scheme), **runtime}
             if launch.dtype_constexprs:
                 constexprs.update(launch.dtype_constexprs(dtype_choice))
@@ -381,6 +495,8 @@ def export(out: Path, archs, ops=None, schemes=None, dtypes=None, generic_only=F
     result = plan(archs, ops, schemes, dtypes, generic_only)
     for what, why in result.skipped:
         progress(f"skipped {what}: {why}")
+    for line in result.routes:
+        progress(line)
     if not result.selected:
         raise ExportError("nothing to export: " + "; ".join(f"{w}: {r}" for w, r in result.skipped))
     out.mkdir(parents=True, exist_ok=True)
@@ -416,11 +532,21 @@ def manifest(result: Plan) -> dict:
         format=AOT_FORMAT, generator="kdsl aot", triton=triton.__version__,
         archs=[format_arch(a) for a in result.archs],
         ops=[dict(op=abi.op, function=functions[(abi.op, scheme)], scheme=scheme, arch=format_arch(arch), entry=entry.name,
-                  impl=entry.impl, digest=_entry_digest(entry), specializations=len(specs))
+                  impl=entry.impl, digest=_entry_digest(entry), specializations=len(specs),
+                  **_fallback_record(result.fallbacks.get((abi.op, scheme, arch))))
              for abi, scheme, arch, entry, specs in result.selected],
         not_exported=[dict(kernel=what, reason=why) for what, why in result.skipped],
+        routes=list(result.routes),
         specializations=[spec.record() for spec in result.specs],
     )
+
+
+def _fallback_record(fallback) -> dict:
+    if fallback is None:
+        return {}
+    entry, specs = fallback
+    return dict(fallback=dict(entry=entry.name, impl=entry.impl, digest=_entry_digest(entry),
+                              specializations=len(specs)))
 
 
 def _entry_digest(entry) -> str | None:

@@ -26,11 +26,62 @@ def _kernel(module_path: str, kernel: str):
     return getattr(module, kernel)
 
 
-def ptx_param_count(ptx: str, entry: str) -> int:
+def ptx_params(ptx: str, entry: str) -> list:
+    """The kernel's parameters as its PTX declares them: "map" (a 128-byte, 64-aligned by-value CUtensorMap),
+    "u32" or "u64" (an integer or a pointer)."""
     match = re.search(r"\.entry\s+" + re.escape(entry) + r"\s*\(([^)]*)\)", ptx)
     if match is None:
         raise RuntimeError(f"no .entry {entry} in the PTX")
-    return match.group(1).count(".param")
+    kinds = []
+    for declaration in match.group(1).split(","):
+        if ".param" not in declaration:
+            continue
+        if re.search(r"\.b8\s+\S+\[128\]", declaration):
+            kinds.append("map")
+        elif ".u32" in declaration or ".s32" in declaration or ".b32" in declaration:
+            kinds.append("u32")
+        elif ".u64" in declaration or ".s64" in declaration or ".b64" in declaration:
+            kinds.append("u64")
+        else:
+            raise RuntimeError(f"{entry}: a kernel parameter the C launcher cannot pass: {declaration.strip()}")
+    return kinds
+
+
+def expansion(params: list, kinds: list, name: str) -> tuple[list, int]:
+    """Match the specialization's parameters with the PTX's: per host TMA descriptor, how many int32 (shape) and
+    int64 (stride) parameters follow its CUtensorMap in this Triton's launch convention, and how many hidden
+    parameters (global/profile scratch pointers) trail the explicit ones. A convention the C launcher does not
+    pass (a descriptor lowered to a pointer, another layout) is an error naming the parameter."""
+    position, descriptors = 0, []
+    for param in params:
+        if param["claim"] == "1":
+            continue  # compiled in
+        if param["kind"] == "desc":
+            if position >= len(kinds) or kinds[position] != "map":
+                raise RuntimeError(f"{name}: descriptor {param['name']} is not passed as a CUtensorMap by value "
+                                   f"(PTX parameter {position} is {kinds[position:position + 1]})")
+            position += 1
+            shapes = 0
+            while position < len(kinds) and kinds[position] == "u32":
+                shapes, position = shapes + 1, position + 1
+            strides = 0
+            while position < len(kinds) and kinds[position] == "u64" and strides < param["rank"]:
+                strides, position = strides + 1, position + 1
+            if shapes != param["rank"] or strides != param["rank"]:
+                raise RuntimeError(f"{name}: descriptor {param['name']} expands to {shapes} int32 and {strides} int64 "
+                                   f"parameters, the C launcher passes its shape ({param['rank']} int32) and strides "
+                                   f"({param['rank']} int64)")
+            descriptors.append(dict(param=param["name"], shape_params=shapes, stride_params=strides))
+            continue
+        want = "u32" if param["kind"] == "int" and param["type"] == "i32" else "u64"
+        if position >= len(kinds) or kinds[position] != want:
+            raise RuntimeError(f"{name}: parameter {param['name']} is {kinds[position:position + 1]} in the PTX, "
+                               f"expected {want}")
+        position += 1
+    hidden = kinds[position:]
+    if any(kind != "u64" for kind in hidden):
+        raise RuntimeError(f"{name}: trailing PTX parameters {hidden} are not the hidden scratch pointers")
+    return descriptors, len(hidden)
 
 
 def compile_job(job: dict) -> dict:
@@ -41,7 +92,9 @@ def compile_job(job: dict) -> dict:
     fn = _kernel(job["module_path"], job["kernel"])
     signature, constexprs, attrs = {}, dict(job["constexprs"]), {}
     for index, param in enumerate(job["params"]):
-        if param["claim"] == "1":
+        if param["kind"] == "desc":
+            signature[param["name"]] = param["type"]
+        elif param["claim"] == "1":
             signature[param["name"]] = "constexpr"
             constexprs[param["name"]] = 1
         else:
@@ -63,9 +116,26 @@ def compile_job(job: dict) -> dict:
     out = Path(job["cubin_path"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(cubin)
-    explicit = sum(1 for p in job["params"] if p["claim"] != "1")
-    hidden = ptx_param_count(compiled.asm["ptx"], meta.name) - explicit
-    return dict(
+    descriptors, hidden = expansion(job["params"], ptx_params(compiled.asm["ptx"], meta.name), job["kernel"])
+    if descriptors:
+        from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST  # Triton 3.6 and 3.9 both have it
+
+        metas = list(getattr(meta, "tensordesc_meta", None) or [])
+        if len(metas) != len(descriptors):
+            raise RuntimeError(f"{job['kernel']}: {len(descriptors)} host descriptors but {len(metas)} "
+                               "tensordesc_meta entries (a descriptor Triton did not lower to TMA)")
+        for described, tma in zip(descriptors, metas):
+            tma = dict(tma._asdict() if hasattr(tma, "_asdict") else tma)
+            if tma.get("fp4_padded") or tma.get("is_im2col"):
+                raise RuntimeError(f"{job['kernel']}: {described['param']} is an fp4-padded or im2col descriptor")
+            # What the launcher gives cuTensorMapEncodeTiled: the host's CUtensorMapDataType, the swizzle mode,
+            # the box (block_size, possibly narrower than the kernel's block: Triton copies a wide block in
+            # several boxes of the swizzle's width) and the element size.
+            described.update(swizzle=int(tma["swizzle"]), elem_size=int(tma["elem_size"]),
+                             elem_type=int(tma["elem_type"]),
+                             host_type=int(TMA_DTYPE_DEVICE_TO_HOST[int(tma["elem_type"])]),
+                             box=[int(b) for b in tma["block_size"]])
+    return dict(tma=descriptors,
         name=job["name"], ok=True, symbol=meta.name, shared=meta.shared, num_warps=meta.num_warps,
         num_ctas=getattr(meta, "num_ctas", 1), hidden=hidden,
         global_scratch_size=getattr(meta, "global_scratch_size", 0),

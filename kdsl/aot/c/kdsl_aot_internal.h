@@ -19,6 +19,25 @@ typedef struct kdsl__loaded {
   struct kdsl__loaded *next;
 } kdsl__loaded;
 
+/* A host TMA descriptor parameter of a compiled kernel, as its metadata (Triton's tensordesc_meta) and PTX say. */
+typedef struct kdsl__tma_meta {
+  unsigned host_type;              /* CUtensorMapDataType */
+  unsigned elem_size;              /* bytes */
+  unsigned swizzle;                /* CUtensorMapSwizzle */
+  unsigned rank;
+  unsigned box[5];                 /* outermost dimension first, as Triton's block_size */
+  int shape_params, stride_params; /* int32 / int64 kernel parameters after the CUtensorMap */
+} kdsl__tma_meta;
+
+/* A descriptor as the dispatcher computes it for one call: what launch() gives TensorDescriptor. */
+#define KDSL__TMA_MAX_RANK 5
+typedef struct kdsl__tma_call {
+  int64_t base;
+  int rank;
+  int64_t shape[KDSL__TMA_MAX_RANK];    /* elements, outermost first */
+  int64_t strides[KDSL__TMA_MAX_RANK];  /* elements, outermost first, the last 1 */
+} kdsl__tma_call;
+
 /* One compiled specialization of one kernel. */
 typedef struct kdsl__spec {
   const char *name;
@@ -31,11 +50,12 @@ typedef struct kdsl__spec {
   int bucket;                      /* tile bucket of the kernel's definition */
   int dtype;                       /* the op's varying dtype (kdsl_dtype), -1 if none */
   int nparams;                     /* kernel parameters the dispatcher computes, in signature order */
-  const char *types;               /* per parameter: 'p' pointer, 'i' int32, 'l' int64 */
+  const char *types;               /* per parameter: 'p' pointer, 'i' int32, 'l' int64, 'T' TMA descriptor */
   const char *claims;              /* per parameter: '1' equal to 1 (compiled in, not passed), 'D' divisible by 16, '-' */
   int hidden;                      /* trailing parameters Triton adds (global/profile scratch), passed as NULL */
   int nvariant;                    /* constexprs the launch computes from the arguments (act-order, ...) */
   const int64_t *variant;          /* their values for this spec, compared with the call's */
+  const kdsl__tma_meta *tma;       /* per 'T' parameter, in order (NULL if none) */
   kdsl__loaded *loaded;            /* per CUDA context; guarded by the runtime's lock */
 } kdsl__spec;
 
@@ -53,6 +73,10 @@ typedef struct kdsl__driver {
   /* Split-K scratch (cuMemAlloc and cuMemsetD32Async; named apart from cuda.h's _v2 macros). */
   CUresult (*mem_alloc)(CUdeviceptr *, size_t);
   CUresult (*memset_d32_async)(CUdeviceptr, unsigned int, size_t, CUstream);
+  /* TMA descriptors (CUDA 12.0+). */
+  CUresult (*cuTensorMapEncodeTiled)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                                     const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
+                                     CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 } kdsl__driver;
 
 /* What the last launch on this thread was given (read by the tests; the cost is a few stores). */
@@ -80,8 +104,10 @@ KDSL_INTERNAL kdsl_status kdsl__splitk_scratch(const char *op, int64_t workspace
 /* The most specific spec whose assumptions the values meet (bucket and dtype equal), or NULL. */
 KDSL_INTERNAL const kdsl__spec *kdsl__pick(kdsl__spec *const *specs, int count, int bucket, int dtype,
                                           const int64_t *variant, int nvariant, const int64_t *values, int nvalues);
+/* values: one per spec parameter; a 'T' parameter's value indexes `descriptors`, which are encoded into
+ * CUtensorMaps here (with the box, swizzle and type the spec's kernel was compiled for). */
 KDSL_INTERNAL kdsl_status kdsl__launch(const char *op, kdsl__spec *spec, CUstream stream, int64_t gx, int64_t gy,
-                                       int64_t gz, const int64_t *values);
+                                       int64_t gz, const int64_t *values, const kdsl__tma_call *descriptors);
 
 /* Tests: replace the driver (NULL: back to dlopen), and read this thread's last launch. */
 void kdsl_aot_test_set_driver(const kdsl__driver *driver);
@@ -107,6 +133,19 @@ static inline int64_t kdsl__split_for(int64_t k_steps, int64_t tiles, int64_t sp
   }
   return best;
 }
+static inline int64_t kdsl__least(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t kdsl__dtype_size(int64_t dtype) { return dtype == KDSL_F32 ? 4 : 2; }
+static inline int64_t kdsl__programs(int64_t work, int64_t persistent, int64_t per_sm, int64_t sms) {
+  return persistent && work > per_sm * sms ? per_sm * sms : work;
+}
+/* fp8_bmm_tma_sm90.py.j2's _tma_strides: a dimension of size 1 is never stepped; TMA gets the padded row. */
+static inline int64_t kdsl__tma_stride(int64_t size, int64_t stride, int64_t cols, int64_t esize) {
+  return size > 1 ? stride : (cols * esize + 15) / 16 * 16 / esize;
+}
+static inline int64_t kdsl__bad_tma_stride(int64_t size, int64_t stride, int64_t esize) {
+  return size > 1 && (stride == 0 || stride * esize % 16 != 0);
+}
+#define kdsl__addr(p) ((int64_t)(uintptr_t)(p))
 #define kdsl__nonzero(p) ((p) != 0)
 #define kdsl__either(p, q) ((p) ? (p) : (q))
 

@@ -67,22 +67,23 @@ static int load_driver_locked(void) {
   }
   get_proc_v2_t v2 = (get_proc_v2_t)dlsym(library, "cuGetProcAddress_v2");
   get_proc_v1_t v1 = v2 ? NULL : (get_proc_v1_t)dlsym(library, "cuGetProcAddress");
-  struct { const char *name; void **slot; } wanted[] = {
-    {"cuInit", (void **)&driver.cuInit},
-    {"cuCtxGetCurrent", (void **)&driver.cuCtxGetCurrent},
-    {"cuCtxGetDevice", (void **)&driver.cuCtxGetDevice},
-    {"cuDeviceGetAttribute", (void **)&driver.cuDeviceGetAttribute},
-    {"cuModuleLoadData", (void **)&driver.cuModuleLoadData},
-    {"cuModuleGetFunction", (void **)&driver.cuModuleGetFunction},
-    {"cuFuncSetAttribute", (void **)&driver.cuFuncSetAttribute},
-    {"cuLaunchKernel", (void **)&driver.cuLaunchKernel},
-    {"cuGetErrorString", (void **)&driver.cuGetErrorString},
-    {"cuMemAlloc", (void **)&driver.mem_alloc},
-    {"cuMemsetD32Async", (void **)&driver.memset_d32_async},
+  struct { const char *name; void **slot; int optional; } wanted[] = {
+    {"cuInit", (void **)&driver.cuInit, 0},
+    {"cuCtxGetCurrent", (void **)&driver.cuCtxGetCurrent, 0},
+    {"cuCtxGetDevice", (void **)&driver.cuCtxGetDevice, 0},
+    {"cuDeviceGetAttribute", (void **)&driver.cuDeviceGetAttribute, 0},
+    {"cuModuleLoadData", (void **)&driver.cuModuleLoadData, 0},
+    {"cuModuleGetFunction", (void **)&driver.cuModuleGetFunction, 0},
+    {"cuFuncSetAttribute", (void **)&driver.cuFuncSetAttribute, 0},
+    {"cuLaunchKernel", (void **)&driver.cuLaunchKernel, 0},
+    {"cuGetErrorString", (void **)&driver.cuGetErrorString, 0},
+    {"cuMemAlloc", (void **)&driver.mem_alloc, 0},
+    {"cuMemsetD32Async", (void **)&driver.memset_d32_async, 0},
+    {"cuTensorMapEncodeTiled", (void **)&driver.cuTensorMapEncodeTiled, 1},  /* checked where a TMA kernel runs */
   };
   for (size_t i = 0; i < sizeof wanted / sizeof wanted[0]; i++) {
     *wanted[i].slot = driver_symbol(library, v2, v1, wanted[i].name);
-    if (!*wanted[i].slot) {
+    if (!*wanted[i].slot && !wanted[i].optional) {
       snprintf(driver_problem, sizeof driver_problem, "the CUDA driver has no entry point %s", wanted[i].name);
       return driver_state = -1;
     }
@@ -262,8 +263,41 @@ static kdsl_status function_locked(const char *op, kdsl__spec *spec, CUcontext c
   return KDSL_OK;
 }
 
+/* A descriptor's CUtensorMap as Triton's launcher builds it (fill_tma_descriptor_tiled in its driver.c): sizes
+ * innermost first, strides in bytes of every dimension but the innermost, element strides 1, no interleave, the
+ * kernel's swizzle and box, L2 promotion 128B, out-of-bounds elements read as zeros. */
+static kdsl_status encode_tma(const char *op, const kdsl__spec *spec, const kdsl__tma_meta *meta,
+                              const kdsl__tma_call *call, CUtensorMap *map) {
+  unsigned rank = meta->rank;
+  if (!driver.cuTensorMapEncodeTiled)
+    return kdsl__fail(KDSL_ERR_CUDA_UNAVAILABLE, "%s: %s needs TMA descriptors and the CUDA driver has no "
+                      "cuTensorMapEncodeTiled (CUDA 12.0 or newer)", op, spec->name);
+  if (rank < 1 || rank > KDSL__TMA_MAX_RANK || (int)rank != call->rank)
+    return kdsl__fail(KDSL_ERR_INVALID_ARGUMENT, "%s: %s: a descriptor of rank %d for a kernel compiled for rank %u",
+                      op, spec->name, call->rank, rank);
+  cuuint64_t dims[KDSL__TMA_MAX_RANK], strides[KDSL__TMA_MAX_RANK];
+  cuuint32_t box[KDSL__TMA_MAX_RANK], element_strides[KDSL__TMA_MAX_RANK];
+  for (unsigned i = 0; i < rank; i++) {
+    dims[rank - 1 - i] = (cuuint64_t)call->shape[i];
+    box[rank - 1 - i] = meta->box[i];
+    element_strides[i] = 1;
+  }
+  for (unsigned i = 0; i + 1 < rank; i++) strides[rank - 2 - i] = (cuuint64_t)call->strides[i] * meta->elem_size;
+  CUresult result = driver.cuTensorMapEncodeTiled(
+      map, (CUtensorMapDataType)meta->host_type, rank, (void *)(uintptr_t)call->base, dims, strides, box,
+      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, (CUtensorMapSwizzle)meta->swizzle,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (result != CUDA_SUCCESS) {
+    const char *text = NULL;
+    if (driver.cuGetErrorString) driver.cuGetErrorString(result, &text);
+    return kdsl__fail(KDSL_ERR_CUDA, "%s: cuTensorMapEncodeTiled failed for %s (base 0x%llx, rank %u): CUDA error %d "
+                      "(%s)", op, spec->name, (unsigned long long)call->base, rank, (int)result, text ? text : "?");
+  }
+  return KDSL_OK;
+}
+
 kdsl_status kdsl__launch(const char *op, kdsl__spec *spec, CUstream stream, int64_t gx, int64_t gy, int64_t gz,
-                         const int64_t *values) {
+                         const int64_t *values, const kdsl__tma_call *descriptors) {
   if (gx <= 0 || gy <= 0 || gz <= 0) return KDSL_OK;
   if (gx > 2147483647 || gy > 65535 || gz > 65535)
     return kdsl__fail(KDSL_ERR_INVALID_ARGUMENT, "%s: the problem needs a grid of %lld x %lld x %lld programs, "
@@ -282,15 +316,45 @@ kdsl_status kdsl__launch(const char *op, kdsl__spec *spec, CUstream stream, int6
   pthread_mutex_unlock(&lock);
   if (status != KDSL_OK) return status;
 
-  /* Arguments as the kernel's parameter list has them: parameters compiled in ('1') are not passed;
-   * Triton's hidden scratch pointers come last, NULL (exported kernels need no scratch). */
-  int total = spec->nparams + spec->hidden;
+  /* Arguments as the kernel's parameter list has them: parameters compiled in ('1') are not passed; a TMA
+   * descriptor is its CUtensorMap (by value) followed by its shape (int32) and strides (int64), as many of each
+   * as the export read from the kernel's PTX; Triton's hidden scratch pointers come last, NULL (exported
+   * kernels need no scratch). */
+  int total = spec->hidden, maps = 0;
+  for (int i = 0; i < spec->nparams; i++) {
+    if (spec->claims[i] == '1') continue;
+    if (spec->types[i] == 'T') {
+      const kdsl__tma_meta *meta = &spec->tma[maps++];
+      total += 1 + meta->shape_params + meta->stride_params;
+    } else {
+      total++;
+    }
+  }
   union { CUdeviceptr pointer; int32_t i32; int64_t i64; } storage[total > 0 ? total : 1];
+  CUtensorMap map_storage[maps > 0 ? maps : 1];
   void *arguments[total > 0 ? total : 1];
   int passed = 0;
+  maps = 0;
   for (int i = 0; i < spec->nparams; i++) {
     if (spec->claims[i] == '1') continue;
     switch (spec->types[i]) {
+      case 'T': {
+        const kdsl__tma_meta *meta = &spec->tma[maps];
+        const kdsl__tma_call *call = &descriptors[values[i]];
+        if ((status = encode_tma(op, spec, meta, call, &map_storage[maps])) != KDSL_OK) return status;
+        arguments[passed++] = &map_storage[maps++];
+        for (int d = 0; d < meta->shape_params; d++) {
+          storage[passed].i32 = (int32_t)call->shape[d];
+          arguments[passed] = &storage[passed];
+          passed++;
+        }
+        for (int d = 0; d < meta->stride_params; d++) {
+          storage[passed].i64 = call->strides[d];
+          arguments[passed] = &storage[passed];
+          passed++;
+        }
+        continue;
+      }
       case 'p': storage[passed].pointer = (CUdeviceptr)(uint64_t)values[i]; break;
       case 'i': storage[passed].i32 = (int32_t)values[i]; break;
       default: storage[passed].i64 = values[i]; break;
