@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import Field, PositiveInt
 
 from kdsl.kernels.base import GEMM_KNOBS, KernelImpl
-from kdsl.kernels.block_fp8.fp8_gemm_portable import TILE_ORDER_HELP, operand_ring_bytes
+from kdsl.kernels.block_fp8.fp8_gemm_portable import TILE_ORDER_HELP, one_scale_per_k_block, operand_ring_bytes
 from kdsl.schema._base import StrictModel
 
 
@@ -51,14 +51,7 @@ def shared_bytes(scheme, tile, options: Options) -> int:
 
 
 def problems(where: str, scheme, variant, tile, options: Options) -> list[str]:
-    found = []
-    group = scheme.quant_group_k
-    if tile.block_k != group:
-        found.append(f"{where}.block_k: needs {group}, one activation and weight scale per K block "
-                     f"(got {tile.block_k})")
-    if scheme.weight_block[0] % tile.block_n:
-        found.append(f"{where}.block_n: needs to divide the weight block's {scheme.weight_block[0]} rows, so one "
-                     f"weight scale serves the tile per K block (got {tile.block_n})")
+    found = one_scale_per_k_block(where, scheme, tile)
     if options.swap_ab and tile.block_n < 64:
         found.append(f"{where}.options.swap_ab: B's rows fill the wgmma's 64-row side; needs block_n >= 64 "
                      f"(got {tile.block_n})")

@@ -10,7 +10,7 @@ same blocks.
 from pydantic import Field, PositiveInt
 
 from kdsl.kernels.base import KernelImpl, warpgroup_per_64
-from kdsl.kernels.block_fp8.fp8_gemm_portable import operand_ring_bytes
+from kdsl.kernels.block_fp8.fp8_gemm_portable import one_scale_per_k_block, operand_ring_bytes
 from kdsl.kernels.block_fp8.fp8_gemm_tma_persistent import SPLIT_FILL_HELP
 from kdsl.schema._base import StrictModel
 
@@ -34,12 +34,9 @@ def shared_bytes(scheme, tile, options: Options) -> int:
 def problems(where: str, scheme, variant, tile, options: Options) -> list[str]:
     """One warpgroup per 64 rows, one scale group per K block, one weight block across the tile's columns."""
     found = warpgroup_per_64(where, "rows", "block_m", tile.block_m, tile.num_warps)
-    if tile.block_k != scheme.quant_group_k:
-        found.append(f"{where}.block_k: needs {scheme.quant_group_k}, one scale group per K block "
-                     f"(got {tile.block_k})")
-    if scheme.weight_block[0] % tile.block_n or tile.block_n < 8:
-        found.append(f"{where}.block_n: needs to divide the weight block's {scheme.weight_block[0]} rows "
-                     f"(got {tile.block_n})")
+    found += one_scale_per_k_block(where, scheme, tile)
+    if tile.block_n < 8:
+        found.append(f"{where}.block_n: needs 8 or more, the narrowest wgmma (got {tile.block_n})")
     if options.edge_tiles and not options.persistent:
         found.append(f"{where}.options.edge_tiles: only a persistent grid has programs with a round to spare; "
                      "set persistent = true")

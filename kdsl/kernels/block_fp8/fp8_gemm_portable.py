@@ -18,6 +18,19 @@ def operand_ring_bytes(scheme, tile, options) -> int:
     return tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k
 
 
+def one_scale_per_k_block(where: str, scheme, tile) -> list[str]:
+    """The rules of kernels that scale each K block of a tile by one activation scale per row and one weight
+    scale: block_k is the scale group, and block_n lies inside one weight block."""
+    found = []
+    if tile.block_k != scheme.quant_group_k:
+        found.append(f"{where}.block_k: needs {scheme.quant_group_k}, one scale group per K block "
+                     f"(got {tile.block_k})")
+    if scheme.weight_block[0] % tile.block_n:
+        found.append(f"{where}.block_n: needs to divide the weight block's {scheme.weight_block[0]} rows, so one "
+                     f"weight scale serves the tile per K block (got {tile.block_n})")
+    return found
+
+
 IMPL = KernelImpl(
     "block_fp8", "fp8_gemm", "portable", "block_fp8/fp8_gemm_portable.py.j2", 89, None,
     "pointer loads, grouped tile order, fp32 accumulation with per-step scales",
