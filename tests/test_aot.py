@@ -371,6 +371,16 @@ class Fake:
     def element_size(self):
         return self.dtype.itemsize
 
+    def as_strided(self, shape, strides):
+        return Fake(shape, strides, self.dtype, self._address)
+
+    def view(self, dtype):
+        """A reinterpreting view along a unit-stride last axis (the Gluon GEMV's (scale, zero) int32 pairs)."""
+        ratio = dtype.itemsize // self.dtype.itemsize
+        assert self._strides[-1] == 1 and ratio >= 1 and all(s % ratio == 0 for s in self._strides[:-1])
+        return Fake(self.shape[:-1] + (self.shape[-1] // ratio,), tuple(s // ratio for s in self._strides[:-1]) + (1,),
+                    dtype, self._address)
+
 
 def _recording_module(entry, path=None, kernel=None):
     """A generated module imported apart (the entry's own, or `path`), its kernel (`kernel`, else the module's
@@ -943,7 +953,8 @@ def test_gptq_dequant_dispatcher_matches_the_registry_and_the_generated_launch(e
 
 # ---- w4a16_gemm (kdsl_gptq_gemm on prepared weights): K split, scratch, run-time constexprs, Gluon routing --
 
-W4A16_EXPORTS = ((80, "w4a16.int4.g128", False), (90, "w4a16.int4.g32", True))  # (arch, scheme, generic only)
+# (arch, scheme, generic only). sm_90 g128: the Gluon GEMV (gemv_mma_gluon) serves contiguous groups at M <= 8.
+W4A16_EXPORTS = ((80, "w4a16.int4.g128", False), (90, "w4a16.int4.g128", True))
 
 
 def _w4a16_ci_problems():
@@ -981,22 +992,31 @@ def test_w4a16_gluon_kernels_are_reported_and_every_call_has_a_cubin(exported_w4
     m90 = json.loads((outs[90] / "aot_manifest.json").read_text())
     assert [(o["function"], o["impl"]) for o in m90["ops"]] == [("kdsl_gptq_gemm", "planes_mma")]
     reasons = {s["kernel"]: s["reason"] for s in m90["not_exported"]}
-    assert set(reasons) == {"w4a16_gemm__int4_g32__gemv_mma_gluon_sm90", "w4a16_gemm__int4_g32__overlap_gluon_sm90"}
+    assert set(reasons) == {"w4a16_gemm__int4_g128__overlap_gluon_sm90"}  # gemv_mma_gluon is exported
     assert all("Gluon" in why and "alternative" in why for why in reasons.values())
-    assert any(line.startswith("skipped w4a16_gemm__int4_g32__overlap_gluon_sm90") for line in lines[90])
-    assert {s["impl"] for s in m90["specializations"]} == {"planes_mma", "gemv"}
+    assert any(line.startswith("skipped w4a16_gemm__int4_g128__overlap_gluon_sm90") for line in lines[90])
+    assert {s["impl"] for s in m90["specializations"]} == {"planes_mma", "gemv", "gemv_mma_gluon"}
+    # The Gluon GEMV: one cubin per K the (CI) problems reach on its tiles (none reaches M = 1 with N >= 8192 or
+    # 1 < M <= 8: there, those of the problems moved to the tile's bounds),
+    # with and without act-order, and the symbol is the Gluon kernel's.
+    gluon = [s for s in m90["specializations"] if s["impl"] == "gemv_mma_gluon"]
+    assert {(s["bucket"], s["constexprs"]["K"], s["constexprs"]["HAS_PERM"]) for s in gluon} == {
+        (b, 4096, p) for b in (0, 2, 5) for p in (False, True)}
+    assert {s["symbol"] for s in gluon} == {"w4a16_gemm__int4_g128__gemv_mma_gluon_sm90"}
+    assert all(s["hidden"] == 2 and s["constexprs"]["num_warps"] == s["options"]["num_warps"] for s in gluon)
     m80 = json.loads((outs[80] / "aot_manifest.json").read_text())
     assert {s["impl"] for s in m80["specializations"]} == {"mma", "gemv"} and not m80["not_exported"]
-    # Every exported tile has unsplit, assumption-free cubins with and without act-order, and (where the
-    # scheme's groups can fill a K block: g128 on sm_80, not g32 on sm_90's 128-row plane tiles) with and
-    # without uniform groups: whatever the call, a cubin serves it.
-    for manifest, uniform in ((m80, {False, True}), (m90, {False})):
+    # Every exported Triton tile has unsplit, assumption-free cubins with and without act-order, and with and
+    # without uniform groups (g128 fills sm_80's K blocks and sm_90's 128-row plane tiles): whatever the call,
+    # a cubin serves it.
+    for manifest in (m80, m90):
         flags = {}
-        for s in manifest["specializations"]:
+        triton_specs = [s for s in manifest["specializations"] if s["impl"] != "gemv_mma_gluon"]
+        for s in triton_specs:
             if s["constexprs"]["SPLIT_K"] == 1 and all(p["claim"] == "" for p in s["params"]):
                 flags.setdefault(s["bucket"], set()).add((s["constexprs"]["HAS_PERM"], s["constexprs"]["UNIFORM_GROUP"]))
-        assert set(flags) == {s["bucket"] for s in manifest["specializations"]}
-        assert all(v == {(p, u) for p in (False, True) for u in uniform} for v in flags.values()), flags
+        assert set(flags) == {s["bucket"] for s in triton_specs}
+        assert all(v == {(p, u) for p in (False, True) for u in (False, True)} for v in flags.values()), flags
 
 
 def _w4a16_recorders(entry, impls):
@@ -1030,7 +1050,7 @@ def _w4a16_recorders(entry, impls):
 def _w4a16_cases(arch):
     base = 1 << 24
     for m in (1, 2, 8, 16, 17, 64, 65, 128, 300):
-        for n, k in ((4096, 4096), (16384, 1024), (8192, 14336), (24, 256)):
+        for n, k in ((4096, 4096), (8192, 4096), (16384, 1024), (8192, 14336), (24, 256)):
             for perm, contiguous in ((0, 1), (1, 1), (1, 0), (0, 0)):
                 for pad in (0, 8):
                     for dtype in ("f16", "bf16") if m in (1, 16) and pad == 0 else ("f16",):
@@ -1044,8 +1064,8 @@ def _w4a16_cases(arch):
 
 @needs_cc
 @pytest.mark.parametrize("arch, scheme, generic", W4A16_EXPORTS)
-def test_w4a16_dispatcher_matches_the_registry_and_the_generated_launch(exported_w4a16, tmp_path, arch, scheme,
-                                                                         generic):
+def test_w4a16_dispatcher_matches_the_registry_and_the_generated_launch(exported_w4a16, tmp_path, monkeypatch,
+                                                                         arch, scheme, generic):
     """Tile (with the Gluon tiles' calls routed to their alternatives, as the registry routes calls they
     refuse), K split (from the SM count, or the largest exported split below it), specialization, kernel
     arguments and grid, against kdsl.registry and the generated modules' launch()."""
@@ -1066,19 +1086,26 @@ def test_w4a16_dispatcher_matches_the_registry_and_the_generated_launch(exported
     group = entry.scheme_fields["group_size"]
     dt = {"f16": torch.float16, "bf16": torch.bfloat16}
     routed = fell_back = exact_hits = 0
+    gluon_hits = set()  # the Gluon GEMV's tiles that ran a call
     for call, answer in zip(cases, answers):
         m, n, k, dtype = call["M"], call["N"], call["K"], call["x_dtype"]
         if dtype == "bf16":  # exported for f16 only
             assert answer == "error 2 w4a16_gemm: x_dtype 0 was not exported (this library has KDSL_F16; export with --dtype)"
             continue
-        # The registry's tile with the Gluon kernels refused (as they refuse every call off the GPU) ...
-        refused = kdsl.registry.Call(m=m, n=n, device_type="cpu", dtype="float16",
-                                     act_order=bool(call["perm"]), contiguous_groups=bool(call["contiguous_groups"]))
-        tile = entry.tile_for(m, n, refused)
+        # The registry's tile for this call on the GPU, with the tiles left out (overlap_gluon) refused, and the
+        # Gluon GEMV's tiles refusing a K they have no cubin for (its own refusal applies as on the GPU) ...
+        on_gpu = kdsl.registry.Call(m=m, n=n, device_type="cuda", dtype="float16",
+                                    act_order=bool(call["perm"]), contiguous_groups=bool(call["contiguous_groups"]))
+        with monkeypatch.context() as patched:
+            patched.setattr(type(entry), "refusal_reason", _w4a16_exported_refusal(entry, exported, specs, k))
+            tile = entry.tile_for(m, n, on_gpu)
         bucket = next(i for i, b in enumerate(entry.tiles) if b.params is tile)
         assert bucket in exported
-        if entry.tiles[entry.bucket_index(m, n)].params["impl"].endswith("_gluon"):
+        first = entry.tiles[entry.bucket_index(m, n)].params["impl"]
+        if first.endswith("_gluon") and tile["impl"] != first:
             routed += 1
+        if tile["impl"] == "gemv_mma_gluon":
+            gluon_hits.add(bucket)
         module, calls = recorders[tile["impl"]]
         groups = -(-k // (group if group > 0 else k))
         paired = arch == 90
@@ -1120,6 +1147,10 @@ def test_w4a16_dispatcher_matches_the_registry_and_the_generated_launch(exported
         assert name == spec["name"], (call, answer)
         assert tuple(numbers[:3]) == grid, call
         expected = [p.data_ptr() if isinstance(p, Fake) else p for p in params]
+        if tile["impl"] == "gemv_mma_gluon":  # no K split, no scratch; K is compiled in
+            assert numbers[3:] == expected and options["K"] == k, call
+            exact_hits += exact
+            continue
         scratch = slice(7, 9)  # ws_ptr, count_ptr: the C side's own per-context scratch when split
         if grid[1] == 1:
             assert numbers[3:][scratch] == [call["y"], call["y"]]
@@ -1128,10 +1159,29 @@ def test_w4a16_dispatcher_matches_the_registry_and_the_generated_launch(exported
         del expected[scratch], numbers[3 + 7:3 + 9]
         assert numbers[3:] == expected, call
         exact_hits += exact
-    assert routed > 20 if arch == 90 else routed == 0
+    # sm_90: the Gluon GEMV runs calls at M <= 8 with contiguous groups and an exported K; the other calls its
+    # tiles serve (act-order's uneven groups, K = 1024, 14336, 256) go to the Triton tile after it.
+    assert (routed > 20 and gluon_hits == {0, 2, 5}) if arch == 90 else (routed == 0 and not gluon_hits)
     if not generic:
         assert exact_hits > 20
     assert fell_back > 0 if arch == 90 else True
+
+
+def _w4a16_exported_refusal(entry, exported, specs, k):
+    """KernelEntry.refusal_reason as the export's dispatcher sees it: tiles left out refuse every call, the Gluon
+    GEMV's tiles a K with no cubin in the manifest, the rest as their modules say."""
+    original = type(entry).refusal_reason
+
+    def refusal_reason(self, params, call):
+        if self is entry:
+            index = next(i for i, b in enumerate(entry.tiles) if b.params is params)
+            if index not in exported:
+                return "left out of the export"
+            if params["impl"] == "gemv_mma_gluon" and k not in {
+                    s["constexprs"]["K"] for s in specs if s["bucket"] == index}:
+                return f"K = {k} was not exported"
+        return original(self, params, call)
+    return refusal_reason
 
 
 @needs_cc
@@ -1144,7 +1194,7 @@ def test_w4a16_refusals_and_scratch_reuse(exported_w4a16, tmp_path):
         values = {**good, **changes}
         return "kdsl_gptq_gemm " + " ".join(str(values[a.name]) for a in abis.W4A16_GEMM.args)
     answers = run(90, [line(N=60), line(K=0), line(contiguous_groups=2), line(ldx=100), line(groups=0),
-                       line(x_dtype=2), line(M=0), line(), line(M=8)])
+                       line(x_dtype=2), line(M=0), line(), line(M=12)])
     assert answers[0] == "error 1 w4a16_gemm: N = 60 and K = 4096 must be multiples of 8"
     assert answers[1] == "error 1 w4a16_gemm: M = 16 and N = 4096 must be >= 0, K = 0 > 0"
     assert answers[2] == "error 1 w4a16_gemm: contiguous_groups = 2 must be 0 or 1"

@@ -110,7 +110,15 @@ def compile_job(job: dict) -> dict:
     target = GPUTarget("cuda", job["arch"], 32)
     backend = make_backend(target)
     options = backend.parse_options(dict(job["options"]))
-    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    if getattr(fn, "is_gluon", lambda: False)():  # a @gluon.jit kernel (plain pointers: no descriptor layouts)
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        if any(param["kind"] == "desc" for param in job["params"]):
+            raise RuntimeError(f"{job['kernel']}: Gluon TMA descriptors (shared layouts) are not exported yet")
+        source = GluonASTSource(fn, signature, constexprs, attrs)
+    else:
+        source = ASTSource(fn, signature, constexprs, attrs)
+    compiled = triton.compile(source, target=target, options=options.__dict__)
     meta = compiled.metadata
     cubin = compiled.asm["cubin"]
     out = Path(job["cubin_path"])
