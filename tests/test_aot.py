@@ -374,8 +374,23 @@ class Fake:
     def as_strided(self, shape, strides):
         return Fake(shape, strides, self.dtype, self._address)
 
-    def view(self, dtype):
-        """A reinterpreting view along a unit-stride last axis (the Gluon GEMV's (scale, zero) int32 pairs)."""
+    def view(self, *shape):
+        """A reinterpreting view along a unit-stride last axis (the Gluon kernels' (scale, zero) int32 pairs), or a
+        reshape of a contiguous tensor (view(-1, 16))."""
+        if not isinstance(shape[0], torch.dtype):
+            numel = 1
+            for size in self.shape:
+                numel *= size
+            known = 1
+            for size in shape:
+                known *= size if size != -1 else 1
+            shape = tuple(numel // known if size == -1 else size for size in shape)
+            strides, step = [], 1
+            for size in reversed(shape):
+                strides.insert(0, step)
+                step *= size
+            return Fake(shape, tuple(strides), self.dtype, self._address)
+        dtype = shape[0]
         ratio = dtype.itemsize // self.dtype.itemsize
         assert self._strides[-1] == 1 and ratio >= 1 and all(s % ratio == 0 for s in self._strides[:-1])
         return Fake(self.shape[:-1] + (self.shape[-1] // ratio,), tuple(s // ratio for s in self._strides[:-1]) + (1,),
@@ -487,9 +502,17 @@ def _triton_descriptor(desc, tma: dict) -> tuple[list, list]:
     return encode, list(expanded[1:])
 
 
+def _descriptor_types() -> tuple:
+    """Host TMA descriptors launch() may pass: Triton's and Gluon's (which names its shared layout)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor, GluonTensorDescriptor
+
+
 def _check_tma(answer: str, spec: dict, params) -> None:
     """The probe's TMA records (encodes, map arguments) against Triton's for the recorded launch's descriptors."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
+    TensorDescriptor = _descriptor_types()
 
     records = [token.split(",") for token in answer.split() if token.startswith("|")]
     encodes = [list(map(int, r[1:])) for r in records if r[0] == "|E"]
@@ -504,7 +527,7 @@ def _check_tma(answer: str, spec: dict, params) -> None:
 
 def _launch_values(params) -> list:
     """A recorded launch's parameters as the probe prints them: addresses, integers, and a descriptor's index."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
+    TensorDescriptor = _descriptor_types()
 
     values, described = [], 0
     for p in params:
@@ -517,7 +540,7 @@ def _launch_values(params) -> list:
 
 
 def _keys(params) -> tuple:
-    from triton.tools.tensor_descriptor import TensorDescriptor
+    TensorDescriptor = _descriptor_types()
 
     return tuple(("desc", "") if isinstance(p, TensorDescriptor) else aot_runtime.argument_key(p) for p in params)
 
@@ -987,15 +1010,17 @@ def exported_w4a16(tmp_path_factory):
     return outs, lines
 
 
-def test_w4a16_gluon_kernels_are_reported_and_every_call_has_a_cubin(exported_w4a16):
+def test_w4a16_gluon_kernels_are_exported_and_every_call_has_a_cubin(exported_w4a16):
     outs, lines = exported_w4a16
     m90 = json.loads((outs[90] / "aot_manifest.json").read_text())
     assert [(o["function"], o["impl"]) for o in m90["ops"]] == [("kdsl_gptq_gemm", "planes_mma")]
-    reasons = {s["kernel"]: s["reason"] for s in m90["not_exported"]}
-    assert set(reasons) == {"w4a16_gemm__int4_g128__overlap_gluon_sm90"}  # gemv_mma_gluon is exported
-    assert all("Gluon" in why and "alternative" in why for why in reasons.values())
-    assert any(line.startswith("skipped w4a16_gemm__int4_g128__overlap_gluon_sm90") for line in lines[90])
-    assert {s["impl"] for s in m90["specializations"]} == {"planes_mma", "gemv", "gemv_mma_gluon"}
+    assert not m90["not_exported"] and not m90["routes"]  # both Gluon kernels are exported: nothing is routed
+    assert not any(line.startswith(("skipped", "routed")) for line in lines[90])
+    assert {s["impl"] for s in m90["specializations"]} == {"planes_mma", "gemv", "gemv_mma_gluon", "overlap_gluon"}
+    # overlap_gluon: its three Gluon host descriptors (x, the plane words, the pairs) as CUtensorMaps, every tile.
+    overlap = [s for s in m90["specializations"] if s["impl"] == "overlap_gluon"]
+    assert {s["bucket"] for s in overlap} == {7, 9, 11, 13, 15}
+    assert all([t["param"] for t in s["tma"]] == ["x_desc", "w_desc", "p_desc"] for s in overlap)
     # The Gluon GEMV: one cubin per K the (CI) problems reach on its tiles (none reaches M = 1 with N >= 8192 or
     # 1 < M <= 8: there, those of the problems moved to the tile's bounds),
     # with and without act-order, and the symbol is the Gluon kernel's.
@@ -1011,7 +1036,7 @@ def test_w4a16_gluon_kernels_are_reported_and_every_call_has_a_cubin(exported_w4
     # a cubin serves it.
     for manifest in (m80, m90):
         flags = {}
-        triton_specs = [s for s in manifest["specializations"] if s["impl"] != "gemv_mma_gluon"]
+        triton_specs = [s for s in manifest["specializations"] if not s["impl"].endswith("_gluon")]
         for s in triton_specs:
             if s["constexprs"]["SPLIT_K"] == 1 and all(p["claim"] == "" for p in s["params"]):
                 flags.setdefault(s["bucket"], set()).add((s["constexprs"]["HAS_PERM"], s["constexprs"]["UNIFORM_GROUP"]))
@@ -1036,7 +1061,8 @@ def _w4a16_recorders(entry, impls):
             arg_names = ()
 
             def __getitem__(self, grid, calls=calls):
-                return lambda *params, **options: calls.append((tuple(grid), params, options))
+                grid = tuple(grid) + (1,) * (3 - len(grid))  # overlap_gluon's launch() gives two
+                return lambda *params, **options: calls.append((grid, params, options))
 
         setattr(module, path.stem, Recorder())
         module._sm_count = lambda device: 132
@@ -1052,7 +1078,7 @@ def _w4a16_cases(arch):
     for m in (1, 2, 8, 16, 17, 64, 65, 128, 300):
         for n, k in ((4096, 4096), (8192, 4096), (16384, 1024), (8192, 14336), (24, 256)):
             for perm, contiguous in ((0, 1), (1, 1), (1, 0), (0, 0)):
-                for pad in (0, 8):
+                for pad in (0, 8, 4):  # 4: x and the scales' rows 8-byte aligned only (no TMA: overlap_gluon refuses)
                     for dtype in ("f16", "bf16") if m in (1, 16) and pad == 0 else ("f16",):
                         paired = arch == 90
                         yield dict(x=base + 2 * pad, ldx=k + pad, perm=2 * base if perm else 0, qweight=3 * base,
@@ -1070,6 +1096,7 @@ def test_w4a16_dispatcher_matches_the_registry_and_the_generated_launch(exported
     refuse), K split (from the SM count, or the largest exported split below it), specialization, kernel
     arguments and grid, against kdsl.registry and the generated modules' launch()."""
     from kdsl.aot.export import exported_buckets
+    from kdsl.ops import _checks
 
     out = exported_w4a16[0][arch]
     run = build_probe(out, tmp_path)
@@ -1092,10 +1119,15 @@ def test_w4a16_dispatcher_matches_the_registry_and_the_generated_launch(exported
         if dtype == "bf16":  # exported for f16 only
             assert answer == "error 2 w4a16_gemm: x_dtype 0 was not exported (this library has KDSL_F16; export with --dtype)"
             continue
-        # The registry's tile for this call on the GPU, with the tiles left out (overlap_gluon) refused, and the
-        # Gluon GEMV's tiles refusing a K they have no cubin for (its own refusal applies as on the GPU) ...
+        groups = -(-k // (group if group > 0 else k))
+        paired = arch == 90
+        x = Fake((m, k), (call["ldx"], 1), dt[dtype], call["x"])
+        scales = Fake((groups, n), (call["lds"], 2 if paired else 1), dt[dtype], call["scales"])
+        # The registry's tile for this call on the GPU (kdsl.ops' facts, alignment included), with the tiles left
+        # out of the export refused, and the Gluon GEMV's tiles refusing a K they have no cubin for ...
         on_gpu = kdsl.registry.Call(m=m, n=n, device_type="cuda", dtype="float16",
-                                    act_order=bool(call["perm"]), contiguous_groups=bool(call["contiguous_groups"]))
+                                    act_order=bool(call["perm"]), contiguous_groups=bool(call["contiguous_groups"]),
+                                    align=_checks.alignment(x, scales))
         with monkeypatch.context() as patched:
             patched.setattr(type(entry), "refusal_reason", _w4a16_exported_refusal(entry, exported, specs, k))
             tile = entry.tile_for(m, n, on_gpu)
@@ -1104,12 +1136,9 @@ def test_w4a16_dispatcher_matches_the_registry_and_the_generated_launch(exported
         first = entry.tiles[entry.bucket_index(m, n)].params["impl"]
         if first.endswith("_gluon") and tile["impl"] != first:
             routed += 1
-        if tile["impl"] == "gemv_mma_gluon":
+        if tile["impl"].endswith("_gluon"):
             gluon_hits.add(bucket)
         module, calls = recorders[tile["impl"]]
-        groups = -(-k // (group if group > 0 else k))
-        paired = arch == 90
-        x = Fake((m, k), (call["ldx"], 1), dt[dtype], call["x"])
         perm = Fake((k,), (1,), torch.int32, call["perm"]) if call["perm"] else None
         if paired:
             kt, nt = -(-k // 128), -(-n // 128)
@@ -1117,13 +1146,12 @@ def test_w4a16_dispatcher_matches_the_registry_and_the_generated_launch(exported
         else:
             qweight = Fake((k // 8, n), (call["ldqw"], 1), torch.int32, call["qweight"])
         zeros = Fake((groups, n), (call["ldz"], 2 if paired else 1), dt[dtype], call["zeros"])
-        scales = Fake((groups, n), (call["lds"], 2 if paired else 1), dt[dtype], call["scales"])
         y = Fake((m, n), (call["ldy"], 1), dt[dtype], call["y"])
         args = (x, perm, qweight, zeros, scales, Fake((k,), (1,), torch.int32, call["groups"]),
                 bool(call["contiguous_groups"]), y, tile)
         assert not answer.startswith("error"), (call, answer)
         name, *numbers = answer.split()
-        numbers = list(map(int, numbers))
+        numbers = [int(v) for v in numbers if not v.startswith("|")]  # |E, |A: TMA records, checked below
         calls.clear()
         module.launch(*args)
         [(grid, params, options)] = calls
@@ -1142,26 +1170,29 @@ def test_w4a16_dispatcher_matches_the_registry_and_the_generated_launch(exported
                 [(grid, params, options)] = calls
             finally:
                 module.split_for = original
-        keys = tuple(aot_runtime.argument_key(p) for p in params)
-        spec, exact = _expected_spec(specs, entry, bucket, dtype, keys, options)
+        spec, exact = _expected_spec(specs, entry, bucket, dtype, _keys(params), options)
         assert name == spec["name"], (call, answer)
         assert tuple(numbers[:3]) == grid, call
-        expected = [p.data_ptr() if isinstance(p, Fake) else p for p in params]
+        expected = _launch_values(params)
+        _check_tma(answer, spec, params)
         if tile["impl"] == "gemv_mma_gluon":  # no K split, no scratch; K is compiled in
             assert numbers[3:] == expected and options["K"] == k, call
             exact_hits += exact
             continue
-        scratch = slice(7, 9)  # ws_ptr, count_ptr: the C side's own per-context scratch when split
+        # ws_ptr, count_ptr: the C side's own per-context scratch when split
+        at = 4 if tile["impl"] == "overlap_gluon" else 7
+        scratch = slice(at, at + 2)
         if grid[1] == 1:
             assert numbers[3:][scratch] == [call["y"], call["y"]]
         else:
             assert all(v >= 0x40000000 and v % 256 == 0 for v in numbers[3:][scratch]), answer
-        del expected[scratch], numbers[3 + 7:3 + 9]
+        del expected[scratch], numbers[3 + at:3 + at + 2]
         assert numbers[3:] == expected, call
         exact_hits += exact
     # sm_90: the Gluon GEMV runs calls at M <= 8 with contiguous groups and an exported K; the other calls its
     # tiles serve (act-order's uneven groups, K = 1024, 14336, 256) go to the Triton tile after it.
-    assert (routed > 20 and gluon_hits == {0, 2, 5}) if arch == 90 else (routed == 0 and not gluon_hits)
+    assert (routed > 20 and gluon_hits == {0, 2, 5, 7, 9, 11, 13, 15}) if arch == 90 else (
+        routed == 0 and not gluon_hits)
     if not generic:
         assert exact_hits > 20
     assert fell_back > 0 if arch == 90 else True

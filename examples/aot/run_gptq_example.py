@@ -7,8 +7,8 @@ kdsl.ops.gptq_prepare; the prepared tensors (W4A16Prepared's fields) are written
 program (a deployment could save the same fields with safetensors). Checks, per (M, act-order), M = 1 .. 8
 (on sm_90 the Gluon GEMV, gemv_mma_gluon, exported for K = 4096), 16, 64:
   y from C == the same kernel launched from Python: the entry's launch() with the tile the C dispatcher
-  takes (kdsl.aot.export.route: the registry's choice with the tiles left out of the export, overlap_gluon,
-  passed over, and the Gluon GEMV refusing a K it was not exported for), bit for bit;
+  takes (kdsl.aot.export.route: the registry's choice for the call, with the Gluon GEMV refusing a K it was not
+  exported for and any tile left out of the export passed over), bit for bit;
   the relative error against an fp32 dequantize-then-matmul reference of the checkpoint (< 1e-2);
   against kdsl.ops.w4a16_gemm as the registry picks by default (Gluon tiles where they serve), printed.
 Prints host time per call of kdsl.ops.w4a16_gemm from Python beside the C program's. Exit 1 on a mismatch.
@@ -117,10 +117,12 @@ def main() -> int:
         entry = registry.dispatch("w4a16_gemm", p.scheme, x.device)
         facts = dict(m=m, n=N, dtype="float16", act_order=p.perm is not None, contiguous_groups=p.contiguous_groups)
         # The tile the C dispatcher takes (the export's rule, with the op's default representative problems,
-        # which the export below run_gptq_example used): the tiles left out (overlap_gluon) are passed over as
-        # the registry passes over a tile whose module refuses the call; the Gluon GEMV serves M <= 8.
-        index = route(abis.W4A16_GEMM, entry, dict(M=m, N=N, K=K, perm=int(p.perm is not None),
-                                                     contiguous_groups=int(p.contiguous_groups), x_dtype="f16"))
+        # which the export gptq_example runs used): the registry's, with tiles left out of the export passed over
+        # as the registry passes over a tile whose module refuses the call; the Gluon GEMV serves M <= 8.
+        lds = 2 * N if p.layout["zeros"] == "paired" else N
+        index = route(abis.W4A16_GEMM, entry, dict(
+            M=m, N=N, K=K, ldx=K, ldqw=N, ldz=lds, lds=lds, ldy=N, perm=int(p.perm is not None),
+            contiguous_groups=int(p.contiguous_groups), x_dtype="f16"))
         tile = entry.tiles[index].params
         default_tile = entry.tile_for(m, N, registry.Call(**facts))
         y_same = torch.empty(m, N, device="cuda", dtype=torch.float16)

@@ -617,15 +617,42 @@ W4A16_GEMM = OpAbi(
             runtime_constexprs=(("K", "K", EXACT), ("HAS_PERM", "nonzero(perm)", (False, True))),
             refuses=f"1 - {_PLANE_UNIFORM}",
         ),
+        # The Gluon wgmma GEMM (sm_90, k_planes): x, the plane words (qweight as [rows, 16]) and the (scale, zero)
+        # pairs (int32 [G, N] over the scales, row stride lds / 2) come by TMA through Gluon host descriptors, whose
+        # NVMMA shared layout is the default for the block (as launch() builds it; the compiled kernel's
+        # tensordesc_meta gives the swizzle and box as for Triton's). Its module's refusal: act-order, a group
+        # changing inside a K block, and kdsl.ops' alignment of x and scales below 16 bytes; those calls take the
+        # Triton MMA tile after it.
+        "overlap_gluon": ImplLaunch(
+            params=(("x_desc", "desc"), ("w_desc", "desc"), ("p_desc", "desc"), ("y_ptr", "y"), ("ws_ptr", "y"),
+                    ("count_ptr", "y"), ("M", "M"), ("N", "N"), ("K", "K"), ("stride_ym", "ldy")),
+            pointer_types={"y_ptr": "dtype:x_dtype", "ws_ptr": "scratch:fp32:x_dtype",
+                           "count_ptr": "scratch:i32:x_dtype"},
+            descriptors={
+                "x_desc": TmaDescriptor("x", "dtype:x_dtype", ("M", "K"), ("ldx", "1"), ("{BLOCK_M}", "{BLOCK_K}")),
+                "w_desc": TmaDescriptor("qweight", "i32", ("cdiv(N, 128) * cdiv(K, 128) * 128", "16"), ("16", "1"),
+                                        ("{BLOCK_N}", "16")),
+                "p_desc": TmaDescriptor("scales", "i32", ("cdiv(K, {group_rows})", "N"), ("div(lds, 2)", "1"),
+                                        ("1", "{BLOCK_N}")),
+            },
+            grid=(_TILES, "split", "1"),
+            constexprs=lambda tile, scheme: {"GROUP_M": tile["GROUP_M"], "NUM_STAGES": tile["num_stages"],
+                                             "num_warps": tile["num_warps"]},
+            options=lambda tile: {"num_warps": tile["num_warps"]},
+            kernel="{module}",
+            runtime_constexprs=(("SPLIT_K", _SPLIT_FOR, SPLIT),),
+            scratch=("ws_ptr", "count_ptr", f"{_TILES} * split * {{BLOCK_M}} * {{BLOCK_N}}", _TILES),
+            scratch_alias="y",
+            # The last three: Gluon's host descriptors also need qweight 16-byte aligned and every row stride a
+            # multiple of 16 bytes, even of a single row (launch() would fail on them; C takes the alternative).
+            refuses=("nonzero(perm) + (1 - contiguous_groups * ({group_rows} % {BLOCK_K} == 0))"
+                     " + nonzero(addr(x) % 16) + nonzero(addr(scales) % 16)"
+                     " + bad_tma_stride(M, ldx, dtype_size(x_dtype)) + bad_tma_stride(cdiv(K, {group_rows}), lds, 2)"
+                     " + nonzero(addr(qweight) % 16) + nonzero(ldx * dtype_size(x_dtype) % 16) + nonzero(lds * 2 % 16)"),
+        ),
     },
     problems=_w4a16_problems,
     call_flags={"perm": (0, 1), "contiguous_groups": (0, 1)},
-    unexportable={
-        "overlap_gluon": (
-            "a Gluon kernel whose host code builds Gluon TMA descriptors (NVMMA shared layouts) per call, which the "
-            "exporter does not build yet, and which its refusal function turns down for act-order, groups inside a "
-            "K block and unaligned rows; its tiles' calls go to the Triton MMA tile after each (its alternative)"),
-    },
 )
 
 OPS = {abi.op: abi for abi in (ACT_QUANT, FP8_GEMM, FP8_BMM, GPTQ_DEQUANT, W4A16_GEMM)}

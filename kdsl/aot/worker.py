@@ -84,6 +84,22 @@ def expansion(params: list, kinds: list, name: str) -> tuple[list, int]:
     return descriptors, len(hidden)
 
 
+def gluon_descriptor_types(signature: dict) -> dict:
+    """A Gluon descriptor's type names its shared-memory layout: the default NVMMA layout of its block and element
+    type, which the generated modules' launch() gives their host descriptors (_shared_layout)."""
+    from triton.experimental.gluon import language as gl
+
+    dtypes = {"fp8e4nv": gl.float8e4nv, "bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32, "i32": gl.int32}
+    typed = dict(signature)
+    for name, kind in signature.items():
+        match = re.fullmatch(r"tensordesc<(\w+)\[([\d, ]+)\]>", kind)
+        if match:
+            block = [int(b) for b in match[2].split(",")]
+            layout = gl.NVMMASharedLayout.get_default_for(block, dtypes[match[1]])
+            typed[name] = f"tensordesc<{match[1]}[{match[2]}],{layout!r}>"
+    return typed
+
+
 def compile_job(job: dict) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -113,9 +129,7 @@ def compile_job(job: dict) -> dict:
     if getattr(fn, "is_gluon", lambda: False)():  # a @gluon.jit kernel (plain pointers: no descriptor layouts)
         from triton.experimental.gluon._runtime import GluonASTSource
 
-        if any(param["kind"] == "desc" for param in job["params"]):
-            raise RuntimeError(f"{job['kernel']}: Gluon TMA descriptors (shared layouts) are not exported yet")
-        source = GluonASTSource(fn, signature, constexprs, attrs)
+        source = GluonASTSource(fn, gluon_descriptor_types(signature), constexprs, attrs)
     else:
         source = ASTSource(fn, signature, constexprs, attrs)
     compiled = triton.compile(source, target=target, options=options.__dict__)
