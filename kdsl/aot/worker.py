@@ -126,7 +126,7 @@ def compile_job(job: dict) -> dict:
     target = GPUTarget("cuda", job["arch"], 32)
     backend = make_backend(target)
     options = backend.parse_options(dict(job["options"]))
-    if getattr(fn, "is_gluon", lambda: False)():  # a @gluon.jit kernel (plain pointers: no descriptor layouts)
+    if getattr(fn, "is_gluon", lambda: False)():  # a @gluon.jit kernel: its descriptors name their layouts
         from triton.experimental.gluon._runtime import GluonASTSource
 
         source = GluonASTSource(fn, gluon_descriptor_types(signature), constexprs, attrs)
