@@ -990,8 +990,8 @@ def _w4a16_ci_problems():
 
 @pytest.fixture(scope="module")
 def exported_w4a16(tmp_path_factory):
-    """w4a16_gemm, f16, for sm_80 (mma + gemv) and sm_90 (planes_mma + gemv; the Gluon tiles routed), about
-    50 s on 2 cores with an empty Triton cache."""
+    """w4a16_gemm, f16, for sm_80 (mma + gemv) and sm_90 (planes_mma + gemv + the Gluon gemv_mma_gluon and
+    overlap_gluon), 110 s on 2 cores with an empty Triton cache."""
     import dataclasses
 
     saved = abis.OPS["w4a16_gemm"]
@@ -1092,8 +1092,8 @@ def _w4a16_cases(arch):
 @pytest.mark.parametrize("arch, scheme, generic", W4A16_EXPORTS)
 def test_w4a16_dispatcher_matches_the_registry_and_the_generated_launch(exported_w4a16, tmp_path, monkeypatch,
                                                                          arch, scheme, generic):
-    """Tile (with the Gluon tiles' calls routed to their alternatives, as the registry routes calls they
-    refuse), K split (from the SM count, or the largest exported split below it), specialization, kernel
+    """Tile (the Gluon tiles' refused calls, and the Gluon GEMV's at a K it was not exported for, routed to their
+    alternatives, as the registry routes calls they refuse), K split (from the SM count, or the largest exported split below it), specialization, kernel
     arguments and grid, against kdsl.registry and the generated modules' launch()."""
     from kdsl.aot.export import exported_buckets
     from kdsl.ops import _checks
