@@ -80,7 +80,7 @@ echo "exit $?" >> "$OUT/aot_h100_gptq_example.txt"
 cat "$OUT/aot_h100_gptq_example.txt"
 {
   if [ -n "$SAN" ]; then
-    timeout 90 "$SAN" --tool memcheck --error-exitcode 9 /tmp/gptq_example /tmp/aot_gptq_data 1
+    timeout 180 "$SAN" --tool memcheck --error-exitcode 9 /tmp/gptq_example /tmp/aot_gptq_data 1
     echo "compute-sanitizer exit $?"
   else
     echo "compute-sanitizer: not found"

@@ -371,6 +371,31 @@ class Fake:
     def element_size(self):
         return self.dtype.itemsize
 
+    def as_strided(self, shape, strides):
+        return Fake(shape, strides, self.dtype, self._address)
+
+    def view(self, *shape):
+        """A reinterpreting view along a unit-stride last axis (the Gluon kernels' (scale, zero) int32 pairs), or a
+        reshape of a contiguous tensor (view(-1, 16))."""
+        if not isinstance(shape[0], torch.dtype):
+            numel = 1
+            for size in self.shape:
+                numel *= size
+            known = 1
+            for size in shape:
+                known *= size if size != -1 else 1
+            shape = tuple(numel // known if size == -1 else size for size in shape)
+            strides, step = [], 1
+            for size in reversed(shape):
+                strides.insert(0, step)
+                step *= size
+            return Fake(shape, tuple(strides), self.dtype, self._address)
+        dtype = shape[0]
+        ratio = dtype.itemsize // self.dtype.itemsize
+        assert self._strides[-1] == 1 and ratio >= 1 and all(s % ratio == 0 for s in self._strides[:-1])
+        return Fake(self.shape[:-1] + (self.shape[-1] // ratio,), tuple(s // ratio for s in self._strides[:-1]) + (1,),
+                    dtype, self._address)
+
 
 def _recording_module(entry, path=None, kernel=None):
     """A generated module imported apart (the entry's own, or `path`), its kernel (`kernel`, else the module's
@@ -477,9 +502,17 @@ def _triton_descriptor(desc, tma: dict) -> tuple[list, list]:
     return encode, list(expanded[1:])
 
 
+def _descriptor_types() -> tuple:
+    """Host TMA descriptors launch() may pass: Triton's and Gluon's (which names its shared layout)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor, GluonTensorDescriptor
+
+
 def _check_tma(answer: str, spec: dict, params) -> None:
     """The probe's TMA records (encodes, map arguments) against Triton's for the recorded launch's descriptors."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
+    TensorDescriptor = _descriptor_types()
 
     records = [token.split(",") for token in answer.split() if token.startswith("|")]
     encodes = [list(map(int, r[1:])) for r in records if r[0] == "|E"]
@@ -494,7 +527,7 @@ def _check_tma(answer: str, spec: dict, params) -> None:
 
 def _launch_values(params) -> list:
     """A recorded launch's parameters as the probe prints them: addresses, integers, and a descriptor's index."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
+    TensorDescriptor = _descriptor_types()
 
     values, described = [], 0
     for p in params:
@@ -507,7 +540,7 @@ def _launch_values(params) -> list:
 
 
 def _keys(params) -> tuple:
-    from triton.tools.tensor_descriptor import TensorDescriptor
+    TensorDescriptor = _descriptor_types()
 
     return tuple(("desc", "") if isinstance(p, TensorDescriptor) else aot_runtime.argument_key(p) for p in params)
 
@@ -943,7 +976,8 @@ def test_gptq_dequant_dispatcher_matches_the_registry_and_the_generated_launch(e
 
 # ---- w4a16_gemm (kdsl_gptq_gemm on prepared weights): K split, scratch, run-time constexprs, Gluon routing --
 
-W4A16_EXPORTS = ((80, "w4a16.int4.g128", False), (90, "w4a16.int4.g32", True))  # (arch, scheme, generic only)
+# (arch, scheme, generic only). sm_90 g128: the Gluon GEMV (gemv_mma_gluon) serves contiguous groups at M <= 8.
+W4A16_EXPORTS = ((80, "w4a16.int4.g128", False), (90, "w4a16.int4.g128", True))
 
 
 def _w4a16_ci_problems():
@@ -956,8 +990,8 @@ def _w4a16_ci_problems():
 
 @pytest.fixture(scope="module")
 def exported_w4a16(tmp_path_factory):
-    """w4a16_gemm, f16, for sm_80 (mma + gemv) and sm_90 (planes_mma + gemv; the Gluon tiles routed), about
-    50 s on 2 cores with an empty Triton cache."""
+    """w4a16_gemm, f16, for sm_80 (mma + gemv) and sm_90 (planes_mma + gemv + the Gluon gemv_mma_gluon and
+    overlap_gluon), 110 s on 2 cores with an empty Triton cache."""
     import dataclasses
 
     saved = abis.OPS["w4a16_gemm"]
@@ -976,27 +1010,38 @@ def exported_w4a16(tmp_path_factory):
     return outs, lines
 
 
-def test_w4a16_gluon_kernels_are_reported_and_every_call_has_a_cubin(exported_w4a16):
+def test_w4a16_gluon_kernels_are_exported_and_every_call_has_a_cubin(exported_w4a16):
     outs, lines = exported_w4a16
     m90 = json.loads((outs[90] / "aot_manifest.json").read_text())
     assert [(o["function"], o["impl"]) for o in m90["ops"]] == [("kdsl_gptq_gemm", "planes_mma")]
-    reasons = {s["kernel"]: s["reason"] for s in m90["not_exported"]}
-    assert set(reasons) == {"w4a16_gemm__int4_g32__gemv_mma_gluon_sm90", "w4a16_gemm__int4_g32__overlap_gluon_sm90"}
-    assert all("Gluon" in why and "alternative" in why for why in reasons.values())
-    assert any(line.startswith("skipped w4a16_gemm__int4_g32__overlap_gluon_sm90") for line in lines[90])
-    assert {s["impl"] for s in m90["specializations"]} == {"planes_mma", "gemv"}
+    assert not m90["not_exported"] and not m90["routes"]  # both Gluon kernels are exported: nothing is routed
+    assert not any(line.startswith(("skipped", "routed")) for line in lines[90])
+    assert {s["impl"] for s in m90["specializations"]} == {"planes_mma", "gemv", "gemv_mma_gluon", "overlap_gluon"}
+    # overlap_gluon: its three Gluon host descriptors (x, the plane words, the pairs) as CUtensorMaps, every tile.
+    overlap = [s for s in m90["specializations"] if s["impl"] == "overlap_gluon"]
+    assert {s["bucket"] for s in overlap} == {7, 9, 11, 13, 15}
+    assert all([t["param"] for t in s["tma"]] == ["x_desc", "w_desc", "p_desc"] for s in overlap)
+    # The Gluon GEMV: one cubin per K the (CI) problems reach on its tiles (none reaches M = 1 with N >= 8192 or
+    # 1 < M <= 8: there, those of the problems moved to the tile's bounds),
+    # with and without act-order, and the symbol is the Gluon kernel's.
+    gluon = [s for s in m90["specializations"] if s["impl"] == "gemv_mma_gluon"]
+    assert {(s["bucket"], s["constexprs"]["K"], s["constexprs"]["HAS_PERM"]) for s in gluon} == {
+        (b, 4096, p) for b in (0, 2, 5) for p in (False, True)}
+    assert {s["symbol"] for s in gluon} == {"w4a16_gemm__int4_g128__gemv_mma_gluon_sm90"}
+    assert all(s["hidden"] == 2 and s["constexprs"]["num_warps"] == s["options"]["num_warps"] for s in gluon)
     m80 = json.loads((outs[80] / "aot_manifest.json").read_text())
     assert {s["impl"] for s in m80["specializations"]} == {"mma", "gemv"} and not m80["not_exported"]
-    # Every exported tile has unsplit, assumption-free cubins with and without act-order, and (where the
-    # scheme's groups can fill a K block: g128 on sm_80, not g32 on sm_90's 128-row plane tiles) with and
-    # without uniform groups: whatever the call, a cubin serves it.
-    for manifest, uniform in ((m80, {False, True}), (m90, {False})):
+    # Every exported Triton tile has unsplit, assumption-free cubins with and without act-order, and with and
+    # without uniform groups (g128 fills sm_80's K blocks and sm_90's 128-row plane tiles): whatever the call,
+    # a cubin serves it.
+    for manifest in (m80, m90):
         flags = {}
-        for s in manifest["specializations"]:
+        triton_specs = [s for s in manifest["specializations"] if not s["impl"].endswith("_gluon")]
+        for s in triton_specs:
             if s["constexprs"]["SPLIT_K"] == 1 and all(p["claim"] == "" for p in s["params"]):
                 flags.setdefault(s["bucket"], set()).add((s["constexprs"]["HAS_PERM"], s["constexprs"]["UNIFORM_GROUP"]))
-        assert set(flags) == {s["bucket"] for s in manifest["specializations"]}
-        assert all(v == {(p, u) for p in (False, True) for u in uniform} for v in flags.values()), flags
+        assert set(flags) == {s["bucket"] for s in triton_specs}
+        assert all(v == {(p, u) for p in (False, True) for u in (False, True)} for v in flags.values()), flags
 
 
 def _w4a16_recorders(entry, impls):
@@ -1016,7 +1061,8 @@ def _w4a16_recorders(entry, impls):
             arg_names = ()
 
             def __getitem__(self, grid, calls=calls):
-                return lambda *params, **options: calls.append((tuple(grid), params, options))
+                grid = tuple(grid) + (1,) * (3 - len(grid))  # overlap_gluon's launch() gives two
+                return lambda *params, **options: calls.append((grid, params, options))
 
         setattr(module, path.stem, Recorder())
         module._sm_count = lambda device: 132
@@ -1030,9 +1076,9 @@ def _w4a16_recorders(entry, impls):
 def _w4a16_cases(arch):
     base = 1 << 24
     for m in (1, 2, 8, 16, 17, 64, 65, 128, 300):
-        for n, k in ((4096, 4096), (16384, 1024), (8192, 14336), (24, 256)):
+        for n, k in ((4096, 4096), (8192, 4096), (16384, 1024), (8192, 14336), (24, 256)):
             for perm, contiguous in ((0, 1), (1, 1), (1, 0), (0, 0)):
-                for pad in (0, 8):
+                for pad in (0, 8, 4):  # 4: x and the scales' rows 8-byte aligned only (no TMA: overlap_gluon refuses)
                     for dtype in ("f16", "bf16") if m in (1, 16) and pad == 0 else ("f16",):
                         paired = arch == 90
                         yield dict(x=base + 2 * pad, ldx=k + pad, perm=2 * base if perm else 0, qweight=3 * base,
@@ -1044,12 +1090,13 @@ def _w4a16_cases(arch):
 
 @needs_cc
 @pytest.mark.parametrize("arch, scheme, generic", W4A16_EXPORTS)
-def test_w4a16_dispatcher_matches_the_registry_and_the_generated_launch(exported_w4a16, tmp_path, arch, scheme,
-                                                                         generic):
-    """Tile (with the Gluon tiles' calls routed to their alternatives, as the registry routes calls they
-    refuse), K split (from the SM count, or the largest exported split below it), specialization, kernel
+def test_w4a16_dispatcher_matches_the_registry_and_the_generated_launch(exported_w4a16, tmp_path, monkeypatch,
+                                                                         arch, scheme, generic):
+    """Tile (the Gluon tiles' refused calls, and the Gluon GEMV's at a K it was not exported for, routed to their
+    alternatives, as the registry routes calls they refuse), K split (from the SM count, or the largest exported split below it), specialization, kernel
     arguments and grid, against kdsl.registry and the generated modules' launch()."""
     from kdsl.aot.export import exported_buckets
+    from kdsl.ops import _checks
 
     out = exported_w4a16[0][arch]
     run = build_probe(out, tmp_path)
@@ -1066,23 +1113,32 @@ def test_w4a16_dispatcher_matches_the_registry_and_the_generated_launch(exported
     group = entry.scheme_fields["group_size"]
     dt = {"f16": torch.float16, "bf16": torch.bfloat16}
     routed = fell_back = exact_hits = 0
+    gluon_hits = set()  # the Gluon GEMV's tiles that ran a call
     for call, answer in zip(cases, answers):
         m, n, k, dtype = call["M"], call["N"], call["K"], call["x_dtype"]
         if dtype == "bf16":  # exported for f16 only
             assert answer == "error 2 w4a16_gemm: x_dtype 0 was not exported (this library has KDSL_F16; export with --dtype)"
             continue
-        # The registry's tile with the Gluon kernels refused (as they refuse every call off the GPU) ...
-        refused = kdsl.registry.Call(m=m, n=n, device_type="cpu", dtype="float16",
-                                     act_order=bool(call["perm"]), contiguous_groups=bool(call["contiguous_groups"]))
-        tile = entry.tile_for(m, n, refused)
-        bucket = next(i for i, b in enumerate(entry.tiles) if b.params is tile)
-        assert bucket in exported
-        if entry.tiles[entry.bucket_index(m, n)].params["impl"].endswith("_gluon"):
-            routed += 1
-        module, calls = recorders[tile["impl"]]
         groups = -(-k // (group if group > 0 else k))
         paired = arch == 90
         x = Fake((m, k), (call["ldx"], 1), dt[dtype], call["x"])
+        scales = Fake((groups, n), (call["lds"], 2 if paired else 1), dt[dtype], call["scales"])
+        # The registry's tile for this call on the GPU (kdsl.ops' facts, alignment included), with the tiles left
+        # out of the export refused, and the Gluon GEMV's tiles refusing a K they have no cubin for ...
+        on_gpu = kdsl.registry.Call(m=m, n=n, device_type="cuda", dtype="float16",
+                                    act_order=bool(call["perm"]), contiguous_groups=bool(call["contiguous_groups"]),
+                                    align=_checks.alignment(x, scales))
+        with monkeypatch.context() as patched:
+            patched.setattr(type(entry), "refusal_reason", _w4a16_exported_refusal(entry, exported, specs, k))
+            tile = entry.tile_for(m, n, on_gpu)
+        bucket = next(i for i, b in enumerate(entry.tiles) if b.params is tile)
+        assert bucket in exported
+        first = entry.tiles[entry.bucket_index(m, n)].params["impl"]
+        if first.endswith("_gluon") and tile["impl"] != first:
+            routed += 1
+        if tile["impl"].endswith("_gluon"):
+            gluon_hits.add(bucket)
+        module, calls = recorders[tile["impl"]]
         perm = Fake((k,), (1,), torch.int32, call["perm"]) if call["perm"] else None
         if paired:
             kt, nt = -(-k // 128), -(-n // 128)
@@ -1090,13 +1146,12 @@ def test_w4a16_dispatcher_matches_the_registry_and_the_generated_launch(exported
         else:
             qweight = Fake((k // 8, n), (call["ldqw"], 1), torch.int32, call["qweight"])
         zeros = Fake((groups, n), (call["ldz"], 2 if paired else 1), dt[dtype], call["zeros"])
-        scales = Fake((groups, n), (call["lds"], 2 if paired else 1), dt[dtype], call["scales"])
         y = Fake((m, n), (call["ldy"], 1), dt[dtype], call["y"])
         args = (x, perm, qweight, zeros, scales, Fake((k,), (1,), torch.int32, call["groups"]),
                 bool(call["contiguous_groups"]), y, tile)
         assert not answer.startswith("error"), (call, answer)
         name, *numbers = answer.split()
-        numbers = list(map(int, numbers))
+        numbers = [int(v) for v in numbers if not v.startswith("|")]  # |E, |A: TMA records, checked below
         calls.clear()
         module.launch(*args)
         [(grid, params, options)] = calls
@@ -1115,23 +1170,49 @@ def test_w4a16_dispatcher_matches_the_registry_and_the_generated_launch(exported
                 [(grid, params, options)] = calls
             finally:
                 module.split_for = original
-        keys = tuple(aot_runtime.argument_key(p) for p in params)
-        spec, exact = _expected_spec(specs, entry, bucket, dtype, keys, options)
+        spec, exact = _expected_spec(specs, entry, bucket, dtype, _keys(params), options)
         assert name == spec["name"], (call, answer)
         assert tuple(numbers[:3]) == grid, call
-        expected = [p.data_ptr() if isinstance(p, Fake) else p for p in params]
-        scratch = slice(7, 9)  # ws_ptr, count_ptr: the C side's own per-context scratch when split
+        expected = _launch_values(params)
+        _check_tma(answer, spec, params)
+        if tile["impl"] == "gemv_mma_gluon":  # no K split, no scratch; K is compiled in
+            assert numbers[3:] == expected and options["K"] == k, call
+            exact_hits += exact
+            continue
+        # ws_ptr, count_ptr: the C side's own per-context scratch when split
+        at = 4 if tile["impl"] == "overlap_gluon" else 7
+        scratch = slice(at, at + 2)
         if grid[1] == 1:
             assert numbers[3:][scratch] == [call["y"], call["y"]]
         else:
             assert all(v >= 0x40000000 and v % 256 == 0 for v in numbers[3:][scratch]), answer
-        del expected[scratch], numbers[3 + 7:3 + 9]
+        del expected[scratch], numbers[3 + at:3 + at + 2]
         assert numbers[3:] == expected, call
         exact_hits += exact
-    assert routed > 20 if arch == 90 else routed == 0
+    # sm_90: the Gluon GEMV runs calls at M <= 8 with contiguous groups and an exported K; the other calls its
+    # tiles serve (act-order's uneven groups, K = 1024, 14336, 256) go to the Triton tile after it.
+    assert (routed > 20 and gluon_hits == {0, 2, 5, 7, 9, 11, 13, 15}) if arch == 90 else (
+        routed == 0 and not gluon_hits)
     if not generic:
         assert exact_hits > 20
     assert fell_back > 0 if arch == 90 else True
+
+
+def _w4a16_exported_refusal(entry, exported, specs, k):
+    """KernelEntry.refusal_reason as the export's dispatcher sees it: tiles left out refuse every call, the Gluon
+    GEMV's tiles a K with no cubin in the manifest, the rest as their modules say."""
+    original = type(entry).refusal_reason
+
+    def refusal_reason(self, params, call):
+        if self is entry:
+            index = next(i for i, b in enumerate(entry.tiles) if b.params is params)
+            if index not in exported:
+                return "left out of the export"
+            if params["impl"] == "gemv_mma_gluon" and k not in {
+                    s["constexprs"]["K"] for s in specs if s["bucket"] == index}:
+                return f"K = {k} was not exported"
+        return original(self, params, call)
+    return refusal_reason
 
 
 @needs_cc
@@ -1144,7 +1225,7 @@ def test_w4a16_refusals_and_scratch_reuse(exported_w4a16, tmp_path):
         values = {**good, **changes}
         return "kdsl_gptq_gemm " + " ".join(str(values[a.name]) for a in abis.W4A16_GEMM.args)
     answers = run(90, [line(N=60), line(K=0), line(contiguous_groups=2), line(ldx=100), line(groups=0),
-                       line(x_dtype=2), line(M=0), line(), line(M=8)])
+                       line(x_dtype=2), line(M=0), line(), line(M=12)])
     assert answers[0] == "error 1 w4a16_gemm: N = 60 and K = 4096 must be multiples of 8"
     assert answers[1] == "error 1 w4a16_gemm: M = 16 and N = 4096 must be >= 0, K = 0 > 0"
     assert answers[2] == "error 1 w4a16_gemm: contiguous_groups = 2 must be 0 or 1"

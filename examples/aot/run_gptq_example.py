@@ -4,9 +4,11 @@
 
 A random GPTQ (v2) checkpoint, K = N = 4096, group size 128, without and with act-order, goes through
 kdsl.ops.gptq_prepare; the prepared tensors (W4A16Prepared's fields) are written as raw files for the C
-program (a deployment could save the same fields with safetensors). Checks, per (M, act-order), M = 1, 16, 64:
+program (a deployment could save the same fields with safetensors). Checks, per (M, act-order), M = 1 .. 8
+(on sm_90 the Gluon GEMV, gemv_mma_gluon, exported for K = 4096), 16, 64:
   y from C == the same kernel launched from Python: the entry's launch() with the tile the C dispatcher
-  takes (the registry's choice with the Gluon tiles refused, as the export routes them), bit for bit;
+  takes (kdsl.aot.export.route: the registry's choice for the call, with the Gluon GEMV refusing a K it was not
+  exported for and any tile left out of the export passed over), bit for bit;
   the relative error against an fp32 dequantize-then-matmul reference of the checkpoint (< 1e-2);
   against kdsl.ops.w4a16_gemm as the registry picks by default (Gluon tiles where they serve), printed.
 Prints host time per call of kdsl.ops.w4a16_gemm from Python beside the C program's. Exit 1 on a mismatch.
@@ -23,7 +25,7 @@ import torch
 
 K = N = 4096
 GROUP = 128
-MS = (1, 16, 64)
+MS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 64)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -55,6 +57,8 @@ def main() -> int:
     args = parser.parse_args()
 
     from kdsl import ops
+    from kdsl.aot import abi as abis
+    from kdsl.aot.export import route
     from kdsl.ops.gptq_checkpoint import pack_rows
     from kdsl.runtime import registry
 
@@ -112,9 +116,14 @@ def main() -> int:
                               dtype=torch.uint8).view(torch.float16).view(m, N).cuda()
         entry = registry.dispatch("w4a16_gemm", p.scheme, x.device)
         facts = dict(m=m, n=N, dtype="float16", act_order=p.perm is not None, contiguous_groups=p.contiguous_groups)
-        # The export leaves the Gluon kernels out; the registry routes calls they refuse (here: all, as off
-        # the GPU) to the alternative tile after each, which is the tile the C dispatcher takes.
-        tile = entry.tile_for(m, N, registry.Call(device_type="cpu", **facts))
+        # The tile the C dispatcher takes (the export's rule, with the op's default representative problems,
+        # which the export gptq_example runs used): the registry's, with tiles left out of the export passed over
+        # as the registry passes over a tile whose module refuses the call; the Gluon GEMV serves M <= 8.
+        lds = 2 * N if p.layout["zeros"] == "paired" else N
+        index = route(abis.W4A16_GEMM, entry, dict(
+            M=m, N=N, K=K, ldx=K, ldqw=N, ldz=lds, lds=lds, ldy=N, perm=int(p.perm is not None),
+            contiguous_groups=int(p.contiguous_groups), x_dtype="f16"))
+        tile = entry.tiles[index].params
         default_tile = entry.tile_for(m, N, registry.Call(**facts))
         y_same = torch.empty(m, N, device="cuda", dtype=torch.float16)
         entry.launch(x, p.perm, p.qweight, p.zeros, p.scales, p.groups, p.contiguous_groups, y_same, tile)

@@ -71,6 +71,8 @@ class ImplLaunch:
     # SPLIT (at most one entry, the last) are a K split: the expression is the split launch() would choose,
     # the exporter compiles the splits the op's problems reach (and 1), and the dispatcher takes the largest
     # exported split not above the one asked for; the grid and the scratch sizes may name it as `split`.
+    # The values EXACT: the value itself, compiled for each value the problems reaching the tile give it; other
+    # values are refused by the tile (kdsl.aot.export.exact_values).
     runtime_constexprs: tuple = ()
     # Constexprs that follow the dtype arguments: (dtypes {argument: name}) -> {name: value}.
     dtype_constexprs: callable = None
@@ -92,6 +94,10 @@ class ImplLaunch:
 
 
 SPLIT = "split"  # ImplLaunch.runtime_constexprs: the values of a K split (see there)
+# ImplLaunch.runtime_constexprs: a constexpr taking the call's exact value (a Gluon kernel's K, which it unrolls):
+# the values the op's representative problems give it on that tile are compiled, and a call with any other value
+# is refused by the tile (it goes to the next serving tile, its alternative, as a registry refusal sends it).
+EXACT = "exact"
 
 
 @dataclass(frozen=True)
@@ -592,19 +598,61 @@ W4A16_GEMM = OpAbi(
             # launch() passes qweight.stride(0) of the 4-D tensor: ceil(K / 128) tiles of 128 x 16 words.
             _W4A16_HEAD + (("stride_qwk", "cdiv(K, 128) * 2048"),) + _W4A16_TAIL,
             (("UNIFORM_GROUP", _PLANE_UNIFORM, (False, True)),), {"WORD_GROUPS": False, "HALF2_DOT": False}),
+        # The Gluon GEMV on mma.sync (M <= 8, k_planes with paired scales and zeros): K and CHUNK_TILES are
+        # constexprs, so one cubin per K the problems reach; launch() passes the (scale, zero) pairs as int32
+        # [G, N] over the scales' memory (row stride lds / 2 words). Its module's refusal turns down groups that
+        # change inside a 128-row plane tile (off the GPU too, which C never is; M > 8 no tile of it serves), and
+        # a K with no cubin is refused as well: those calls take the tile after it (the Triton GEMV or MMA).
+        "gemv_mma_gluon": ImplLaunch(
+            params=(("x_ptr", "x"), ("perm_ptr", "either(perm, qweight)"), ("w_ptr", "qweight"), ("p_ptr", "scales"),
+                    ("y_ptr", "y"), ("M", "M"), ("N", "N"), ("stride_xm", "ldx"), ("stride_pg", "div(lds, 2)"),
+                    ("stride_ym", "ldy")),
+            pointer_types={"x_ptr": "dtype:x_dtype", "perm_ptr": "i32", "w_ptr": "i32", "p_ptr": "i32",
+                           "y_ptr": "dtype:x_dtype"},
+            grid=("cdiv(N, 16)", "1", "1"),
+            # num_warps is a parameter of the Gluon kernel as well as the launch option.
+            constexprs=lambda tile, scheme: {"CHUNK_TILES": tile["BLOCK_K"] // 128, "num_warps": tile["num_warps"]},
+            options=lambda tile: {"num_warps": tile["num_warps"]},
+            kernel="{module}",
+            runtime_constexprs=(("K", "K", EXACT), ("HAS_PERM", "nonzero(perm)", (False, True))),
+            refuses=f"1 - {_PLANE_UNIFORM}",
+        ),
+        # The Gluon wgmma GEMM (sm_90, k_planes): x, the plane words (qweight as [rows, 16]) and the (scale, zero)
+        # pairs (int32 [G, N] over the scales, row stride lds / 2) come by TMA through Gluon host descriptors, whose
+        # NVMMA shared layout is the default for the block (as launch() builds it; the compiled kernel's
+        # tensordesc_meta gives the swizzle and box as for Triton's). Its module's refusal: act-order, a group
+        # changing inside a K block, and kdsl.ops' alignment of x and scales below 16 bytes; those calls take the
+        # Triton MMA tile after it.
+        "overlap_gluon": ImplLaunch(
+            params=(("x_desc", "desc"), ("w_desc", "desc"), ("p_desc", "desc"), ("y_ptr", "y"), ("ws_ptr", "y"),
+                    ("count_ptr", "y"), ("M", "M"), ("N", "N"), ("K", "K"), ("stride_ym", "ldy")),
+            pointer_types={"y_ptr": "dtype:x_dtype", "ws_ptr": "scratch:fp32:x_dtype",
+                           "count_ptr": "scratch:i32:x_dtype"},
+            descriptors={
+                "x_desc": TmaDescriptor("x", "dtype:x_dtype", ("M", "K"), ("ldx", "1"), ("{BLOCK_M}", "{BLOCK_K}")),
+                "w_desc": TmaDescriptor("qweight", "i32", ("cdiv(N, 128) * cdiv(K, 128) * 128", "16"), ("16", "1"),
+                                        ("{BLOCK_N}", "16")),
+                "p_desc": TmaDescriptor("scales", "i32", ("cdiv(K, {group_rows})", "N"), ("div(lds, 2)", "1"),
+                                        ("1", "{BLOCK_N}")),
+            },
+            grid=(_TILES, "split", "1"),
+            constexprs=lambda tile, scheme: {"GROUP_M": tile["GROUP_M"], "NUM_STAGES": tile["num_stages"],
+                                             "num_warps": tile["num_warps"]},
+            options=lambda tile: {"num_warps": tile["num_warps"]},
+            kernel="{module}",
+            runtime_constexprs=(("SPLIT_K", _SPLIT_FOR, SPLIT),),
+            scratch=("ws_ptr", "count_ptr", f"{_TILES} * split * {{BLOCK_M}} * {{BLOCK_N}}", _TILES),
+            scratch_alias="y",
+            # The last three: Gluon's host descriptors also need qweight 16-byte aligned and every row stride a
+            # multiple of 16 bytes, even of a single row (launch() would fail on them; C takes the alternative).
+            refuses=("nonzero(perm) + (1 - contiguous_groups * ({group_rows} % {BLOCK_K} == 0))"
+                     " + nonzero(addr(x) % 16) + nonzero(addr(scales) % 16)"
+                     " + bad_tma_stride(M, ldx, dtype_size(x_dtype)) + bad_tma_stride(cdiv(K, {group_rows}), lds, 2)"
+                     " + nonzero(addr(qweight) % 16) + nonzero(ldx * dtype_size(x_dtype) % 16) + nonzero(lds * 2 % 16)"),
+        ),
     },
     problems=_w4a16_problems,
     call_flags={"perm": (0, 1), "contiguous_groups": (0, 1)},
-    unexportable={
-        "gemv_mma_gluon": (
-            "a Gluon kernel, refused at run time by its own refusal function (off the GPU, groups that change "
-            "inside a plane tile); the exporter compiles Triton kernels only, so its tiles' calls go to the "
-            "Triton tile after each (its alternative, same m_max and n_min)"),
-        "overlap_gluon": (
-            "a Gluon kernel whose host code builds TMA descriptors per call and which its refusal function turns "
-            "down for act-order, groups inside a K block and unaligned rows; the exporter compiles Triton kernels "
-            "only, so its tiles' calls go to the Triton MMA tile after each (its alternative)"),
-    },
 )
 
 OPS = {abi.op: abi for abi in (ACT_QUANT, FP8_GEMM, FP8_BMM, GPTQ_DEQUANT, W4A16_GEMM)}

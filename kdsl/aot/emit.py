@@ -68,7 +68,7 @@ def _bucket_code(abi: abis.OpAbi, entry, scheme_values: dict) -> list:
     disabled): the first exported tile serving M (and N) whose launch does not refuse the call; a tile refusing
     to "entry" sends the call to the fallback; where tiles served but all refused, the entry's last tile; else
     (no tile served) the fallback. bucket -1: the fallback's (or, without one, an error)."""
-    from kdsl.aot.export import launch_of
+    from kdsl.aot.export import exact_names, exact_values, launch_of
 
     exported = exported_buckets(abi, entry)
     lines = ["  int bucket = -1, served = 0, routed_away = 0;"]
@@ -81,6 +81,12 @@ def _bucket_code(abi: abis.OpAbi, entry, scheme_values: dict) -> list:
             conditions.append(f"{abi.n} >= {bucket.n_min}" if abi.n else "0")
         launch = launch_of(abi, entry, index)
         body = f"bucket = {index};"
+        exact = exact_values(abi, entry, index)
+        if exact:  # EXACT constexprs (a Gluon kernel's K): a value with no cubin goes to the next serving tile
+            for name, expression in exact_names(launch):
+                value = _c_expression(abis.fill(expression, bucket.params, scheme_values))
+                accepted = " || ".join(f"({value}) == {v}" for v in exact[name]) or "0"
+                body = f"if (!({accepted})) {{ /* {name} was not exported: the next serving tile */ }} else {body}"
         if launch.refuses:
             refused = _c_expression(abis.fill(launch.refuses, bucket.params, scheme_values))
             otherwise = "routed_away = 1;" if launch.refused_to == "entry" else "/* the next serving tile */"

@@ -242,7 +242,9 @@ def left_out_reason(abi: abis.OpAbi, entry, index: int) -> str | None:
     launch = launch_of(abi, entry, index)
     if launch is None:
         if _is_gluon(entry, impl):  # e.g. a Gluon unit split out of a module whose Triton kernel is exported
-            return f"implementation {impl} is a Gluon kernel (the exporter compiles Triton kernels only)"
+            return (f"implementation {impl} is a Gluon kernel with no C launch description in kdsl/aot/abi.py (the "
+                    f"exporter compiles Gluon kernels, e.g. w4a16_gemm's gemv_mma_gluon and overlap_gluon, once their "
+                    f"launch() is described there)")
         return f"implementation {impl} has no C launch description in kdsl/aot/abi.py"
     return None
 
@@ -274,11 +276,12 @@ def needs_fallback(abi: abis.OpAbi, entry) -> bool:
             or (any(launch.refuses for launch in launches) and not safe_last))
 
 
-def route(abi: abis.OpAbi, entry, call: dict) -> int | None:
+def route(abi: abis.OpAbi, entry, call: dict, exact: bool = True) -> int | None:
     """The exported tile the dispatcher gives a call (its C arguments: at least M, N and whatever the refusals
     read; a call without them is aligned), or None where it goes to the fallback entry. The registry's
     tile_for(m, n, call) with the left-out tiles disabled: the first serving tile that does not refuse the
-    call, else the last tile."""
+    call, else the last tile. A tile with EXACT constexprs also refuses a call whose value of them was not
+    exported (exact=False: not, the rule that decides which values are)."""
     m, n = call[abi.m], call[abi.n] if abi.n else None
     scheme = abis.scheme_values(entry)
     exported = exported_buckets(abi, entry)
@@ -293,17 +296,67 @@ def route(abi: abis.OpAbi, entry, call: dict) -> int | None:
             if launch.refused_to == "entry":
                 return None
             continue
+        if exact and _exact_refused(abi, entry, index, launch, call):
+            continue
         return index
     last = len(entry.tiles) - 1
     return last if served and last in exported else None
 
 
-def _refused(abi: abis.OpAbi, launch: abis.ImplLaunch, tile: dict, scheme: dict, call: dict) -> bool:
+def _call_values(abi: abis.OpAbi, call: dict) -> dict:
     values = {**call, **{k: abis.DTYPE_CODES[v] for k, v in call.items() if isinstance(v, str) and v in abis.DTYPES}}
     for arg in abi.args:
         if arg.ctype == "ptr":
             values.setdefault(arg.name, 4096)  # problems name no pointers: allocations are aligned
-    return bool(abis.evaluate(abis.fill(launch.refuses, tile, scheme), values))
+    return values
+
+
+def _refused(abi: abis.OpAbi, launch: abis.ImplLaunch, tile: dict, scheme: dict, call: dict) -> bool:
+    return bool(abis.evaluate(abis.fill(launch.refuses, tile, scheme), _call_values(abi, call)))
+
+
+def exact_names(launch: abis.ImplLaunch) -> list:
+    return [(name, expression) for name, expression, allowed in launch.runtime_constexprs if allowed == abis.EXACT]
+
+
+_EXACT_VALUES: dict = {}
+
+
+def exact_values(abi: abis.OpAbi, entry, index: int) -> dict:
+    """{constexpr: sorted values} for tile `index`'s EXACT constexprs: the values the op's representative problems
+    that reach the tile (by M, N and the refusals) give them; where none reaches it, those of the problems moved to
+    its M and N bounds (as _enumerate compiles such a tile). Each is compiled; the tile refuses other values."""
+    launch = launch_of(abi, entry, index)
+    names = exact_names(launch) if launch is not None else []
+    if not names:
+        return {}
+    key = (abi.op, abi.problems, entry.name, index)
+    found = _EXACT_VALUES.get(key)
+    if found is None:
+        tile, scheme = entry.tiles[index].params, abis.scheme_values(entry)
+        seen = {name: set() for name, _ in names}
+        problems = list(abi.problems())
+        reaching = [p for p in problems if route(abi, entry, p, exact=False) == index]
+        if not reaching:
+            reaching = [p for p in _moved(abi, entry, index, problems) if route(abi, entry, p, exact=False) == index]
+        for problem in reaching:
+            values = _call_values(abi, problem)
+            for name, expression in names:
+                seen[name].add(abis.evaluate(abis.fill(expression, tile, scheme), values))
+        found = _EXACT_VALUES[key] = {name: sorted(v) for name, v in seen.items()}
+    return found
+
+
+def _exact_refused(abi: abis.OpAbi, entry, index: int, launch: abis.ImplLaunch, call: dict) -> bool:
+    names = exact_names(launch)
+    if not names:
+        return False
+    allowed = exact_values(abi, entry, index)
+    values = _call_values(abi, call)
+    scheme = abis.scheme_values(entry)
+    tile = entry.tiles[index].params
+    return any(abis.evaluate(abis.fill(expression, tile, scheme), values) not in allowed[name]
+               for name, expression in names)
 
 
 def runtime_values(launch: abis.ImplLaunch, tile: dict, scheme: dict, values: dict) -> dict:
@@ -311,7 +364,7 @@ def runtime_values(launch: abis.ImplLaunch, tile: dict, scheme: dict, values: di
     out = {}
     for name, expression, allowed in launch.runtime_constexprs:
         value = abis.evaluate(abis.fill(expression, tile, scheme), values)
-        out[name] = value if allowed == abis.SPLIT else bool(value) if isinstance(allowed[0], bool) else value
+        out[name] = value if allowed in (abis.SPLIT, abis.EXACT) else bool(value) if isinstance(allowed[0], bool) else value
     return out
 
 
@@ -356,14 +409,7 @@ def _enumerate(abi: abis.OpAbi, entry, arch: int, dtypes, generic_only: bool, pr
         reaching = [p for p in problems
                     if route(abi, entry, p) == bucket_index]
         if not reaching:  # no representative size reaches this tile: the problems moved to its M and N bounds
-            bucket = entry.tiles[bucket_index]
-            # M at the tile's bound (for the last tile, just past the others').
-            m = bucket.m_max if bucket.m_max is not None else 1 + max(
-                [b.m_max for b in entry.tiles if b.m_max is not None], default=0)
-            moved = [{**p, abi.m: m,
-                      **({abi.n: max(p[abi.n], bucket.n_min)} if abi.n and bucket.n_min is not None else {})}
-                     for p in problems]
-            reaching = [p for p in moved
+            reaching = [p for p in _moved(abi, entry, bucket_index, problems)
                         if route(abi, entry, p) == bucket_index]
         for problem in reaching:
             problem_dtypes = {a: problem[a] for a in abi.dtype_choices}
@@ -400,12 +446,22 @@ def _enumerate(abi: abis.OpAbi, entry, arch: int, dtypes, generic_only: bool, pr
                     if runtime not in seen:
                         seen.append(runtime)
         generic_calls = []
+        exact = exact_values(abi, entry, bucket_index)
         for combo in combos:
             seen = seen_runtime.get(json.dumps(combo, sort_keys=True))
             if not seen:  # no representative call reaches this tile: every declared combination (no split)
                 seen = [{}]
                 for name, _, allowed in launch.runtime_constexprs:
-                    seen = [{**r, name: v} for r in seen for v in ((1,) if allowed == abis.SPLIT else allowed)]
+                    choices = (1,) if allowed == abis.SPLIT else exact[name] if allowed == abis.EXACT else allowed
+                    seen = [{**r, name: v} for r in seen for v in choices]
+            elif exact:  # every exported value of the EXACT constexprs with every combination of the others
+                widened = []
+                for runtime in seen:
+                    options = [runtime]
+                    for name, values in exact.items():
+                        options = [{**r, name: v} for r in options for v in values]
+                    widened += [r for r in options if r not in widened]
+                seen = widened
             generic_calls += [(combo, {}, runtime, True) for runtime in seen]
         # The assumption-free specializations first: one per dtype and run-time constexpr combination.
         for dtype_choice, values, runtime, generic in generic_calls + calls:
@@ -424,6 +480,16 @@ def _enumerate(abi: abis.OpAbi, entry, arch: int, dtypes, generic_only: bool, pr
                                     params=params, variant=[int(runtime[n]) for n, *_ in launch.runtime_constexprs],
                                     **fixed)
     return list(wanted.values())
+
+
+def _moved(abi: abis.OpAbi, entry, index: int, problems: list) -> list:
+    """The problems moved to tile `index`'s bounds: M at its m_max (for the last tile, just past the others'), N at
+    least its n_min."""
+    bucket = entry.tiles[index]
+    m = bucket.m_max if bucket.m_max is not None else 1 + max(
+        [b.m_max for b in entry.tiles if b.m_max is not None], default=0)
+    return [{**p, abi.m: m, **({abi.n: max(p[abi.n], bucket.n_min)} if abi.n and bucket.n_min is not None else {})}
+            for p in problems]
 
 
 def compile_specs(specs: list, out: Path, jobs: int, progress=print) -> list:

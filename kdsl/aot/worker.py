@@ -84,6 +84,22 @@ def expansion(params: list, kinds: list, name: str) -> tuple[list, int]:
     return descriptors, len(hidden)
 
 
+def gluon_descriptor_types(signature: dict) -> dict:
+    """A Gluon descriptor's type names its shared-memory layout: the default NVMMA layout of its block and element
+    type, which the generated modules' launch() gives their host descriptors (_shared_layout)."""
+    from triton.experimental.gluon import language as gl
+
+    dtypes = {"fp8e4nv": gl.float8e4nv, "bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32, "i32": gl.int32}
+    typed = dict(signature)
+    for name, kind in signature.items():
+        match = re.fullmatch(r"tensordesc<(\w+)\[([\d, ]+)\]>", kind)
+        if match:
+            block = [int(b) for b in match[2].split(",")]
+            layout = gl.NVMMASharedLayout.get_default_for(block, dtypes[match[1]])
+            typed[name] = f"tensordesc<{match[1]}[{match[2]}],{layout!r}>"
+    return typed
+
+
 def compile_job(job: dict) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -110,7 +126,13 @@ def compile_job(job: dict) -> dict:
     target = GPUTarget("cuda", job["arch"], 32)
     backend = make_backend(target)
     options = backend.parse_options(dict(job["options"]))
-    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    if getattr(fn, "is_gluon", lambda: False)():  # a @gluon.jit kernel: its descriptors name their layouts
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        source = GluonASTSource(fn, gluon_descriptor_types(signature), constexprs, attrs)
+    else:
+        source = ASTSource(fn, signature, constexprs, attrs)
+    compiled = triton.compile(source, target=target, options=options.__dict__)
     meta = compiled.metadata
     cubin = compiled.asm["cubin"]
     out = Path(job["cubin_path"])
