@@ -116,7 +116,7 @@ class _Driver:
             u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
             self.encode_tiled.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p,
                                           u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        self.maps: dict = {}  # encode arguments -> CUtensorMap (a pure function of them), bounded
+        self.maps: dict = {}  # a descriptor's encode arguments -> its kernel arguments (CUtensorMap, ...), bounded
 
     def check(self, status: int, call: str) -> None:
         if status:
@@ -140,16 +140,27 @@ class _Driver:
                        "cuFuncSetAttribute")
         return function
 
+    def descriptor(self, how: tuple, address: int, shape: tuple, strides: tuple) -> list:
+        """A descriptor's kernel arguments as kdsl__launch passes them: its CUtensorMap, then `shapes` int32
+        (its shape) and `strides` int64 (its strides). Kept per argument set (they depend on nothing else; the
+        driver copies them at each launch), so a repeated call encodes and converts nothing."""
+        key = (how, address, shape, strides)
+        found = self.maps.get(key)
+        if found is None:
+            host_type, elem_size, box, swizzle, shapes, stride_params = how
+            found = [self.tensor_map(host_type, address, shape, strides, elem_size, box, swizzle)]
+            found += [ctypes.c_int32(shape[d]) for d in range(shapes)]
+            found += [ctypes.c_int64(strides[d]) for d in range(stride_params)]
+            if len(self.maps) >= 4096:
+                self.maps.clear()
+            self.maps[key] = found
+        return found
+
     def tensor_map(self, host_type: int, address: int, shape: tuple, strides: tuple, elem_size: int, box: tuple,
                    swizzle: int):
         """A 128-byte CUtensorMap (64-byte aligned) as the C launcher's encode_tma and Triton's launcher
         (fill_tma_descriptor_tiled) build it: sizes innermost first, byte strides of every dimension but the
-        innermost, element strides 1, no interleave, the kernel's swizzle and box, L2 promotion 128B, zero fill.
-        Maps are kept per argument set (a map depends on nothing else), so repeated calls encode nothing."""
-        key = (host_type, address, shape, strides, elem_size, box, swizzle)
-        found = self.maps.get(key)
-        if found is not None:
-            return found
+        innermost, element strides 1, no interleave, the kernel's swizzle and box, L2 promotion 128B, zero fill."""
         if self.encode_tiled is None:
             raise AotError("the CUDA driver has no cuTensorMapEncodeTiled (CUDA 12.0 or newer): TMA kernels cannot run")
         rank = len(shape)
@@ -162,9 +173,6 @@ class _Driver:
         self.check(self.encode_tiled(ctypes.addressof(tensor_map), host_type, rank, address, dims, byte_strides,
                                      boxes, element_strides, 0, swizzle, 2, 0),  # INTERLEAVE_NONE, L2_128B, FILL_NONE
                    f"cuTensorMapEncodeTiled (base 0x{address:x}, shape {list(shape)}, strides {list(strides)})")
-        if len(self.maps) >= 4096:
-            self.maps.clear()
-        self.maps[key] = tensor_map
         return tensor_map
 
     def launch(self, function, grid, threads: int, shared: int, stream: int, arguments: list) -> None:
@@ -248,12 +256,7 @@ class AotKernel:
             elif kind is _INT:
                 arguments.append(how(param))
             else:  # a TMA descriptor: as the C launcher passes it, its CUtensorMap, shape (int32), strides (int64)
-                host_type, elem_size, box, swizzle, shapes, strides = how
-                shape, stride = tuple(param.shape), tuple(param.strides)
-                arguments.append(driver.tensor_map(host_type, param.base.data_ptr(), shape, stride, elem_size, box,
-                                                   swizzle))
-                arguments += [ctypes.c_int32(shape[d]) for d in range(shapes)]
-                arguments += [ctypes.c_int64(stride[d]) for d in range(strides)]
+                arguments += driver.descriptor(how, param.base.data_ptr(), tuple(param.shape), tuple(param.strides))
         arguments += [ctypes.c_uint64(0)] * hidden
         driver.launch(function, grid, threads, shared, _stream(device), arguments)
         return None
