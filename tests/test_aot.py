@@ -1569,3 +1569,44 @@ def test_gluon_descriptors_are_keyed_by_their_default_layout():
     other = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
     assert other != default
     assert aot_runtime._argument_key(GluonTensorDescriptor(x, [64, 4096], [4096, 1], [64, 64], other)) is None
+
+
+def test_gluon_descriptor_launch_is_encoded_as_tritons(monkeypatch):
+    """A launch with a Gluon descriptor (overlap_gluon's kind) from a spec of the manifest's form: its CUtensorMap
+    encoded as Triton's launcher encodes a Gluon descriptor, and the parameters laid out as kdsl__launch's."""
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+    aot_runtime._DESCRIPTORS.update(aot_runtime._descriptor_classes())
+    for dtype in (torch.float16, torch.int32):
+        aot_runtime._POINTER_TYPES.setdefault(dtype, "*" + aot_runtime._TRITON_TYPES[str(dtype)])
+    elem_type = next(iter(TMA_DTYPE_DEVICE_TO_HOST))
+    tma = dict(param="x_desc", shape_params=2, stride_params=2, swizzle=3, elem_size=2, elem_type=elem_type,
+               host_type=int(TMA_DTYPE_DEVICE_TO_HOST[elem_type]), box=[64, 64])
+    spec = dict(name="overlap_like", kernel="k", hidden=2, num_warps=4, shared=1024, tma=[tma], constexprs={},
+                options={"num_warps": 4},
+                params=[dict(name="x_desc", kind="desc", type="tensordesc<fp16[64, 64]>", claim="", rank=2),
+                        dict(name="y", kind="ptr", type="*fp16", claim="D"),
+                        dict(name="one", kind="int", type="i32", claim="1"),
+                        dict(name="n", kind="int", type="i32", claim="")])
+    keys = tuple((p["type"], p["claim"]) for p in spec["params"])
+    library = aot_runtime.AotLibrary.__new__(aot_runtime.AotLibrary)
+    fake = _FakeCuda()
+    library.driver = aot_runtime._Driver(cuda=fake)
+    library.function = lambda spec, device=None: spec["name"]
+    monkeypatch.setattr(aot_runtime, "_stream", lambda device: 0)
+    kernel = aot_runtime.AotKernel(None, {((("num_warps", 4),), keys): spec}, library)
+    x = Fake((300, 4096), (4104, 1), torch.float16, 1 << 20)
+    y = Fake((300, 4096), (4096, 1), torch.float16, 2 << 20)
+    desc = GluonTensorDescriptor(x, [300, 4096], [4104, 1], [64, 64],
+                                 gl.NVMMASharedLayout.get_default_for([64, 64], gl.float16))
+    fake.layout = [128, 4, 4, 8, 8, 8, 4, 8, 8]
+    before = aot_runtime.stats()["aot"]
+    kernel[(5,)](desc, y, 1, 17, num_warps=4)
+    assert aot_runtime.stats()["aot"] == before + 1
+    encode, expanded = _triton_descriptor(desc, tma)
+    assert fake.encodes == [encode]
+    [(name, grid, threads, shared, values)] = fake.launches
+    assert (name, grid, threads, shared) == ("overlap_like", (5, 1, 1), 128, 1024)
+    assert values == [("map", 1), *expanded, y.data_ptr(), 17, 0, 0]
