@@ -1381,3 +1381,232 @@ def test_fp8_bmm_refusals_name_the_problem(exported_bmm, tmp_path):
     assert answers[5] == "error 1 fp8_bmm: sizes and strides must fit in 32 bits"
     [older] = run(80, [line()])
     assert older == "error 2 fp8_bmm: this library has kernels for sm_89, sm_90 only; the device is sm_80"
+
+
+# ---- Python's side with TMA descriptors: fp8_gemm / fp8_bmm tma_persistent launches from the cubins -------
+
+class _FakeCuda:
+    """The CUDA driver entry points _Driver calls (plain functions: ctypes sets argtypes on them), recording each
+    cuTensorMapEncodeTiled call as the C probe prints it and reading the kernel parameters cuLaunchKernel gets
+    with the sizes `layout` names (128: a CUtensorMap, 4: int32, 8: int64 or a pointer)."""
+
+    def __init__(self):
+        self.encodes, self.launches, self.layout = [], [], None
+
+        def encode(out, host_type, rank, address, dims, strides, box, element_strides, interleave, swizzle, l2, fill):
+            assert out % 64 == 0, "a CUtensorMap must be 64-byte aligned"
+            tag = len(self.encodes) + 1
+            self.encodes.append([host_type, rank, address, *dims[:rank], *strides[:rank - 1], *box[:rank],
+                                 *element_strides[:rank], interleave, swizzle, l2, fill])
+            ctypes.memmove(out, tag.to_bytes(8, "little") * 16, 128)
+            return 0
+
+        def launch(function, gx, gy, gz, bx, by, bz, shared, stream, pointers, extra):
+            assert len(pointers) == len(self.layout), (len(pointers), len(self.layout))
+            values = []
+            for address, size in zip(pointers, self.layout):
+                if size == 128:
+                    raw = ctypes.string_at(address, 128)
+                    assert raw == raw[:8] * 16
+                    values.append(("map", int.from_bytes(raw[:8], "little")))
+                else:
+                    values.append((ctypes.c_int32 if size == 4 else ctypes.c_int64).from_address(address).value)
+            self.launches.append((function, (gx, gy, gz), bx, shared, values))
+            return 0
+        self.cuTensorMapEncodeTiled, self.cuLaunchKernel = encode, launch
+
+
+def _served_from_cubins(folder, manifest, entry, launches, monkeypatch):
+    """Launch each recorded (kernel, grid, params, options) through the loaded export's AotKernel, the driver
+    faked: every one must run its exported specialization (exactly the JIT's), each descriptor encoded as
+    Triton's launcher encodes it, and the kernel parameters laid out as kdsl__launch lays them out."""
+    TensorDescriptor = _descriptor_types()
+    specs = manifest["specializations"]
+    library = kdsl.aot.load(folder)
+    jitted = []
+
+    class Jit:
+        def __getitem__(self, grid):
+            return lambda *params, **options: jitted.append((grid, params, options))
+    try:
+        fake = _FakeCuda()
+        library.driver = aot_runtime._Driver(cuda=fake)
+        library.function = lambda spec, device=None: spec["name"]
+        monkeypatch.setattr(aot_runtime, "_stream", lambda device: 0)
+        kernels = {}
+        before = aot_runtime.stats()
+        for kernel, grid, params, options, bucket, dtype in launches:
+            if kernel not in kernels:
+                kernels[kernel] = aot_runtime.AotKernel(Jit(), library.tables[kernel], library)
+            spec, exact = _expected_spec(specs, entry, bucket, dtype, _keys(params), options)
+            assert exact, (kernel, options)
+            # The parameters kdsl__launch passes: compiled-in ones dropped, each descriptor its CUtensorMap then
+            # its shape (int32) and strides (int64), the hidden scratch pointers (NULL) last.
+            descriptors = [p for p in params if isinstance(p, TensorDescriptor)]
+            layout, expected, encodes, maps = [], [], [], iter(spec["tma"])
+            values = iter(_launch_values(params))
+            for p, value in zip(spec["params"], values):
+                if p["claim"] == "1":
+                    continue
+                if p["kind"] == "desc":
+                    tma = next(maps)
+                    encode, expanded = _triton_descriptor(descriptors[value], tma)
+                    encodes.append(encode)
+                    layout += [128] + [4] * tma["shape_params"] + [8] * tma["stride_params"]
+                    expected += [("map", len(fake.encodes) + len(encodes))] + expanded
+                else:
+                    layout.append(4 if p["type"] == "i32" else 8)
+                    expected.append(value)
+            layout += [8] * spec["hidden"]
+            expected += [0] * spec["hidden"]
+            fake.layout = layout
+            library.driver.maps.clear()  # each launch encodes its maps (the cache is checked below)
+            kernels[kernel][grid](*params, **options)
+            assert not jitted, (kernel, options)
+            name, got_grid, threads, shared, got = fake.launches[-1]
+            assert name == spec["name"] and got_grid == grid and threads == 32 * spec["num_warps"]
+            assert shared == spec["shared"]
+            assert fake.encodes[-len(encodes):] == encodes, spec["name"]
+            assert got == expected, spec["name"]
+        # A repeated launch reuses its CUtensorMaps: nothing encoded again.
+        encoded = len(fake.encodes)
+        kernels[kernel][grid](*params, **options)
+        assert len(fake.encodes) == encoded and fake.launches[-1][4] == got
+        after = aot_runtime.stats()
+        assert (after["aot"] - before["aot"], after["jit"] - before["jit"]) == (len(launches) + 1, 0)
+        # A descriptor the export does not describe (a block no tile has, or NaN padding) goes to the JIT.
+        index = next(i for i, p in enumerate(params) if isinstance(p, TensorDescriptor))
+        desc = params[index]
+        Descriptor = type(desc)
+        for changed in (Descriptor(desc.base, desc.shape, desc.strides, [2 * b for b in desc.block_shape]),
+                        Descriptor(desc.base, desc.shape, desc.strides, desc.block_shape, padding="nan")):
+            kernels[kernel][grid](*params[:index], changed, *params[index + 1:], **options)
+        assert len(jitted) == 2 and aot_runtime.stats()["jit"] - after["jit"] == 2
+    finally:
+        kdsl.aot.unload()
+
+
+def test_python_serves_fp8_gemm_tma_launches_from_cubins(exported, manifest, monkeypatch):
+    """kdsl.aot.load: tma_persistent's Triton tiles (host TensorDescriptors for a, b and c; split and unsplit)
+    run their exported cubins from Python, each CUtensorMap encoded as the C launcher and Triton's do."""
+    kdsl.registry.reset()
+    entry = kdsl.registry.select("fp8_gemm", arch=90)
+    assert entry.impl == "tma_persistent"
+    module, calls = _recording_module(entry)
+    launches, splits = [], 0
+    base = 1 << 20
+    for problem in _fp8_gemm_ci_problems():
+        m, n = problem["M"], problem["N"]
+        tiles = [t for t in entry.tiles if t.serves(m, n) and t.params["impl"] == "tma_persistent"]
+        if not tiles:
+            continue
+        call = dict(problem, a=base, a_s=2 * base, b=3 * base, b_s=4 * base, c=5 * base)
+        calls.clear()
+        module.launch(*_fp8_gemm_tensors(call), tiles[0].params)
+        [(grid, params, options)] = calls
+        splits += options["SPLIT_K"] > 1
+        bucket = next(i for i, bt in enumerate(entry.tiles) if bt is tiles[0])
+        launches.append((Path(entry.module_path).stem, grid, params, options, bucket, problem["out_dtype"]))
+    assert len(launches) >= 12 and splits >= 2, (len(launches), splits)
+    _served_from_cubins(exported[0], manifest, entry, launches, monkeypatch)
+
+
+def test_python_serves_fp8_bmm_tma_launches_from_cubins(exported_bmm, monkeypatch):
+    """The same for fp8_bmm's 3-D descriptors over MLA's transposed views; pdl tiles pass launch_pdl=True, a
+    launch attribute the cubin is served without (see AotKernel._prepare)."""
+    from kdsl.ops import _checks as check
+
+    out, _ = exported_bmm
+    manifest = json.loads((out / "aot_manifest.json").read_text())
+    kdsl.registry.reset()
+    entry = kdsl.registry.select("fp8_bmm", arch=90)
+    module_path = entry.modules["tma_persistent"].path
+    module, calls = _recording_module(entry, module_path)
+    problems = list(_fp8_bmm_ci_problems())
+    launches, pdl = [], 0
+    for call in _fp8_bmm_cases():
+        if {key: call[key] for key in problems[0]} not in problems or call["out_dtype"] != "bf16":
+            continue
+        heads, m, n, k = call["B"], call["M"], call["N"], call["K"]
+        ks = k // 128
+        a = Fake((heads, m, k), (call["stride_ab"], call["stride_am"], 1), torch.float8_e4m3fn, call["a"])
+        a_s = Fake((heads, m, ks), (call["stride_asb"], call["stride_asm"], call["stride_ask"]), torch.float32,
+                   call["a_s"])
+        b = Fake((heads, n, k), (call["stride_bb"], call["stride_bn"], 1), torch.float8_e4m3fn, call["b"])
+        b_s = Fake((heads, -(-n // 128), ks), (call["stride_bsb"], call["stride_bsn"], call["stride_bsk"]),
+                   torch.float32, call["b_s"])
+        c = Fake((heads, m, n), (call["stride_cb"], call["stride_cm"], 1), DT[call["out_dtype"]], call["c"])
+        facts = kdsl.registry.Call(m=m, n=n, device_type="cuda", dtype="float8_e4m3fn", align=check.alignment(a, b, c))
+        tile = entry.tile_for(m, n, facts)
+        if tile["impl"] != "tma_persistent":
+            continue
+        calls.clear()
+        module.launch(a, a_s, b, b_s, c, tile)
+        [(grid, params, options)] = calls
+        if tile.get("pdl"):  # as launch() passes them on a GPU (the recording module runs as the interpreter)
+            options = dict(options, PDL=True, launch_pdl=True)
+            pdl += 1
+        bucket = next(i for i, bt in enumerate(entry.tiles) if bt.params is tile)
+        launches.append((Path(module_path).stem, grid, params, options, bucket, call["out_dtype"]))
+    assert len(launches) >= 4, len(launches)
+    print(f"{len(launches)} fp8_bmm launches, {pdl} of pdl tiles")
+    _served_from_cubins(out, manifest, entry, launches, monkeypatch)
+
+
+def test_gluon_descriptors_are_keyed_by_their_default_layout():
+    """A Gluon descriptor is served only with the NVMMA layout the export compiled it with (the default of its
+    block and element type, as the modules' _shared_layout gives it); another layout goes to the JIT."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+    aot_runtime._DESCRIPTORS.update(aot_runtime._descriptor_classes())
+    for dtype in (torch.float16, torch.float8_e4m3fn):
+        aot_runtime._POINTER_TYPES.setdefault(dtype, "*" + aot_runtime._TRITON_TYPES[str(dtype)])
+    x = Fake((64, 4096), (4096, 1), torch.float16, 1 << 20)
+    default = gl.NVMMASharedLayout.get_default_for([64, 64], gl.float16)
+    desc = GluonTensorDescriptor(x, [64, 4096], [4096, 1], [64, 64], default)
+    assert aot_runtime._argument_key(desc) == ("tensordesc<fp16[64, 64]>", "")
+    other = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
+    assert other != default
+    assert aot_runtime._argument_key(GluonTensorDescriptor(x, [64, 4096], [4096, 1], [64, 64], other)) is None
+
+
+def test_gluon_descriptor_launch_is_encoded_as_tritons(monkeypatch):
+    """A launch with a Gluon descriptor (overlap_gluon's kind) from a spec of the manifest's form: its CUtensorMap
+    encoded as Triton's launcher encodes a Gluon descriptor, and the parameters laid out as kdsl__launch's."""
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+    aot_runtime._DESCRIPTORS.update(aot_runtime._descriptor_classes())
+    for dtype in (torch.float16, torch.int32):
+        aot_runtime._POINTER_TYPES.setdefault(dtype, "*" + aot_runtime._TRITON_TYPES[str(dtype)])
+    elem_type = next(iter(TMA_DTYPE_DEVICE_TO_HOST))
+    tma = dict(param="x_desc", shape_params=2, stride_params=2, swizzle=3, elem_size=2, elem_type=elem_type,
+               host_type=int(TMA_DTYPE_DEVICE_TO_HOST[elem_type]), box=[64, 64])
+    spec = dict(name="overlap_like", kernel="k", hidden=2, num_warps=4, shared=1024, tma=[tma], constexprs={},
+                options={"num_warps": 4},
+                params=[dict(name="x_desc", kind="desc", type="tensordesc<fp16[64, 64]>", claim="", rank=2),
+                        dict(name="y", kind="ptr", type="*fp16", claim="D"),
+                        dict(name="one", kind="int", type="i32", claim="1"),
+                        dict(name="n", kind="int", type="i32", claim="")])
+    keys = tuple((p["type"], p["claim"]) for p in spec["params"])
+    library = aot_runtime.AotLibrary.__new__(aot_runtime.AotLibrary)
+    fake = _FakeCuda()
+    library.driver = aot_runtime._Driver(cuda=fake)
+    library.function = lambda spec, device=None: spec["name"]
+    monkeypatch.setattr(aot_runtime, "_stream", lambda device: 0)
+    kernel = aot_runtime.AotKernel(None, {((("num_warps", 4),), keys): spec}, library)
+    x = Fake((300, 4096), (4104, 1), torch.float16, 1 << 20)
+    y = Fake((300, 4096), (4096, 1), torch.float16, 2 << 20)
+    desc = GluonTensorDescriptor(x, [300, 4096], [4104, 1], [64, 64],
+                                 gl.NVMMASharedLayout.get_default_for([64, 64], gl.float16))
+    fake.layout = [128, 4, 4, 8, 8, 8, 4, 8, 8]
+    before = aot_runtime.stats()["aot"]
+    kernel[(5,)](desc, y, 1, 17, num_warps=4)
+    assert aot_runtime.stats()["aot"] == before + 1
+    encode, expanded = _triton_descriptor(desc, tma)
+    assert fake.encodes == [encode]
+    [(name, grid, threads, shared, values)] = fake.launches
+    assert (name, grid, threads, shared) == ("overlap_like", (5, 1, 1), 128, 1024)
+    assert values == [("map", 1), *expanded, y.data_ptr(), 17, 0, 0]

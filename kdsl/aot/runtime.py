@@ -3,8 +3,12 @@
 DIR is a folder written by `python -m kdsl aot` (its aot_manifest.json and cubins/; the C library need not be
 built). Each generated module's @triton.jit kernel that DIR exports is wrapped: a launch whose specialization
 (the constexprs and launch options the module passes, and Triton's rules for the arguments: integers equal
-to 1 or divisible by 16, pointers 16-byte aligned, 32- or 64-bit integers) was exported runs its cubin through
-the CUDA driver, compiling nothing; any other launch goes to Triton's JIT as before (counted in stats()).
+to 1 or divisible by 16, pointers 16-byte aligned, 32- or 64-bit integers; a host TMA descriptor's element type
+and block, and for Gluon's its NVMMA layout) was exported runs its cubin through the CUDA driver, compiling
+nothing; any other launch goes to Triton's JIT as before (counted in stats()). A descriptor argument is passed
+as the C launcher (kdsl__launch) passes it: a CUtensorMap encoded with cuTensorMapEncodeTiled from the
+descriptor's base, shape and strides and the compiled kernel's box, swizzle and element type (the manifest's
+per-spec `tma`), then its shape as int32s and strides as int64s, as many as the export read from the PTX.
 The wrapping happens where the registry imports a generated module (kdsl.runtime.manifest's module hook),
 so kdsl.ops and the templates are unchanged.
 """
@@ -28,6 +32,8 @@ _TRITON_TYPES = {
 
 _lock = threading.Lock()
 _POINTER_TYPES: dict = {}  # torch dtype -> Triton pointer type, filled by load()
+_DESCRIPTORS: dict = {}  # host TMA descriptor class -> True for Gluon's (names an NVMMA layout), filled by load()
+_GLUON_LAYOUTS: dict = {}  # (block, element) -> the default NVMMA shared layout the exporter compiled with
 _library = None  # the loaded AotLibrary
 _patched: dict = {}  # (module name, attribute) -> (module, original kernel)
 _stats = {"aot": 0, "jit": 0}
@@ -95,13 +101,22 @@ class AotLibrary:
 class _Driver:
     """The few CUDA driver calls a launch needs, through ctypes."""
 
-    def __init__(self):
-        try:
-            self.cuda = ctypes.CDLL(os.environ.get("KDSL_AOT_LIBCUDA") or "libcuda.so.1")
-        except OSError as error:
-            raise AotError(f"cannot open the CUDA driver: {error}") from None
+    def __init__(self, cuda=None):
+        if cuda is None:
+            try:
+                cuda = ctypes.CDLL(os.environ.get("KDSL_AOT_LIBCUDA") or "libcuda.so.1")
+            except OSError as error:
+                raise AotError(f"cannot open the CUDA driver: {error}") from None
+        self.cuda = cuda
         self.cuda.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        # TMA descriptors (CUDA 12.0+); a driver without it still serves every other launch.
+        self.encode_tiled = getattr(self.cuda, "cuTensorMapEncodeTiled", None)
+        if self.encode_tiled is not None:
+            u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+            self.encode_tiled.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p,
+                                          u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        self.maps: dict = {}  # a descriptor's encode arguments -> its kernel arguments (CUtensorMap, ...), bounded
 
     def check(self, status: int, call: str) -> None:
         if status:
@@ -124,6 +139,41 @@ class _Driver:
             self.check(self.cuda.cuFuncSetAttribute(function, 8, ctypes.c_int(shared)),  # MAX_DYNAMIC_SHARED_SIZE
                        "cuFuncSetAttribute")
         return function
+
+    def descriptor(self, how: tuple, address: int, shape: tuple, strides: tuple) -> list:
+        """A descriptor's kernel arguments as kdsl__launch passes them: its CUtensorMap, then `shapes` int32
+        (its shape) and `strides` int64 (its strides). Kept per argument set (they depend on nothing else; the
+        driver copies them at each launch), so a repeated call encodes and converts nothing."""
+        key = (how, address, shape, strides)
+        found = self.maps.get(key)
+        if found is None:
+            host_type, elem_size, box, swizzle, shapes, stride_params = how
+            found = [self.tensor_map(host_type, address, shape, strides, elem_size, box, swizzle)]
+            found += [ctypes.c_int32(shape[d]) for d in range(shapes)]
+            found += [ctypes.c_int64(strides[d]) for d in range(stride_params)]
+            if len(self.maps) >= 4096:
+                self.maps.clear()
+            self.maps[key] = found
+        return found
+
+    def tensor_map(self, host_type: int, address: int, shape: tuple, strides: tuple, elem_size: int, box: tuple,
+                   swizzle: int):
+        """A 128-byte CUtensorMap (64-byte aligned) as the C launcher's encode_tma and Triton's launcher
+        (fill_tma_descriptor_tiled) build it: sizes innermost first, byte strides of every dimension but the
+        innermost, element strides 1, no interleave, the kernel's swizzle and box, L2 promotion 128B, zero fill."""
+        if self.encode_tiled is None:
+            raise AotError("the CUDA driver has no cuTensorMapEncodeTiled (CUDA 12.0 or newer): TMA kernels cannot run")
+        rank = len(shape)
+        storage = ctypes.create_string_buffer(128 + 64)
+        tensor_map = (ctypes.c_ubyte * 128).from_buffer(storage, -ctypes.addressof(storage) % 64)
+        dims = (ctypes.c_uint64 * rank)(*shape[::-1])
+        byte_strides = (ctypes.c_uint64 * max(1, rank - 1))(*[s * elem_size for s in strides[:-1]][::-1])
+        boxes = (ctypes.c_uint32 * rank)(*box[::-1])
+        element_strides = (ctypes.c_uint32 * rank)(*[1] * rank)
+        self.check(self.encode_tiled(ctypes.addressof(tensor_map), host_type, rank, address, dims, byte_strides,
+                                     boxes, element_strides, 0, swizzle, 2, 0),  # INTERLEAVE_NONE, L2_128B, FILL_NONE
+                   f"cuTensorMapEncodeTiled (base 0x{address:x}, shape {list(shape)}, strides {list(strides)})")
+        return tensor_map
 
     def launch(self, function, grid, threads: int, shared: int, stream: int, arguments: list) -> None:
         pointers = (ctypes.c_void_p * max(1, len(arguments)))(*[ctypes.addressof(a) for a in arguments])
@@ -152,12 +202,29 @@ class AotKernel:
         return run
 
     def _prepare(self, options: dict, keys: tuple):
+        # launch_pdl (fp8_bmm's pdl tiles) is a launch attribute, not part of what was compiled: the export
+        # compiles those tiles without it and the cubin is launched without the programmatic-dependent-launch
+        # attribute, as the C launcher does. That is correct: without the attribute the launch is ordered after
+        # the previous work on the stream, so the kernel's grid-dependency wait (gdc_wait) finds its producer
+        # finished and its early trigger (gdc_launch_dependents) has nothing to release; only the overlap of
+        # its prologue with the producer's tail is lost.
+        options = {name: value for name, value in options.items() if name != "launch_pdl"}
         spec = None if None in keys else self.table.get((tuple(sorted(options.items())), keys))
         if spec is None:
             return None
-        passed = tuple((index, param["kind"] == "ptr", ctypes.c_int32 if param["type"] == "i32" else ctypes.c_int64)
-                       for index, param in enumerate(spec["params"]) if param["claim"] != "1")
-        return spec, passed, spec["hidden"], spec["num_warps"] * 32, spec["shared"]
+        passed, maps = [], iter(spec.get("tma") or ())
+        for index, param in enumerate(spec["params"]):
+            if param["claim"] == "1":
+                continue  # compiled in
+            if param["kind"] == "desc":
+                tma = next(maps)
+                passed.append((index, _DESC, (tma["host_type"], tma["elem_size"], tuple(tma["box"]), tma["swizzle"],
+                                              tma["shape_params"], tma["stride_params"])))
+            elif param["kind"] == "ptr":
+                passed.append((index, _PTR, None))
+            else:
+                passed.append((index, _INT, ctypes.c_int32 if param["type"] == "i32" else ctypes.c_int64))
+        return spec, tuple(passed), spec["hidden"], spec["num_warps"] * 32, spec["shared"]
 
     def run(self, grid, params, options):
         keys = tuple(map(_argument_key, params))
@@ -178,13 +245,52 @@ class AotKernel:
         grid = tuple(grid) + (1,) * (3 - len(grid))
         if min(grid) <= 0:
             return None
-        device = next(p.device for p in params if hasattr(p, "data_ptr"))
+        device = next(getattr(p, "base", p).device for p in params if hasattr(getattr(p, "base", p), "data_ptr"))
         function = self.library.function(spec, device)
-        arguments = [ctypes.c_uint64(params[i].data_ptr()) if pointer else convert(params[i])
-                     for i, pointer, convert in passed]
+        driver = self.library.driver
+        arguments = []
+        for i, kind, how in passed:
+            param = params[i]
+            if kind is _PTR:
+                arguments.append(ctypes.c_uint64(param.data_ptr()))
+            elif kind is _INT:
+                arguments.append(how(param))
+            else:  # a TMA descriptor: as the C launcher passes it, its CUtensorMap, shape (int32), strides (int64)
+                arguments += driver.descriptor(how, param.base.data_ptr(), tuple(param.shape), tuple(param.strides))
         arguments += [ctypes.c_uint64(0)] * hidden
-        self.library.driver.launch(function, grid, threads, shared, _stream(device), arguments)
+        driver.launch(function, grid, threads, shared, _stream(device), arguments)
         return None
+
+
+_PTR, _INT, _DESC = "ptr", "int", "desc"
+
+
+def _descriptor_key(arg, gluon: bool):
+    """A host TMA descriptor's specialization as the exporter writes it (tensordesc<element[block]>), or None
+    (to the JIT) for one the export does not describe: another padding than zero, tf32 rounding, or a Gluon
+    descriptor whose shared layout is not the default NVMMA layout of its block (what the export compiled)."""
+    if getattr(arg, "padding", "zero") != "zero" or getattr(arg, "round_f32_to_tf32", False):
+        return None
+    element = _POINTER_TYPES.get(getattr(arg.base, "dtype", None))
+    if element is None:
+        return None
+    block = tuple(arg.block_shape)
+    if gluon:
+        key = (block, element)
+        layout = _GLUON_LAYOUTS.get(key)
+        if layout is None:
+            layout = _GLUON_LAYOUTS[key] = _default_layout(block, element[1:])
+        if arg.layout != layout:
+            return None
+    return f"tensordesc<{element[1:]}[{', '.join(map(str, block))}]>", ""
+
+
+def _default_layout(block: tuple, element: str):
+    """The NVMMA shared layout the export's compile worker gives a Gluon descriptor (gluon_descriptor_types)."""
+    from triton.experimental.gluon import language as gl
+
+    dtypes = {"fp8e4nv": gl.float8e4nv, "bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32, "i32": gl.int32}
+    return gl.NVMMASharedLayout.get_default_for(list(block), dtypes[element]) if element in dtypes else False
 
 
 def _stream(device) -> int:
@@ -202,6 +308,9 @@ def _argument_key(arg):
     kind = type(arg)
     if kind is int:
         return int_key(arg)
+    gluon = _DESCRIPTORS.get(kind)
+    if gluon is not None:
+        return _descriptor_key(arg, gluon)
     element = _POINTER_TYPES.get(getattr(arg, "dtype", None)) if hasattr(arg, "data_ptr") else None
     if element is None:
         return argument_key(arg)
@@ -234,6 +343,7 @@ def load(folder) -> AotLibrary:
         dtype = getattr(torch, name.split(".", 1)[1], None)
         if dtype is not None:
             _POINTER_TYPES[dtype] = "*" + element
+    _DESCRIPTORS.update(_descriptor_classes())
     _library = library
     if _patch not in manifest.MODULE_HOOKS:
         manifest.MODULE_HOOKS.append(_patch)
@@ -241,6 +351,25 @@ def load(folder) -> AotLibrary:
     for entry_path, module in list(manifest._MODULES.items()):
         _patch(None, module)
     return library
+
+
+def _descriptor_classes() -> dict:
+    """Triton's host TensorDescriptor and Gluon's tiled one (False / True: names its NVMMA shared layout); not
+    their subclasses or Gluon's im2col descriptor, which the export does not describe."""
+    classes = {}
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        classes[TensorDescriptor] = False
+    except ImportError:
+        pass
+    try:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+        classes[GluonTensorDescriptor] = True
+    except ImportError:
+        pass
+    return classes
 
 
 def unload() -> None:
