@@ -447,6 +447,20 @@ def _cases():
                                            ldc=n + pad, out_dtype="bf16" if m % 2 else "f32", M=m, N=n, K=k)
 
 
+def _fp8_bmm_tensors(call: dict) -> tuple:
+    """A kdsl_fp8_bmm probe call's a, a_s, b, b_s and c as stand-ins with its sizes, strides and addresses."""
+    heads, m, n, k = call["B"], call["M"], call["N"], call["K"]
+    ks = k // 128
+    a = Fake((heads, m, k), (call["stride_ab"], call["stride_am"], 1), torch.float8_e4m3fn, call["a"])
+    a_s = Fake((heads, m, ks), (call["stride_asb"], call["stride_asm"], call["stride_ask"]), torch.float32,
+               call["a_s"])
+    b = Fake((heads, n, k), (call["stride_bb"], call["stride_bn"], 1), torch.float8_e4m3fn, call["b"])
+    b_s = Fake((heads, -(-n // 128), ks), (call["stride_bsb"], call["stride_bsn"], call["stride_bsk"]),
+               torch.float32, call["b_s"])
+    c = Fake((heads, m, n), (call["stride_cb"], call["stride_cm"], 1), DT[call["out_dtype"]], call["c"])
+    return a, a_s, b, b_s, c
+
+
 def _fp8_gemm_tensors(call):
     m, n, k = call["M"], call["N"], call["K"]
     return (Fake((m, k), (call["lda"], 1), torch.float8_e4m3fn, call["a"]),
@@ -1325,14 +1339,7 @@ def test_fp8_bmm_dispatcher_matches_the_registry_and_the_generated_launch(export
     exact_hits, by_impl = 0, {}
     for call, answer in zip(cases, answers):
         heads, m, n, k = call["B"], call["M"], call["N"], call["K"]
-        ks = k // 128
-        a = Fake((heads, m, k), (call["stride_ab"], call["stride_am"], 1), torch.float8_e4m3fn, call["a"])
-        a_s = Fake((heads, m, ks), (call["stride_asb"], call["stride_asm"], call["stride_ask"]), torch.float32,
-                   call["a_s"])
-        b = Fake((heads, n, k), (call["stride_bb"], call["stride_bn"], 1), torch.float8_e4m3fn, call["b"])
-        b_s = Fake((heads, -(-n // 128), ks), (call["stride_bsb"], call["stride_bsn"], call["stride_bsk"]),
-                   torch.float32, call["b_s"])
-        c = Fake((heads, m, n), (call["stride_cb"], call["stride_cm"], 1), DT[call["out_dtype"]], call["c"])
+        a, a_s, b, b_s, c = _fp8_bmm_tensors(call)
         facts = kdsl.registry.Call(m=m, n=n, device_type="cuda", dtype="float8_e4m3fn", align=check.alignment(a, b, c))
         tile = entry.tile_for(m, n, facts)
         by_impl[tile["impl"]] = by_impl.get(tile["impl"], 0) + 1
@@ -1528,14 +1535,7 @@ def test_python_serves_fp8_bmm_tma_launches_from_cubins(exported_bmm, monkeypatc
         if {key: call[key] for key in problems[0]} not in problems or call["out_dtype"] != "bf16":
             continue
         heads, m, n, k = call["B"], call["M"], call["N"], call["K"]
-        ks = k // 128
-        a = Fake((heads, m, k), (call["stride_ab"], call["stride_am"], 1), torch.float8_e4m3fn, call["a"])
-        a_s = Fake((heads, m, ks), (call["stride_asb"], call["stride_asm"], call["stride_ask"]), torch.float32,
-                   call["a_s"])
-        b = Fake((heads, n, k), (call["stride_bb"], call["stride_bn"], 1), torch.float8_e4m3fn, call["b"])
-        b_s = Fake((heads, -(-n // 128), ks), (call["stride_bsb"], call["stride_bsn"], call["stride_bsk"]),
-                   torch.float32, call["b_s"])
-        c = Fake((heads, m, n), (call["stride_cb"], call["stride_cm"], 1), DT[call["out_dtype"]], call["c"])
+        a, a_s, b, b_s, c = _fp8_bmm_tensors(call)
         facts = kdsl.registry.Call(m=m, n=n, device_type="cuda", dtype="float8_e4m3fn", align=check.alignment(a, b, c))
         tile = entry.tile_for(m, n, facts)
         if tile["impl"] != "tma_persistent":
