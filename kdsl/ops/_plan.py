@@ -239,7 +239,8 @@ def _build(rec: Recorder, inputs: tuple, outputs: tuple):
         lines += ["    _rt = _knobs.runtime",
                   "    _h, _x = _rt.launch_enter_hook, _rt.launch_exit_hook",
                   "    if ((_h is not None and (type(_h) is not _Chain or _h.calls))",
-                  "            or (_x is not None and (type(_x) is not _Chain or _x.calls)) or _cuda.is_current_stream_capturing()):",
+                  "            or (_x is not None and (type(_x) is not _Chain or _x.calls))",
+                  "            or _cuda.is_current_stream_capturing()):",
                   "        return None"]
     else:
         lines += ['    if _environ.get("TRITON_INTERPRET") != "1":', "        return None"]
