@@ -350,26 +350,12 @@ def compile_job(job: Job):
     if spec.gluon:
         from triton.experimental.gluon._runtime import GluonASTSource
 
+        from kdsl.aot.worker import gluon_descriptor_types
+
         source = GluonASTSource(kernel, gluon_descriptor_types(signature), constexprs, attrs)
     else:
         source = ASTSource(kernel, signature, constexprs, attrs)
     return triton.compile(source, target=GPUTarget("cuda", job.cc, 32), options=options)
-
-
-def gluon_descriptor_types(signature: dict) -> dict:
-    """Gluon descriptor types name their shared-memory layout: the default NVMMA layout of the block,
-    which launch() gives them too."""
-    from triton.experimental.gluon import language as gl
-
-    dtypes = {"fp8e4nv": gl.float8e4nv, "bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32, "i32": gl.int32}
-    typed = dict(signature)
-    for name, kind in signature.items():
-        match = re.fullmatch(r"tensordesc<(\w+)\[(\d+), (\d+)\]>", kind)
-        if match:
-            block = [int(match[2]), int(match[3])]
-            layout = gl.NVMMASharedLayout.get_default_for(block, dtypes[match[1]])
-            typed[name] = f"tensordesc<{match[1]}[{block[0]}, {block[1]}],{layout!r}>"
-    return typed
 
 
 def worker(out_dir: Path, jobs: list[Job]) -> None:

@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 
 from kdsl.aot.export import int_key, pointer_key
+from kdsl.aot.worker import default_layout
 
 AOT_ENV = "KDSL_AOT"
 
@@ -277,20 +278,11 @@ def _descriptor_key(arg, gluon: bool):
     block = tuple(arg.block_shape)
     if gluon:
         key = (block, element)
-        layout = _GLUON_LAYOUTS.get(key)
-        if layout is None:
-            layout = _GLUON_LAYOUTS[key] = _default_layout(block, element[1:])
-        if arg.layout != layout:
+        if key not in _GLUON_LAYOUTS:
+            _GLUON_LAYOUTS[key] = default_layout(block, element[1:])
+        if _GLUON_LAYOUTS[key] is None or arg.layout != _GLUON_LAYOUTS[key]:
             return None
     return f"tensordesc<{element[1:]}[{', '.join(map(str, block))}]>", ""
-
-
-def _default_layout(block: tuple, element: str):
-    """The NVMMA shared layout the export's compile worker gives a Gluon descriptor (gluon_descriptor_types)."""
-    from triton.experimental.gluon import language as gl
-
-    dtypes = {"fp8e4nv": gl.float8e4nv, "bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32, "i32": gl.int32}
-    return gl.NVMMASharedLayout.get_default_for(list(block), dtypes[element]) if element in dtypes else False
 
 
 def _stream(device) -> int:

@@ -84,18 +84,22 @@ def expansion(params: list, kinds: list, name: str) -> tuple[list, int]:
     return descriptors, len(hidden)
 
 
-def gluon_descriptor_types(signature: dict) -> dict:
-    """A Gluon descriptor's type names its shared-memory layout: the default NVMMA layout of its block and element
-    type, which the generated modules' launch() gives their host descriptors (_shared_layout)."""
+def default_layout(block, element: str):
+    """The default NVMMA shared layout of a block of `element` (Triton's type name, e.g. "fp8e4nv"): what the
+    generated modules' launch() gives their Gluon host descriptors (_shared_layout); None for another type."""
     from triton.experimental.gluon import language as gl
 
     dtypes = {"fp8e4nv": gl.float8e4nv, "bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32, "i32": gl.int32}
+    return gl.NVMMASharedLayout.get_default_for(list(block), dtypes[element]) if element in dtypes else None
+
+
+def gluon_descriptor_types(signature: dict) -> dict:
+    """A Gluon descriptor's type names its shared-memory layout: the default one of its block (default_layout)."""
     typed = dict(signature)
     for name, kind in signature.items():
         match = re.fullmatch(r"tensordesc<(\w+)\[([\d, ]+)\]>", kind)
         if match:
-            block = [int(b) for b in match[2].split(",")]
-            layout = gl.NVMMASharedLayout.get_default_for(block, dtypes[match[1]])
+            layout = default_layout([int(b) for b in match[2].split(",")], match[1])
             typed[name] = f"tensordesc<{match[1]}[{match[2]}],{layout!r}>"
     return typed
 
