@@ -257,6 +257,27 @@ MAX_COPIES = 64
 COLD_MAX_M = 512  # above it the output alone (17-537 MB at MLA's shapes) sweeps L2 every call
 
 
+def fp8_bmm_inputs(batch: int, m: int, n: int, k: int) -> tuple:
+    """One fp8_bmm case on DEVICE (also used by `kdsl tune`): bf16 activations x [M, B, K]; a, a_s, the transpose(0,
+    1) views of their act_quant (MLA's layout); per-head block weights b [B, N, K], b_s; their fp32 dequantized
+    w [B, N, K]; and the fp32 reference [B, M, N]."""
+    x = torch.randn(m, batch, k, device=DEVICE, dtype=torch.bfloat16)
+    q, s = torch_act_quant(x.view(m * batch, k))
+    a, a_s = q.view(m, batch, k).transpose(0, 1), s.view(m, batch, k // GROUP).transpose(0, 1)
+    quantized = [torch_weight_quant(torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16)) for _ in range(batch)]
+    b = torch.stack([wq for wq, _ in quantized])
+    b_s = torch.stack([ws for _, ws in quantized])
+    w = torch.stack([fp8_weight_reference(wq, ws) for wq, ws in quantized])
+    ref = torch.bmm(a.float() * a_s.repeat_interleave(GROUP, -1), w.transpose(1, 2))
+    return x, a, a_s, b, b_s, w, ref
+
+
+def cold_copies(m: int, weights: torch.Tensor) -> int:
+    """How many copies of `weights` a callable cycles through so each call reads them cold from DRAM (one above
+    COLD_MAX_M rows, where the output alone sweeps L2)."""
+    return min(MAX_COPIES, -(-COLD_BYTES // weights.numel())) if m <= COLD_MAX_M else 1
+
+
 def setup_fp8_bmm(case: Case) -> CaseSetup:
     """MLA's per-head GEMM: a is the transpose(0, 1) view of act_quant's [M, B, K] activations (as MLA passes it),
     b [B, N, K] per-head 128x128 block weights. Baselines: bf16 torch.bmm on the dequantized weights (the same
@@ -266,16 +287,9 @@ def setup_fp8_bmm(case: Case) -> CaseSetup:
     as a previous layer leaves them."""
     bmm, gemm = kdsl_op("fp8_bmm"), kdsl_op("fp8_gemm")
     batch, m, n, k = case.batch, case.m, case.n, case.k
-    x = torch.randn(m, batch, k, device=DEVICE, dtype=torch.bfloat16)
-    q, s = torch_act_quant(x.view(m * batch, k))
-    a, a_s = q.view(m, batch, k).transpose(0, 1), s.view(m, batch, k // GROUP).transpose(0, 1)
-    quantized = [torch_weight_quant(torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16)) for _ in range(batch)]
-    b = torch.stack([wq for wq, _ in quantized])
-    b_s = torch.stack([ws for _, ws in quantized])
-    w = torch.stack([fp8_weight_reference(wq, ws) for wq, ws in quantized])  # fp32 [B, N, K]
-    ref = torch.bmm(a.float() * a_s.repeat_interleave(GROUP, -1), w.transpose(1, 2))
+    x, a, a_s, b, b_s, w, ref = fp8_bmm_inputs(batch, m, n, k)
     x_t = x.transpose(0, 1)
-    copies = min(MAX_COPIES, -(-COLD_BYTES // b.numel())) if m <= COLD_MAX_M else 1
+    copies = cold_copies(m, b)
     weights = [(b, b_s, w.to(torch.bfloat16))] + [(b.clone(), b_s.clone(), w.to(torch.bfloat16))
                                                   for _ in range(copies - 1)]
     scaled = [[scaled_mm_baseline(a[g], a_s[g], bq[g], bs[g]) for g in range(batch)] for bq, bs, _ in weights]

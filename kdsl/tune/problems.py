@@ -57,18 +57,9 @@ def _fp8_bmm(entry, shape: Shape) -> Problem:
     the weights and writes its own output, so a CUDA graph of launches reads the weights cold from DRAM and writes
     every output back, as the bench's calls do (one reused output buffer would stay in L2)."""
     batch = shape.batch or 1
-    m, n, k = shape.m, shape.n, shape.k
-    x = torch.randn(m, batch, k, device=timing.DEVICE, dtype=torch.bfloat16)
-    q, s = timing.torch_act_quant(x.view(m * batch, k))
-    a, a_s = q.view(m, batch, k).transpose(0, 1), s.view(m, batch, k // GROUP).transpose(0, 1)
-    quantized = [timing.torch_weight_quant(torch.randn(n, k, device=timing.DEVICE, dtype=torch.bfloat16))
-                 for _ in range(batch)]
-    b = torch.stack([wq for wq, _ in quantized])
-    b_s = torch.stack([ws for _, ws in quantized])
-    w = torch.stack([timing.fp8_weight_reference(wq, ws) for wq, ws in quantized])
-    ref = torch.bmm(a.float() * a_s.repeat_interleave(GROUP, -1), w.transpose(1, 2))
-    del w
-    copies = min(timing.MAX_COPIES, -(-timing.COLD_BYTES // b.numel())) if m <= timing.COLD_MAX_M else 1
+    m, n = shape.m, shape.n
+    _, a, a_s, b, b_s, _, ref = timing.fp8_bmm_inputs(batch, m, n, shape.k)
+    copies = timing.cold_copies(m, b)
     weights = [(b, b_s)] + [(b.clone(), b_s.clone()) for _ in range(copies - 1)]
     outs = [torch.empty(batch, m, n, dtype=torch.bfloat16, device=a.device) for _ in range(copies)]
     turn = [0]
