@@ -40,26 +40,18 @@ P = dict(pdl=True, prefetch_weights=True)  # programmatic dependent launch, weig
 S = dict(swap_ab=True)
 NP = dict(persistent=False)
 PTR = dict(epilogue="pointer")
-CANDIDATES = {  # fourth round (H200): round 3's leaders per shape and narrower N tiles for K = 512
-    "small": [T(16, 64, 4, 2, **S, programs_per_sm=8, pdl=True), T(16, 64, 4, 2, **S, programs_per_sm=8, **P),
-              T(16, 64, 4, 2, **S, programs_per_sm=8, **P, **PTR), T(16, 64, 4, 2, **S, programs_per_sm=8, pdl=True, **PTR),
-              T(16, 64, 4, 2, **S, **NP, pdl=True), T(16, 64, 4, 2, **S, programs_per_sm=6, **P),
-              T(16, 128, 4, 2, **S, **NP, pdl=True),
-              T(16, 64, 4, **S, flatten=True, programs_per_sm=4, **P), T(16, 64, 4, 4, **S, **NP, **P),
-              T(16, 32, 4, 4, **NP, **P), T(16, 32, 2, 4, **NP, **P), T(16, 16, 1, 4, **NP, **P),
-              T(16, 16, 2, 4, **NP, **P), T(16, 64, 4, 4, **NP, **P), T(16, 32, 4, 4, **NP, **P, **PTR),
-              T(16, 64, 4, 4, **S, flatten=True, programs_per_sm=4, **P), T(16, 32, 4, 2, programs_per_sm=8, **P)],
-    "64": [T(64, 128, 4, flatten=True, **P, **PTR), T(64, 64, 4, 2, **NP, **P), T(64, 64, 4, 4, **NP, **P),
-           T(64, 32, 4, 4, **NP, **P), T(64, 16, 4, 4, **NP, **P), T(64, 32, 4, 4, **NP, **P, **PTR),
-           T(64, 64, 4, flatten=True, programs_per_sm=4, **P, **PTR), T(64, 128, 4, flatten=True, pdl=True, **PTR),
-           T(64, 128, 4, 4, **NP, **P, **PTR), T(64, 64, 4, 4, **NP, **P, **PTR), T(64, 128, 4, **P, **PTR),
-           T(64, 32, 4, flatten=True, programs_per_sm=4, **P)],
-    "128": [T(64, 128, 4, flatten=True), T(64, 128, 4), T(64, 128, 4, 2, **NP, **P), T(64, 64, 4, 4, **NP, **P),
-            T(64, 128, 4, flatten=True, pdl=True), T(64, 128, 4, flatten=True, **PTR),
-            T(64, 128, 4, flatten=True, pdl=True, **PTR), T(64, 128, 4, **P, **PTR), T(64, 32, 4, 4, **NP, **P),
-            T(64, 64, 4, flatten=True, programs_per_sm=4, **P, **PTR), T(64, 128, 4, 4, flatten=True),
-            T(128, 128, 8, flatten=True, programs_per_sm=1, **PTR), T(64, 64, 4, 4, **NP, **P, **PTR)],
-    "large": [T(64, 128, 4, flatten=True), T(64, 128, 4, flatten=True, **PTR)],
+CANDIDATES = {  # sixth round (H200), after the K loop began loading the next K block's scales ahead
+    "small": [T(16, 64, 4, 2, **S, programs_per_sm=8, pdl=True), T(16, 64, 4, 2, **S, programs_per_sm=8, **P, **PTR),
+              T(16, 64, 4, 3, **S, flatten=True, programs_per_sm=4, **P), T(16, 64, 4, 4, **S, **NP, **P),
+              T(16, 64, 4, 4, **S, **NP, **P, **PTR), T(16, 64, 4, 2, **S, **NP, pdl=True),
+              T(16, 64, 4, 4, **S, flatten=True, programs_per_sm=8, **P, **PTR)],
+    "64": [T(64, 128, 4, flatten=True, **P, **PTR), T(64, 64, 4, flatten=True, programs_per_sm=4, **P, **PTR),
+           T(64, 64, 4, 4, **NP, **P, **PTR), T(64, 32, 4, 4, **NP, **P, **PTR), T(64, 128, 4, 4, **NP, **P, **PTR)],
+    "128": [T(64, 128, 4, flatten=True), T(64, 128, 4, flatten=True, pdl=True, **PTR), T(64, 128, 4, 2, **NP, **P),
+            T(64, 64, 4, 4, **NP, **P), T(64, 128, 4, **P, **PTR), T(128, 128, 8, flatten=True, programs_per_sm=1, **PTR),
+            T(64, 64, 4, 4, **NP, **P, **PTR), T(64, 128, 4, 4, flatten=True, programs_per_sm=3)],
+    "large": [T(64, 128, 4, flatten=True), T(64, 128, 4, flatten=True, **PTR),
+              T(128, 128, 8, flatten=True, programs_per_sm=1), T(128, 128, 8, flatten=True, programs_per_sm=1, **PTR)],
 }
 
 

@@ -3,7 +3,7 @@
 # kernel: fp8_bmm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_bmm/tma_persistent: batched, 3-D TMA descriptors (transposed activations without a copy), persistent grid over (batch, m-tile, n-tile), wgmma through Triton; refuses strides TMA cannot take)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: ba4bf7b565c1fc61 (sha256 of this kernel's scheme, variant and templates)
+# digest: eeed2c3c86be8989 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -151,6 +151,9 @@ def fp8_bmm__e4m3_w128x128_a128_f32__tma_persistent_sm90(
             w_lines = b_ptr + first_batch.to(tl.int64) * stride_bb + w_rows.to(tl.int64) * stride_bn
             for k in range(0, K, L2_LINE):  # fp8: one byte per element
                 _prefetch_l2(w_lines + k)
+            # and the line holding its weight scales (a K block's scales are adjacent)
+            _prefetch_l2(bs_ptr + first_batch.to(tl.int64) * stride_bsb + (first_n * BLOCK_N // W_BLOCK_N) * stride_bsn
+                         + tl.zeros([1], dtype=tl.int64))
         gdc_wait()
         gdc_launch_dependents()
 
@@ -167,13 +170,19 @@ def fp8_bmm__e4m3_w128x128_a128_f32__tma_persistent_sm90(
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # Rows past M read scale 0 (their A rows are TMA's zeros) and are never stored.
+        a_scale = tl.load(a_scale_ptrs, mask=rows < M, other=0.0)
+        b_scale = tl.load(b_scale_ptr)
         for k in range(0, k_blocks):
             off_k = k * BLOCK_K
             a = a_desc.load([batch, off_m, off_k]).reshape(BLOCK_M, BLOCK_K)
             b = b_desc.load([batch, off_n, off_k]).reshape(BLOCK_N, BLOCK_K)
-            # Rows past M read scale 0 (their A rows are TMA's zeros) and are never stored.
-            a_scale = tl.load(a_scale_ptrs + (off_k // ACT_GROUP) * stride_ask, mask=rows < M, other=0.0)
-            scale = a_scale * tl.load(b_scale_ptr + (off_k // W_BLOCK_K) * stride_bsk)
+            scale = a_scale * b_scale
+            # The next K block's scales load while this block's wgmma runs, so the K loop does not wait out
+            # a load's latency per block (the last block reloads its own).
+            next_k = tl.minimum(off_k + BLOCK_K, K - BLOCK_K)
+            a_scale = tl.load(a_scale_ptrs + (next_k // ACT_GROUP) * stride_ask, mask=rows < M, other=0.0)
+            b_scale = tl.load(b_scale_ptr + (next_k // W_BLOCK_K) * stride_bsk)
             if SWAP_AB:
                 acc += tl.dot(b, a.T) * scale[None, :]
             else:
@@ -192,11 +201,17 @@ def fp8_bmm__e4m3_w128x128_a128_f32__tma_persistent_sm90(
 # Tiles per M bucket, from the definition: (largest M served or None for the rest,
 # smallest N served or None, launch parameters); the first that serves (M, N) is used.
 TILES = (
-    (16, 256, {'impl': 'tma_persistent', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 2, 'persistent': True, 'programs_per_sm': 8, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': True, 'flatten': False, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': False, 'epilogue': 'tma'}),
-    (16, None, {'impl': 'tma_persistent', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 4, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': True, 'flatten': True, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': True, 'epilogue': 'tma'}),
-    (64, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': True, 'epilogue': 'pointer'}),
-    (None, 256, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': False, 'prefetch_weights': False, 'epilogue': 'tma'}),
-    (None, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': False, 'epilogue': 'pointer'}),
+    (16, 256, {'impl': 'tma_persistent', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 4, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': True, 'flatten': True, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': True, 'batch_max': 16, 'epilogue': 'tma'}),
+    (16, 256, {'impl': 'tma_persistent', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 2, 'persistent': True, 'programs_per_sm': 8, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': True, 'flatten': False, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': False, 'batch_max': None, 'epilogue': 'tma'}),
+    (16, None, {'impl': 'tma_persistent', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 4, 'persistent': True, 'programs_per_sm': 8, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': True, 'flatten': True, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': True, 'batch_max': None, 'epilogue': 'pointer'}),
+    (64, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 4, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': True, 'batch_max': 16, 'epilogue': 'pointer'}),
+    (64, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': True, 'batch_max': None, 'epilogue': 'pointer'}),
+    (128, 256, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 2, 'persistent': False, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': False, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': True, 'batch_max': 16, 'epilogue': 'tma'}),
+    (128, 256, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': False, 'prefetch_weights': False, 'batch_max': None, 'epilogue': 'tma'}),
+    (128, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': False, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': True, 'batch_max': 16, 'epilogue': 'pointer'}),
+    (128, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': False, 'batch_max': None, 'epilogue': 'pointer'}),
+    (None, 256, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': False, 'prefetch_weights': False, 'batch_max': None, 'epilogue': 'tma'}),
+    (None, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': False, 'batch_max': None, 'epilogue': 'pointer'}),
 )
 
 
@@ -246,7 +261,10 @@ def split_for(tile: dict, k_steps: int, tiles: int, sms: int | None) -> int:
 
 def refusal(tile, call):
     """Why the TMA kernel cannot serve `call` (a kdsl.runtime Call), None where it can; the definition's
-    alternative tile (fp8_bmm/portable's kernel with the same blocks) then serves it."""
+    alternative tile (fp8_bmm/portable's kernel with the same blocks) then serves it. A tile for few batches
+    (batch_max) passes larger calls to the tile after it."""
+    if tile["batch_max"] is not None and call.batch > tile["batch_max"]:
+        return f"the tile serves up to batch_max = {tile['batch_max']} batches, the call has {call.batch}"
     if call.align < 16:
         return ("TMA needs every base and stepped stride of a, b and out a non-zero multiple of 16 bytes"
                 + (" (one is 0: a broadcast view)" if call.align == 0 else ""))

@@ -153,7 +153,7 @@ def _explain(args: argparse.Namespace) -> int:
         raise UsageError(f"unknown scheme {args.scheme!r} for op {args.op}; known schemes: {', '.join(schemes)}")
     try:
         arch_number = device_arch() if args.arch is None else args.arch
-        print(explain(args.op, args.scheme, arch=arch_number, m=args.m, n=args.n))
+        print(explain(args.op, args.scheme, arch=arch_number, m=args.m, n=args.n, batch=args.batch))
         select(args.op, args.scheme, arch=arch_number)
     except NoKernelError:
         return 1  # the trace above says why
@@ -239,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     why.add_argument("--m", type=non_negative_int, help="rows of the problem, to show the tile bucket")
     why.add_argument("--n", type=non_negative_int,
                      help="output columns of the problem, for definitions that tile by N too")
+    why.add_argument("--batch", type=int_at_least(1), default=1,
+                     help="batches of a batched op (fp8_bmm), for tiles that serve few batches (default: 1)")
     why.set_defaults(func=_explain)
 
     demo = commands.add_parser("demo", help="run the generated kernels on a small example",

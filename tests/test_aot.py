@@ -1340,7 +1340,8 @@ def test_fp8_bmm_dispatcher_matches_the_registry_and_the_generated_launch(export
     for call, answer in zip(cases, answers):
         heads, m, n, k = call["B"], call["M"], call["N"], call["K"]
         a, a_s, b, b_s, c = _fp8_bmm_tensors(call)
-        facts = kdsl.registry.Call(m=m, n=n, device_type="cuda", dtype="float8_e4m3fn", align=check.alignment(a, b, c))
+        facts = kdsl.registry.Call(m=m, n=n, device_type="cuda", dtype="float8_e4m3fn", align=check.alignment(a, b, c),
+                                   batch=heads)
         tile = entry.tile_for(m, n, facts)
         by_impl[tile["impl"]] = by_impl.get(tile["impl"], 0) + 1
         module, calls = recorders[tile["impl"]]
@@ -1536,7 +1537,8 @@ def test_python_serves_fp8_bmm_tma_launches_from_cubins(exported_bmm, monkeypatc
             continue
         heads, m, n, k = call["B"], call["M"], call["N"], call["K"]
         a, a_s, b, b_s, c = _fp8_bmm_tensors(call)
-        facts = kdsl.registry.Call(m=m, n=n, device_type="cuda", dtype="float8_e4m3fn", align=check.alignment(a, b, c))
+        facts = kdsl.registry.Call(m=m, n=n, device_type="cuda", dtype="float8_e4m3fn", align=check.alignment(a, b, c),
+                                   batch=heads)
         tile = entry.tile_for(m, n, facts)
         if tile["impl"] != "tma_persistent":
             continue

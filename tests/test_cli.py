@@ -99,6 +99,16 @@ def test_negative_sizes_are_refused(capsys, option, value):
     assert run(capsys, "explain", "fp8_gemm", "--arch", "sm_90", option, "0")[0] == 0
 
 
+def test_explain_batch_shows_the_tile_for_that_many_batches(capsys):
+    code, few, _ = run(capsys, "explain", "fp8_bmm", "--arch", "sm_90", "--m", "1", "--n", "512", "--batch", "16")
+    assert code == 0 and "'batch_max': 16" in few.splitlines()[1] and "passed over" not in few
+    code, many, _ = run(capsys, "explain", "fp8_bmm", "--arch", "sm_90", "--m", "1", "--n", "512", "--batch", "128")
+    assert code == 0 and "batch=128" in many and "'batch_max': None" in many.splitlines()[1]
+    assert "passed over at run time" in many and "the call has 128" in many
+    code, _, err = run(capsys, "explain", "fp8_bmm", "--arch", "sm_90", "--batch", "0")
+    assert code == 2 and "argument --batch: must be >= 1" in err
+
+
 def test_explain_without_an_arch_to_select_for(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     code, _, err = run(capsys, "explain", "fp8_gemm")

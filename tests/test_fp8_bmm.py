@@ -305,7 +305,7 @@ def tma_kernels(monkeypatch):
 
 def _call(a, b, out):
     return registry.Call(m=a.shape[1], n=b.shape[1], device_type="cpu", dtype="bfloat16",
-                         align=check.alignment(a, b, out))
+                         align=check.alignment(a, b, out), batch=a.shape[0])
 
 
 def test_tma_kernel_takes_mla_views(tma_kernels):
@@ -353,6 +353,28 @@ def test_tma_refusal_passes_the_call_to_the_portable_tile(case, tma_kernels):
     assert names == [TMA_PORTABLE]
 
 
+@pytest.mark.parametrize("batch, served_by_few", [(3, True), (16, True), (17, False)])
+def test_tiles_for_few_batches_pass_larger_calls_on(batch, served_by_few, monkeypatch):
+    """A tile with batch_max serves calls of at most that many batches (TP = 8's 16 heads); a larger call
+    goes to the tile after it, which explain shows with the reason; both give the reference's answer."""
+    monkeypatch.setenv("KDSL_ARCH", "sm_90")
+    registry.reset()
+    entry = registry.select("fp8_bmm", kdsl.BlockFP8(), arch="sm_90")
+    module = entry.modules["tma_persistent"].load()
+    tiles = []
+    original = module.launch
+    monkeypatch.setattr(module, "launch", lambda *args: tiles.append(args[-1]) or original(*args))
+    a, a_s, b, b_s = mla_operands(batch, 1, 512, 128)
+    check_bmm(kdsl.ops.fp8_bmm(a, a_s, b, b_s), a, a_s, b, b_s)
+    assert len(tiles) == 1 and tiles[0]["impl"] == "tma_persistent"
+    assert (tiles[0]["batch_max"] == 16) == served_by_few
+    explained = registry.explain("fp8_bmm", None, arch="sm_90", m=1, n=512, batch=batch)
+    passed_over = "the tile serves up to batch_max = 16 batches, the call has"
+    assert (passed_over in explained) == (not served_by_few)
+    monkeypatch.delenv("KDSL_ARCH")
+    registry.reset()
+
+
 def test_tma_options_are_checked_by_the_unit():
     """The unit's own rules: one scale per K block, one weight scale per tile, swap_ab's 64 rows of B,
     persistent-only knobs; and the knobs of other implementations are not options here."""
@@ -375,6 +397,8 @@ def test_tma_options_are_checked_by_the_unit():
     assert any("flatten" in p for p in problems(block_m=64, options={"persistent": False, "flatten": True}))
     with pytest.raises(ValidationError):
         impl.resolve(Tile(block_m=64, options={"deferred_rescale": True}))
+    with pytest.raises(ValidationError, match="batch_max"):
+        impl.resolve(Tile(block_m=64, options={"batch_max": 0}))
 
 
 # ---------------------------------------------------------------------------------------------

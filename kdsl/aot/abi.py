@@ -381,9 +381,11 @@ FP8_BMM = OpAbi(
                 "PDL": tile["pdl"], "PREFETCH_WEIGHTS": tile["prefetch_weights"],
                 "POINTER_STORE": tile["epilogue"] == "pointer"},
             options=lambda tile: {"num_warps": tile["num_warps"], "num_stages": tile["num_stages"]},
-            # The module's refusal (call.align < 16): every base and stepped stride of a, b and c a non-zero
-            # multiple of 16 bytes; its calls go to the alternative tile after it (the portable kernel).
-            refuses=("nonzero(addr(a) % 16) + nonzero(addr(b) % 16) + nonzero(addr(c) % 16)"
+            # The module's refusal: more batches than the tile's batch_max (0: unset), or (call.align < 16) a
+            # base or stepped stride of a, b or c not a non-zero multiple of 16 bytes; its calls go to the tile
+            # after it (another tile's kernel, or the portable alternative).
+            refuses=("nonzero({batch_max}) * (B > {batch_max})"
+                     " + nonzero(addr(a) % 16) + nonzero(addr(b) % 16) + nonzero(addr(c) % 16)"
                      " + bad_tma_stride(B, stride_ab, 1) + bad_tma_stride(M, stride_am, 1)"
                      " + bad_tma_stride(B, stride_bb, 1) + bad_tma_stride(N, stride_bn, 1)"
                      " + bad_tma_stride(B, stride_cb, dtype_size(out_dtype))"

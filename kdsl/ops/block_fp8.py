@@ -461,20 +461,20 @@ def _fp8_bmm_impl(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torc
     a, b = (t if t.stride(2) == 1 else t.contiguous() for t in (a, b))
     entry = registry.dispatch("fp8_bmm", scheme, device)
     m, n = a.shape[1], b.shape[1]
-    entry.launch(a, a_s, b, b_s, c, entry.tile_for(m, n, _call(entry, m, n, device, a, b, c)))
+    entry.launch(a, a_s, b, b_s, c, entry.tile_for(m, n, _call(entry, m, n, device, a, b, c, batch=a.shape[0])))
     if device.type == "cpu":
         c[_interpreter_lost_nan(a).any(dim=2)] = float("nan")  # [B, M] rows
         c.transpose(1, 2)[_interpreter_lost_nan(b).any(dim=2)] = float("nan")  # [B, N] columns
     return c
 
 
-def _call(entry, m: int, n: int, device: torch.device, *operands: torch.Tensor):
+def _call(entry, m: int, n: int, device: torch.device, *operands: torch.Tensor, batch: int = 1):
     """The call's facts for the modules' run-time refusals (kdsl.runtime Call: TMA reads the operands, so
-    their alignment), or None where no module of the entry refuses any call."""
+    their alignment; a batched op's batch count), or None where no module of the entry refuses any call."""
     if not entry.refuses_calls:
         return None
     return registry.Call(m=m, n=n, device_type=device.type, dtype=check.dtype_name(operands[0].dtype),
-                         align=check.alignment(*operands))
+                         align=check.alignment(*operands), batch=batch)
 
 
 def _gemm_scheme(k: int, n: int, a_groups: int, b_blocks: tuple,

@@ -62,8 +62,8 @@ class Call:
     rows, columns, the device, the activations' dtype (its torch name), for prepared weights whether x is
     gathered (act-order) and whether row k is in group k // group_size, and `align`: the largest power of two
     up to 16 dividing every base address and every stepped stride (in bytes) of the operands the op names,
-    0 where one of those strides is 0 (a broadcast view), as TMA descriptors need them. `explain` asks about a
-    typical GPU call (the defaults)."""
+    0 where one of those strides is 0 (a broadcast view), as TMA descriptors need them; `batch`: the batch
+    count of a batched op (1 otherwise). `explain` asks about a typical GPU call (the defaults)."""
 
     m: int
     n: int | None = None
@@ -72,6 +72,7 @@ class Call:
     act_order: bool = False
     contiguous_groups: bool = True
     align: int = 16
+    batch: int = 1
 
 
 @dataclass(frozen=True, eq=False)

@@ -275,15 +275,17 @@ def select(op: str, scheme=None, arch: str | int | None = None, m: int | None = 
     return chosen
 
 
-def explain(op: str, scheme=None, arch: str | int | None = None, m: int | None = None, n: int | None = None) -> str:
-    """The selection trace as text: every candidate, the verdict on it, and the tile (M, N) picks."""
+def explain(op: str, scheme=None, arch: str | int | None = None, m: int | None = None, n: int | None = None,
+            batch: int = 1) -> str:
+    """The selection trace as text: every candidate, the verdict on it, and the tile (M, N) picks (for a
+    batched op, for `batch` batches)."""
     arch_number = _arch_number(arch)
     name = _scheme_name(scheme)
     chosen, verdicts = _judge(op, name, arch_number)
     lines = [f"select {op} scheme={name or 'any'} arch={format_arch(arch_number)} m={m if m is not None else 'any'}"
-             + ("" if n is None else f" n={n}")]
+             + ("" if n is None else f" n={n}") + ("" if batch == 1 else f" batch={batch}")]
     if chosen is not None:
-        passed_over, bucket = _run_time_refusals(chosen, m, n)
+        passed_over, bucket = _run_time_refusals(chosen, m, n, batch)
         tile = chosen.tiles[bucket]
         lines.append(f"  {chosen.label}: CHOSEN ({chosen.arch_range()}), tile bucket {bucket}: {tile.params['impl']} "
                      f"({chosen.modules[tile.params['impl']].path.stem}) {tile.params}")
@@ -298,12 +300,13 @@ def explain(op: str, scheme=None, arch: str | int | None = None, m: int | None =
     return "\n".join(lines)
 
 
-def _run_time_refusals(entry: KernelEntry, m: int | None, n: int | None) -> tuple[list[tuple[int, str]], int]:
+def _run_time_refusals(entry: KernelEntry, m: int | None, n: int | None,
+                       batch: int = 1) -> tuple[list[tuple[int, str]], int]:
     """The tiles serving (M, N) that their modules pass over for a typical GPU call (Call's defaults: fp16,
     no act-order, aligned), with their reasons, and the tile that then runs: what kdsl.ops does at run time."""
     if m is None:
         return [], entry.bucket_index(m, n)
-    call, passed_over = Call(m=m, n=n), []
+    call, passed_over = Call(m=m, n=n, batch=batch), []
     for index, bucket in enumerate(entry.tiles):
         if bucket.serves(m, n):
             reason = entry.refusal_reason(bucket.params, call)

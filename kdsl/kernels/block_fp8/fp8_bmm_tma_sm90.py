@@ -7,7 +7,8 @@ programs walks the (batch, m-tile, n-tile) tiles; scales are applied per K block
 
 At run time its `refusal` passes a tile over where a TMA descriptor cannot take the tensors (a base or a
 stepped stride that is not a non-zero multiple of 16 bytes); the definition's alternative tile, fp8_bmm/portable's
-kernel with the same blocks, serves those calls.
+kernel with the same blocks, serves those calls. A tile with `batch_max` set serves only calls of that many
+batches or fewer (TP = 8's 16 heads want other tiles than 128 heads do); the tile after it serves the rest.
 """
 from typing import Literal
 
@@ -39,6 +40,9 @@ class Options(StrictModel):
                                          "launch; hides the launch gap between kernels")
     prefetch_weights: bool = Field(False, description="with pdl: before waiting for the previous kernel, each "
                                                       "program pulls its first tile's weights into L2")
+    batch_max: PositiveInt | None = Field(None, description="the tile serves calls of at most this many batches "
+                                                           "(few heads, as under tensor parallelism) and passes "
+                                                           "larger ones to the next tile, its alternative")
     epilogue: Literal["tma", "pointer"] = Field("tma", description="how a tile's output is stored: a TMA store "
                                                                   "from shared memory, or masked pointer stores "
                                                                   "from registers")
