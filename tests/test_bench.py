@@ -411,6 +411,17 @@ def test_fp8_bmm_case_on_cpu_stand_ins(cpu_bench, monkeypatch):
     assert large.status == OK and large.kdsl.eager_ms == 0.25
 
 
+def test_host_time_is_measured_for_graph_timed_cases_unless_turned_off(cpu_bench):
+    from kdsl.bench.timing import run_case
+
+    cpu_bench(fake_ops(wrong_dequant=False))
+    (timed,) = run_case(Case("gptq_gemm", m=1, n=16, k=128))
+    assert timed.kdsl.host_us > 0 and timed.baselines["fp16_matmul"].host_us > 0
+    (skipped,) = run_case(Case("gptq_gemm", m=1, n=16, k=128), host_time=False)
+    assert skipped.status == OK and skipped.kdsl.host_us is None and skipped.baselines["fp16_matmul"].host_us is None
+    assert parse("--no-host-time").host_time is False and parse().host_time is True
+
+
 def test_gptq_prepared_row_appears_with_gptq_prepare(cpu_bench):
     from kdsl.bench.timing import run_case
 

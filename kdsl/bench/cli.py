@@ -62,6 +62,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--shapes", default="deepseek-v3", metavar="{" + ",".join(PRESETS) + "}|FILE",
                         help="a shape preset or a JSON shape file (default: deepseek-v3)")
     parser.add_argument("--json", metavar="PATH", help="write every figure, the GPU and versions to PATH")
+    parser.add_argument("--no-host-time", dest="host_time", action="store_false",
+                        help="skip the host time per call (timed after the GPU times of graph-timed cases, it keeps "
+                             "the GPU busy for a few hundred more calls): for comparing GPU times with a run "
+                             "made without it")
     parser.add_argument("--plot", metavar="PATH", help="draw a PNG of ratios vs baselines (needs matplotlib)")
     parser.set_defaults(func=run)
 
@@ -118,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     results: list[Result] = []
     for i, case in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {case.op} {case.label()} ...", end="", file=sys.stderr, flush=True)
-        case_results = timing.run_case(case)
+        case_results = timing.run_case(case, host_time=args.host_time)
         print(" " + _progress(case_results), file=sys.stderr, flush=True)
         results += case_results
 

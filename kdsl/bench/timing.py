@@ -475,7 +475,9 @@ def graph_timed(case: Case) -> bool:
     return case.m is not None and (case.m <= GRAPH_MAX_M or case.op in GRAPH_EVERY_M)
 
 
-def run_case(case: Case) -> list[Result]:
+def run_case(case: Case, host_time: bool = True) -> list[Result]:
+    """Check and time one case's kdsl implementations and baselines; host_time=False skips the host-time
+    batches (kdsl bench --no-host-time)."""
     """All results of one case: one per kdsl implementation, sharing the baseline timings."""
     torch.manual_seed(zlib.crc32(f"{case.op} {case.label()}".encode()))  # reproducible, never zeros
     try:
@@ -494,7 +496,7 @@ def run_case(case: Case) -> list[Result]:
         except Exception as exc:  # noqa: BLE001 - e.g. _scaled_mm refusing a shape: baseline unavailable
             baselines[name] = Timing(error=describe(exc))
             continue
-        baselines[name] = per_call(measure(fn, graph, setup.host_time), setup.calls)
+        baselines[name] = per_call(measure(fn, graph, setup.host_time and host_time), setup.calls)
         baselines[name].rel_err = None if math.isnan(err) else err
     if setup.roofline_ms is not None:
         baselines[ROOFLINE] = Timing(eager_ms=setup.roofline_ms, graph_ms=setup.roofline_ms if graph else None)
@@ -511,7 +513,7 @@ def run_case(case: Case) -> list[Result]:
             continue
         if why is not None:
             result.status, result.detail = WRONG, why
-        result.kdsl = per_call(measure(fn, graph, setup.host_time), setup.calls)  # a wrong kernel is still timed, and flagged
+        result.kdsl = per_call(measure(fn, graph, setup.host_time and host_time), setup.calls)  # a wrong kernel is still timed, and flagged
         if result.kdsl.error and result.status == OK:
             result.status, result.detail = ERROR, result.kdsl.error
         results.append(result)
