@@ -23,7 +23,7 @@ from kdsl.kernels import find_impl
 from kdsl.schema import Tile
 
 SHAPES = [(128, 512, 128), (128, 128, 512), (16, 512, 128), (16, 128, 512)]
-MS = [1, 16, 64, 128, 512, 4096]
+MS = [int(m) for m in os.environ.get("FP8_BMM_SWEEP_MS", "1,16,64,128,512,4096").split(",")]
 COLD_BYTES = 128 << 20
 # FP8_BMM_SWEEP_FRESH=1: each weight copy's call writes its own output tensor, all alive together, as kdsl
 # bench's calls of kdsl.ops.fp8_bmm return theirs (one reused output buffer can stay in L2 between calls; a
@@ -40,18 +40,20 @@ P = dict(pdl=True, prefetch_weights=True)  # programmatic dependent launch, weig
 S = dict(swap_ab=True)
 NP = dict(persistent=False)
 PTR = dict(epilogue="pointer")
-CANDIDATES = {  # sixth round (H200), after the K loop began loading the next K block's scales ahead
-    "small": [T(16, 64, 4, 2, **S, programs_per_sm=8, pdl=True), T(16, 64, 4, 2, **S, programs_per_sm=8, **P, **PTR),
-              T(16, 64, 4, 3, **S, flatten=True, programs_per_sm=4, **P), T(16, 64, 4, 4, **S, **NP, **P),
-              T(16, 64, 4, 4, **S, **NP, **P, **PTR), T(16, 64, 4, 2, **S, **NP, pdl=True),
-              T(16, 64, 4, 4, **S, flatten=True, programs_per_sm=8, **P, **PTR)],
-    "64": [T(64, 128, 4, flatten=True, **P, **PTR), T(64, 64, 4, flatten=True, programs_per_sm=4, **P, **PTR),
-           T(64, 64, 4, 4, **NP, **P, **PTR), T(64, 32, 4, 4, **NP, **P, **PTR), T(64, 128, 4, 4, **NP, **P, **PTR)],
-    "128": [T(64, 128, 4, flatten=True), T(64, 128, 4, flatten=True, pdl=True, **PTR), T(64, 128, 4, 2, **NP, **P),
-            T(64, 64, 4, 4, **NP, **P), T(64, 128, 4, **P, **PTR), T(128, 128, 8, flatten=True, programs_per_sm=1, **PTR),
-            T(64, 64, 4, 4, **NP, **P, **PTR), T(64, 128, 4, 4, flatten=True, programs_per_sm=3)],
-    "large": [T(64, 128, 4, flatten=True), T(64, 128, 4, flatten=True, **PTR),
-              T(128, 128, 8, flatten=True, programs_per_sm=1), T(128, 128, 8, flatten=True, programs_per_sm=1, **PTR)],
+BI = dict(batch_inner=True)
+CANDIDATES = {  # seventh round (H200): batch_inner at M >= 64, where MLA's [M, B, K] activations put a tile's
+    # 128-byte rows a whole token (B x K bytes) apart, so programs on neighbouring heads share DRAM pages
+    "small": [T(16, 64, 4, 2, **S, programs_per_sm=8, pdl=True), T(16, 64, 4, 2, **S, programs_per_sm=8, pdl=True, **BI),
+              T(16, 64, 4, 4, **S, flatten=True, programs_per_sm=8, **P, **PTR),
+              T(16, 64, 4, 4, **S, flatten=True, programs_per_sm=8, **P, **PTR, **BI)],
+    "64": [T(64, 128, 4, flatten=True, **P, **PTR), T(64, 128, 4, flatten=True, **P, **PTR, **BI),
+           T(64, 64, 4, flatten=True, programs_per_sm=4, **P, **PTR), T(64, 64, 4, flatten=True, programs_per_sm=4, **P, **PTR, **BI)],
+    "128": [T(64, 128, 4, flatten=True), T(64, 128, 4, flatten=True, **BI), T(64, 128, 4, flatten=True, pdl=True, **PTR),
+            T(64, 128, 4, flatten=True, pdl=True, **PTR, **BI), T(64, 128, 4, 2, **NP, **P), T(64, 128, 4, 2, **NP, **P, **BI),
+            T(64, 64, 4, 4, **NP, **P, **PTR), T(64, 64, 4, 4, **NP, **P, **PTR, **BI)],
+    "large": [T(64, 128, 4, flatten=True), T(64, 128, 4, flatten=True, **BI), T(64, 128, 4, flatten=True, pdl=True, **PTR),
+              T(64, 128, 4, flatten=True, pdl=True, **PTR, **BI), T(128, 128, 8, flatten=True, programs_per_sm=1, **BI),
+              T(64, 128, 4, flatten=True, tile_order="n_major", **BI)],
 }
 
 

@@ -3,7 +3,7 @@
 # kernel: fp8_bmm__e4m3_w128x128_a128_f32__portable_sm90 (fp8_bmm/portable: batched, strided pointer loads, fp32 accumulation with per-step scales)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: 93789793a4616c58 (sha256 of this kernel's scheme, variant and templates)
+# digest: 9ce0e3912e813bc6 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -100,7 +100,8 @@ TILES = (
     (64, None, {'impl': 'portable', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'tile_order': 'm_major'}),
     (128, 256, {'impl': 'portable', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'tile_order': 'm_major'}),
     (128, None, {'impl': 'portable', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'tile_order': 'm_major'}),
-    (None, 256, {'impl': 'portable', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'tile_order': 'm_major'}),
+    (512, 256, {'impl': 'portable', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'tile_order': 'm_major'}),
+    (512, None, {'impl': 'portable', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'tile_order': 'm_major'}),
     (None, None, {'impl': 'portable', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'tile_order': 'm_major'}),
 )
 

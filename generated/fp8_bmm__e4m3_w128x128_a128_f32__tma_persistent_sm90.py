@@ -3,7 +3,7 @@
 # kernel: fp8_bmm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_bmm/tma_persistent: batched, 3-D TMA descriptors (transposed activations without a copy), persistent grid over (batch, m-tile, n-tile), wgmma through Triton; refuses strides TMA cannot take)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: eeed2c3c86be8989 (sha256 of this kernel's scheme, variant and templates)
+# digest: f100c9f6443eeafd (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -210,8 +210,9 @@ TILES = (
     (128, 256, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': False, 'prefetch_weights': False, 'batch_max': None, 'epilogue': 'tma'}),
     (128, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': False, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': True, 'batch_max': 16, 'epilogue': 'pointer'}),
     (128, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': False, 'batch_max': None, 'epilogue': 'pointer'}),
-    (None, 256, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': False, 'prefetch_weights': False, 'batch_max': None, 'epilogue': 'tma'}),
-    (None, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': False, 'batch_max': None, 'epilogue': 'pointer'}),
+    (512, 256, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': False, 'prefetch_weights': False, 'batch_max': None, 'epilogue': 'tma'}),
+    (512, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': False, 'batch_max': None, 'epilogue': 'pointer'}),
+    (None, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': False, 'prefetch_weights': False, 'batch_max': None, 'epilogue': 'tma'}),
 )
 
 
