@@ -183,6 +183,25 @@ def test_an_option_written_at_its_default_adds_no_candidate(definitions, op, imp
 
 # ---- shapes of a bucket ----
 
+def test_tiles_for_few_batches_are_tuned_on_those_batches_and_keep_batch_max(definitions):
+    """fp8_bmm's batch_max tiles (16 heads) are timed on the preset's B <= 16 shapes and their candidates keep
+    batch_max; the tile after one, which serves the larger batches, is timed on those."""
+    (loaded, tma), = [(d, v) for d, v in tunable_variants(definitions) if (v.op, v.impl) == ("fp8_bmm", "tma_persistent")]
+    cases = preset_cases("deepseek-v3")
+    few = [b for b in space.buckets(tma) if b.batch_max is not None]
+    assert few, "the shipped fp8_bmm tiles have batch_max tiles"
+    for bucket in few:
+        after = next(b for b in space.buckets(tma) if b.index == bucket.index + 1)
+        assert after.batch_above == bucket.batch_max and "B <= 16" in bucket.label() and "B > 16" in after.label()
+        assert {s.batch for s in search.shapes_for_bucket("fp8_bmm", cases, bucket)} == {16}
+        assert {s.batch for s in search.shapes_for_bucket("fp8_bmm", cases, after)} == {128}
+        tiles = space.candidates(tma, bucket, loaded.definition.schemes, max_candidates=20)
+        assert len(tiles) > 1 and all(t.options.get("batch_max") == bucket.batch_max for t in tiles)
+    # A bucket of batches no preset shape has: the bound itself.
+    only_big = space.Bucket(0, 0, 16, Tile(m_max=16, options={"batch_max": 4}))
+    assert {s.batch for s in search.shapes_for_bucket("fp8_bmm", cases, only_big)} == {4}
+
+
 def test_shapes_come_from_the_preset_m_values_in_the_bucket():
     cases = preset_cases("deepseek-v3")
     fp8_pairs = {(c.n, c.k) for c in cases if c.op == "fp8_gemm"}

@@ -87,9 +87,14 @@ def shapes_for_bucket(op: str, cases: Sequence[Case], bucket: Bucket) -> list[Sh
     """Every (N, K) the preset has for the op inside the bucket's N range, at the preset's M values
     inside the bucket, or at the bucket's m_max if none is (the last bucket: twice the previous
     m_max, at least 1). An N range no preset shape falls in takes the preset's K at its edge N.
-    fp8_bmm's shapes carry the preset's batch (B, N, K) with them."""
+    fp8_bmm's shapes carry the preset's batch (B, N, K) with them, those of the batches the bucket's tile
+    serves (batch_max, and above the batch_max of a tile before it); none: the preset's (N, K) at that bound."""
     mine = [c for c in cases if c.op == SHAPE_OPS[op]]
-    triples = list(dict.fromkeys((c.n, c.k, c.batch) for c in mine if bucket.holds_n(c.n)))
+    in_n = [c for c in mine if bucket.holds_n(c.n)]
+    triples = list(dict.fromkeys((c.n, c.k, c.batch) for c in in_n if bucket.holds_batch(c.batch)))
+    if in_n and not triples:  # no preset batch in the bucket's range: its bound
+        bound = bucket.batch_max if bucket.batch_max is not None else bucket.batch_above + 1
+        triples = list(dict.fromkeys((c.n, c.k, bound) for c in in_n))
     if not triples and mine:  # only an N range (n_min or n_below set) can leave out every preset shape
         edge = bucket.n_min if bucket.n_min is not None else max(bucket.n_below // 2, 1)
         triples = list(dict.fromkeys((edge, c.k, c.batch) for c in mine))

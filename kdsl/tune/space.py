@@ -81,6 +81,17 @@ class Bucket:
     tile: Tile  # the definition's current tile
     n_min: int | None = None
     n_below: int | None = None  # the n_min of the M bucket's tile before this one
+    batch_above: int | None = None  # the batch_max of the tile before it, which serves those batches first
+
+    @property
+    def batch_max(self) -> int | None:
+        """The batches the tile serves at most (an option of batched kernels' tiles; None: any)."""
+        return self.tile.options.get("batch_max")
+
+    def holds_batch(self, batch: int | None) -> bool:
+        if batch is None:
+            return True
+        return (self.batch_max is None or batch <= self.batch_max) and (self.batch_above is None or batch > self.batch_above)
 
     def holds(self, m: int) -> bool:
         return m > self.lo and (self.m_max is None or m <= self.m_max)
@@ -94,6 +105,10 @@ class Bucket:
             label += f", N >= {self.n_min}"
         if self.n_below is not None:
             label += f", N < {self.n_below}"
+        if self.batch_max is not None:
+            label += f", B <= {self.batch_max}"
+        if self.batch_above is not None:
+            label += f", B > {self.batch_above}"
         return label
 
     def name(self) -> str:
@@ -107,7 +122,7 @@ def buckets(variant: Variant) -> list[Bucket]:
         if index and (tile.m_max, tile.n_min) == (variant.tiles[index - 1].m_max, variant.tiles[index - 1].n_min):
             # An alternative to the tile before it (served where that one's kernel refuses): the same M and N.
             before = out[-1]
-            out.append(Bucket(index, before.lo, tile.m_max, tile, tile.n_min, before.n_below))
+            out.append(Bucket(index, before.lo, tile.m_max, tile, tile.n_min, before.n_below, before.batch_max))
             continue
         out.append(Bucket(index, lo, tile.m_max, tile, tile.n_min, n_below))
         closes = index == len(variant.tiles) - 1 or variant.tiles[index + 1].m_max != tile.m_max
@@ -191,6 +206,8 @@ def _make_tile(bucket: Bucket, impl: KernelImpl, knobs: dict[str, object]) -> Ti
               (("impl", bucket.tile.impl), ("m_max", bucket.m_max), ("n_min", bucket.n_min)) if value is not None}
     common = {k: v for k, v in knobs.items() if k in COMMON_KNOBS}
     options = {k: v for k, v in knobs.items() if k not in COMMON_KNOBS and v != knob_default(impl, k)}
+    if bucket.batch_max is not None:  # which calls the tile serves, not how it runs them: candidates keep it
+        options["batch_max"] = bucket.batch_max
     try:
         return Tile(**fields, **common, options=options)
     except ValueError:  # pydantic's ValidationError is a ValueError
