@@ -201,6 +201,34 @@ def test_a_plan_hit_launches_what_the_ordinary_path_does(sm90):
     assert len(plans("fp8_gemm")) == 1
 
 
+def test_fp8_bmm_plan_matches_the_ordinary_path(sm90):
+    """MLA's views (a and a_s transposes of [M, B, ...] tensors): the second call on replays the first's launch,
+    on new data too; a call with out= and one whose a needs a copy keep no plan."""
+    ops = kdsl.ops
+    g = torch.Generator().manual_seed(3)
+    heads, m, n, k = 3, 5, 128, 256
+    q, s = ops.act_quant(torch.randn(m, heads, k, generator=g, dtype=torch.bfloat16))
+    a, a_s = q.transpose(0, 1), s.transpose(0, 1)
+    wq, ws = zip(*(ops.weight_quant(torch.randn(n, k, generator=g, dtype=torch.bfloat16)) for _ in range(heads)))
+    b, b_s = torch.stack(wq), torch.stack(ws)
+    kdsl.registry.plans.clear()
+    c0 = no_plan(lambda: ops.fp8_bmm(a, a_s, b, b_s))
+    for call in range(3):  # miss (records), hit, hit
+        c = ops.fp8_bmm(a, a_s, b, b_s)
+        assert torch.equal(c, c0) and c.stride() == c0.stride() and c.dtype == c0.dtype
+        assert len(plans("fp8_bmm")) == 1 and plans("fp8_bmm")[0]
+    q2, s2 = ops.act_quant(torch.randn(m, heads, k, generator=g, dtype=torch.bfloat16))
+    a2, a_s2 = q2.transpose(0, 1), s2.transpose(0, 1)
+    assert torch.equal(ops.fp8_bmm(a2, a_s2, b, b_s), no_plan(lambda: ops.fp8_bmm(a2, a_s2, b, b_s)))
+    out = torch.empty(m, heads, n, dtype=torch.bfloat16).transpose(0, 1)
+    assert ops.fp8_bmm(a, a_s, b, b_s, out=out) is out and torch.equal(out, c0)
+    assert len(plans("fp8_bmm")) == 1
+    strided = torch.empty(heads, m, 2 * k, dtype=a.dtype)[:, :, ::2]  # a copy makes it unit-stride along K
+    strided.copy_(a)
+    assert torch.equal(ops.fp8_bmm(strided, a_s, b, b_s), c0)
+    assert sorted(map(bool, plans("fp8_bmm"))) == [False, True]
+
+
 def test_a_hit_does_not_run_the_modules_launch(sm90, monkeypatch):
     x, _ = fp8_operands()
     _, s0 = no_plan(lambda: kdsl.ops.act_quant(x))
@@ -477,6 +505,27 @@ def test_gpu_plans_match_the_ordinary_path(m):
     assert kept["act_quant"] and kept["fp8_gemm"], kept
     # The Gluon kernels it launches itself (overlap, mma.sync GEMV) included; decode-sized calls only.
     assert kept.get("w4a16_gemm", False) == (m <= w4a16.PLAN_MAX_ROWS), kept
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, m, n, k", [(16, 1, 512, 128), (128, 1, 512, 128), (16, 64, 128, 512),
+                                            (128, 128, 128, 512), (16, 4096, 512, 128)])
+def test_gpu_fp8_bmm_plans_match_the_ordinary_path(heads, m, n, k):
+    """fp8_bmm's plan on the GPU (3-D TMA descriptors expanded per base address, pdl launches, the 16-head
+    tiles): on fresh activations each call, the ordinary path's bits."""
+    cuda = torch.device("cuda")
+    ops = kdsl.ops
+    g = torch.Generator(device=cuda).manual_seed(m + heads)
+    wq, ws = zip(*(ops.weight_quant(torch.randn(n, k, device=cuda, dtype=torch.bfloat16, generator=g))
+                   for _ in range(heads)))
+    b, b_s = torch.stack(wq), torch.stack(ws)
+    kdsl.registry.plans.clear()
+    for call in range(4):
+        q, s = ops.act_quant(torch.randn(m, heads, k, device=cuda, dtype=torch.bfloat16, generator=g))
+        a, a_s = q.transpose(0, 1), s.transpose(0, 1)
+        c = ops.fp8_bmm(a, a_s, b, b_s)
+        assert torch.equal(c, no_plan(lambda: ops.fp8_bmm(a, a_s, b, b_s)))
+    assert [bool(p) for p in plans("fp8_bmm")] == [True]
 
 
 def test_a_kernel_the_module_launches_itself_is_recorded_too(compiled_act_quant, monkeypatch):

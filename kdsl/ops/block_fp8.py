@@ -449,6 +449,25 @@ def _fp8_bmm_check_out(out: torch.Tensor, dtype: torch.dtype, shape: tuple, like
 
 def _fp8_bmm_impl(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
                   out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    # A repeat call signature replays its launch plan (kdsl/ops/_plan.py: what the key holds and why); a call
+    # writing into out= takes the ordinary path (a plan allocates its outputs).
+    key = plan = None
+    if out is None:
+        try:
+            key = ("fp8_bmm", out_dtype, _device(),
+                   type(a), a.shape, a.stride(), a.dtype, a.device, a.data_ptr() & 15,
+                   type(a_s), a_s.shape, a_s.stride(), a_s.dtype, a_s.device, a_s.data_ptr() & 15,
+                   type(b), b.shape, b.stride(), b.dtype, b.device, b.data_ptr() & 15,
+                   type(b_s), b_s.shape, b_s.stride(), b_s.dtype, b_s.device, b_s.data_ptr() & 15)
+            plan = _PLANS.get(key)
+        except Exception:  # not tensors, say: the checks below word the error
+            key = plan = None
+    if plan:
+        c = plan(a, a_s, b, b_s)
+        if c is not None:
+            if not c.is_cuda:
+                _fp8_bmm_lost_nan(a, b, c)
+            return c
     scheme, group, block_n, block_k, c = _fp8_bmm_outputs(a, a_s, b, b_s, out_dtype, out)
     device = a.device
     if c.numel() == 0:
@@ -457,15 +476,25 @@ def _fp8_bmm_impl(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torc
         return c.zero_()
     if not check.use_kernels(device):
         return c.copy_(fallback.fp8_bmm(a, a_s, b, b_s, group, block_n, block_k, out_dtype))
-    # Strides go to the kernel as they are; only a K stride other than 1 costs a copy.
+    # Strides go to the kernel as they are; only a K stride other than 1 costs a copy (and leaves no plan:
+    # the launch reads a tensor that is not the call's).
+    inputs = a, a_s, b, b_s
     a, b = (t if t.stride(2) == 1 else t.contiguous() for t in (a, b))
     entry = registry.dispatch("fp8_bmm", scheme, device)
     m, n = a.shape[1], b.shape[1]
-    entry.launch(a, a_s, b, b_s, c, entry.tile_for(m, n, _call(entry, m, n, device, a, b, c, batch=a.shape[0])))
+    tile = entry.tile_for(m, n, _call(entry, m, n, device, a, b, c, batch=a.shape[0]))
+    with _plan.Recorder(entry.modules[tile["impl"]].load() if plan is None else None) as rec:
+        entry.launch(a, a_s, b, b_s, c, tile)
+    _plan.store(key, rec, inputs, (c,))
     if device.type == "cpu":
-        c[_interpreter_lost_nan(a).any(dim=2)] = float("nan")  # [B, M] rows
-        c.transpose(1, 2)[_interpreter_lost_nan(b).any(dim=2)] = float("nan")  # [B, N] columns
+        _fp8_bmm_lost_nan(a, b, c)
     return c
+
+
+def _fp8_bmm_lost_nan(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
+    """On the CPU: NaN where a row of a or a column of b holds a NaN code (see _interpreter_lost_nan)."""
+    c[_interpreter_lost_nan(a).any(dim=2)] = float("nan")  # [B, M] rows
+    c.transpose(1, 2)[_interpreter_lost_nan(b).any(dim=2)] = float("nan")  # [B, N] columns
 
 
 def _call(entry, m: int, n: int, device: torch.device, *operands: torch.Tensor, batch: int = 1):
