@@ -219,24 +219,37 @@ def _fp8_gemm_outputs(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: 
     return scheme, group, block_n, block_k, c
 
 
+def _gemm_plan_key(op: str, out_dtype: torch.dtype, a, a_s, b, b_s) -> tuple:
+    """The launch plan's key of an fp8_gemm or fp8_bmm call (kdsl/ops/_plan.py): the op, out_dtype, the CUDA
+    device, and each operand's type, shape, strides, dtype, device and 16-byte alignment (written out: host time)."""
+    return (op, out_dtype, _device(),
+            type(a), a.shape, a.stride(), a.dtype, a.device, a.data_ptr() & 15,
+            type(a_s), a_s.shape, a_s.stride(), a_s.dtype, a_s.device, a_s.data_ptr() & 15,
+            type(b), b.shape, b.stride(), b.dtype, b.device, b.data_ptr() & 15,
+            type(b_s), b_s.shape, b_s.stride(), b_s.dtype, b_s.device, b_s.data_ptr() & 15)
+
+
+def _replay(op: str, out_dtype: torch.dtype, a, a_s, b, b_s, lost_nan) -> tuple:
+    """(key, plan, c) of an fp8_gemm or fp8_bmm call: its plan key (None where the arguments are not tensors:
+    the op's checks word the error) and plan, and c, the output of the plan's replay, or None where no plan
+    ran (a miss, NO_PLAN, or a plan declining). On the CPU lost_nan(a, b, c) restores the interpreter's NaNs."""
+    try:
+        key = _gemm_plan_key(op, out_dtype, a, a_s, b, b_s)
+        plan = _PLANS.get(key)
+    except Exception:  # not tensors, say
+        return None, None, None
+    c = plan(a, a_s, b, b_s) if plan else None
+    if c is not None and not c.is_cuda:
+        lost_nan(a, b, c)
+    return key, plan, c
+
+
 def _fp8_gemm_impl(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
                    out_dtype: torch.dtype) -> torch.Tensor:
     # A repeat call signature replays its launch plan (kdsl/ops/_plan.py: what the key holds and why).
-    try:
-        key = ("fp8_gemm", out_dtype, _device(),
-               type(a), a.shape, a.stride(), a.dtype, a.device, a.data_ptr() & 15,
-               type(a_s), a_s.shape, a_s.stride(), a_s.dtype, a_s.device, a_s.data_ptr() & 15,
-               type(b), b.shape, b.stride(), b.dtype, b.device, b.data_ptr() & 15,
-               type(b_s), b_s.shape, b_s.stride(), b_s.dtype, b_s.device, b_s.data_ptr() & 15)
-        plan = _PLANS.get(key)
-    except Exception:  # not tensors, say: the checks below word the error
-        key = plan = None
-    if plan:
-        c = plan(a, a_s, b, b_s)
-        if c is not None:
-            if not c.is_cuda:
-                _fp8_gemm_lost_nan(a, b, c)
-            return c
+    key, plan, c = _replay("fp8_gemm", out_dtype, a, a_s, b, b_s, _fp8_gemm_lost_nan)
+    if c is not None:
+        return c
     scheme, group, block_n, block_k, c = _fp8_gemm_outputs(a, a_s, b, b_s, out_dtype)
     device = a.device
     k = a.shape[-1]
@@ -453,20 +466,8 @@ def _fp8_bmm_impl(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torc
     # writing into out= takes the ordinary path (a plan allocates its outputs).
     key = plan = None
     if out is None:
-        try:
-            key = ("fp8_bmm", out_dtype, _device(),
-                   type(a), a.shape, a.stride(), a.dtype, a.device, a.data_ptr() & 15,
-                   type(a_s), a_s.shape, a_s.stride(), a_s.dtype, a_s.device, a_s.data_ptr() & 15,
-                   type(b), b.shape, b.stride(), b.dtype, b.device, b.data_ptr() & 15,
-                   type(b_s), b_s.shape, b_s.stride(), b_s.dtype, b_s.device, b_s.data_ptr() & 15)
-            plan = _PLANS.get(key)
-        except Exception:  # not tensors, say: the checks below word the error
-            key = plan = None
-    if plan:
-        c = plan(a, a_s, b, b_s)
+        key, plan, c = _replay("fp8_bmm", out_dtype, a, a_s, b, b_s, _fp8_bmm_lost_nan)
         if c is not None:
-            if not c.is_cuda:
-                _fp8_bmm_lost_nan(a, b, c)
             return c
     scheme, group, block_n, block_k, c = _fp8_bmm_outputs(a, a_s, b, b_s, out_dtype, out)
     device = a.device
