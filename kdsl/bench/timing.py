@@ -476,9 +476,8 @@ def graph_timed(case: Case) -> bool:
 
 
 def run_case(case: Case, host_time: bool = True) -> list[Result]:
-    """Check and time one case's kdsl implementations and baselines; host_time=False skips the host-time
-    batches (kdsl bench --no-host-time)."""
-    """All results of one case: one per kdsl implementation, sharing the baseline timings."""
+    """All results of one case: one per kdsl implementation, sharing the baseline timings. host_time=False
+    skips the host-time batches (kdsl bench --no-host-time)."""
     torch.manual_seed(zlib.crc32(f"{case.op} {case.label()}".encode()))  # reproducible, never zeros
     try:
         with full_fp32_matmul():
