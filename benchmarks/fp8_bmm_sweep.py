@@ -32,8 +32,9 @@ COLD_BYTES = 128 << 20
 FRESH = os.environ.get("FP8_BMM_SWEEP_FRESH") == "1"
 
 
-def T(bm, bn, warps, stages=3, **options):
-    return dict(block_m=bm, block_n=bn, block_k=128, num_warps=warps, num_stages=stages, options=options)
+def T(bm, bn, warps, stages=3, group_m=8, **options):
+    return dict(block_m=bm, block_n=bn, block_k=128, num_warps=warps, num_stages=stages, group_m=group_m,
+                options=options)
 
 
 P = dict(pdl=True, prefetch_weights=True)  # programmatic dependent launch, weights prefetched into L2 first
@@ -41,19 +42,23 @@ S = dict(swap_ab=True)
 NP = dict(persistent=False)
 PTR = dict(epilogue="pointer")
 BI = dict(batch_inner=True)
-CANDIDATES = {  # seventh round (H200): batch_inner at M >= 64, where MLA's [M, B, K] activations put a tile's
-    # 128-byte rows a whole token (B x K bytes) apart, so programs on neighbouring heads share DRAM pages
-    "small": [T(16, 64, 4, 2, **S, programs_per_sm=8, pdl=True), T(16, 64, 4, 2, **S, programs_per_sm=8, pdl=True, **BI),
+CANDIDATES = {  # eighth round (H200): narrower N tiles where few tiles leave SMs idle (16 heads, N = 128: a 64-wide
+    # tile gives 32 programs), and more programs per SM or other group sizes for prefill. The shipped tiles of
+    # each bucket come first.
+    "small": [T(16, 64, 4, 3, **S, flatten=True, programs_per_sm=4, **P), T(16, 64, 4, 2, **S, programs_per_sm=8, pdl=True),
               T(16, 64, 4, 4, **S, flatten=True, programs_per_sm=8, **P, **PTR),
-              T(16, 64, 4, 4, **S, flatten=True, programs_per_sm=8, **P, **PTR, **BI)],
-    "64": [T(64, 128, 4, flatten=True, **P, **PTR), T(64, 128, 4, flatten=True, **P, **PTR, **BI),
-           T(64, 64, 4, flatten=True, programs_per_sm=4, **P, **PTR), T(64, 64, 4, flatten=True, programs_per_sm=4, **P, **PTR, **BI)],
-    "128": [T(64, 128, 4, flatten=True), T(64, 128, 4, flatten=True, **BI), T(64, 128, 4, flatten=True, pdl=True, **PTR),
-            T(64, 128, 4, flatten=True, pdl=True, **PTR, **BI), T(64, 128, 4, 2, **NP, **P), T(64, 128, 4, 2, **NP, **P, **BI),
-            T(64, 64, 4, 4, **NP, **P, **PTR), T(64, 64, 4, 4, **NP, **P, **PTR, **BI)],
-    "large": [T(64, 128, 4, flatten=True), T(64, 128, 4, flatten=True, **BI), T(64, 128, 4, flatten=True, pdl=True, **PTR),
-              T(64, 128, 4, flatten=True, pdl=True, **PTR, **BI), T(128, 128, 8, flatten=True, programs_per_sm=1, **BI),
-              T(64, 128, 4, flatten=True, tile_order="n_major", **BI)],
+              T(16, 32, 4, 4, flatten=True, programs_per_sm=8, **P, **PTR), T(16, 16, 4, 4, flatten=True, programs_per_sm=8, **P, **PTR),
+              T(16, 32, 4, 2, programs_per_sm=8, pdl=True), T(16, 32, 4, 4, **NP, **P, **PTR), T(16, 128, 4, 2, **S, programs_per_sm=4, pdl=True)],
+    "64": [T(64, 64, 4, flatten=True, programs_per_sm=4, **P, **PTR), T(64, 128, 4, flatten=True, **P, **PTR),
+           T(64, 32, 4, flatten=True, programs_per_sm=8, **P, **PTR), T(64, 16, 4, flatten=True, programs_per_sm=8, **P, **PTR),
+           T(64, 32, 4, 4, **NP, **P, **PTR)],
+    "128": [T(64, 128, 4, 2, **NP, **P), T(64, 64, 4, 4, **NP, **P, **PTR), T(64, 128, 4, flatten=True),
+            T(64, 128, 4, flatten=True, pdl=True, **PTR), T(64, 32, 4, 4, **NP, **P, **PTR),
+            T(64, 32, 4, flatten=True, programs_per_sm=8, **P, **PTR), T(64, 64, 4, flatten=True, programs_per_sm=4, pdl=True, **PTR)],
+    "large": [T(64, 128, 4, flatten=True), T(64, 128, 4, flatten=True, pdl=True, **PTR),
+              T(64, 128, 4, 2, flatten=True, programs_per_sm=3), T(64, 128, 4, 2, flatten=True, programs_per_sm=4),
+              T(64, 128, 4, group_m=4, flatten=True), T(64, 128, 4, group_m=16, flatten=True),
+              T(64, 128, 8, flatten=True), T(64, 64, 4, flatten=True, programs_per_sm=4)],
 }
 
 
@@ -63,7 +68,9 @@ def bucket(m):
 
 def label(fields):
     opts = ",".join(f"{k}={v}" for k, v in fields["options"].items())
-    return f"{fields['block_m']}x{fields['block_n']}w{fields['num_warps']}s{fields['num_stages']}" + (f"[{opts}]" if opts else "")
+    group = f"g{fields['group_m']}" if fields["group_m"] != 8 else ""
+    return (f"{fields['block_m']}x{fields['block_n']}w{fields['num_warps']}s{fields['num_stages']}{group}"
+            + (f"[{opts}]" if opts else ""))
 
 
 def timed(calls, m):
