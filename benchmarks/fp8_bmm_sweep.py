@@ -3,11 +3,12 @@
     python benchmarks/fp8_bmm_sweep.py [OUT.json]
 
 For each (B, N, K) of issue 33 and M in {1, 16, 64, 128, 512, 4096}: every candidate tile of M's bucket is
-launched through the generated module's launch() (no registry), checked against an fp32 dequantize-then-bmm
-reference, then timed; bf16 torch.bmm on the dequantized weights and the portable kernel's shipped tile are
-timed beside them. a is the transpose(0, 1) view of a [M, B, K] tensor. CUDA-graph medians at every M (as
-kdsl bench times fp8_bmm); up to M = 512 over calls that cycle through copies of the weights (each call reads
-them cold). Prints each cell's best against bf16 bmm and the bandwidth roofline (a measured 1 GiB copy).
+launched through the generated module's launch() (no registry), checked against the bench's fp32
+dequantize-then-bmm reference (kdsl.bench.timing.fp8_bmm_inputs; rounds 1-11 built their operands with
+kdsl.ops.act_quant and weight_quant here instead), then timed; bf16 torch.bmm on the dequantized weights and the
+portable kernel's shipped tile are timed beside them. a is the transpose(0, 1) view of a [M, B, K] tensor.
+CUDA-graph medians at every M (as kdsl bench times fp8_bmm); up to M = 512 over calls that cycle through copies of
+the weights (each call reads them cold). Prints each cell's best against bf16 bmm and the bandwidth roofline (a measured 1 GiB copy).
 """
 import json
 import os
@@ -18,6 +19,7 @@ import triton.testing as tt
 
 import kdsl
 from kdsl import registry
+from kdsl.bench.timing import fp8_bmm_inputs
 from kdsl.codegen.render import tile_params
 from kdsl.kernels import find_impl
 from kdsl.schema import Tile
@@ -109,14 +111,7 @@ def main():
     print(torch.cuda.get_device_name(), f"copy {rate / 1e12:.2f} TB/s", flush=True)
     for batch, n, k in SHAPES:
         for m in MS:
-            x = torch.randn(m, batch, k, device="cuda", dtype=torch.bfloat16)
-            q, s = kdsl.ops.act_quant(x)
-            a, a_s = q.transpose(0, 1), s.transpose(0, 1)
-            w = torch.randn(batch, n, k, device="cuda", dtype=torch.bfloat16)
-            wq, ws = zip(*(kdsl.ops.weight_quant(w[g]) for g in range(batch)))
-            b, b_s = torch.stack(wq), torch.stack(ws)
-            w_deq = b.float() * b_s.repeat_interleave(128, 1)[:, :n].repeat_interleave(128, 2)
-            ref = torch.bmm(a.float() * a_s.repeat_interleave(128, -1), w_deq.transpose(1, 2))
+            x, a, a_s, b, b_s, w_deq, ref = fp8_bmm_inputs(batch, m, n, k)
             copies = min(64, -(-COLD_BYTES // b.numel())) if m <= 512 else 1
             weights = [(b, b_s)] + [(b.clone(), b_s.clone()) for _ in range(copies - 1)]
             w16s = [w_deq.to(torch.bfloat16) for _ in range(copies)]
