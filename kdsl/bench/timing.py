@@ -364,6 +364,33 @@ def gptq_gemm_inputs(m: int, n: int, k: int) -> GPTQGemmInputs:
     return GPTQGemmInputs(x, qweight, qzeros, scales, w_ref, x.float() @ w_ref)
 
 
+@dataclass
+class DescActInputs:
+    x: torch.Tensor  # [M, K], x's columns in the checkpoint's row order
+    qweight: torch.Tensor
+    qzeros: torch.Tensor
+    scales: torch.Tensor
+    g_idx: torch.Tensor  # int32 [K]: a permutation's groups, as GPTQ's desc_act writes them
+
+
+def desc_act_checkpoint(inputs: GPTQGemmInputs) -> DescActInputs:
+    """inputs' weights as an act-order checkpoint computing the same product: row perm[i] of the new
+    checkpoint holds row i of the old one (group i // GROUP), and x's columns move with the rows."""
+    k = inputs.x.shape[-1]
+    perm = torch.randperm(k, device=DEVICE)
+    q = unpack_int4(inputs.qweight, dim=0)  # [K, N]
+    moved = torch.empty_like(q)
+    moved[perm] = q
+    shifts = torch.arange(8, device=DEVICE, dtype=torch.int64) * 4
+    words = (moved.to(torch.int64).view(k // 8, 8, -1) << shifts[None, :, None]).sum(dim=1)
+    qweight = (words - ((words >> 31) << 32)).to(torch.int32)  # two's complement of the top nibble
+    g_idx = torch.empty(k, device=DEVICE, dtype=torch.int32)
+    g_idx[perm] = torch.arange(k, device=DEVICE, dtype=torch.int32) // GROUP
+    x = torch.empty_like(inputs.x)
+    x[:, perm] = inputs.x
+    return DescActInputs(x, qweight, inputs.qzeros, inputs.scales, g_idx)
+
+
 def setup_gptq_gemm(case: Case) -> CaseSetup:
     gemm = kdsl_op("gptq_gemm")
     m, n, k = case.m, case.n, case.k
@@ -380,6 +407,13 @@ def setup_gptq_gemm(case: Case) -> CaseSetup:
             kdsl["gptq_gemm[prepared]"] = lambda: gemm(x, prepared)
         except Exception as exc:  # noqa: BLE001 - only this row fails, the plain gptq_gemm still runs
             kdsl["gptq_gemm[prepared]"] = raising(exc)
+        try:  # the same weights as a desc_act checkpoint: rows permuted, the group of each row in g_idx
+            act_order = desc_act_checkpoint(inputs)
+            prepared_act_order = ops.gptq_prepare(act_order.qweight, act_order.qzeros, act_order.scales,
+                                                  act_order.g_idx, bits=4, group_size=GROUP, checkpoint_format="gptq")
+            kdsl["gptq_gemm[prepared,desc_act]"] = lambda: gemm(act_order.x, prepared_act_order)
+        except Exception as exc:  # noqa: BLE001 - only this row fails
+            kdsl["gptq_gemm[prepared,desc_act]"] = raising(exc)
     groups = scales.shape[0]
     return CaseSetup(
         kdsl=kdsl, check=lambda out: check_close(out, ref, GEMM_TOL),
