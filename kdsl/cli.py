@@ -38,13 +38,17 @@ non_negative_int = int_at_least(0)  # sizes
 
 
 def arch(text: str) -> int:
-    """argparse type for --arch: 'sm_90' -> 90."""
-    from kdsl.naming import parse_arch
+    """argparse type for --arch: 'sm_90' -> 90; an arch kdsl does not know (a typo such as sm_999) is refused."""
+    from kdsl.naming import KNOWN_ARCHS, format_arch, parse_arch
 
+    known = ", ".join(map(format_arch, KNOWN_ARCHS))
     try:
-        return parse_arch(text)
+        number = parse_arch(text)
     except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+        raise argparse.ArgumentTypeError(f"{error}; known archs: {known}") from None
+    if number not in KNOWN_ARCHS:
+        raise argparse.ArgumentTypeError(f"unknown arch {text!r}; known archs: {known}")
+    return number
 
 
 def _kernels(op: str | None) -> list:
@@ -60,11 +64,40 @@ def _kernels(op: str | None) -> list:
     return [e for e in kernels if e.op == op]
 
 
+def generate_out(defs: Path, out: Path | None, check: bool = False, into_package: bool = False) -> Path:
+    """The folder `generate` writes (or checks): --out if given; else the shipped kernels' folder for the shipped
+    definitions (a checkout's generated/, which `make demo` and CI regenerate) and ./generated for a user's own.
+    UsageError for a file, for the shipped kernels as a user's default, and for a folder inside the kdsl
+    package unless into_package (a user's kernels would replace an installed wheel's)."""
+    from kdsl.runtime.manifest import package_dir, shipped_definitions_dir, shipped_dir
+
+    if out is not None:
+        target = out.resolve()
+    elif defs.resolve() == shipped_definitions_dir().resolve():
+        target = shipped_dir().resolve()
+    else:
+        target = (Path.cwd() / "generated").resolve()
+        if not check and target == shipped_dir().resolve():  # generate --defs mine, at the top of a checkout
+            raise UsageError(f"--out defaults to ./generated for your own --defs, and {target}/ holds the kernels "
+                             f"kdsl ships; name a folder for your kernels with --out DIR (or --out {target} to "
+                             "replace kdsl's)")
+    if target.exists() and not target.is_dir():
+        raise UsageError(f"--out {out if out is not None else target}: is a file, not a folder")
+    package = package_dir().resolve()
+    if not check and not into_package and (target == package or package in target.parents):
+        raise UsageError(f"--out {target}: is inside the kdsl package ({package}); writing there replaces the "
+                         "kernels kdsl ships. Write your kernels to a folder of your own with --out DIR (then "
+                         "KDSL_KERNEL_PATH=DIR), or pass --into-package to write there anyway")
+    return target
+
+
 def _generate(args: argparse.Namespace) -> int:
-    from kdsl.codegen import PlanError, compare, plan_kernels, render_all, write
+    from kdsl.codegen import OutputError, PlanError, compare, plan_kernels, render_all, write
     from kdsl.schema import DefinitionError, DefinitionGroupError, load_definitions
 
-    out = args.out.resolve()
+    if not args.defs.is_dir():
+        raise UsageError(f"--defs {args.defs}: is not a folder of kernel definitions (*.toml)")
+    out = generate_out(args.defs, args.out, args.check, args.into_package)
     try:
         definitions = load_definitions(args.defs)
         kernels = plan_kernels(definitions)
@@ -80,6 +113,10 @@ def _generate(args: argparse.Namespace) -> int:
     names = ", ".join(d.path.name for d in definitions)
     print(f"{len(kernels)} kernels from {len(definitions)} definition(s): {names}", file=sys.stderr)
     if args.check:
+        if not out.is_dir():
+            print(f"error: --out {out}: the folder does not exist, so there is nothing to check "
+                  f"(`python -m kdsl generate --out {out}` writes it)", file=sys.stderr)
+            return 1
         diff = compare(files, out)
         if diff.clean:
             print(f"{out}/ is up to date", file=sys.stderr)
@@ -88,13 +125,23 @@ def _generate(args: argparse.Namespace) -> int:
             print(f"stale: {out / name} (differs from what the definitions render)", file=sys.stderr)
         for name in diff.stale:
             print(f"stale: {out / name} (no definition renders it)", file=sys.stderr)
+        for name in diff.unowned:
+            print(f"stray: {out / name} (no definition renders it and kdsl did not write it: generate leaves it, "
+                  "remove it by hand)", file=sys.stderr)
         print("run `python -m kdsl generate` and commit the result", file=sys.stderr)
         return 1
-    diff = write(files, out)
+    try:
+        diff = write(files, out)
+    except OutputError as error:
+        raise UsageError(f"--out {error}; nothing written, name another folder") from None
+    except OSError as error:
+        raise UsageError(f"--out {out}: cannot write there ({error}); nothing written") from None
     for name in diff.changed:
         print(f"wrote {out / name}", file=sys.stderr)
     for name in diff.stale:
         print(f"removed {out / name}", file=sys.stderr)
+    for name in diff.unowned:
+        print(f"kept {out / name} (kdsl did not write it)", file=sys.stderr)
     unchanged = len(files) - len(diff.changed)
     print(f"{len(diff.changed)} written, {len(diff.stale)} removed, {unchanged} unchanged in {out}/", file=sys.stderr)
     _warn_unless_read(out)
@@ -211,12 +258,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="render kernel definitions (*.toml) into a folder of Triton kernels",
                               description="Validate every definition, render every kernel, and write them with "
                                           "their manifest.json into --out (all or nothing: a bad definition writes "
-                                          "nothing). Exit 1 if a definition is bad, or with --check if --out is stale.")
+                                          "nothing). Only files kdsl wrote there before (listed in the folder's "
+                                          "manifest, with kdsl's header) are replaced or removed. Exit 1 if a "
+                                          "definition is bad, or with --check if --out is stale or missing; 2 for "
+                                          "a bad --defs or --out.")
     gen.add_argument("--defs", type=Path, default=shipped_definitions_dir(),
                      help="folder of *.toml definitions (default: %(default)s)")
-    gen.add_argument("--out", type=Path, default=shipped_dir(),
-                     help="output folder (default: %(default)s, the kernels kdsl ships)")
+    gen.add_argument("--out", type=Path,
+                     help=f"output folder (default: {shipped_dir()}, the kernels kdsl ships, for the shipped "
+                          "definitions; ./generated for your own --defs)")
     gen.add_argument("--check", action="store_true", help="write nothing; exit 1 listing stale files if --out differs")
+    gen.add_argument("--into-package", action="store_true",
+                     help="allow writing inside the kdsl package (an installed wheel's shipped kernels), which "
+                          "generate otherwise refuses")
     gen.set_defaults(func=_generate)
 
     schema = commands.add_parser("schema", help="print the JSON Schema of the definition format",

@@ -12,7 +12,7 @@ import torch
 
 import kdsl
 from kdsl import registry
-from kdsl.cli import build_parser, main
+from kdsl.cli import build_parser, generate_out, main
 from kdsl.runtime.manifest import shipped_definitions_dir, shipped_dir
 
 FP8_SCHEME = "block_fp8.e4m3.w128x128.a128.f32"
@@ -137,11 +137,157 @@ def test_list_says_where_each_kernel_comes_from(capsys, monkeypatch, tmp_path):
 
 def test_generate_defaults_are_the_shipped_folders(capsys, monkeypatch):
     args = build_parser().parse_args(["generate"])
-    assert args.defs == shipped_definitions_dir() and args.out == shipped_dir()
+    assert args.defs == shipped_definitions_dir() and args.out is None and not args.into_package
+    # The shipped definitions render into the shipped kernels' folder (a checkout's generated/).
+    assert generate_out(args.defs, args.out) == shipped_dir().resolve()
     monkeypatch.setenv("COLUMNS", "1000")  # keep the paths on one line of help
     code, out, _ = run(capsys, "generate", "--help")
     assert code == 0
-    assert f"(default: {shipped_definitions_dir()})" in out and f"(default: {shipped_dir()}" in out
+    assert f"(default: {shipped_definitions_dir()})" in out and f"(default: {shipped_dir()}, the kernels" in out
+    assert "./generated for your own --defs" in out
+
+
+@pytest.fixture
+def my_defs(tmp_path, repo_root) -> Path:
+    """A user's definitions folder: a copy of the shipped block FP8 file (8 kernels, quick to render)."""
+    defs = tmp_path / "my_defs"
+    defs.mkdir()
+    shutil.copy(repo_root / "kernel_defs" / "block_fp8.toml", defs / "mine.toml")
+    return defs
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_generate_with_own_defs_writes_to_the_working_directory(capsys, monkeypatch, tmp_path, my_defs):
+    shipped = snapshot(shipped_dir())
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    code, _, err = run(capsys, "generate", "--defs", str(my_defs))
+    assert code == 0, err
+    assert f"in {work / 'generated'}/" in err
+    assert (work / "generated" / "manifest.json").is_file()
+    assert len(list((work / "generated").glob("*.py"))) == 10
+    assert snapshot(shipped_dir()) == shipped  # the shipped kernels are untouched
+
+
+def test_own_defs_never_default_to_the_shipped_kernels(capsys, monkeypatch, tmp_path, my_defs, repo_root):
+    """generate --defs mine at the top of a checkout: ./generated is the shipped kernels, refused unless named."""
+    top = tmp_path / "checkout"
+    shutil.copytree(repo_root / "generated", top / "generated", ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setenv(registry.GENERATED_ENV, str(top / "generated"))  # this copy stands for the shipped kernels
+    monkeypatch.chdir(top)
+    before = snapshot(top / "generated")
+    code, out, err = run(capsys, "generate", "--defs", str(my_defs))
+    assert code == 2 and out == ""
+    assert err.startswith("error: --out defaults to ./generated for your own --defs")
+    assert f"--out {(top / 'generated').resolve()} to replace kdsl's" in err
+    assert snapshot(top / "generated") == before
+    # Named explicitly, it is the user's choice: their kernels replace the ones the folder's manifest lists.
+    code, _, err = run(capsys, "generate", "--defs", str(my_defs), "--out", "generated")
+    assert code == 0, err
+    assert "removed" in err and len(list((top / "generated").glob("*.py"))) == 10
+
+
+def test_generate_refuses_to_write_inside_the_package_unless_asked(capsys, monkeypatch, tmp_path, my_defs):
+    from kdsl.runtime import manifest
+
+    package = tmp_path / "site-packages" / "kdsl"
+    (package / "generated").mkdir(parents=True)
+    monkeypatch.setattr(manifest, "_PACKAGE_DIR", package)  # as if kdsl were installed there
+    code, _, err = run(capsys, "generate", "--defs", str(my_defs), "--out", str(package / "generated"))
+    assert code == 2
+    assert f"error: --out {package / 'generated'}: is inside the kdsl package ({package})" in err
+    assert "--out DIR" in err and "--into-package" in err
+    assert list((package / "generated").iterdir()) == []
+    code, _, err = run(capsys, "generate", "--defs", str(my_defs), "--out", str(package / "generated"),
+                       "--into-package")
+    assert code == 0, err
+    assert (package / "generated" / "manifest.json").is_file()
+    # --check writes nothing, so it may look inside the package.
+    code, _, err = run(capsys, "generate", "--defs", str(my_defs), "--out", str(package / "generated"), "--check")
+    assert code == 0, err
+
+
+def test_generate_removes_only_what_it_wrote(capsys, tmp_path, my_defs, repo_root):
+    out = tmp_path / "kernels"
+    assert run(capsys, "generate", "--defs", str(repo_root / "kernel_defs"), "--out", str(out))[0] == 0
+    w4a16 = sorted(out.glob("w4a16_gemm__*.py"))
+    assert w4a16
+    (out / "notes.py").write_text("# my own helper\n")
+    (out / "settings.json").write_text("{}\n")
+    # A module with kdsl's header that the manifest does not list: a copy the user made, kept.
+    (out / "copy_of_a_kernel.py").write_text((out / w4a16[0].name).read_text())
+    code, _, err = run(capsys, "generate", "--defs", str(my_defs), "--out", str(out))
+    assert code == 0, err
+    assert not any(p.exists() for p in w4a16)  # listed in the folder's manifest, with the header: removed
+    assert (out / "notes.py").read_text() == "# my own helper\n" and (out / "settings.json").is_file()
+    assert (out / "copy_of_a_kernel.py").is_file()
+    assert f"kept {out / 'notes.py'} (kdsl did not write it)" in err
+    # --check names what generate leaves alone, and fails: the folder is not what the definitions render.
+    code, _, err = run(capsys, "generate", "--defs", str(my_defs), "--out", str(out), "--check")
+    assert code == 1
+    assert f"stray: {out / 'notes.py'}" in err and "remove it by hand" in err
+
+
+def test_generate_never_overwrites_a_file_it_did_not_write(capsys, tmp_path, my_defs):
+    out = tmp_path / "generated"
+    out.mkdir()
+    (out / "manifest.json").write_text('{"another": "tool"}\n')
+    code, _, err = run(capsys, "generate", "--defs", str(my_defs), "--out", str(out))
+    assert code == 2
+    assert f"error: --out {out}/ holds manifest.json, which kdsl did not write; refusing to overwrite it" in err
+    assert "nothing written" in err
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json"]  # nothing written, no temporary files
+
+
+def test_generate_stages_every_file_before_replacing_any(capsys, monkeypatch, tmp_path, my_defs):
+    out = tmp_path / "kernels"
+    out.mkdir()
+    real = Path.write_text
+    written = []
+
+    def fail_on_the_third(self, *args, **kwargs):
+        written.append(self.name)
+        if len(written) == 3:
+            raise OSError(28, "No space left on device")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", fail_on_the_third)
+    code, _, err = run(capsys, "generate", "--defs", str(my_defs), "--out", str(out))
+    assert code == 2
+    assert f"error: --out {out}: cannot write there" in err and "No space left on device" in err
+    assert "Traceback" not in err
+    assert list(out.iterdir()) == []  # neither a module nor a staged temporary file
+
+
+@pytest.mark.parametrize("argv, code, message", [
+    (["generate", "--out", "{file}"], 2, "error: --out {file}: is a file, not a folder"),
+    (["generate", "--defs", "{missing}"], 2, "error: --defs {missing}: is not a folder of kernel definitions"),
+    (["generate", "--check", "--out", "{missing}"], 1,
+     "error: --out {missing}: the folder does not exist, so there is nothing to check"),
+])
+def test_generate_argument_errors_are_one_line_naming_the_flag(capsys, tmp_path, argv, code, message):
+    names = {"file": tmp_path / "a_file.txt", "missing": tmp_path / "missing"}
+    names["file"].write_text("not a folder\n")
+    got, out, err = run(capsys, *[a.format(**names) for a in argv])
+    assert got == code
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert lines == [next(line for line in err.splitlines() if line.startswith("error:"))]
+    assert lines[0].startswith(message.format(**names))
+    assert "Traceback" not in err and "differs" not in err
+    assert not names["missing"].exists()
+
+
+@pytest.mark.parametrize("command", [["explain", "fp8_gemm"], ["aot", "--out", "x"]])
+def test_unknown_arch_is_refused_listing_the_known_ones(capsys, command):
+    code, out, err = run(capsys, *command, "--arch", "sm_999")
+    assert code == 2 and out == ""
+    assert ("argument --arch: unknown arch 'sm_999'; known archs: sm_80, sm_86, sm_89, sm_90, sm_100, sm_120"
+            in err)
+    assert run(capsys, "explain", "fp8_gemm", "--arch", "sm_100")[0] in (0, 1)  # known: an answer, not a usage error
 
 
 def test_generate_names_the_absolute_folder_and_how_to_use_it(capsys, monkeypatch, tmp_path, repo_root):

@@ -116,12 +116,21 @@ def test_generate_repairs_a_stale_folder(repo_root, rendered, tmp_path):
     copy = tmp_path / "generated"
     shutil.copytree(rendered, copy)
     victim = sorted(copy.glob("*.py"))[0]
-    victim.write_text("# hand edit\n", encoding="utf-8")
-    (copy / "stray.py").write_text("# stray\n", encoding="utf-8")
+    victim.write_text("# hand edit\n", encoding="utf-8")  # listed in the folder's manifest: kdsl's to rewrite
+    # A module an older definition rendered: listed in the folder's manifest, with the header.
+    manifest = json.loads((copy / "manifest.json").read_text(encoding="utf-8"))
+    old = json.loads(json.dumps(manifest["kernels"][0]))
+    old["modules"][0]["module"] = "fp8_gemm__from_an_old_definition__sm90.py"
+    manifest["kernels"].append(old)
+    (copy / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    (copy / old["modules"][0]["module"]).write_text(HEADER + "\n# source: kernel_defs/old.toml\n", encoding="utf-8")
+    (copy / "stray.py").write_text("# stray\n", encoding="utf-8")  # not kdsl's: never removed
 
     result = kdsl_cli(repo_root, "generate", "--out", copy)
     assert result.returncode == 0, result.stderr
-    assert snapshot(copy) == snapshot(rendered)
+    assert f"removed {copy / old['modules'][0]['module']}" in result.stderr
+    assert f"kept {copy / 'stray.py'} (kdsl did not write it)" in result.stderr
+    assert snapshot(copy) == {**snapshot(rendered), "stray.py": b"# stray\n"}
 
 
 def test_every_module_has_the_header(rendered):

@@ -1,5 +1,6 @@
 """Install anywhere: what a wheel carries, user kernel folders beside the shipped ones, per-kernel digests,
 and the same refusal of unserved schemes on every path."""
+import json
 import os
 import subprocess
 import sys
@@ -46,10 +47,23 @@ def test_wheel_carries_every_module_definition_template_and_kernel(wheel):
     assert {f"kdsl/generated/{p.name}" for p in (REPO / "generated").iterdir() if p.suffix in (".py", ".json")} <= names
 
 
-def test_installed_wheel_runs_kernels_from_another_folder(wheel, tmp_path):
-    target = tmp_path / "site"
+def test_wheel_carries_the_license_and_the_typed_marker(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "kdsl/py.typed" in names
+    [license_file] = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+    assert zipfile.ZipFile(wheel).read(license_file) == (REPO / "LICENSE").read_bytes()
+    [metadata] = [n for n in names if n.endswith(".dist-info/METADATA")]
+    assert "License-Expression: Apache-2.0" in zipfile.ZipFile(wheel).read(metadata).decode()
+
+
+def _install(wheel: Path, target: Path) -> None:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, capture_output=True)
+
+
+def test_installed_wheel_runs_kernels_from_another_folder(wheel, tmp_path):
+    target = tmp_path / "site"
+    _install(wheel, target)
     script = """
 import torch, kdsl
 from kdsl.runtime.manifest import shipped_definitions_dir, shipped_dir
@@ -71,6 +85,54 @@ print("ok")
     assert defs == str(target / "kdsl" / "kernel_defs")
     assert module.startswith(str(target))
     assert result.stdout.split()[-1] == "ok"
+
+
+def _installed_kdsl(target: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`python -m kdsl ARGS` from the wheel installed in target, as a user runs it: from their own folder."""
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    for name in ("KDSL_GENERATED", "KDSL_KERNEL_PATH", "TRITON_INTERPRET"):
+        env.pop(name, None)
+    return subprocess.run([sys.executable, "-m", "kdsl", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_generate_from_a_wheel_install_leaves_the_shipped_kernels_intact(wheel, tmp_path):
+    """`kdsl generate --defs my_defs` (with and without --out) writes the user's kernels into their own folder;
+    the installed package's kernels are never touched, and `kdsl list` still lists every one of them."""
+    target = tmp_path / "site"
+    _install(wheel, target)
+    shipped = target / "kdsl" / "generated"
+    before = _files(shipped)
+    shipped_count = len(json.loads((REPO / "generated" / "manifest.json").read_text())["kernels"])
+    work = tmp_path / "work"
+    defs = work / "my_defs"
+    defs.mkdir(parents=True)
+    (defs / "fp8.toml").write_text((REPO / "kernel_defs" / "block_fp8.toml").read_text())
+
+    done = _installed_kdsl(target, "generate", "--defs", "my_defs", cwd=work)
+    assert done.returncode == 0, done.stderr
+    assert "0 removed" in done.stderr and f"in {work / 'generated'}/" in done.stderr
+    assert (work / "generated" / "manifest.json").is_file()
+    done = _installed_kdsl(target, "generate", "--defs", "my_defs", "--out", "mine", cwd=work)
+    assert done.returncode == 0, done.stderr
+    assert _files(work / "mine") == _files(work / "generated")
+    # Into the package itself: refused, naming --out (and the flag that allows it).
+    for args in (["generate"], ["generate", "--defs", "my_defs", "--out", str(shipped)]):
+        done = _installed_kdsl(target, *args, cwd=work)
+        assert done.returncode == 2, done.stderr
+        assert f"error: --out {shipped}: is inside the kdsl package" in done.stderr and "--out DIR" in done.stderr
+    assert _files(shipped) == before
+    # The shipped definitions still render the shipped kernels, and the registry lists all of them.
+    done = _installed_kdsl(target, "generate", "--check", cwd=work)
+    assert done.returncode == 0, done.stderr
+    done = _installed_kdsl(target, "list", cwd=work)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == f"{shipped_count} kernel(s)"
+    assert done.stdout.count("  from shipped\n") == shipped_count
 
 
 # --- user kernel folders --------------------------------------------------------------------------

@@ -28,6 +28,11 @@ def shipped_dir() -> Path:
     return installed if (installed / "manifest.json").is_file() else _PACKAGE_DIR.parent / "generated"
 
 
+def package_dir() -> Path:
+    """The kdsl package's own folder: site-packages/kdsl in an installed wheel, kdsl/ in a checkout."""
+    return _PACKAGE_DIR
+
+
 def shipped_definitions_dir() -> Path:
     """The definitions the shipped kernels were rendered from (kdsl/kernel_defs/ in a wheel)."""
     installed = _PACKAGE_DIR / "kernel_defs"
