@@ -776,6 +776,14 @@ def test_argument_errors_exit_2(capsys, tmp_path):
     assert "holds no *.toml definition" in capsys.readouterr().err
 
 
+def test_outside_a_checkout_the_missing_default_definitions_name_defs(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no ./kernel_defs here, as after `pip install kdsl`
+    assert tune_cli.run(parse("--op", "fp8_gemm")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kdsl tune: error: --defs kernel_defs: is not a folder of kernel definitions")
+    assert "pass --defs DIR" in err
+
+
 def test_without_cuda_exits_2_with_a_clear_message(monkeypatch, capsys, defs_copy):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert tune_cli.run(parse("--op", "w4a16_gemm", "--defs", str(defs_copy), "--write")) == 2

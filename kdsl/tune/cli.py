@@ -101,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     if not any(c.op == search.SHAPE_OPS[args.op] for c in cases):
         return _fail(f"--shapes {args.shapes} has no {search.SHAPE_OPS[args.op]} shapes to tune {args.op} on")
+    if not args.defs.is_dir():  # the default, kernel_defs, is relative: outside a checkout it is not there
+        return _fail(f"--defs {args.defs}: is not a folder of kernel definitions (*.toml); run in a checkout of kdsl "
+                     "or pass --defs DIR, the definitions to tune and rewrite")
     try:
         definitions = load_definitions(args.defs)
     except DefinitionGroupError as exc:
