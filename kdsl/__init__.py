@@ -11,7 +11,7 @@ import os
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 from kdsl import nn, ops, registry  # noqa: E402
-from kdsl.nn import load_quantized, quantize_  # noqa: E402
+from kdsl.nn import from_pretrained, load_quantized, quantize_  # noqa: E402
 from kdsl.runtime.registry import NoKernelError  # noqa: E402
 from kdsl.runtime.registry import SchemeNotServedError, served_schemes  # noqa: E402
 from kdsl.schema import GPTQ, BlockFP8  # noqa: E402
@@ -39,5 +39,5 @@ def scheme_from_hf(config: dict) -> BlockFP8 | GPTQ | AWQ:
 
 
 __all__ = ["BlockFP8", "GPTQ", "AWQ", "scheme_from_hf", "NoKernelError", "SchemeNotServedError", "ops", "registry", "nn",
-           "quantize_", "load_quantized"]
+           "quantize_", "load_quantized", "from_pretrained"]
 __version__ = "0.1.0"

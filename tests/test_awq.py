@@ -106,8 +106,10 @@ def test_scheme_from_hf():
     scheme = kdsl.scheme_from_hf(config)
     assert scheme == kdsl.AWQ(bits=4, group_size=128, zero_point=True) and scheme.name == "awq.int4.g128"
     assert kdsl.scheme_from_hf({**config, "version": "GEMM"}).group_size == 128
+    symmetric = kdsl.scheme_from_hf({**config, "zero_point": False})  # GPTQModel's default AWQ
+    assert symmetric.zero_point is False and symmetric.name == "awq.int4.g128.sym"
     for key, value, message in (("version", "gemv", "version = 'gemv' is not supported"),
-                                ("zero_point", False, "zero_point = False is not supported"),
+                                ("backend", "llm-awq", "backend = 'llm-awq' is not supported"),
                                 ("bits", 8, "bits = 8 is not supported"),
                                 ("group_size", -1, "group_size = -1 must be a power of two")):
         with pytest.raises(ValueError, match=message):

@@ -291,23 +291,23 @@ def _load_worker(rank, world, init_file, folder):
                             timeout=timedelta(seconds=120))
     try:
         import kdsl
-        from kdsl.nn import convert
+        from kdsl.nn import checkpoint
         from test_nn import DIM, HIDDEN, TinyMLP
 
         for kind in LOAD_KINDS:
             dtype = torch.bfloat16 if kind == "fp8" else torch.float16
-            read_whole, load = [], convert._Shards.load
+            read_whole, load = [], checkpoint._Shards.load
 
             def spy(self, key, device, load=load, read_whole=read_whole):
                 read_whole.append(key)
                 return load(self, key, device)
 
-            convert._Shards.load = spy
+            checkpoint._Shards.load = spy
             try:
                 model = kdsl.load_quantized(TinyMLP(dtype), os.path.join(folder, kind), device="cpu",
                                             tp_plan={"up": "column", "do*": "row"})
             finally:
-                convert._Shards.load = load
+                checkpoint._Shards.load = load
             assert isinstance(model.up, ColumnParallelLinear) and isinstance(model.down, RowParallelLinear)
             assert model.up.local.out_features == HIDDEN // world and model.down.local.in_features == HIDDEN // world
             # Only g_idx and biases of the parallel layers are read whole; the rest through get_slice.

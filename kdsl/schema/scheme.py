@@ -154,12 +154,13 @@ class AWQ(StrictModel):
     kind: Literal["awq"] = "awq"
     bits: IntBits = Field(4, description="bits per weight; 4 today")
     group_size: Annotated[int, AfterValidator(_awq_group_size)] = Field(128, description="rows of K sharing a scale/zero")
-    zero_point: Literal[True] = Field(True, description="asymmetric with stored zeros (AutoAWQ's default; False is not served)")
+    zero_point: bool = Field(True, description="stored zeros (AutoAWQ's default); False: symmetric, every zero "
+                                               "2**(bits-1) (GPTQModel's default AWQ)")
     version: Literal["gemm"] = Field("gemm", description="AutoAWQ packing; 'gemv' packs differently and is not served")
 
     @property
     def name(self) -> str:
-        return awq_scheme_name(self.bits, self.group_size)
+        return awq_scheme_name(self.bits, self.group_size) + ("" if self.zero_point else ".sym")
 
     @property
     def kernel_schemes(self) -> tuple[str, ...]:
@@ -172,85 +173,3 @@ class AWQ(StrictModel):
 
 
 Scheme = Annotated[Union[BlockFP8, GPTQ, W4A16], Field(discriminator="kind")]
-
-
-def scheme_from_hf(config: dict) -> BlockFP8 | GPTQ | AWQ:
-    """Map a Hugging Face ``quantization_config`` dict to a kdsl scheme.
-
-    Keys that do not affect kernels are ignored; anything kdsl cannot serve
-    raises ValueError naming the key.
-    """
-    if not isinstance(config, dict):
-        raise TypeError(f"quantization_config must be a dict, got {type(config).__name__}")
-    method = config.get("quant_method")
-    if method == "fp8":
-        return _block_fp8_from_hf(config)
-    if method == "gptq":
-        return _gptq_from_hf(config)
-    if method == "awq":
-        return _awq_from_hf(config)
-    raise ValueError(f"quantization_config.quant_method = {method!r} is not supported; supported: 'fp8', 'gptq', 'awq'")
-
-
-def _awq_from_hf(config: dict) -> AWQ:
-    version = config.get("version", "gemm")
-    if not isinstance(version, str) or version.lower() != "gemm":
-        raise ValueError(f"quantization_config.version = {version!r} is not supported; supported: 'gemm' "
-                         "(AutoAWQ's 'gemv' and 'marlin' pack the weights differently)")
-    zero_point = config.get("zero_point", True)
-    if zero_point is not True:
-        raise ValueError(f"quantization_config.zero_point = {zero_point!r} is not supported; AWQ checkpoints "
-                         "served here store zeros (zero_point = true)")
-    bits, group_size = config.get("bits", config.get("w_bit", 4)), config.get("group_size", config.get("q_group_size", 128))
-    for key, value in (("bits", bits), ("group_size", group_size)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"quantization_config.{key} must be int, got {value!r}")
-    if bits not in SUPPORTED_GPTQ_BITS:
-        raise ValueError(f"quantization_config.bits = {bits} is not supported; supported: 4")
-    if group_size == -1 or not is_gptq_group_size(group_size):
-        raise ValueError(f"quantization_config.group_size = {group_size} must be a power of two >= 16")
-    return AWQ(bits=bits, group_size=group_size)
-
-
-def _block_fp8_from_hf(config: dict) -> BlockFP8:
-    fmt = config.get("fmt", "e4m3")
-    if fmt != "e4m3":
-        raise ValueError(f"quantization_config.fmt = {fmt!r} is not supported; supported: 'e4m3'")
-    scheme_kw = config.get("activation_scheme", "dynamic")
-    if scheme_kw != "dynamic":
-        raise ValueError(
-            f"quantization_config.activation_scheme = {scheme_kw!r} is not supported; block FP8 needs 'dynamic'"
-        )
-    block = config.get("weight_block_size")
-    if block is None:
-        raise ValueError("quantization_config.weight_block_size is missing: per-tensor FP8 is not a block-FP8 scheme")
-    if not (isinstance(block, (list, tuple)) and len(block) == 2):
-        raise ValueError(f"quantization_config.weight_block_size must be [n, k], got {block!r}")
-    # DeepSeek-V3 quantizes activations in groups as wide as the weight block's K side.
-    return BlockFP8(weight_block=tuple(block), act_group=block[1])
-
-
-def _gptq_from_hf(config: dict) -> GPTQ:
-    fmt = config.get("checkpoint_format", "gptq")
-    fields = {
-        "bits": config.get("bits", 4),
-        "group_size": config.get("group_size", 128),
-        "sym": config.get("sym", True),
-        "desc_act": config.get("desc_act", False),
-        "checkpoint_format": fmt,
-    }
-    for key, value in fields.items():
-        expected = bool if key in ("sym", "desc_act") else (str if key == "checkpoint_format" else int)
-        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            raise ValueError(f"quantization_config.{key} must be {expected.__name__}, got {value!r}")
-    if fields["checkpoint_format"] not in ("gptq", "gptq_v2"):
-        raise ValueError(
-            f"quantization_config.checkpoint_format = {fmt!r} is not supported; supported: 'gptq', 'gptq_v2'"
-        )
-    if fields["bits"] not in SUPPORTED_GPTQ_BITS:
-        raise ValueError(f"quantization_config.bits = {fields['bits']} is not supported; supported: 4")
-    if not is_gptq_group_size(fields["group_size"]):
-        raise ValueError(
-            f"quantization_config.group_size = {fields['group_size']} must be a power of two >= 16 or -1"
-        )
-    return GPTQ(**fields)

@@ -1,0 +1,442 @@
+"""Load a quantized checkpoint folder into a model: load_quantized, and from_pretrained for transformers users.
+
+What the config means comes from kdsl.schema.read_hf_config; here each format's tensors per quantized linear
+(names, shapes, dtypes), and how they become an FP8Linear or a W4A16Linear. Everything is checked from the
+safetensors headers before anything changes, then layers are read one at a time.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kdsl.nn.convert import _swap
+from kdsl.nn.modules import FP8Linear, W4A16Linear
+from kdsl.ops.gptq_checkpoint import unpack_rows
+from kdsl.ops.w4a16 import prepare
+from kdsl.schema import HFQuantization, read_hf_config
+from kdsl.schema.scheme import AWQ, BlockFP8
+
+HALVES = ("F16", "BF16")
+FLOATS = HALVES + ("F32",)
+ACT_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not fit the model: names the tensor, the expected and the found shape or dtype."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    shape: tuple[int, ...]
+    dtypes: tuple[str, ...]
+    required: bool = True
+
+
+# --- the formats -----------------------------------------------------------------------------------------
+
+class LayerFormat:
+    """One checkpoint format's quantized linear: marker is the role whose tensor marks a layer as quantized."""
+
+    marker = "weight"
+    tp = False  # load_quantized's tp_plan can cut these layers (kdsl.parallel)
+
+    def __init__(self, hf: HFQuantization):
+        self.hf, self.scheme = hf, hf.scheme
+
+    def marks(self, dtype: str) -> bool:
+        return True
+
+    def specs(self, k: int, n: int) -> dict[str, Spec]:
+        raise NotImplementedError
+
+    def build(self, t: dict[str, torch.Tensor], act_dtype: torch.dtype | None) -> nn.Module:
+        raise NotImplementedError
+
+    def check_values(self, key: str, role: str, tensor: torch.Tensor, k: int, n: int) -> None:
+        """Checks on tensor values (read at build time): CheckpointError naming the tensor."""
+
+
+def _act_dtype(scales: torch.Tensor, act_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype int4 layers compute in: the model's (or load_quantized's dtype=), else the scales'."""
+    if act_dtype in ACT_DTYPES:
+        return act_dtype
+    return scales.dtype if scales.dtype in ACT_DTYPES else torch.float16
+
+
+class DeepSeekFP8(LayerFormat):
+    """quant_method "fp8": weight e4m3 [N, K], weight_scale_inv per block (a multiplier, or its reciprocal
+    where the config says weight_scale_semantics "inverse")."""
+
+    def marks(self, dtype: str) -> bool:
+        return dtype == "F8_E4M3"  # float weights of the same name are unquantized layers
+
+    scale_role = "weight_scale_inv"
+
+    def specs(self, k, n):
+        bn, bk = self.scheme.weight_block
+        return {"weight": Spec((n, k), ("F8_E4M3",)),
+                self.scale_role: Spec((-(-n // bn), -(-k // bk)), FLOATS),
+                "bias": Spec((n,), FLOATS, False)}
+
+    @property
+    def tp(self):
+        return not self.hf.scale_inverse
+
+    def build(self, t, act_dtype):
+        scale = t[self.scale_role].float()
+        if self.hf.scale_inverse:
+            scale = scale.reciprocal()  # 448 / amax -> amax / 448; NaN stays NaN, inf gives 0 (an all-zero block)
+        return FP8Linear(t["weight"], scale, t.get("bias"), self.scheme)
+
+
+class CompressedFP8Block(DeepSeekFP8):
+    """compressed-tensors "float-quantized" with FP8_BLOCK's arguments: weight e4m3, weight_scale per block
+    (a multiplier, often bf16); activations quantized per call, so no input_scale."""
+
+    scale_role = "weight_scale"
+    tp = False
+
+
+class GPTQFormat(LayerFormat):
+    marker = "qweight"
+    tp = True
+
+    def specs(self, k, n):
+        groups = 1 if self.scheme.group_size == -1 else k // self.scheme.group_size
+        return {"qweight": Spec((k // 8, n), ("I32",)), "qzeros": Spec((groups, n // 8), ("I32",)),
+                "scales": Spec((groups, n), FLOATS), "g_idx": Spec((k,), ("I32",), False),
+                "bias": Spec((n,), FLOATS, False)}
+
+    def build(self, t, act_dtype):
+        dtype = _act_dtype(t["scales"], act_dtype)
+        return W4A16Linear.from_gptq(t["qweight"], t["qzeros"], t["scales"].to(dtype), t.get("g_idx"),
+                                     t.get("bias"), self.scheme)
+
+
+AWQ_SYMMETRIC_ZEROS = -0x77777778  # 0x88888888 as int32: a zero of 8 in every nibble, whatever the order
+
+
+class AWQFormat(LayerFormat):
+    marker = "qweight"
+
+    @property
+    def tp(self):
+        return self.scheme.zero_point
+
+    def specs(self, k, n):
+        groups = k // self.scheme.group_size
+        # Symmetric AWQ (zero_point false) may store qzeros (all 8) or leave them out.
+        return {"qweight": Spec((k, n // 8), ("I32",)),
+                "qzeros": Spec((groups, n // 8), ("I32",), self.scheme.zero_point),
+                "scales": Spec((groups, n), FLOATS), "bias": Spec((n,), FLOATS, False)}
+
+    def build(self, t, act_dtype):
+        dtype = _act_dtype(t["scales"], act_dtype)
+        qzeros = t.get("qzeros")
+        if qzeros is None:
+            qzeros = torch.full((t["scales"].shape[0], t["qweight"].shape[1]), AWQ_SYMMETRIC_ZEROS,
+                                dtype=torch.int32, device=t["qweight"].device)
+        return W4A16Linear.from_awq(t["qweight"], qzeros, t["scales"].to(dtype), t.get("bias"), self.scheme)
+
+
+class CompressedPacked(LayerFormat):
+    """compressed-tensors "pack-quantized" int4: weight_packed int32 [N, K / 8] (value i of a row in bits
+    4 (i % 8) of word i // 8, stored as q + 8), weight_scale [N, G], weight_zero_point int32 [N / 8, G] packed
+    along N the same way when asymmetric, weight_shape [N, K], weight_g_idx [K] with actorder "group".
+    w[n, k] = (q - z) * s with q and z signed; symmetric means z = 0."""
+
+    marker = "weight_packed"
+
+    def specs(self, k, n):
+        groups = 1 if self.scheme.group_size == -1 else k // self.scheme.group_size
+        specs = {"weight_packed": Spec((n, k // 8), ("I32",)), "weight_scale": Spec((n, groups), FLOATS),
+                 "weight_shape": Spec((2,), ("I64", "I32"))}
+        if not self.scheme.sym:
+            specs["weight_zero_point"] = Spec((-(-n // 8), groups), ("I32",))
+        if self.hf.actorder:
+            specs["weight_g_idx"] = Spec((k,), ("I32", "I64"))
+        specs["bias"] = Spec((n,), FLOATS, False)
+        return specs
+
+    def check_values(self, key, role, tensor, k, n):
+        if role == "weight_shape" and tensor.tolist() != [n, k]:
+            raise CheckpointError(f"{key}: holds {tensor.tolist()}, but the model's layer is [{n}, {k}]")
+        if role == "weight_g_idx" and tensor.numel():
+            groups = k // self.scheme.group_size
+            low, high = int(tensor.min()), int(tensor.max())
+            if low < 0 or high >= groups:
+                raise CheckpointError(f"{key}: groups span [{low}, {high}], expected [0, {groups})")
+
+    def build(self, t, act_dtype):
+        n = t["weight_packed"].shape[0]
+        q = unpack_rows(t["weight_packed"].T.contiguous(), 4)  # [K, N], the stored q + 8
+        scales = t["weight_scale"].T.contiguous()  # [G, N]
+        if self.scheme.sym:
+            zeros = torch.full(scales.shape, 8, dtype=torch.int32, device=q.device)
+        else:
+            zeros = unpack_rows(t["weight_zero_point"], 4)[:n].T.contiguous()  # [G, N], the stored z + 8
+        g_idx = t.get("weight_g_idx")
+        prepared = prepare(q, zeros, scales.to(_act_dtype(scales, act_dtype)),
+                           None if g_idx is None else g_idx.to(torch.int32),
+                           bits=4, group_size=self.scheme.group_size, source="compressed-tensors")
+        bias = t.get("bias")
+        return W4A16Linear(prepared, None if bias is None else bias.to(prepared.dtype), self.scheme)
+
+
+FORMATS = {"fp8": DeepSeekFP8, "gptq": GPTQFormat, "awq": AWQFormat,
+           "compressed-tensors/float-quantized": CompressedFP8Block,
+           "compressed-tensors/pack-quantized": CompressedPacked}
+
+
+# --- reading the folder ----------------------------------------------------------------------------------
+
+class _Shards:
+    """Every tensor's shard, shape and dtype, read from the safetensors headers (no tensor data)."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{folder}: no *.safetensors files")
+        self.handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+        self.where: dict[str, int] = {}
+        for index, handle in enumerate(self.handles):
+            for key in handle.keys():
+                if key in self.where:
+                    raise CheckpointError(f"{key}: in both {files[self.where[key]].name} and {files[index].name}")
+                self.where[key] = index
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.handles[self.where[key]].get_slice(key).get_shape())
+
+    def dtype(self, key: str) -> str:
+        return self.handles[self.where[key]].get_slice(key).get_dtype()
+
+    def load(self, key: str, device) -> torch.Tensor:
+        return self.handles[self.where[key]].get_tensor(key).to(device)
+
+    def lazy(self, key: str, device) -> "_LazyTensor":
+        return _LazyTensor(self.handles[self.where[key]].get_slice(key), device)
+
+
+_SAFETENSORS_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16, "I32": torch.int32, "I64": torch.int64}
+
+
+class _LazyTensor:
+    """A checkpoint tensor that reads only what is indexed (safetensors get_slice): what the sharding helpers
+    of kdsl.parallel cut from, so each rank reads its own slice of a tensor-parallel layer."""
+
+    def __init__(self, handle, device):
+        self._handle = handle
+        self.shape = torch.Size(handle.get_shape())
+        self.dtype = _SAFETENSORS_DTYPES[handle.get_dtype()]
+        self.device = torch.device(device)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._handle[index].to(self.device)
+
+
+@dataclass
+class _Plan:
+    quantized: dict[str, dict[str, str]] = field(default_factory=dict)  # module name -> {role: key}
+    plain: dict[str, str] = field(default_factory=dict)  # model state_dict key -> checkpoint key
+
+
+def _ignored(name: str, patterns: tuple[str, ...]) -> bool:
+    """modules_to_not_convert (a name or a part of one, as transformers matches it) and compressed-tensors'
+    ignore ("re:" prefix: a regular expression matched from the start)."""
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            if re.match(pattern[3:], name):
+                return True
+        elif pattern == name or pattern in name:
+            return True
+    return False
+
+
+def _plan(model: nn.Module, shards: _Shards, fmt: LayerFormat) -> _Plan:
+    plan, problems = _Plan(), []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        key = f"{name}.{fmt.marker}"
+        if key not in shards.where or not fmt.marks(shards.dtype(key)) or _ignored(name, fmt.hf.ignore):
+            continue
+        roles = {}
+        for role, spec in fmt.specs(module.in_features, module.out_features).items():
+            key = f"{name}.{role}"
+            if key not in shards.where:
+                if spec.required:
+                    problems.append(f"{key}: missing (expected shape {spec.shape})")
+                continue
+            if shards.shape(key) != spec.shape:
+                problems.append(f"{key}: expected shape {spec.shape} for {module.in_features} -> "
+                                f"{module.out_features}, found {shards.shape(key)}")
+            elif shards.dtype(key) not in spec.dtypes:
+                problems.append(f"{key}: expected dtype {' or '.join(spec.dtypes)}, found {shards.dtype(key)}")
+            roles[role] = key
+        plan.quantized[name] = roles
+    for key, tensor in model.state_dict().items():
+        if key.rpartition(".")[0] in plan.quantized:
+            continue
+        if key not in shards.where:
+            problems.append(f"{key}: missing (the model has it, shape {tuple(tensor.shape)})")
+        elif shards.shape(key) != tuple(tensor.shape):
+            problems.append(f"{key}: expected shape {tuple(tensor.shape)}, found {shards.shape(key)}")
+        else:
+            plan.plain[key] = key
+    used = set(plan.plain) | {key for roles in plan.quantized.values() for key in roles.values()}
+    problems += [f"{key}: in the checkpoint but not in the model" for key in sorted(set(shards.where) - used)]
+    if problems:
+        raise CheckpointError("the checkpoint does not fit the model:\n  " + "\n  ".join(problems))
+    return plan
+
+
+TP_STYLES = ("column", "row")
+
+
+def _tp_style(name: str, tp_plan: dict[str, str] | None) -> str | None:
+    """The tensor-parallel style of module name: the first tp_plan pattern (fnmatch) that matches it."""
+    for pattern, style in (tp_plan or {}).items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return style
+    return None
+
+
+def _build_parallel(scheme, style: str, shards: _Shards, roles: dict[str, str], device, group) -> nn.Module:
+    """A Column/RowParallelLinear from this rank's slices of the layer (g_idx and bias are read whole)."""
+    from kdsl.parallel import ColumnParallelLinear, RowParallelLinear
+
+    t = {role: shards.load(key, device) if role in ("g_idx", "bias") else shards.lazy(key, device)
+         for role, key in roles.items()}
+    cls = ColumnParallelLinear if style == "column" else RowParallelLinear
+    bias = t.get("bias")
+    if isinstance(scheme, BlockFP8):
+        return cls.from_fp8(t["weight"], t["weight_scale_inv"], bias, group=group, scheme=scheme)
+    if isinstance(scheme, AWQ):
+        return cls.from_awq(t["qweight"], t["qzeros"], t["scales"], bias, group=group, scheme=scheme)
+    return cls.from_gptq(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), bias, group=group, scheme=scheme)
+
+
+def _read_config(folder: Path) -> dict:
+    config_path = folder / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{config_path}: unreadable ({error})") from None
+    if not isinstance(config.get("quantization_config"), dict):
+        raise CheckpointError(f"{config_path}: no quantization_config")
+    return config
+
+
+def load_quantized(model: nn.Module, path, device=None, *, dtype: torch.dtype | None = None,
+                   tp_plan: dict[str, str] | None = None, group=None) -> nn.Module:
+    """Load a quantized checkpoint folder (config.json with a quantization_config, *.safetensors shards in the
+    published key names) into model, in place.
+
+    Each nn.Linear with quantized tensors in the checkpoint becomes an FP8Linear (DeepSeek-V3 / GPTQModel FP8
+    `weight` + `weight_scale_inv`; compressed-tensors FP8_BLOCK `weight` + `weight_scale`) or a W4A16Linear
+    (GPTQ v1/v2 `qweight`, `qzeros`, `scales`, optional `g_idx`; AWQ `qweight`, `qzeros` (optional when
+    symmetric), `scales`; compressed-tensors pack-quantized `weight_packed`, `weight_scale`, `weight_shape`,
+    optional `weight_zero_point` and `weight_g_idx`), with its `bias`, its weights prepared for `device`
+    (default: CUDA if available, else the CPU). Every other tensor of the model, modules_to_not_convert /
+    ignore included, is loaded from the checkpoint.
+
+    dtype (float16 or bfloat16): the dtype the model computes in; default: the dtype of each replaced
+    nn.Linear's weight. int4 scales and the model's other float tensors are converted to it at load time,
+    whatever dtype the checkpoint stored them in (fp16 scales in a bf16 model, say).
+
+    A config key kdsl does not know, a missing, extra, mis-shaped or mis-typed tensor raises (ValueError /
+    CheckpointError naming it) before anything changes; layers are read one at a time.
+
+    Tensor parallel: tp_plan maps module-name patterns (fnmatch: "layers.*.mlp.up_proj") to "column" or
+    "row"; each quantized linear a pattern matches becomes a kdsl.parallel.ColumnParallelLinear (output
+    gathered) or RowParallelLinear (takes the whole input, all-reduces) over `group` (default: the default
+    process group), built from this rank's slice of its tensors (DeepSeek FP8, GPTQ and AWQ with zero points;
+    other formats are refused under tp_plan). A layer that cannot be cut raises kdsl.parallel.ShardError and
+    leaves the model as it was.
+    """
+    import kdsl
+
+    folder = Path(path)
+    config = _read_config(folder)
+    for pattern, style in (tp_plan or {}).items():
+        if style not in TP_STYLES:
+            raise ValueError(f"tp_plan[{pattern!r}]: expected 'column' or 'row', got {style!r}")
+    if dtype is not None and dtype not in ACT_DTYPES:
+        raise TypeError(f"dtype: expected torch.float16 or torch.bfloat16, got {dtype}")
+    hf = read_hf_config(config["quantization_config"])
+    kdsl.scheme_from_hf(config["quantization_config"])  # refuses a scheme no generated kernel serves
+    fmt = FORMATS[hf.source](hf)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    shards = _Shards(folder)
+    plan = _plan(model, shards, fmt)
+    if tp_plan and not fmt.tp and any(_tp_style(name, tp_plan) for name in plan.quantized):
+        raise CheckpointError(f"tp_plan: tensor-parallel loading does not read {hf.source} checkpoints"
+                              f"{' with inverse scales' if hf.scale_inverse else ''} yet; load without tp_plan")
+
+    swapped = []
+    try:
+        for name, roles in plan.quantized.items():
+            style = _tp_style(name, tp_plan)
+            if style is not None:
+                swapped.append((name, _swap(model, name, _build_parallel(fmt.scheme, style, shards, roles, device,
+                                                                           group))))
+                continue
+            linear = model.get_submodule(name)
+            k, n = linear.in_features, linear.out_features
+            tensors = {}
+            for role, key in roles.items():
+                tensors[role] = shards.load(key, device)
+                fmt.check_values(key, role, tensors[role], k, n)
+            act_dtype = dtype or (linear.weight.dtype if linear.weight.dtype in ACT_DTYPES else None)
+            swapped.append((name, _swap(model, name, fmt.build(tensors, act_dtype))))
+            del tensors
+    except Exception:
+        for name, old in reversed(swapped):  # nothing half-replaced
+            _swap(model, name, old)
+        raise
+    current = model.state_dict()
+    plain = {}
+    for key, ckpt in plan.plain.items():
+        tensor = shards.load(ckpt, device)
+        target = dtype or current[key].dtype  # the model's dtype, as load_state_dict's copy would give
+        if tensor.is_floating_point() and current[key].is_floating_point() and tensor.dtype != target:
+            tensor = tensor.to(target)
+        plain[key] = tensor
+    model.load_state_dict(plain, strict=False, assign=True)
+    return model
+
+
+def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, **config_kwargs) -> nn.Module:
+    """A transformers causal LM built from the checkpoint folder's config.json (AutoModelForCausalLM.from_config:
+    nothing is downloaded) in `dtype` on `device`, with every quantized linear loaded by load_quantized.
+
+    Needs transformers (`pip install kdsl[hf]`). The architecture is built dense first, so `device` must hold
+    the unquantized model for a moment; each quantized linear then replaces its dense one."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise ImportError("kdsl.from_pretrained needs transformers: pip install 'kdsl[hf]' "
+                          "(or build the model yourself and call kdsl.load_quantized)") from None
+    folder = Path(path)
+    _read_config(folder)  # a folder without a quantization_config is refused before the model is built
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    config = AutoConfig.from_pretrained(str(folder), **config_kwargs)
+    # transformers would apply its own quantizer for a quantization_config only in its from_pretrained;
+    # from_config builds the plain architecture, whose linears load_quantized replaces.
+    with device:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    return load_quantized(model, folder, device=device, dtype=dtype)
