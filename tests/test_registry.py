@@ -328,3 +328,41 @@ def test_explain_shows_the_tiles_the_kernel_passes_over_at_run_time():
     assert f"tile bucket {gemv} (gemv_mma_gluon) passed over at run time" in text and "plane tile" in text
     plain = registry.explain("w4a16_gemm", "w4a16.int4.g128", arch="sm_90", m=4, n=4096)
     assert f"tile bucket {gemv}:" in plain and "passed over" not in plain
+
+
+# --- which path runs: generated kernel, Triton interpreter, torch fallback --------------------------------------
+
+def test_run_path_names_what_the_ops_run(monkeypatch):
+    assert registry.run_path(torch.device("cuda")) == "generated kernel"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert registry.run_path("cpu") == "Triton interpreter"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert registry.run_path("cpu") == "torch fallback"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert registry.run_path(torch.device("cpu")) == "torch fallback"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the line for a machine without a CUDA device")
+@pytest.mark.parametrize("interpret", [True, False])
+def test_explain_says_what_runs_on_this_machine(interpret, monkeypatch):
+    if interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    last = registry.explain("fp8_gemm", FP8_SCHEME, arch="sm_90", m=1).splitlines()[-1]
+    if interpret:
+        assert last == ("  on this machine (no CUDA device): CPU tensors run the generated kernels selected for sm_89 "
+                        "through Triton's interpreter (TRITON_INTERPRET=1)")
+    else:
+        assert last == ("  on this machine (no CUDA device): CPU tensors run the torch fallback, no generated kernel "
+                        "(TRITON_INTERPRET=1 runs the kernels selected for sm_89 through Triton's interpreter)")
+    monkeypatch.setenv(registry.FORCE_ARCH_ENV, "sm_90")
+    registry.reset()
+    assert "selected for sm_90" in registry.explain("fp8_gemm", FP8_SCHEME, arch="sm_89").splitlines()[-1]
+
+
+@pytest.mark.gpu
+def test_explain_on_a_gpu_names_its_arch():
+    major, minor = torch.cuda.get_device_capability()
+    last = registry.explain("fp8_gemm", FP8_SCHEME, arch="sm_89").splitlines()[-1]
+    assert last.startswith(f"  on this machine: CUDA tensors run the generated kernels selected for sm_{major}{minor};")

@@ -19,6 +19,9 @@ Environment:
   KDSL_KERNEL_PATH=d1:d2 extra folders of generated kernels, before the shipped ones
   KDSL_GENERATED=dir     use this folder instead of the shipped kernels
 Read once; call reset() after changing them.
+
+Which path runs (run_path): CUDA tensors run the generated kernels; CPU tensors run them through Triton's
+interpreter under TRITON_INTERPRET=1 (read on every call), else kdsl/ops/fallback.py's torch code.
 """
 from __future__ import annotations
 
@@ -46,6 +49,8 @@ DISABLE_ENV = "KDSL_DISABLE"
 # Tensors on the CPU run through Triton's interpreter; pick what an Ada GPU would run,
 # the most portable tier that has every op.
 INTERPRETER_ARCH = 89
+INTERPRET_ENV = "TRITON_INTERPRET"
+GENERATED_KERNEL, INTERPRETER, TORCH_FALLBACK = "generated kernel", "Triton interpreter", "torch fallback"
 
 
 class NoKernelError(LookupError):
@@ -214,6 +219,30 @@ def device_arch(device: torch.device | None = None) -> int:
     return major * 10 + minor
 
 
+def run_path(device) -> str:
+    """What kdsl.ops run for tensors on device: "generated kernel" (CUDA), "Triton interpreter" (CPU with
+    TRITON_INTERPRET=1: the generated kernels, selected as for sm_89 unless KDSL_ARCH says otherwise) or
+    "torch fallback" (CPU otherwise: kdsl/ops/fallback.py, no generated kernel runs)."""
+    if torch.device(device).type == "cuda":
+        return GENERATED_KERNEL
+    return INTERPRETER if os.environ.get(INTERPRET_ENV) == "1" else TORCH_FALLBACK
+
+
+def _here() -> str:
+    """explain's last line: what runs on this machine, whatever arch the trace was asked for."""
+    cpu_arch = format_arch(device_arch(torch.device("cpu")))
+    if run_path("cpu") == INTERPRETER:
+        cpu = (f"CPU tensors run the generated kernels selected for {cpu_arch} through Triton's interpreter "
+               f"({INTERPRET_ENV}=1)")
+    else:
+        cpu = (f"CPU tensors run the torch fallback, no generated kernel ({INTERPRET_ENV}=1 runs the kernels "
+               f"selected for {cpu_arch} through Triton's interpreter)")
+    if torch.cuda.is_available():
+        cuda_arch = format_arch(device_arch(torch.device("cuda")))
+        return f"  on this machine: CUDA tensors run the generated kernels selected for {cuda_arch}; {cpu}"
+    return f"  on this machine (no CUDA device): {cpu}"
+
+
 def _scheme_name(scheme) -> str | None:
     if scheme is None or isinstance(scheme, str):
         return scheme
@@ -297,6 +326,7 @@ def explain(op: str, scheme=None, arch: str | int | None = None, m: int | None =
             lines.append(f"  {hidden.label}: shadowed by {winner.label}")
     if chosen is None:
         lines.append("  => no kernel fits" + ("" if verdicts else f": none generated for {op}"))
+    lines.append(_here())
     return "\n".join(lines)
 
 
