@@ -1,0 +1,317 @@
+"""Checkpoints as the tools people use write them, loaded into a tiny transformers Llama and run.
+
+Each fixture writes a checkpoint from the published format (written here, apart from kdsl's loaders): GPTQ with
+desc_act, symmetric AWQ with and without qzeros, DeepSeek-V3 and GPTQModel FP8 (inverse scales), and
+compressed-tensors FP8_BLOCK and pack-quantized W4A16 (group and channel, symmetric and not, actorder group).
+The reference is the same model in float32 with each quantized linear dequantized (and, for FP8, the same
+per-token 1x128 activation quantization, reference.act_quant_ref).
+"""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+import kdsl
+import reference as ref
+import reference_gptq as gptq_ref
+
+transformers = pytest.importorskip("transformers")
+
+HIDDEN, INTER, VOCAB = 256, 512, 128
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+W4A16_TOL, FP8_TOL = 1e-2, 1e-4
+
+
+def llama_config():
+    return transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=1,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=VOCAB,
+                                    max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def pack_along_k(q: torch.Tensor) -> torch.Tensor:
+    """[R, C] values in [0, 16) -> int32 [R, C / 8], value c in bits 4 (c % 8) of word c // 8."""
+    r, c = q.shape
+    words = (q.to(torch.int64).view(r, c // 8, 8) << (torch.arange(8) * 4)).sum(-1)
+    return (words - ((words >> 31) << 32)).to(torch.int32)
+
+
+def pack_awq(q: torch.Tensor) -> torch.Tensor:
+    """[R, C] -> int32 [R, C / 8] in AutoAWQ's order: nibble i holds column 8j + (0, 2, 4, 6, 1, 3, 5, 7)[i]."""
+    order = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])
+    r, c = q.shape
+    return pack_along_k(q.view(r, c // 8, 8)[..., order].reshape(r, c))
+
+
+def int4_groups(w: torch.Tensor, group: int, sym: bool):
+    """w [N, K] fp32 -> q [N, K] in [0, 16), zero [N, G] in [0, 16), scale [N, G] (w ~ (q - zero) * scale)."""
+    n, k = w.shape
+    wg = w.view(n, k // group, group)
+    if sym:
+        scale = wg.abs().amax(-1) / 7
+        zero = torch.full_like(scale, 8)
+    else:
+        low, high = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+        scale = (high - low) / 15
+        zero = torch.round(-low / scale).clamp(0, 15)
+    q = torch.clamp(torch.round(wg / scale[..., None]) + zero[..., None], 0, 15)
+    return q.view(n, k).long(), zero.long(), scale
+
+
+def quantize_layer(kind: str, w: torch.Tensor, scale_dtype: torch.dtype):
+    """One linear's checkpoint tensors and its float32 dequantized weight [N, K]."""
+    n, k = w.shape
+    if kind in ("fp8", "fp8_inverse", "ct_fp8"):
+        q, s = ref.weight_quant_ref(w)
+        if kind == "ct_fp8":
+            s = s.to(torch.bfloat16)  # llm-compressor stores the scales in the model's dtype
+        stored = 1.0 / s if kind == "fp8_inverse" else s  # GPTQModel's weight_scale_inv: 448 / amax
+        tensors = {"weight": q, "weight_scale" if kind == "ct_fp8" else "weight_scale_inv": stored}
+        return tensors, q.float() * s.float().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    if kind == "gptq_desc_act":
+        made = gptq_ref.make_checkpoint(k, n, checkpoint_format="gptq", scale=0.002, g_idx="perm",
+                                        scale_dtype=scale_dtype)
+        g = made["g_idx"].long()
+        dense = (made["q"] - made["zero"][g]).float() * made["scales"].float()[g]  # [K, N]
+        return {role: made[role] for role in ("qweight", "qzeros", "scales", "g_idx")}, dense.T
+    if kind.startswith("awq"):
+        q, zero, scale = int4_groups(w, 128, sym=True)
+        scale = scale.to(scale_dtype)
+        tensors = {"qweight": pack_awq(q.T.contiguous()), "scales": scale.T.contiguous()}
+        if kind == "awq_sym_zeros":
+            tensors["qzeros"] = pack_awq(zero.T.contiguous())
+        return tensors, (q - zero.repeat_interleave(128, 1)).float() * scale.float().repeat_interleave(128, 1)
+    # compressed-tensors pack-quantized
+    sym = "asym" not in kind
+    group = k if "channel" in kind else 128
+    q, zero, scale = int4_groups(w, group, sym)
+    scale = scale.to(scale_dtype)
+    g_idx = torch.arange(k, dtype=torch.int32) // group
+    if "actorder" in kind:  # columns quantized in a permuted order: g_idx says each input column's group
+        perm = torch.randperm(k)
+        g_idx = torch.empty(k, dtype=torch.int32)
+        g_idx[perm] = torch.arange(k, dtype=torch.int32) // group
+        q_perm = torch.empty_like(q)
+        q_perm[:, perm] = q
+        q = q_perm
+    dense = (q - zero[:, g_idx.long()]).float() * scale.float()[:, g_idx.long()]
+    tensors = {"weight_packed": pack_along_k(q), "weight_scale": scale,
+               "weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+    if not sym:
+        padded = torch.zeros(-(-n // 8) * 8, zero.shape[1], dtype=torch.long)
+        padded[:n] = zero
+        tensors["weight_zero_point"] = pack_along_k(padded.T.contiguous()).T.contiguous()  # packed along N
+    if "actorder" in kind:
+        tensors["weight_g_idx"] = g_idx
+    return tensors, dense
+
+
+def ct_config(kind: str) -> dict:
+    if kind == "ct_fp8":
+        groups = {"group_0": {"targets": ["Linear"], "format": "float-quantized",
+                              "weights": {"num_bits": 8, "type": "float", "strategy": "block", "symmetric": True,
+                                          "dynamic": False, "block_structure": [128, 128], "group_size": None,
+                                          "actorder": None, "observer": "minmax", "observer_kwargs": {}},
+                              "input_activations": {"num_bits": 8, "type": "float", "strategy": "group",
+                                                    "symmetric": True, "dynamic": True, "group_size": 128,
+                                                    "observer": None}}}
+        fmt = "float-quantized"
+    else:
+        weights = {"num_bits": 4, "type": "int", "symmetric": "asym" not in kind, "dynamic": False,
+                   "strategy": "channel" if "channel" in kind else "group",
+                   "group_size": None if "channel" in kind else 128,
+                   "actorder": "group" if "actorder" in kind else None, "observer": "minmax", "observer_kwargs": {}}
+        groups = {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                              "output_activations": None, "format": "pack-quantized"}}
+        fmt = "pack-quantized"
+    return {"quant_method": "compressed-tensors", "format": fmt, "config_groups": groups, "ignore": ["lm_head"],
+            "kv_cache_scheme": None, "quantization_status": "compressed", "global_compression_ratio": None,
+            "sparsity_config": {}, "transform_config": {}, "version": "0.20.0"}
+
+
+def quant_config(kind: str) -> dict:
+    if kind.startswith("ct_"):
+        return ct_config(kind)
+    return {
+        "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+                "modules_to_not_convert": ["lm_head"]},
+        # as GPTQModel 7 writes it
+        "fp8_inverse": {"method": "fp8", "quant_method": "fp8", "format": "float8_e4m3fn",
+                        "checkpoint_format": "float8_e4m3fn", "weight_scale_method": "block",
+                        "weight_block_size": [128, 128], "weight_scale_semantics": "inverse", "bits": 8,
+                        "group_size": -1, "desc_act": False, "sym": True, "lm_head": False, "pack_dtype": "int32",
+                        "meta": {"quantizer": ["gptqmodel:7.7.0"], "uri": "https://github.com/modelcloud/gptqmodel"}},
+        "gptq_desc_act": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": False,
+                          "checkpoint_format": "gptq", "damp_percent": 0.05, "true_sequential": True,
+                          "static_groups": False, "lm_head": False, "pack_dtype": "int32",
+                          "meta": {"quantizer": ["gptqmodel:7.7.0"]}},
+        "awq_sym": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False, "version": "gemm"},
+        "awq_sym_zeros": {"quant_method": "awq", "method": "awq", "bits": 4, "group_size": 128, "sym": True,
+                          "zero_point": False, "format": "gemm", "pack_dtype": "int32"},
+    }[kind]
+
+
+def write_checkpoint(folder, kind: str, model_dtype: torch.dtype, scale_dtype: torch.dtype):
+    """The checkpoint of a random tiny Llama in kind's format, and the float32 reference model of it."""
+    config = llama_config()
+    torch.manual_seed(1)
+    dense = transformers.LlamaForCausalLM(config).float().eval()
+    state = {k: v.detach().to(model_dtype) for k, v in dense.state_dict().items()}
+    reference_model = transformers.LlamaForCausalLM(config).float().eval()
+    reference_model.load_state_dict({k: v.float() for k, v in state.items()})
+    for linear in LINEARS:
+        name = f"model.layers.0.{linear}"
+        tensors, weight = quantize_layer(kind, state.pop(f"{name}.weight").float(), scale_dtype)
+        state.update({f"{name}.{role}": t.contiguous() for role, t in tensors.items()})
+        if kind.endswith("fp8") or kind == "fp8_inverse":
+            _swap(reference_model, name, ReferenceFP8Linear(weight))
+        else:
+            reference_model.get_submodule(name).weight.data = weight
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**config.to_dict(), "quantization_config": quant_config(kind)}))
+    save_file(state, str(folder / "model.safetensors"))
+    return reference_model
+
+
+class ReferenceFP8Linear(nn.Module):
+    """y = dequant(act_quant_ref(x)) @ w^T in float32: the FP8 layer's arithmetic, written apart from kdsl."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x):
+        q, s = ref.act_quant_ref(x.float())
+        return (q.float() * s.repeat_interleave(128, -1)) @ self.weight.T
+
+
+def _swap(model, name, new):
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, new)
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+CASES = [  # kind, model dtype, scale dtype, tolerance
+    ("fp8", torch.float32, torch.float32, FP8_TOL),
+    ("fp8_inverse", torch.float32, torch.float32, FP8_TOL),
+    ("ct_fp8", torch.float32, torch.bfloat16, FP8_TOL),
+    ("gptq_desc_act", torch.float16, torch.float16, W4A16_TOL),
+    ("gptq_desc_act", torch.bfloat16, torch.float16, W4A16_TOL),  # fp16 scales in a bf16 model (GPTQModel on CPU)
+    ("awq_sym", torch.float16, torch.float16, W4A16_TOL),
+    ("awq_sym_zeros", torch.bfloat16, torch.bfloat16, W4A16_TOL),
+    ("ct_w4a16", torch.bfloat16, torch.bfloat16, W4A16_TOL),
+    ("ct_w4a16_asym", torch.float16, torch.float16, W4A16_TOL),
+    ("ct_w4a16_channel", torch.bfloat16, torch.bfloat16, W4A16_TOL),
+    ("ct_w4a16_actorder", torch.float16, torch.bfloat16, W4A16_TOL),
+]
+
+
+@pytest.mark.parametrize("kind, model_dtype, scale_dtype, tol", CASES,
+                         ids=[f"{c[0]}-{str(c[1])[6:]}-scales-{str(c[2])[6:]}" for c in CASES])
+def test_from_pretrained_matches_the_dequantized_model(kind, model_dtype, scale_dtype, tol, tmp_path):
+    reference_model = write_checkpoint(tmp_path, kind, model_dtype, scale_dtype)
+    model = kdsl.from_pretrained(tmp_path, device="cpu", dtype=model_dtype if model_dtype != torch.float32 else None)
+    layer = model.model.layers[0]
+    expected = kdsl.nn.FP8Linear if "fp8" in kind else kdsl.nn.W4A16Linear
+    assert all(isinstance(layer.get_submodule(name), expected) for name in LINEARS)
+    assert type(model.lm_head) is nn.Linear  # ignored / modules_to_not_convert
+    assert model.lm_head.weight.dtype == model.model.norm.weight.dtype == model_dtype
+    for shape in ((1, 8), (2, 20)):  # 8 rows (FP8's fused decode path) and 40 (act_quant + fp8_gemm)
+        ids = torch.randint(0, VOCAB, shape)
+        out, want = logits(model, ids), logits(reference_model, ids)
+        assert torch.isfinite(out).all()
+        err = ref.rel_fro_error(out, want)
+        assert err < tol, f"{kind} {shape}: relative error {err:.3g}"
+
+
+def test_inverse_scales_without_the_key_load_wrong(tmp_path):
+    """The key is what makes the FP8 GPTQModel checkpoint right: without it the same tensors give another model."""
+    reference_model = write_checkpoint(tmp_path, "fp8_inverse", torch.float32, torch.float32)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["quantization_config"]["weight_scale_semantics"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = kdsl.from_pretrained(tmp_path, device="cpu", dtype=None)
+    ids = torch.randint(0, VOCAB, (1, 8))
+    assert ref.rel_fro_error(logits(model, ids), logits(reference_model, ids)) > 0.5
+
+
+def test_load_quantized_into_a_model_converts_scales_to_its_dtype(tmp_path):
+    reference_model = write_checkpoint(tmp_path, "gptq_desc_act", torch.bfloat16, torch.float16)
+    model = transformers.LlamaForCausalLM(llama_config()).to(torch.bfloat16).eval()
+    kdsl.load_quantized(model, tmp_path, device="cpu")
+    assert model.model.layers[0].mlp.down_proj.scales.dtype == torch.bfloat16
+    ids = torch.randint(0, VOCAB, (1, 5))
+    assert ref.rel_fro_error(logits(model, ids), logits(reference_model, ids)) < W4A16_TOL
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "mystery": 1}, r"quantization_config\.mystery is not a key"),
+    ({"quant_method": "gptq", "bits": 4, "dynamic": {"-:.*down": {}}}, r"quantization_config\.dynamic = .*per-module"),
+    ({"quant_method": "gptq", "bits": 4, "pack_dtype": "int16"}, r"pack_dtype = 'int16' is not supported"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "weight_scale_semantics": "log"},
+     r"weight_scale_semantics = 'log' is not supported"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_layout": "t"}, r"quantization_config\.scale_layout"),
+    ({"quant_method": "fp8", "weight_scale_method": "row"}, r"weight_scale_method = 'row' is not supported"),
+    ({"quant_method": "awq", "version": "gemv_fast"}, r"version = 'gemv_fast' is not supported"),
+    ({**ct_config("ct_w4a16"), "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, r"kv_cache_scheme = .*KV cache"),
+    ({**ct_config("ct_w4a16"), "transform_config": {"config_groups": {"u": {}}}}, r"transform_config = "),
+    ({**ct_config("ct_w4a16"), "quantization_status": "frozen"}, r"quantization_status = 'frozen'"),
+])
+def test_a_key_that_could_change_meaning_is_refused_by_name(config, message):
+    with pytest.raises(ValueError, match=message):
+        kdsl.schema.read_hf_config(config)
+
+
+def _ct_group(weights, inputs=None, fmt=None):
+    config = ct_config("ct_w4a16")
+    group = config["config_groups"]["group_0"]
+    group["weights"] = {**group["weights"], **weights}
+    group["input_activations"] = inputs
+    if fmt:
+        group["format"] = config["format"] = fmt
+    return config
+
+
+@pytest.mark.parametrize("config, message", [
+    (_ct_group({"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16},
+               {"num_bits": 4, "type": "float", "strategy": "tensor_group", "dynamic": "local"},
+               "nvfp4-pack-quantized"), r"format = 'nvfp4-pack-quantized' is not supported"),
+    (_ct_group({"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32}, None, "float-quantized"),
+     r"config_groups\.group_0\.weights\.num_bits = 4 is not served"),
+    (_ct_group({"num_bits": 8, "type": "float", "strategy": "tensor"},
+               {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}, "float-quantized"),
+     r"config_groups\.group_0\.weights\.strategy = 'tensor' is not served"),
+    (_ct_group({"num_bits": 8, "type": "float", "strategy": "channel"},
+               {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}, "float-quantized"),
+     r"config_groups\.group_0\.weights\.strategy = 'channel' is not served"),
+    (_ct_group({"num_bits": 8, "strategy": "channel"}, {"num_bits": 8, "type": "int", "strategy": "token",
+                                                        "dynamic": True}, "int-quantized"),
+     r"format = 'int-quantized' is not supported"),
+    (_ct_group({"num_bits": 8}), r"config_groups\.group_0\.weights\.num_bits = 8 is not served"),
+    (_ct_group({"num_bits": 2}), r"config_groups\.group_0\.weights\.num_bits = 2 is not served"),
+    (_ct_group({"num_bits": 3}), r"config_groups\.group_0\.weights\.num_bits = 3 is not served"),
+    (_ct_group({"strategy": "tensor"}), r"config_groups\.group_0\.weights\.strategy = 'tensor' is not served"),
+    (_ct_group({"block_size": 3}), r"config_groups\.group_0\.weights\.block_size is not a quantization argument"),
+])
+def test_compressed_tensors_schemes_kdsl_does_not_serve_are_refused_by_group_and_field(config, message):
+    with pytest.raises(ValueError, match=message):
+        kdsl.schema.read_hf_config(config)
+
+
+def test_a_refused_checkpoint_leaves_the_model_as_it_was(tmp_path):
+    write_checkpoint(tmp_path, "ct_w4a16", torch.bfloat16, torch.bfloat16)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["zp_mode"] = "x"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = transformers.LlamaForCausalLM(llama_config()).to(torch.bfloat16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"weights\.zp_mode is not a quantization argument"):
+        kdsl.load_quantized(model, tmp_path, device="cpu")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert type(model.model.layers[0].mlp.down_proj) is nn.Linear
