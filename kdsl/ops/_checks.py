@@ -5,6 +5,8 @@ import os
 
 import torch
 
+from kdsl.runtime.registry import INTERPRET_ENV
+
 _DTYPE_NAMES = {
     torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
     torch.float8_e4m3fn: "float8_e4m3fn", torch.int32: "int32",
@@ -18,6 +20,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 def tensor(name: str, value, dtypes: tuple[torch.dtype, ...], ndim: int | None = None, min_ndim: int | None = None):
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if value.requires_grad and torch.is_grad_enabled():
+        inference_only(name)
     if value.dtype not in dtypes:
         wanted = " or ".join(dtype_name(d) for d in dtypes)
         raise TypeError(f"{name}: expected dtype {wanted}, got {dtype_name(value.dtype)}")
@@ -26,6 +30,17 @@ def tensor(name: str, value, dtypes: tuple[torch.dtype, ...], ndim: int | None =
     if min_ndim is not None and value.dim() < min_ndim:
         raise ValueError(f"{name}: expected at least {min_ndim} dimension(s), got shape {tuple(value.shape)}")
     return value
+
+
+NO_BACKWARD = ("{name}: requires grad, but kdsl's quantized ops have no backward (inference only): run them under "
+               "torch.no_grad() or torch.inference_mode(), or pass {name}.detach()")
+
+
+def inference_only(name: str) -> None:
+    """Refuse an input that requires grad while grad mode is on. Every op checks every tensor through tensor(),
+    so the kernels, the interpreter and the torch fallback refuse alike (the fallback would otherwise build a
+    graph, the kernels' outputs would silently have none)."""
+    raise RuntimeError(NO_BACKWARD.format(name=name))
 
 
 def shape(name: str, value: torch.Tensor, expected: tuple, what: str = "") -> None:
@@ -63,8 +78,9 @@ def rows(value: torch.Tensor, last: int) -> torch.Tensor:
 
 
 def use_kernels(device: torch.device) -> bool:
-    """CUDA tensors always run generated kernels; CPU tensors only under Triton's interpreter."""
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    """CUDA tensors always run generated kernels; CPU tensors only under Triton's interpreter (the rule
+    kdsl.registry.run_path words for reprs and explain; written out here: it runs on every call)."""
+    return device.type == "cuda" or os.environ.get(INTERPRET_ENV) == "1"
 
 
 def alignment(*tensors: torch.Tensor) -> int:

@@ -4,7 +4,8 @@ An op's host time is mostly Python: argument checks, the scheme and kernel looku
 generated module's launch() (grid, split, descriptors) and Triton's launch wrappers. All of it is a
 function of the call's signature, so a plan keyed on that signature can skip it:
 
-  key: the op, each tensor argument's type, shape, strides, dtype, device and data_ptr() % 16, the op's
+  key: the op, each tensor argument's type, shape, strides, dtype, device, data_ptr() % 16 and requires_grad
+       (kdsl.ops.block_fp8: no plan is kept for inputs that require grad, see store), the op's
        other arguments (with their types: 128 and 128.0 hash alike), and the current CUDA device. The ops
        build it inline (kdsl.ops.block_fp8, kdsl.ops.w4a16); everything their checks and the launch read
        is in it, so a key that was once checked and launched is checked and launched the same way again.
@@ -132,6 +133,8 @@ def store(key, rec: Recorder, inputs: tuple, outputs: tuple) -> None:
     op passes them to the plan (None for an absent optional one), outputs the tensors it allocated."""
     if key is None or rec.launches is None:
         return
+    if any(t is not None and t.requires_grad for t in inputs):
+        return  # checked with grad mode off: a replay with it on would skip the checks' no-backward refusal
     if not rec.module._INTERPRETING and torch.cuda.is_current_stream_capturing():
         return  # scratch grown inside a capture is zeroed when the graph replays, not now
     plan = _build(rec, inputs, outputs)

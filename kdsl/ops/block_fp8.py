@@ -72,7 +72,7 @@ def _act_quant_impl(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, tor
     # A repeat call signature replays its launch plan (kdsl/ops/_plan.py: what the key holds and why).
     try:
         key = ("act_quant", type(group_size), group_size, _device(),
-               type(x), x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15)
+               type(x), x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, x.requires_grad)
         plan = _PLANS.get(key)
     except Exception:  # not a tensor, say: the checks below word the error
         key = plan = None
@@ -221,12 +221,13 @@ def _fp8_gemm_outputs(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: 
 
 def _gemm_plan_key(op: str, out_dtype: torch.dtype, a, a_s, b, b_s) -> tuple:
     """The launch plan's key of an fp8_gemm or fp8_bmm call (kdsl/ops/_plan.py): the op, out_dtype, the CUDA
-    device, and each operand's type, shape, strides, dtype, device and 16-byte alignment (written out: host time)."""
+    device, and each operand's type, shape, strides, dtype, device, 16-byte alignment and requires_grad (written
+    out: host time; requires_grad, so a call the checks refuse never meets a plan, which skips them)."""
     return (op, out_dtype, _device(),
-            type(a), a.shape, a.stride(), a.dtype, a.device, a.data_ptr() & 15,
-            type(a_s), a_s.shape, a_s.stride(), a_s.dtype, a_s.device, a_s.data_ptr() & 15,
-            type(b), b.shape, b.stride(), b.dtype, b.device, b.data_ptr() & 15,
-            type(b_s), b_s.shape, b_s.stride(), b_s.dtype, b_s.device, b_s.data_ptr() & 15)
+            type(a), a.shape, a.stride(), a.dtype, a.device, a.data_ptr() & 15, a.requires_grad,
+            type(a_s), a_s.shape, a_s.stride(), a_s.dtype, a_s.device, a_s.data_ptr() & 15, a_s.requires_grad,
+            type(b), b.shape, b.stride(), b.dtype, b.device, b.data_ptr() & 15, b.requires_grad,
+            type(b_s), b_s.shape, b_s.stride(), b_s.dtype, b_s.device, b_s.data_ptr() & 15, b_s.requires_grad)
 
 
 def _replay(op: str, out_dtype: torch.dtype, a, a_s, b, b_s, lost_nan) -> tuple:
@@ -347,11 +348,11 @@ def _fp8_linear_impl(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, bias: 
     # A repeat call signature replays its launch plan (kdsl/ops/_plan.py: what the key holds and why).
     try:
         key = ("fp8_linear", out_dtype, _device(),
-               type(x), x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
-               type(w), w.shape, w.stride(), w.dtype, w.device, w.data_ptr() & 15,
-               type(w_s), w_s.shape, w_s.stride(), w_s.dtype, w_s.device, w_s.data_ptr() & 15,
-               None if bias is None else
-               (type(bias), bias.shape, bias.stride(), bias.dtype, bias.device, bias.data_ptr() & 15))
+               type(x), x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, x.requires_grad,
+               type(w), w.shape, w.stride(), w.dtype, w.device, w.data_ptr() & 15, w.requires_grad,
+               type(w_s), w_s.shape, w_s.stride(), w_s.dtype, w_s.device, w_s.data_ptr() & 15, w_s.requires_grad,
+               None if bias is None else (type(bias), bias.shape, bias.stride(), bias.dtype, bias.device,
+                                          bias.data_ptr() & 15, bias.requires_grad))
         plan = _PLANS.get(key)
     except Exception:  # not tensors, say: the checks below word the error
         key = plan = None

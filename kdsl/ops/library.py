@@ -54,6 +54,7 @@ import functools
 
 import torch
 
+from kdsl.ops import _checks as check
 from kdsl.ops import _plan, awq, block_fp8, gptq, w4a16
 
 SCHEMAS = {
@@ -102,12 +103,31 @@ def _recording_no_plans(impl):
     return run
 
 
+def _no_backward(name: str):
+    """An autograd formula for kdsl::name that refuses, in forward, an input that requires grad with the message
+    the ops' eager checks give (kdsl.ops._checks.inference_only). The checks cannot say it under torch.compile:
+    the fake kernel runs below autograd, where torch's own "no autograd formula" error would come first."""
+    arguments = [argument.name for argument in torch._C.parse_schema(f"kdsl::{name}{SCHEMAS[name]}").arguments]
+
+    def setup_context(ctx, inputs, output):
+        for argument, value in zip(arguments, inputs):
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                check.inference_only(argument)
+
+    def backward(ctx, *grads):  # never reached: setup_context refused the inputs that would need it
+        raise AssertionError(f"kdsl::{name} has no backward")
+    return backward, setup_context
+
+
 def _op(name: str, impl, fake):
-    """Register kdsl::name with the implementation impl (every device) and the fake kernel fake."""
+    """Register kdsl::name with the implementation impl (every device), the fake kernel fake and an autograd
+    formula that refuses inputs requiring grad (_no_backward)."""
     tags = (_CUDAGRAPH_UNSAFE,) if name in HOST_SYNCING and _CUDAGRAPH_UNSAFE is not None else ()
     op = torch.library.custom_op(f"kdsl::{name}", _recording_no_plans(impl), mutates_args=(),
                                  schema=SCHEMAS[name], tags=tags)
     op.register_fake(fake)
+    backward, setup_context = _no_backward(name)
+    op.register_autograd(backward, setup_context=setup_context)
     return op
 
 
