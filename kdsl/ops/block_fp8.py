@@ -332,15 +332,51 @@ def _linear_scheme(k: int, n: int, w_blocks: tuple, symbolic: bool = False) -> t
         served = registry.scheme_fields("fp8_linear")
         if not served:
             registry.require_scheme("fp8_linear", "block_fp8", "any block-FP8 scheme")  # raises
-        for name, fields in served.items():
-            group, (block_n, block_k) = fields["act_group"], fields["weight_block"]
-            if k % group == 0 and w_blocks == (-(-n // block_n), -(-k // block_k)):
-                return name, group, (block_n, block_k)
-        name, fields = next(iter(served.items()))
-        return name, fields["act_group"], tuple(fields["weight_block"])
+        found = _matching(served, k, n, w_blocks)
+        if found is None:
+            _refuse_unserved("fp8_linear", k, n, w_blocks, None, f"w_s shape {tuple(w_blocks)} for w ({n}, {k})")
+            name, fields = next(iter(served.items()))
+            found = name, fields["act_group"], tuple(fields["weight_block"])
+        return found
     if symbolic:
         return find()
     return registry.memo(("fp8_linear", k, n, w_blocks), find)
+
+
+def linear_scheme(k: int, n: int, w_blocks: tuple) -> str | None:
+    """The served scheme fp8_linear runs for a weight [N, K] whose scales have shape w_blocks, None where no
+    fp8_linear kernel serves those shapes. fp8_linear has no act_group argument: where two served schemes share
+    weight blocks, it runs the first by name, so a caller with a scheme of its own (kdsl.nn.FP8Linear) compares."""
+    found = _matching(registry.scheme_fields("fp8_linear"), k, n, tuple(w_blocks))
+    return None if found is None else found[0]
+
+
+# The block-FP8 ops: a scheme any of their definitions declares has every block-FP8 field (for _refuse_unserved).
+BLOCK_FP8_OPS = ("act_quant", "weight_quant", "weight_dequant", "fp8_gemm", "fp8_bmm", "fp8_linear")
+
+
+def _matching(served: dict[str, dict], k: int, n: int, b_blocks: tuple,
+              a_groups: int | None = None) -> tuple[str, int, tuple[int, int]] | None:
+    """(scheme, act_group, (block_n, block_k)) of the first scheme of served (by name) whose act_group divides K
+    (and gives a_groups scales per token, where a_s is an argument) and whose weight blocks give b_blocks scales
+    for [N, K]; None where none does."""
+    for name, fields in served.items():
+        group, (block_n, block_k) = fields["act_group"], fields["weight_block"]
+        if (k % group == 0 and (a_groups is None or a_groups == k // group)
+                and b_blocks == (-(-n // block_n), -(-k // block_k))):
+            return name, group, (block_n, block_k)
+    return None
+
+
+def _refuse_unserved(op: str, k: int, n: int, b_blocks: tuple, a_groups: int | None, asked: str) -> None:
+    """Shapes no served scheme of op has, but a block-FP8 scheme of another op's kernels has: raise
+    SchemeNotServedError naming op and that scheme, rather than a shape error worded in another scheme's blocks."""
+    known: dict[str, dict] = {}
+    for other in BLOCK_FP8_OPS:
+        known.update(registry.scheme_fields(other))
+    found = _matching(dict(sorted(known.items())), k, n, b_blocks, a_groups)
+    if found is not None:
+        registry.require_scheme(op, found[0], asked)  # raises: found is not among op's served schemes
 
 
 def _fp8_linear_impl(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, bias: torch.Tensor | None,
@@ -517,12 +553,15 @@ def _gemm_scheme(k: int, n: int, a_groups: int, b_blocks: tuple,
         served = registry.scheme_fields(op)
         if not served:
             registry.require_scheme(op, "block_fp8", "any block-FP8 scheme")  # raises
-        for name, fields in served.items():
-            group, (block_n, block_k) = fields["act_group"], fields["weight_block"]
-            if k % group == 0 and a_groups == k // group and b_blocks == (-(-n // block_n), -(-k // block_k)):
-                return name, group, (block_n, block_k)
-        name, fields = next(iter(served.items()))
-        return name, fields["act_group"], tuple(fields["weight_block"])
+        found = _matching(served, k, n, b_blocks, a_groups)
+        if found is None:
+            scales = "b_s" if op == "fp8_gemm" else "b_s[g]"
+            _refuse_unserved(op, k, n, b_blocks, a_groups,
+                             f"a_s with {a_groups} scales per token and {scales} shape {tuple(b_blocks)} for K = {k}, "
+                             f"N = {n}")
+            name, fields = next(iter(served.items()))
+            found = name, fields["act_group"], tuple(fields["weight_block"])
+        return found
     if symbolic:
         return find()
     return registry.memo((op, k, n, a_groups, b_blocks), find)
