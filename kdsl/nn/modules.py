@@ -4,6 +4,10 @@ FP8Linear keeps DeepSeek-V3 block-FP8 weights (weight float8_e4m3fn [N, K] and w
 per block) and quantizes activations per token on every call. W4A16Linear keeps int4 weights prepared for
 the w4a16 kernels (kdsl.ops.gptq_prepare / awq_prepare), which depend on the device's arch: build or load
 the module on the device it will run on.
+
+A module is built only for a scheme whose ops it calls are served by generated kernels (docs/definitions.md,
+"What the modules run"): an unserved one is refused at construction with kdsl.SchemeNotServedError naming the
+op. Inference only: an input that requires grad while grad mode is on is refused (kdsl.ops' checks).
 """
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ import torch
 from torch import nn
 
 from kdsl import ops, registry
+from kdsl.ops import _checks as check
+from kdsl.ops.block_fp8 import linear_scheme
 from kdsl.ops.w4a16 import PREPARED_OP, W4A16Prepared
 from kdsl.schema import GPTQ, BlockFP8
 from kdsl.schema.scheme import AWQ
@@ -34,6 +40,35 @@ def _kernel_name(op: str, scheme: str, device: torch.device) -> str:
         return f"none ({str(error).splitlines()[0]})"
 
 
+def _path_repr(device: torch.device, kernels: str) -> str:
+    """repr's account of what runs: the path (kdsl.registry.run_path) and the kernels; on the torch fallback the
+    kernels are only what TRITON_INTERPRET=1 would run, so they are not named as running."""
+    path = registry.run_path(device)
+    if path == registry.TORCH_FALLBACK:
+        return f"path={path} (no generated kernel runs; under TRITON_INTERPRET=1: {kernels})"
+    return f"path={path}, {kernels}"
+
+
+def _not_served(module: str, op: str, scheme: str, served, wanted: str = "") -> registry.SchemeNotServedError:
+    return registry.SchemeNotServedError(
+        op, scheme, f"{module}: scheme {scheme} needs {op}{wanted}, which no generated kernel serves; {op} serves: "
+                    f"{', '.join(sorted(served)) or 'none'} (add a variant of {op} to the scheme's definition and "
+                    f"run `kdsl generate`)")
+
+
+def _fp8_fused(scheme: BlockFP8, n: int, k: int, blocks: tuple[int, int]) -> bool:
+    """Refuse a scheme whose act_quant or fp8_gemm no generated kernel serves (SchemeNotServedError naming the
+    op); return whether fp8_linear serves it for this weight, fp8_linear being optional (act_quant + fp8_gemm
+    compute the same). act_quant picks its kernel by act_group alone, fp8_gemm and fp8_linear by the scale
+    shapes, fp8_linear without an act_group: it serves only where its pick for these shapes is this scheme."""
+    groups = registry.scheme_fields("act_quant")
+    if not any(f["act_group"] == scheme.act_group and f["fmt"] == scheme.fmt for f in groups.values()):
+        raise _not_served("FP8Linear", "act_quant", scheme.name, groups, f" (act_group = {scheme.act_group})")
+    if scheme.name not in registry.served_schemes("fp8_gemm"):
+        raise _not_served("FP8Linear", "fp8_gemm", scheme.name, registry.served_schemes("fp8_gemm"))
+    return linear_scheme(k, n, blocks) == scheme.name
+
+
 class _QuantizedLinear(nn.Module):
     """Keeps its quantized weights' dtypes through .to(dtype) / .half() / .bfloat16(): those move them to
     another device at most (a cast would silently change what the kernels read); the bias follows the cast."""
@@ -50,7 +85,8 @@ class _QuantizedLinear(nn.Module):
 
 class FP8Linear(_QuantizedLinear):
     """Block-FP8 linear layer: per-token activation quantization (act_quant), then fp8_gemm; eager calls of few
-    rows run the two in one launch (kdsl.ops.fp8_linear, bias added in its fp32 accumulator; FUSED_MAX_ROWS)."""
+    rows run the two in one launch (kdsl.ops.fp8_linear, bias added in its fp32 accumulator; FUSED_MAX_ROWS)
+    where an fp8_linear kernel serves the scheme (`fused`, decided at construction), else the two ops."""
 
     def __init__(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
                  scheme: BlockFP8 | None = None):
@@ -67,6 +103,7 @@ class FP8Linear(_QuantizedLinear):
                              f"{tuple(weight_scale_inv.shape)}")
         if bias is not None and tuple(bias.shape) != (n,):
             raise ValueError(f"bias: expected shape ({n},), got {tuple(bias.shape)}")
+        self.fused = _fp8_fused(self.scheme, n, k, blocks)
         self.in_features, self.out_features = k, n
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale_inv", weight_scale_inv)
@@ -82,17 +119,20 @@ class FP8Linear(_QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = x.dtype if x.dtype in FLOAT_OUT else torch.bfloat16
-        if x.dim() > 0 and x.numel() <= FUSED_MAX_ROWS * x.shape[-1] and not torch.compiler.is_compiling():
+        few = x.dim() > 0 and x.numel() <= FUSED_MAX_ROWS * x.shape[-1]
+        if self.fused and few and not torch.compiler.is_compiling():
             return ops.fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, out_dtype=out_dtype)
         a, a_s = ops.act_quant(x, group_size=self.scheme.act_group)
         y = ops.fp8_gemm(a, a_s, self.weight, self.weight_scale_inv, out_dtype=out_dtype)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
-        kernel = _kernel_name("fp8_gemm", self.scheme.name, self.weight.device)
-        fused = _kernel_name("fp8_linear", self.scheme.name, self.weight.device)
+        device = self.weight.device
+        kernels = f"kernel={_kernel_name('fp8_gemm', self.scheme.name, device)}, " + (
+            f"fused={_kernel_name('fp8_linear', self.scheme.name, device)} (uncompiled, M <= {FUSED_MAX_ROWS})"
+            if self.fused else "fused=none (no fp8_linear kernel serves the scheme: act_quant + fp8_gemm at every M)")
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"scheme={self.scheme.name}, kernel={kernel}, fused={fused} (uncompiled, M <= {FUSED_MAX_ROWS})")
+                f"scheme={self.scheme.name}, {_path_repr(device, kernels)}")
 
 
 class W4A16Linear(_QuantizedLinear):
@@ -106,6 +146,8 @@ class W4A16Linear(_QuantizedLinear):
             raise TypeError(f"prepared: expected kdsl.ops.gptq_prepare/awq_prepare output, got {type(prepared).__name__}")
         if bias is not None and tuple(bias.shape) != (prepared.n,):
             raise ValueError(f"bias: expected shape ({prepared.n},), got {tuple(bias.shape)}")
+        if prepared.scheme not in registry.served_schemes(PREPARED_OP):
+            raise _not_served("W4A16Linear", PREPARED_OP, prepared.scheme, registry.served_schemes(PREPARED_OP))
         self.scheme = scheme
         self.in_features, self.out_features = prepared.k, prepared.n
         self._fields = {name: getattr(prepared, name) for name in (
@@ -151,6 +193,8 @@ class W4A16Linear(_QuantizedLinear):
         return cls(prepared, None if bias is None else bias.to(scales.dtype), scheme)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad and torch.is_grad_enabled():
+            check.inference_only("x")  # here too: w4a16_gemm's launch plans do not key on requires_grad
         y = ops.w4a16_gemm(x, self.prepared)
         return y if self.bias is None else y + self.bias
 
@@ -158,4 +202,5 @@ class W4A16Linear(_QuantizedLinear):
         scheme = self.scheme.name if self.scheme is not None else self._fields["source"]
         kernel = _kernel_name(PREPARED_OP, self._fields["scheme"], self.qweight.device)
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"scheme={scheme}, weights={self._fields['scheme']} {self._fields['layout']}, kernel={kernel}")
+                f"scheme={scheme}, weights={self._fields['scheme']} {self._fields['layout']}, "
+                f"{_path_repr(self.qweight.device, f'kernel={kernel}')}")
