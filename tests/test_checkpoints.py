@@ -315,3 +315,20 @@ def test_a_refused_checkpoint_leaves_the_model_as_it_was(tmp_path):
         kdsl.load_quantized(model, tmp_path, device="cpu")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert type(model.model.layers[0].mlp.down_proj) is nn.Linear
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, model_dtype, scale_dtype", [
+    ("fp8_inverse", torch.bfloat16, torch.float32), ("ct_fp8", torch.bfloat16, torch.bfloat16),
+    ("ct_w4a16_actorder", torch.float16, torch.bfloat16), ("ct_w4a16_asym", torch.bfloat16, torch.bfloat16),
+    ("awq_sym", torch.float16, torch.float16), ("gptq_desc_act", torch.bfloat16, torch.float16),
+])
+def test_from_pretrained_on_the_gpu(kind, model_dtype, scale_dtype, tmp_path):
+    """The GPU's kernels on each format, against the float32 dequantized model (bf16 FP8 models: the activation
+    rounding to bf16 between layers makes 1e-2 the bar there)."""
+    reference_model = write_checkpoint(tmp_path, kind, model_dtype, scale_dtype)
+    model = kdsl.from_pretrained(tmp_path, device="cuda", dtype=model_dtype)
+    for shape in ((1, 1), (1, 16), (4, 64)):
+        ids = torch.randint(0, VOCAB, shape)
+        err = ref.rel_fro_error(logits(model, ids.cuda()).cpu(), logits(reference_model, ids))
+        assert err < W4A16_TOL, f"{kind} {shape}: relative error {err:.3g}"
