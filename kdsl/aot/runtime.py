@@ -21,7 +21,6 @@ import threading
 from pathlib import Path
 
 from kdsl.aot.export import int_key, pointer_key
-from kdsl.aot.worker import default_layout
 
 AOT_ENV = "KDSL_AOT"
 
@@ -279,6 +278,10 @@ def _descriptor_key(arg, gluon: bool):
     if gluon:
         key = (block, element)
         if key not in _GLUON_LAYOUTS:
+            # Imported here, not at the top: `python -m kdsl.aot.worker` imports this package first, and runpy
+            # warns when the module it is about to run was already imported by its package.
+            from kdsl.aot.worker import default_layout
+
             _GLUON_LAYOUTS[key] = default_layout(block, element[1:])
         if _GLUON_LAYOUTS[key] is None or arg.layout != _GLUON_LAYOUTS[key]:
             return None

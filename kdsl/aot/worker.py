@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import re
 import sys
 import traceback
@@ -184,7 +185,18 @@ def main() -> int:
                           trace=traceback.format_exc(limit=3))
         sys.stdout.write(json.dumps(result) + "\n")
         sys.stdout.flush()
+    _quiet_shutdown()
     return 0
+
+
+def _quiet_shutdown() -> None:
+    """Every job is answered (errors included, on stdout): send what interpreter shutdown writes to stderr to
+    /dev/null. Triton's nanobind bindings print a leak report of its MLIR builder objects at exit (dozens of
+    lines per worker after a Gluon compile); Triton's own compile pool silences its workers the same way."""
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
 
 
 if __name__ == "__main__":
