@@ -318,17 +318,19 @@ def test_a_refused_checkpoint_leaves_the_model_as_it_was(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind, model_dtype, scale_dtype", [
-    ("fp8_inverse", torch.bfloat16, torch.float32), ("ct_fp8", torch.bfloat16, torch.bfloat16),
-    ("ct_w4a16_actorder", torch.float16, torch.bfloat16), ("ct_w4a16_asym", torch.bfloat16, torch.bfloat16),
-    ("awq_sym", torch.float16, torch.float16), ("gptq_desc_act", torch.bfloat16, torch.float16),
+@pytest.mark.parametrize("kind, model_dtype, scale_dtype, tol", [
+    # FP8 in float32: a bf16 model rounds the activations before act_quant, and whole-model FP8 noise then
+    # reaches a few percent of the float32 reference (measured 3.9e-2 on an H200)
+    ("fp8_inverse", torch.float32, torch.float32, FP8_TOL), ("ct_fp8", torch.float32, torch.bfloat16, FP8_TOL),
+    ("ct_w4a16_actorder", torch.float16, torch.bfloat16, W4A16_TOL),
+    ("ct_w4a16_asym", torch.bfloat16, torch.bfloat16, W4A16_TOL),
+    ("awq_sym", torch.float16, torch.float16, W4A16_TOL), ("gptq_desc_act", torch.bfloat16, torch.float16, W4A16_TOL),
 ])
-def test_from_pretrained_on_the_gpu(kind, model_dtype, scale_dtype, tmp_path):
-    """The GPU's kernels on each format, against the float32 dequantized model (bf16 FP8 models: the activation
-    rounding to bf16 between layers makes 1e-2 the bar there)."""
+def test_from_pretrained_on_the_gpu(kind, model_dtype, scale_dtype, tol, tmp_path):
+    """The GPU's kernels on each format, decode and prefill sizes, against the float32 dequantized model."""
     reference_model = write_checkpoint(tmp_path, kind, model_dtype, scale_dtype)
-    model = kdsl.from_pretrained(tmp_path, device="cuda", dtype=model_dtype)
+    model = kdsl.from_pretrained(tmp_path, device="cuda", dtype=None if model_dtype == torch.float32 else model_dtype)
     for shape in ((1, 1), (1, 16), (4, 64)):
         ids = torch.randint(0, VOCAB, shape)
         err = ref.rel_fro_error(logits(model, ids.cuda()).cpu(), logits(reference_model, ids))
-        assert err < W4A16_TOL, f"{kind} {shape}: relative error {err:.3g}"
+        assert err < tol, f"{kind} {shape}: relative error {err:.3g}"
