@@ -5,6 +5,7 @@ import argparse
 import json
 import shlex
 import sys
+import time
 from pathlib import Path
 
 EPILOG = """\
@@ -219,30 +220,126 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo()
 
 
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
+
+
+class _Progress:
+    """Compile progress on stderr: one bar redrawn in place on a terminal, else a line every tenth of the way
+    (a CI log), and the export's own lines (kernels left out, routes, failures) as they come."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.started = time.perf_counter()
+        self.drawn = False
+        self.tenth = 0
+
+    def line(self, text: str) -> None:
+        self._clear()
+        print(text, file=self.stream, flush=True)
+
+    def tick(self, done: int, total: int) -> None:
+        elapsed = time.perf_counter() - self.started
+        left = f", about {_duration(elapsed / done * (total - done))} left" if done < total else ""
+        status = f"compiled {done}/{total} specializations in {_duration(elapsed)}{left}"
+        if self.tty:
+            width = 30
+            filled = width * done // total
+            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {status}\x1b[K")
+            self.stream.flush()
+            self.drawn = True
+        elif done * 10 // total > self.tenth or done == total:
+            self.tenth = done * 10 // total
+            print(status, file=self.stream, flush=True)
+
+    def _clear(self) -> None:
+        if self.drawn:
+            self.stream.write("\r\x1b[K")
+            self.drawn = False
+
+    def close(self) -> None:
+        if self.drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.drawn = False
+
+
+def _aot_needs(args: argparse.Namespace):
+    """What --model or --shapes asks for (kdsl.aot.model.Needs), or None for the full export."""
+    from kdsl.aot.model import ModelError, from_checkpoint, from_shapes
+
+    try:
+        if args.model is not None:
+            return from_checkpoint(args.model)
+        if args.shapes is not None:
+            return from_shapes(args.shapes)
+    except ModelError as error:
+        raise UsageError(f"{'--model' if args.model is not None else '--shapes'} {error}") from None
+    return None
+
+
 def _aot(args: argparse.Namespace) -> int:
     from kdsl.aot import abi as abis
     from kdsl.aot.export import ExportError, export
+    from kdsl.aot.model import FORWARD_OPS
     from kdsl.registry import served_schemes
 
-    ops = args.op or list(abis.OPS)
-    for op in ops:
+    for op in args.op or ():
         if op not in abis.OPS:
             _kernels(op)  # an unknown op: UsageError listing the known ones
             raise UsageError(f"op {op!r} cannot be exported yet; exportable ops: {', '.join(abis.OPS)}")
+    needs = _aot_needs(args)
+    schemes, dtypes, problems = args.scheme, args.dtype, None
+    if needs is None:
+        ops = args.op or list(abis.OPS)
+    else:
+        # The model's own ops (a model's forward: load-time gptq_dequant only if --op names it), schemes and
+        # dtypes, narrowed by any --op, --scheme and --dtype given.
+        flag = "--model" if args.model is not None else "--shapes"
+        wanted = args.op or [op for op in needs.problems if args.shapes is not None or op in FORWARD_OPS]
+        ops = [op for op in wanted if op in needs.problems]
+        if not ops:
+            raise UsageError(f"{needs.source} runs none of --op {', '.join(args.op)}; it runs "
+                             f"{', '.join(needs.problems)}")
+        problems = needs.problems
+        if needs.schemes is not None:
+            schemes = [s for s in needs.schemes if not args.scheme or s in args.scheme]
+            if not schemes:
+                raise UsageError(f"{needs.source} uses scheme(s) {', '.join(needs.schemes)}, not "
+                                 f"--scheme {' '.join(args.scheme)}")
+        if needs.dtypes is not None and not args.dtype:
+            dtypes = needs.dtypes
+        for line in needs.found:
+            print(line, file=sys.stderr)
+        print(f"{flag}: exporting {', '.join(ops)} for {', '.join(schemes or ['every served scheme'])}, dtype(s) "
+              f"{', '.join(dtypes or ['all'])}", file=sys.stderr)
     if args.scheme:
         served = set().union(*(served_schemes(op) for op in ops))
         unknown = [s for s in args.scheme if s not in served]
         if unknown:
             raise UsageError(f"scheme(s) {', '.join(unknown)} not served by {', '.join(ops)}; "
                              f"served: {', '.join(sorted(served))}")
+    if args.out.exists() and not args.out.is_dir():
+        raise UsageError(f"--out {args.out}: is a file, not a folder")
+    progress = _Progress()
     try:
-        result = export(args.out.resolve(), args.arch, ops, args.scheme, args.dtype, args.generic_only, args.jobs,
-                        progress=lambda line: print(line, flush=True))
+        result = export(args.out.resolve(), args.arch, ops, schemes, dtypes, args.generic_only, args.jobs,
+                        progress=progress.line, problems=problems, tick=progress.tick)
     except ExportError as error:
+        progress.close()
         print(f"error: {error}", file=sys.stderr)
         return 1
-    print(f"exported {len(result.specs)} specializations of {len(result.selected)} kernel(s) to {args.out}/ "
-          f"(build: cmake -S {args.out} -B {args.out}/build && cmake --build {args.out}/build, or make -C {args.out})")
+    except OSError as error:  # --out's folder cannot be written (the export stages beside it)
+        progress.close()
+        raise UsageError(f"--out {args.out}: cannot write there ({error}); nothing written") from None
+    progress.close()
+    seconds = time.perf_counter() - progress.started
+    cubins = {spec.compiled["cubin"]: spec.compiled["size"] for spec in result.specs}
+    print(f"exported {len(result.specs)} specializations of {len(result.selected)} kernel(s) to {args.out}/: "
+          f"{sum(cubins.values()) / 2 ** 20:.1f} MiB of cubins in {len(cubins)} files, {_duration(seconds)}")
+    print(f"build: cmake -S {args.out} -B {args.out}/build && cmake --build {args.out}/build, or make -C {args.out}")
     return 0
 
 
@@ -320,6 +417,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="one assumption-free specialization per tile (fast; no alignment specializations)")
     aot.add_argument("--jobs", type=int_at_least(1), help="compile processes (default: one per CPU)")
     aot.add_argument("--out", type=Path, required=True, help="output folder")
+    only = aot.add_mutually_exclusive_group()
+    only.add_argument("--model", type=Path, metavar="CHECKPOINT_DIR",
+                      help="only what this checkpoint's quantized layers need: its scheme (config.json's "
+                           "quantization_config), each layer's N x K (the *.safetensors headers; no tensor data is "
+                           "read), every M bucket, its dtype")
+    only.add_argument("--shapes", metavar="FILE",
+                      help="only these sizes: a `kdsl bench` shape file or preset (deepseek-v3, llama); every "
+                           "scheme and dtype unless --scheme / --dtype narrow them")
     aot.set_defaults(func=_aot)
 
     try:

@@ -119,19 +119,39 @@ class OpAbi:
     call_flags: dict = field(default_factory=dict)
 
 
-def _act_quant_problems():
-    for m in (1, 2, 7, 16, 17, 32, 100, 128, 4096, 4097):
-        for k in (512, 1536, 2048, 7168):
-            for dtype in DTYPES:
+# The representative problems of each op: its M values (the shipped definitions' tile buckets, each reached at
+# least once, and their edges) times the sizes given. The full export uses the sizes of DeepSeek-V3 and Llama
+# layers below; `kdsl aot --model` passes one model's (kdsl.aot.model).
+ACT_QUANT_MS = (1, 2, 7, 16, 17, 32, 100, 128, 4096, 4097)
+FP8_GEMM_MS = (1, 2, 7, 16, 17, 32, 100, 128, 129, 1024, 4096, 4097)
+FP8_BMM_MS = (1, 4, 16, 17, 64, 128, 1024, 4096)
+W4A16_MS = (1, 4, 16, 64, 128, 256, 1024)
+# w4a16_gemm's (perm, contiguous_groups): no act-order; sorted act-order groups (contiguous); a v1 checkpoint's
+# uneven act-order groups (not).
+W4A16_ORDERS = ((0, 1), (1, 1), (1, 0))
+
+
+def act_quant_problems(ks, ms=ACT_QUANT_MS, dtypes=tuple(DTYPES)):
+    for m in ms:
+        for k in ks:
+            for dtype in dtypes:
                 yield dict(M=m, K=k, ldx=k, x_dtype=dtype)
 
 
+def _act_quant_problems():
+    return act_quant_problems((512, 1536, 2048, 7168))
+
+
+def fp8_gemm_problems(nks, ms=FP8_GEMM_MS, dtypes=tuple(DTYPES)):
+    """nks: the (N, K) of the weights."""
+    for m in ms:
+        for n, k in nks:
+            for dtype in dtypes:
+                yield dict(M=m, N=n, K=k, lda=k, ldb=k, ldc=n, lda_s=k // 128, ldb_s=k // 128, out_dtype=dtype)
+
+
 def _fp8_gemm_problems():
-    for m in (1, 2, 7, 16, 17, 32, 100, 128, 129, 1024, 4096, 4097):
-        for n in (2112, 7168, 576, 24):
-            for k in (2048, 7168):
-                for dtype in DTYPES:
-                    yield dict(M=m, N=n, K=k, lda=k, ldb=k, ldc=n, lda_s=k // 128, ldb_s=k // 128, out_dtype=dtype)
+    return fp8_gemm_problems([(n, k) for n in (2112, 7168, 576, 24) for k in (2048, 7168)])
 
 
 # fp8_gemm / tma_persistent (launch() of fp8_gemm_tma_persistent.py.j2): tiles, K split and persistent grid.
@@ -266,17 +286,22 @@ FP8_GEMM = OpAbi(
 
 # ---- fp8_bmm: the batched block-FP8 GEMM (MLA), strided views passed as they are -------------------------
 
-def _fp8_bmm_problems():
-    # DeepSeek-V3's MLA: heads 128 (TP 1) or 16 (TP 8); (N, K) = (512, 128) or (128, 512); activations arrive as
-    # [tokens, heads, K], so a is the transposed view (strides K, heads * K, 1), and so are its scales.
-    for heads in (16, 128):
-        for m in (1, 4, 16, 17, 64, 128, 1024, 4096):
-            for n, k in ((512, 128), (128, 512)):
-                for dtype in DTYPES:
+def fp8_bmm_problems(batches, nks, ms=FP8_BMM_MS, dtypes=tuple(DTYPES)):
+    """batches: the batch counts (MLA's heads per GPU); nks: the per-head (N, K). Activations arrive as
+    [tokens, heads, K], so a is the transposed view (strides K, heads * K, 1), and so are its scales."""
+    for heads in batches:
+        for m in ms:
+            for n, k in nks:
+                for dtype in dtypes:
                     yield dict(B=heads, M=m, N=n, K=k, stride_ab=k, stride_am=heads * k, stride_bb=n * k, stride_bn=k,
                                stride_cb=m * n, stride_cm=n, stride_asb=k // 128, stride_asm=heads * k // 128,
                                stride_ask=1, stride_bsb=-(-n // 128) * (k // 128), stride_bsn=k // 128, stride_bsk=1,
                                out_dtype=dtype)
+
+
+def _fp8_bmm_problems():
+    # DeepSeek-V3's MLA: heads 128 (TP 1) or 16 (TP 8); (N, K) = (512, 128) or (128, 512).
+    return fp8_bmm_problems((16, 128), ((512, 128), (128, 512)))
 
 
 _BMM_TILES = "B * cdiv(M, {BLOCK_M}) * cdiv(N, {BLOCK_N})"
@@ -397,12 +422,16 @@ FP8_BMM = OpAbi(
 )
 
 
+def gptq_dequant_problems(nks, dtypes=("f16", "bf16"), g_idx=(0, 4096)):
+    """nks: the (N, K) of the weights; g_idx: 0 (none) and/or an address (act-order)."""
+    for n, k in nks:
+        for dtype in dtypes:
+            for address in g_idx:
+                yield dict(N=n, K=k, ldqw=n, ldqz=n // 8, lds=n, scales_dtype=dtype, g_idx=address)
+
+
 def _gptq_dequant_problems():
-    for n in (4096, 11008, 24):
-        for k in (4096, 11008):
-            for dtype in ("f16", "bf16"):
-                for g_idx in (0, 4096):
-                    yield dict(N=n, K=k, ldqw=n, ldqz=n // 8, lds=n, scales_dtype=dtype, g_idx=g_idx)
+    return gptq_dequant_problems([(n, k) for n in (4096, 11008, 24) for k in (4096, 11008)])
 
 
 GPTQ_DEQUANT = OpAbi(
@@ -465,15 +494,20 @@ _MAGIC = {"f16": (0x6400, 1024), "bf16": (0x4300, 128)}  # the generated modules
 SPLIT_SMS = (108, 132)  # SM counts the exporter compiles K splits for (A100, H100/H200); other counts: see SPLIT
 
 
+def w4a16_problems(nks, ms=W4A16_MS, orders=W4A16_ORDERS, dtypes=("f16", "bf16")):
+    """nks: the (N, K) of the weights; orders: (perm, contiguous_groups) pairs, W4A16_ORDERS."""
+    for m in ms:
+        for n, k in nks:
+            for perm, contiguous in orders:
+                for dtype in dtypes:
+                    yield dict(M=m, N=n, K=k, ldx=k, ldqw=n, ldz=n, lds=n, ldy=n, perm=perm,
+                               contiguous_groups=contiguous, x_dtype=dtype)
+
+
 def _w4a16_problems():
     # M per tile bucket of both variants; N and K of the bench shapes; act-order and groups as checkpoints
     # give them (sorted act-order groups stay contiguous; a v1 checkpoint's uneven groups do not).
-    for m in (1, 4, 16, 64, 128, 256, 1024):
-        for n, k in ((4096, 4096), (14336, 4096), (4096, 14336)):
-            for perm, contiguous in ((0, 1), (1, 1), (1, 0)):
-                for dtype in ("f16", "bf16"):
-                    yield dict(M=m, N=n, K=k, ldx=k, ldqw=n, ldz=n, lds=n, ldy=n, perm=perm,
-                               contiguous_groups=contiguous, x_dtype=dtype)
+    return w4a16_problems(((4096, 4096), (14336, 4096), (4096, 14336)))
 
 
 _W4A16_POINTERS = {"x_ptr": "dtype:x_dtype", "perm_ptr": "i32", "qw_ptr": "i32", "z_ptr": "dtype:x_dtype",

@@ -8,11 +8,14 @@ by 16 and pointers 16-byte aligned) plus one that assumes nothing, so every call
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,8 +156,9 @@ def _spec_name(entry_name: str, bucket: int, arch: int, body: dict) -> str:
     return f"{entry_name}__sm{arch}_b{bucket}_{digest}"
 
 
-def plan(archs, ops=None, schemes=None, dtypes=None, generic_only: bool = False) -> Plan:
-    """Choose kernels and enumerate their specializations; compiles nothing."""
+def plan(archs, ops=None, schemes=None, dtypes=None, generic_only: bool = False, problems=None) -> Plan:
+    """Choose kernels and enumerate their specializations; compiles nothing. `problems` ({op: callable}) replaces
+    an op's representative problems (abi.OpAbi.problems), e.g. with one model's sizes (kdsl.aot.model)."""
     archs = sorted(set(archs))
     result = Plan(archs=archs)
 
@@ -164,6 +168,8 @@ def plan(archs, ops=None, schemes=None, dtypes=None, generic_only: bool = False)
 
     for op in ops or list(abis.OPS):
         abi = abis.OPS[op]
+        if problems and op in problems:
+            abi = dataclasses.replace(abi, problems=problems[op])
         served = sorted(registry.served_schemes(op))
         for scheme in served if not schemes else [s for s in served if s in schemes]:
             for arch in archs:
@@ -492,8 +498,9 @@ def _moved(abi: abis.OpAbi, entry, index: int, problems: list) -> list:
             for p in problems]
 
 
-def compile_specs(specs: list, out: Path, jobs: int, progress=print) -> list:
-    """Compile every spec in `jobs` worker processes; returns [(spec, error)] for the ones that failed."""
+def compile_specs(specs: list, out: Path, jobs: int, progress=print, tick=None) -> list:
+    """Compile every spec in `jobs` worker processes; returns [(spec, error)] for the ones that failed.
+    progress(line) gets a line per spec, or with tick, only per failure, and tick(done, total) after each."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the JIT's default; set so Triton 3.9 does not warn
     package_root = str(Path(__file__).resolve().parents[2])
@@ -535,11 +542,14 @@ def compile_specs(specs: list, out: Path, jobs: int, progress=print) -> list:
                 done += 1
                 if result.pop("ok"):
                     spec.compiled = result
-                    progress(f"[{done}/{total}] {spec.name}: {result['size']} bytes, {result['shared']} B shared, "
-                             f"{time.perf_counter() - started:.1f} s")
+                    if tick is None:
+                        progress(f"[{done}/{total}] {spec.name}: {result['size']} bytes, {result['shared']} B "
+                                 f"shared, {time.perf_counter() - started:.1f} s")
                 else:
                     failures.append((spec, result["error"]))
                     progress(f"[{done}/{total}] {spec.name}: FAILED {result['error']}")
+                if tick is not None:
+                    tick(done, total)
                 feed(worker)
     finally:
         for worker in workers:
@@ -554,24 +564,52 @@ def compile_specs(specs: list, out: Path, jobs: int, progress=print) -> list:
 
 
 def export(out: Path, archs, ops=None, schemes=None, dtypes=None, generic_only=False, jobs=None,
-           progress=print) -> Plan:
-    """Plan, compile and write everything under `out` (cubins, C sources, build files, aot_manifest.json)."""
+           progress=print, problems=None, tick=None) -> Plan:
+    """Plan, compile and write everything under `out` (cubins, C sources, build files, aot_manifest.json).
+    problems: as plan()'s; tick(done, total): called after each compiled specialization (see compile_specs)."""
     from kdsl.aot import emit
 
-    result = plan(archs, ops, schemes, dtypes, generic_only)
+    result = plan(archs, ops, schemes, dtypes, generic_only, problems)
     for what, why in result.skipped:
         progress(f"skipped {what}: {why}")
     for line in result.routes:
         progress(line)
     if not result.selected:
         raise ExportError("nothing to export: " + "; ".join(f"{w}: {r}" for w, r in result.skipped))
-    out.mkdir(parents=True, exist_ok=True)
-    failures = compile_specs(result.specs, out, jobs or os.cpu_count() or 1, progress)
-    if failures:
-        raise ExportError("; ".join(f"{spec.name}: {why}" for spec, why in failures))
-    _share_identical_cubins(out, result.specs)
-    emit.write_all(out, result)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Everything is written to a staging folder beside `out` and moved in only once every kernel compiled, so a
+    # failed or interrupted export leaves `out` as it was.
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial.", dir=out.parent))
+    jobs = jobs or os.cpu_count() or 1
+    progress(f"compiling {len(result.specs)} specializations of {len(result.selected)} kernel(s) in "
+             f"{min(jobs, len(result.specs))} process(es)")
+    try:
+        failures = compile_specs(result.specs, staging, jobs, progress, tick)
+        if failures:
+            raise ExportError("; ".join(f"{spec.name}: {why}" for spec, why in failures))
+        _share_identical_cubins(staging, result.specs)
+        emit.write_all(staging, result)
+        _move_into(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return result
+
+
+def _move_into(staging: Path, out: Path) -> None:
+    """Move the staged export into `out` (same file system: renames). cubins/ is replaced as a whole, so no cubin
+    of an earlier export stays; every other file is replaced one by one, so what else `out` holds (a build
+    folder) stays."""
+    out.mkdir(parents=True, exist_ok=True)
+    old_cubins = out / "cubins"
+    if old_cubins.exists():
+        old_cubins.rename(staging / ".cubins.old")  # removed with the staging folder
+    (staging / "cubins").rename(out / "cubins")
+    for path in sorted(staging.rglob("*")):
+        relative = path.relative_to(staging)
+        if relative.parts[0].startswith(".") or not path.is_file():
+            continue
+        (out / relative).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, out / relative)
 
 
 def _share_identical_cubins(out: Path, specs: list) -> None:
