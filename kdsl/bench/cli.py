@@ -8,6 +8,10 @@ from pathlib import Path
 
 from kdsl.bench.report import build_document, format_table, matplotlib_available, plot_ratios, write_json
 from kdsl.bench.results import OK, Result
+from kdsl.bench.model import DECODE_M, PREFILL_M, parse_shape
+from kdsl.bench.model import MODES as MODEL_MODES
+from kdsl.bench.model import PRESETS as MODEL_PRESETS
+from kdsl.bench.model import VARIANTS as MODEL_VARIANTS
 from kdsl.bench.shapes import OPS, PRESETS, ShapeFileError, resolve_shapes, select_ops
 
 DESCRIPTION = """\
@@ -67,6 +71,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "the GPU busy for a few hundred more calls): for comparing GPU times with a run "
                              "made without it")
     parser.add_argument("--plot", metavar="PATH", help="draw a PNG of ratios vs baselines (needs matplotlib)")
+    model = parser.add_argument_group("whole layers (--model): kdsl.bench.model")
+    model.add_argument("--model", metavar="{" + ",".join(MODEL_PRESETS) + "}|FILE",
+                       help="time N decoder layers with distinct weights, whole, against the fp16/bf16 model "
+                            "instead of single ops")
+    model.add_argument("--m", type=int, nargs="+", metavar="M", help="tokens per forward (default: decode "
+                       f"{' '.join(map(str, DECODE_M))} and prefill {' '.join(map(str, PREFILL_M))})")
+    model.add_argument("--modes", nargs="+", choices=MODEL_MODES, default=list(MODEL_MODES),
+                       help="CUDA graph, eager, torch.compile(mode='reduce-overhead', fullgraph=True)")
+    model.add_argument("--variants", nargs="+", choices=MODEL_VARIANTS, default=list(MODEL_VARIANTS),
+                       help="quantized models to time beside the float one")
     parser.set_defaults(func=run)
 
 
@@ -98,6 +112,8 @@ def _writable(path: str | None) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model:
+        return run_model(args)
     # Everything that can be refused without a GPU is checked first, so a long run never
     # ends in an unwritable path or a missing optional dependency.
     try:
@@ -145,3 +161,26 @@ def run(args: argparse.Namespace) -> int:
     print(f"kdsl bench: all {len(results) - unavailable} results correct"
           + (f" ({unavailable} not available)" if unavailable else ""), file=sys.stderr)
     return 0
+
+
+def run_model(args: argparse.Namespace) -> int:
+    """kdsl bench --model: whole layers (kdsl.bench.model); refusals first, as for the op bench."""
+    try:
+        parse_shape(args.model)
+    except ValueError as exc:
+        return _fail(str(exc))
+    if args.m and any(m < 1 for m in args.m):
+        return _fail(f"--m {' '.join(map(str, args.m))}: token counts must be positive")
+    for flag in ("json", "plot"):
+        if not _writable(getattr(args, flag)):
+            return _fail(f"--{flag} {getattr(args, flag)}: directory does not exist")
+    if args.plot and not matplotlib_available():
+        return _fail("--plot needs matplotlib, an optional extra: pip install matplotlib")
+    import torch
+
+    if not torch.cuda.is_available():
+        return _fail("--model needs a CUDA GPU, but torch.cuda.is_available() is False")
+    from kdsl.bench.model import run_model_bench
+
+    return run_model_bench(args.model, args.m or [*DECODE_M, *PREFILL_M], args.modes, args.variants, args.json,
+                           args.plot)

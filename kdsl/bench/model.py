@@ -1,0 +1,276 @@
+"""`kdsl bench --model PRESET`: whole decoder layers as a user runs them, timed whole.
+
+N layers with distinct weights (so at decode they stream from DRAM, not L2), each: RMSNorm -> qkv -> o (the
+attention itself is left out: it is the same for every variant) -> residual add -> RMSNorm -> gate_up ->
+SiLU*mul -> down -> residual add. The same glue runs for every variant:
+
+  fp16 / bf16    nn.Linear (cuBLAS): the baseline
+  w4a16          kdsl.quantize_(model, kdsl.GPTQ(group_size=128)), fp16 activations
+  fp8            kdsl.quantize_(model, kdsl.BlockFP8()), bf16 activations
+  torchao-fp8    torchao's Float8DynamicActivationFloat8WeightConfig (per-row), where torchao imports
+
+Each is timed as one hand-captured CUDA graph of the forward, eagerly, and under
+torch.compile(mode="reduce-overhead", fullgraph=True) (CUDA events; compiled per M, so it is the slowest mode
+to run: --modes picks). Ratios are the float model's time over the variant's in the same mode and run. The
+fraction of the roofline is the weight bytes of the layers over the measured device copy rate (decode) or the
+linears' FLOPs over the measured dense fp16/fp8 matmul rate (prefill), taken in the same run.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+PRESETS = {
+    # name: hidden, qkv out, o in, intermediate, layers (distinct weights)
+    "llama-3-8b": (4096, 6144, 4096, 14336, 4),
+    "llama-3-70b-tp8": (8192, 1280, 1024, 3584, 8),
+    "qwen2.5-32b": (5120, 7168, 5120, 27648, 3),
+    "deepseek-v3-dense": (7168, 24576 + 576, 16384, 18432, 2),  # MLA q_b + kv_a as one projection, dense MLP
+}
+DECODE_M = (1, 4, 16, 64)
+PREFILL_M = (512, 2048, 8192)
+MODES = ("graph", "eager", "compile")
+VARIANTS = ("w4a16", "fp8", "torchao-fp8")
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    qkv: int
+    o_in: int
+    inter: int
+    layers: int
+
+    def linears(self) -> list[tuple[int, int]]:
+        """(in, out) of each layer's linears."""
+        return [(self.hidden, self.qkv), (self.o_in, self.hidden), (self.hidden, 2 * self.inter),
+                (self.inter, self.hidden)]
+
+    def weights(self) -> int:
+        return self.layers * sum(k * n for k, n in self.linears())
+
+
+def parse_shape(spec: str) -> tuple[str, Shape]:
+    """A preset name, or a JSON file {"hidden":, "qkv":, "o_in":, "inter":, "layers":}."""
+    if spec in PRESETS:
+        return spec, Shape(*PRESETS[spec])
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"--model {spec}: neither a preset ({', '.join(PRESETS)}) nor a file")
+    try:
+        doc = json.loads(path.read_text())
+        return path.stem, Shape(**{key: int(doc[key]) for key in ("hidden", "qkv", "o_in", "inter", "layers")})
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"--model {spec}: expected JSON with integer hidden, qkv, o_in, inter, layers ({error})") from None
+
+
+def build(shape: Shape, dtype, device: str = "cuda"):
+    """The float model of shape: a torch.nn.Module taking x [M, hidden]."""
+    import torch
+    from torch import nn
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1 = nn.RMSNorm(shape.hidden, dtype=dtype, device=device)
+            self.qkv = nn.Linear(shape.hidden, shape.qkv, bias=False, dtype=dtype, device=device)
+            self.o = nn.Linear(shape.o_in, shape.hidden, bias=False, dtype=dtype, device=device)
+            self.norm2 = nn.RMSNorm(shape.hidden, dtype=dtype, device=device)
+            self.gate_up = nn.Linear(shape.hidden, 2 * shape.inter, bias=False, dtype=dtype, device=device)
+            self.down = nn.Linear(shape.inter, shape.hidden, bias=False, dtype=dtype, device=device)
+
+        def forward(self, x):
+            q = self.qkv(self.norm1(x))
+            # attention left out: o reads a slice of qkv's output as wide as its input (tiled when narrower)
+            attn = q[:, : shape.o_in] if shape.qkv >= shape.o_in else q.repeat(1, -(-shape.o_in // shape.qkv))[:, : shape.o_in]
+            x = x + self.o(attn)
+            gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
+            return x + self.down(torch.nn.functional.silu(gate) * up)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Layer() for _ in range(shape.layers)]).eval()
+    for layer in model:
+        for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            nn.init.normal_(linear.weight, std=0.02)
+    return model.requires_grad_(False)
+
+
+def variant(name: str, shape: Shape, device: str = "cuda"):
+    """The model of a variant (fp16, bf16 or one of VARIANTS); ImportError where its package is missing."""
+    import torch
+
+    import kdsl
+
+    dtype = torch.float16 if name in ("fp16", "w4a16") else torch.bfloat16
+    model = build(shape, dtype, device)
+    if name == "w4a16":
+        kdsl.quantize_(model, kdsl.GPTQ(group_size=128))
+    elif name == "fp8":
+        kdsl.quantize_(model, kdsl.BlockFP8())
+    elif name == "torchao-fp8":
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+        quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    return model, dtype
+
+
+def _time_graph(fn, x) -> float:
+    import torch
+    import triton.testing
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(x)
+    return triton.testing.do_bench(graph.replay, return_mode="median") * 1e3
+
+
+def _time_events(fn, x, reps: int = 50) -> float:
+    import torch
+
+    for _ in range(5):
+        fn(x)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(x)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def time_model(model, x, mode: str) -> float:
+    """Microseconds per forward."""
+    import torch
+
+    with torch.inference_mode():
+        if mode == "graph":
+            return _time_graph(model, x)
+        if mode == "eager":
+            return _time_events(model, x)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+        return _time_events(lambda t: compiled(t.clone()), x)  # a fresh input: cudagraph trees reuse outputs
+
+
+def ceilings() -> tuple[float, float, float]:
+    """Measured copy rate (bytes/s), fp16 and fp8 dense matmul rates (FLOP/s) of this GPU."""
+    import torch
+    import triton.testing
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy = 2 * src.numel() / (triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
+    half = 2 * 8192**3 / (triton.testing.do_bench(lambda: a @ a, return_mode="median") * 1e-3)
+    a8 = a.to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    fp8 = 2 * 8192**3 / (triton.testing.do_bench(
+        lambda: torch._scaled_mm(a8, a8.T, one, one, out_dtype=torch.bfloat16), return_mode="median") * 1e-3)
+    return copy, half, fp8
+
+
+def run_model_bench(spec: str, ms: list[int], modes: list[str], variants: list[str], json_path: str | None,
+                    plot_path: str | None) -> int:
+    import torch
+
+    name, shape = parse_shape(spec)
+    copy_rate, fp16_rate, fp8_rate = ceilings()
+    print(f"kdsl bench --model {name}: {shape.layers} layers, weights {shape.weights() / 1e9:.2f} G params; "
+          f"copy {copy_rate / 1e12:.2f} TB/s, fp16 {fp16_rate / 1e12:.0f} TFLOP/s, fp8 {fp8_rate / 1e12:.0f} "
+          f"TFLOP/s measured", file=sys.stderr)
+    rows = []
+    bases = {"w4a16": "fp16", "fp8": "bf16", "torchao-fp8": "bf16"}
+    needed = ["fp16"] * ("w4a16" in variants) + ["bf16"] * any(v != "w4a16" for v in variants)
+    bytes_per_weight = {"fp16": 2, "bf16": 2, "w4a16": 0.5 + 4 / 128, "fp8": 1 + 4 / 128**2, "torchao-fp8": 1}
+    for model_name in needed + variants:
+        try:
+            model, dtype = variant(model_name, shape)
+        except ImportError as error:
+            print(f"  {model_name}: not available ({error})", file=sys.stderr)
+            continue
+        for m in ms:
+            x = torch.randn(m, shape.hidden, device="cuda", dtype=dtype)
+            for mode in modes:
+                try:
+                    us = time_model(model, x, mode)
+                except Exception as error:  # noqa: BLE001 - one cell fails, the table goes on
+                    us, note = None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+                else:
+                    note = None
+                flops = 2 * m * shape.weights()
+                moved = shape.weights() * bytes_per_weight[model_name]
+                rows.append({"model": model_name, "m": m, "mode": mode, "us": us, "error": note,
+                             "tokens_per_s": None if not us else m / us * 1e6,
+                             "roofline": None if not us else (
+                                 moved / copy_rate * 1e6 / us if m <= max(DECODE_M)
+                                 else flops / (fp8_rate if "fp8" in model_name else fp16_rate) * 1e6 / us)})
+                print(f"  {model_name:12s} M={m:5d} {mode:8s} " + (f"{us:10.1f} us" if us else f"failed: {note}"),
+                      file=sys.stderr, flush=True)
+        del model
+        torch.cuda.empty_cache()
+    time_of = {(r["model"], r["m"], r["mode"]): r["us"] for r in rows}
+    for r in rows:
+        base = time_of.get((bases.get(r["model"], r["model"]), r["m"], r["mode"]))
+        r["speedup"] = base / r["us"] if base and r["us"] else None
+    print(format_model_table(rows, name))
+    if json_path:
+        doc = {"tool": "kdsl bench --model", "preset": name, "shape": shape.__dict__,
+               "ceilings": {"copy_bytes_per_s": copy_rate, "fp16_flops": fp16_rate, "fp8_flops": fp8_rate},
+               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+        Path(json_path).write_text(json.dumps(doc, indent=1))
+    if plot_path:
+        plot_speedups(rows, name, plot_path)
+    return 0
+
+
+def format_model_table(rows: list[dict], name: str) -> str:
+    lines = [f"== {name}: time per forward (us), speedup = float model / variant, same mode and run; roofline = "
+             "weight bytes at the copy rate (decode) or FLOPs at the matmul rate (prefill) over the time"]
+    lines.append(f"{'model':12s} {'M':>5s} " + " ".join(f"{mode + ' us':>11s} {'x':>6s} {'roof':>5s}" for mode in MODES))
+    keys = list(dict.fromkeys((r["model"], r["m"]) for r in rows))
+    by = {(r["model"], r["m"], r["mode"]): r for r in rows}
+    for model, m in keys:
+        cells = []
+        for mode in MODES:
+            r = by.get((model, m, mode))
+            if r is None or r["us"] is None:
+                cells.append(f"{'-' if r is None else 'failed':>11s} {'':>6s} {'':>5s}")
+                continue
+            speed = f"{r['speedup']:.2f}" if r.get("speedup") else "-"
+            cells.append(f"{r['us']:11.1f} {speed:>6s} {r['roofline']:5.2f}")
+        lines.append(f"{model:12s} {m:5d} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def plot_speedups(rows: list[dict], name: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for model in dict.fromkeys(r["model"] for r in rows if r["model"] not in ("fp16", "bf16")):
+        for mode, style in zip(MODES, ("-", "--", ":")):
+            pts = [(r["m"], r["speedup"]) for r in rows if r["model"] == model and r["mode"] == mode and r.get("speedup")]
+            if pts:
+                ax.plot(*zip(*pts), style, marker="o", label=f"{model} {mode}")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("M (tokens)")
+    ax.set_ylabel("float model time / variant time")
+    ax.set_title(f"{name}: whole-layer speedup (>1: faster than fp16/bf16)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
