@@ -28,7 +28,8 @@ FLOAT_OUT = (torch.bfloat16, torch.float16, torch.float32)
 # at M = 64: benchmarks/RESULTS.md, fp8_linear section). Under torch.compile (its CUDA graphs included) the host
 # cost is gone and GPU time decides, so compiled code takes the two kernels: its outputs may differ from eager
 # ones by a rounding (the fused kernel adds the bias in fp32, and the GEMM tiles differ). A CUDA graph captured
-# by hand records what eager calls launch (the fused kernel at few rows), so the eager warm-up compiles it.
+# by hand has no host cost either, so capture takes the two kernels too (whole-model graphs of FP8Linear at
+# M = 1 ran at bf16's speed with the fused kernel in them: issue 47).
 FUSED_MAX_ROWS = 16
 
 
@@ -120,7 +121,8 @@ class FP8Linear(_QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = x.dtype if x.dtype in FLOAT_OUT else torch.bfloat16
         few = x.dim() > 0 and x.numel() <= FUSED_MAX_ROWS * x.shape[-1]
-        if self.fused and few and not torch.compiler.is_compiling():
+        if self.fused and few and not torch.compiler.is_compiling() and not (
+                x.is_cuda and torch.cuda.is_current_stream_capturing()):
             return ops.fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, out_dtype=out_dtype)
         a, a_s = ops.act_quant(x, group_size=self.scheme.act_group)
         y = ops.fp8_gemm(a, a_s, self.weight, self.weight_scale_inv, out_dtype=out_dtype)
