@@ -1,13 +1,17 @@
 """Tensor-parallel linears over torch.distributed, wrapping kdsl's FP8Linear and W4A16Linear.
 
 ColumnParallelLinear: each rank holds N / T output features (with their bias) and computes them from the
-whole input; the output is all-gathered along the last dim (gather_output=True) or left sharded.
+whole input; the output is all-gathered along the last dim (gather_output=True: one all_gather_into_tensor
+into a contiguous buffer) or left sharded.
 RowParallelLinear: each rank holds K / T input features; it computes its partial x_r @ W_r^T, the
-partials are summed with all_reduce (in reduce_dtype, float32 by default, so only the summation order
-differs from one rank), and the bias is added once, after the reduce.
+partials are summed with one all-reduce in reduce_dtype (None, the default: the activation dtype, as serving
+stacks reduce; torch.float32: the partials leave the GEMM in float32, so only the summation order differs
+from one rank, at twice the bytes), and the bias is added once, after the reduce. all_reduce="symm_mem" takes
+torch's symmetric-memory one-shot all-reduce for messages up to symm_mem_max_bytes (kdsl.parallel.comm).
 
 Build them from checkpoint tensors with the from_fp8 / from_gptq / from_awq constructors: they cut the
 rank's shard (kdsl.parallel.sharding) and wrap it. The process group defaults to the default group.
+Every forward is capturable in a CUDA graph (after one eager call: kernels compile, symm_mem sets up).
 """
 from __future__ import annotations
 
@@ -15,9 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kdsl import ops
 from kdsl.nn.modules import FP8Linear, W4A16Linear
 from kdsl.ops.gptq_checkpoint import ZERO_OFFSET, unpack_rows, unpack_zeros
 from kdsl.ops.w4a16 import prepare
+from kdsl.parallel import comm
 from kdsl.parallel.sharding import shard_awq, shard_fp8, shard_gptq
 from kdsl.schema import GPTQ, BlockFP8
 from kdsl.schema.scheme import AWQ
@@ -29,11 +35,12 @@ def _rank_world(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _comm_dtype(dtype: torch.dtype, group) -> torch.dtype:
-    """gloo does not reduce or gather bfloat16 on every build: carry it as float32 there."""
-    if dtype == torch.bfloat16 and dist.get_backend(group) == "gloo":
-        return torch.float32
-    return dtype
+def _fp8_partial(local: FP8Linear, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """local(x) with the GEMM writing out_dtype (float32 partials): act_quant reads x in its own dtype, so x
+    is not converted (a float32 x would quantize to the same codes at twice the bytes)."""
+    a, a_s = ops.act_quant(x, group_size=local.scheme.act_group)
+    y = ops.fp8_gemm(a, a_s, local.weight, local.weight_scale_inv, out_dtype=out_dtype)
+    return y if local.bias is None else y + local.bias.to(y.dtype)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -89,11 +96,7 @@ class ColumnParallelLinear(nn.Module):
             y = y[..., self.out_slice]
         if not self.gather_output or self.world_size == 1:
             return y.contiguous()
-        dtype = _comm_dtype(y.dtype, self.group)
-        mine = y.to(dtype).contiguous()
-        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(parts, mine, group=self.group)
-        return torch.cat(parts, dim=-1).to(y.dtype)
+        return comm.all_gather_last_dim(y, self.group, self.world_size)
 
     def extra_repr(self) -> str:
         return (f"out_features={self.out_features}, rank={self.rank}/{self.world_size}, "
@@ -105,22 +108,32 @@ class RowParallelLinear(nn.Module):
 
     input_is_parallel=False: forward takes the whole x [..., K] and reads this rank's columns (for GPTQ
     act-order, the columns perm[K_r] of K sorted by group: in_index). True: forward takes x_r already cut
-    for this rank, in in_index's order."""
+    for this rank, in in_index's order.
+
+    reduce_dtype: None (default) sums the partials in the activation dtype; torch.float32 in float32 (FP8:
+    straight from the GEMM's accumulator). all_reduce: "nccl" (default) or "symm_mem" (torch's one-shot
+    kernel for messages up to symm_mem_max_bytes, else NCCL; kdsl.parallel.comm)."""
 
     def __init__(self, local: nn.Module, *, in_features: int, in_index=None, bias: torch.Tensor | None = None,
-                 group=None, input_is_parallel: bool = False, reduce_dtype: torch.dtype | None = torch.float32):
+                 group=None, input_is_parallel: bool = False, reduce_dtype: torch.dtype | None = None,
+                 all_reduce: str = "nccl", symm_mem_max_bytes: int = comm.SYMM_MEM_MAX_BYTES):
         super().__init__()
         self.local, self.group, self.input_is_parallel = local, group, input_is_parallel
         self.rank, self.world_size = _rank_world(group)
         self.in_features, self.out_features = in_features, local.out_features
+        if reduce_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"reduce_dtype: expected None (the activation dtype) or a float dtype, got {reduce_dtype!r}")
         self.reduce_dtype = reduce_dtype
+        self.all_reduce = comm.check_all_reduce(all_reduce)
+        self.symm_mem_max_bytes = symm_mem_max_bytes
         self.in_slice = in_index if isinstance(in_index, slice) else None
         self.register_buffer("in_index", in_index if isinstance(in_index, torch.Tensor) else None)
         self.register_buffer("bias", bias)
 
     @classmethod
     def from_fp8(cls, weight, weight_scale_inv, bias=None, *, group=None, input_is_parallel=False,
-                 scheme: BlockFP8 | None = None, reduce_dtype=torch.float32) -> "RowParallelLinear":
+                 scheme: BlockFP8 | None = None, reduce_dtype=None,
+                 all_reduce="nccl", symm_mem_max_bytes=comm.SYMM_MEM_MAX_BYTES) -> "RowParallelLinear":
         scheme = scheme or BlockFP8()
         rank, world = _rank_world(group)
         s = shard_fp8(weight, weight_scale_inv, None, rank=rank, world_size=world, dim="row",
@@ -128,11 +141,13 @@ class RowParallelLinear(nn.Module):
         k = weight.shape[1] // world
         return cls(FP8Linear(s.weight, s.weight_scale_inv, None, scheme), in_features=weight.shape[1],
                    in_index=slice(rank * k, (rank + 1) * k), bias=bias, group=group,
-                   input_is_parallel=input_is_parallel, reduce_dtype=reduce_dtype)
+                   input_is_parallel=input_is_parallel, reduce_dtype=reduce_dtype,
+                   all_reduce=all_reduce, symm_mem_max_bytes=symm_mem_max_bytes)
 
     @classmethod
     def from_gptq(cls, qweight, qzeros, scales, g_idx=None, bias=None, *, group=None, input_is_parallel=False,
-                  scheme: GPTQ | None = None, reduce_dtype=torch.float32) -> "RowParallelLinear":
+                  scheme: GPTQ | None = None, reduce_dtype=None,
+                  all_reduce="nccl", symm_mem_max_bytes=comm.SYMM_MEM_MAX_BYTES) -> "RowParallelLinear":
         scheme = scheme or GPTQ()
         rank, world = _rank_world(group)
         s = shard_gptq(qweight, qzeros, scales, g_idx, None, rank=rank, world_size=world, dim="row",
@@ -145,11 +160,13 @@ class RowParallelLinear(nn.Module):
         local = W4A16Linear(prepared, None, scheme)
         return cls(local, in_features=qweight.shape[0] * 8, in_index=s.in_index,
                    bias=None if bias is None else bias.to(scales.dtype), group=group,
-                   input_is_parallel=input_is_parallel, reduce_dtype=reduce_dtype)
+                   input_is_parallel=input_is_parallel, reduce_dtype=reduce_dtype,
+                   all_reduce=all_reduce, symm_mem_max_bytes=symm_mem_max_bytes)
 
     @classmethod
     def from_awq(cls, qweight, qzeros, scales, bias=None, *, group=None, input_is_parallel=False,
-                 scheme: AWQ | None = None, reduce_dtype=torch.float32) -> "RowParallelLinear":
+                 scheme: AWQ | None = None, reduce_dtype=None,
+                 all_reduce="nccl", symm_mem_max_bytes=comm.SYMM_MEM_MAX_BYTES) -> "RowParallelLinear":
         scheme = scheme or AWQ()
         rank, world = _rank_world(group)
         s = shard_awq(qweight, qzeros, scales, None, rank=rank, world_size=world, dim="row",
@@ -157,7 +174,8 @@ class RowParallelLinear(nn.Module):
         local = W4A16Linear.from_awq(s.qweight, s.qzeros, s.scales, None, scheme)
         return cls(local, in_features=qweight.shape[0], in_index=s.in_index,
                    bias=None if bias is None else bias.to(scales.dtype), group=group,
-                   input_is_parallel=input_is_parallel, reduce_dtype=reduce_dtype)
+                   input_is_parallel=input_is_parallel, reduce_dtype=reduce_dtype,
+                   all_reduce=all_reduce, symm_mem_max_bytes=symm_mem_max_bytes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -166,17 +184,18 @@ class RowParallelLinear(nn.Module):
             elif self.in_slice is not None:
                 x = x[..., self.in_slice]
         x = x.contiguous()
-        if isinstance(self.local, FP8Linear) and self.reduce_dtype == torch.float32:
-            y = self.local(x.float())  # the same activation quantization, float32 partials from fp8_gemm
+        reduce = self.reduce_dtype or x.dtype
+        if isinstance(self.local, FP8Linear) and reduce == torch.float32 and x.dtype != torch.float32:
+            y = _fp8_partial(self.local, x, torch.float32)  # float32 partials from the GEMM, x as it is
         else:
             y = self.local(x)
-        dtype = _comm_dtype(self.reduce_dtype or y.dtype, self.group)
-        total = y.to(dtype)
         if self.world_size > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
-        y = total.to(x.dtype)
+            y = comm.all_reduce_(y.to(comm.comm_dtype(reduce, self.group)), self.group, self.all_reduce,
+                                 self.symm_mem_max_bytes)
+        y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, rank={self.rank}/{self.world_size}, "
-                f"input_is_parallel={self.input_is_parallel}, reduce_dtype={self.reduce_dtype}")
+                f"input_is_parallel={self.input_is_parallel}, reduce_dtype={self.reduce_dtype or 'activation'}, "
+                f"all_reduce={self.all_reduce}")
