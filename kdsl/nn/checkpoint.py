@@ -438,5 +438,7 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, *
     # from_config builds the plain architecture, whose linears load_quantized replaces.
     with device:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.eval()
+    # Inference only (kdsl's ops have no backward): parameters that require grad would make every activation
+    # require it, and the ops refuse those under grad mode.
+    model.eval().requires_grad_(False)
     return load_quantized(model, folder, device=device, dtype=dtype)

@@ -200,6 +200,7 @@ def _w4a16_gemm_outputs(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tenso
 def _plan_key(x: torch.Tensor, p: W4A16Prepared) -> tuple:
     """The launch plan's key (kdsl/ops/_plan.py): x's and the prepared tensors' metadata, the fields read."""
     key = ("w4a16_gemm", _plan.current_device(), type(x), x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
+           x.requires_grad,  # the checks refuse an input that requires grad: a plan must not skip them
            p.scheme, p.bits, p.group_size, p.dtype, p.k, p.n, p.contiguous_groups, p.zero_bias,
            len(p.layout), p.layout["zeros"], p.layout.get("weights"))
     for t in (p.qweight, p.zeros, p.scales, p.groups, p.perm):
