@@ -320,10 +320,11 @@ def test_a_refused_checkpoint_leaves_the_model_as_it_was(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind, model_dtype, scale_dtype, tol", [
     # FP8 in float32: a bf16 model rounds the activations before act_quant, and whole-model FP8 noise then
-    # reaches a few percent of the float32 reference (measured 3.9e-2 on an H200). The GPU's fused decode kernel
-    # computes the activation scale with its own rounding (an amax * (1 / 448)), which may flip an e4m3 rounding
-    # the reference makes the other way: 1e-3 here, 1e-4 through the interpreter.
-    ("fp8_inverse", torch.float32, torch.float32, 1e-3), ("ct_fp8", torch.float32, torch.bfloat16, 1e-3),
+    # reaches a few percent of the float32 reference (measured 3.9e-2 on an H200). In float32 the GPU still
+    # differs from the interpreter's 1e-4: Hopper's FP8 MMA accumulates each K block in reduced precision before
+    # the fp32 scaling (measured 1.3e-2 and 1.4e-2 at 256 tokens on an H200), so the GPU bar is fp8_gemm's own
+    # GPU tolerance, 2e-2; an inverse scale read as a multiplier gives an error near 1.
+    ("fp8_inverse", torch.float32, torch.float32, 2e-2), ("ct_fp8", torch.float32, torch.bfloat16, 2e-2),
     ("ct_w4a16_actorder", torch.float16, torch.bfloat16, W4A16_TOL),
     ("ct_w4a16_asym", torch.bfloat16, torch.bfloat16, W4A16_TOL),
     ("awq_sym", torch.float16, torch.float16, W4A16_TOL), ("gptq_desc_act", torch.bfloat16, torch.float16, W4A16_TOL),

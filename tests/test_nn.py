@@ -190,7 +190,9 @@ def test_load_quantized_on_the_gpu_eager_and_captured(kind, tmp_path):
             captured = model(static)
         graph.replay()
         torch.cuda.synchronize()
-        assert fp8_ref.rel_fro_error(captured, eager) < 1e-3, m  # split-K may add partials in another order
+        # The capture may run other kernels than eager calls (FP8: act_quant + fp8_gemm instead of the fused
+        # fp8_linear; split-K adds partials in another order), so both are held to the checkpoint reference.
+        assert fp8_ref.rel_fro_error(captured.cpu(), ref) < TOL[kind], m
 
 
 @pytest.mark.parametrize("kind", ["fp8", "gptq"])
