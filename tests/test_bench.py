@@ -431,15 +431,17 @@ def test_gptq_prepared_row_appears_with_gptq_prepare(cpu_bench):
     ops.gptq_gemm = lambda x, w, *args, **kw: plain_gemm(x, *w) if isinstance(w, tuple) else plain_gemm(x, w, *args, **kw)
     cpu_bench(ops)
     results = run_case(Case("gptq_gemm", m=1, n=16, k=128))
-    assert [(r.impl, r.status) for r in results] == [("gptq_gemm", OK), ("gptq_gemm[prepared]", OK)]
-    assert results[0].baselines is results[1].baselines  # timed once, shared
+    assert [r.impl for r in results] == ["gptq_gemm", "gptq_gemm[prepared]", "gptq_gemm[prepared,desc_act]"]
+    assert [r.status for r in results[:2]] == [OK, OK]
+    assert results[0].baselines is results[1].baselines is results[2].baselines  # timed once, shared
 
     def refuse(*args, **kwargs):
         raise NotImplementedError("no repacking yet")
 
     ops.gptq_prepare = refuse
-    plain, prepared = run_case(Case("gptq_gemm", m=1, n=16, k=128))
+    plain, prepared, desc_act = run_case(Case("gptq_gemm", m=1, n=16, k=128))
     assert plain.status == OK and prepared.status == ERROR and "no repacking yet" in prepared.detail
+    assert desc_act.status == ERROR and "no repacking yet" in desc_act.detail
 
 
 def test_missing_ops_are_not_available_and_kdsl_errors_are_failures(cpu_bench):

@@ -13,6 +13,7 @@ from kdsl.bench.model import MODES as MODEL_MODES
 from kdsl.bench.model import PRESETS as MODEL_PRESETS
 from kdsl.bench.model import VARIANTS as MODEL_VARIANTS
 from kdsl.bench.shapes import OPS, PRESETS, ShapeFileError, resolve_shapes, select_ops
+from kdsl.bench import tp as tp_bench
 
 DESCRIPTION = """\
 Time kdsl's kernels against their baselines on a CUDA GPU, in one process on the same inputs,
@@ -81,6 +82,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="CUDA graph, eager, torch.compile(mode='reduce-overhead', fullgraph=True)")
     model.add_argument("--variants", nargs="+", choices=MODEL_VARIANTS, default=list(MODEL_VARIANTS),
                        help="quantized models to time beside the float one")
+    tp_bench.add_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -111,7 +113,24 @@ def _writable(path: str | None) -> bool:
     return path is None or Path(path).resolve().parent.is_dir()
 
 
+def _outputs_and_gpu(args: argparse.Namespace) -> str | None:
+    """Why the run cannot start (an unwritable --json/--plot, no matplotlib, no GPU), checked before any work."""
+    for flag in ("json", "plot"):
+        if not _writable(getattr(args, flag)):
+            return f"--{flag} {getattr(args, flag)}: directory does not exist"
+    if args.plot and not matplotlib_available():
+        return "--plot needs matplotlib, an optional extra: pip install matplotlib"
+    import torch
+
+    if not torch.cuda.is_available():
+        return ("needs a CUDA GPU, but torch.cuda.is_available() is False "
+                f"(torch {torch.__version__}); run it on a machine with an NVIDIA GPU")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "tp", None) is not None:
+        return tp_bench.run(args)
     if args.model:
         return run_model(args)
     # Everything that can be refused without a GPU is checked first, so a long run never
@@ -122,16 +141,9 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     if not cases:
         return _fail(f"--shapes {args.shapes} has no shapes for --op {' '.join(args.op or OPS)}")
-    for flag in ("json", "plot"):
-        if not _writable(getattr(args, flag)):
-            return _fail(f"--{flag} {getattr(args, flag)}: directory does not exist")
-    if args.plot and not matplotlib_available():
-        return _fail("--plot needs matplotlib, an optional extra: pip install matplotlib")
-    import torch
-
-    if not torch.cuda.is_available():
-        return _fail("needs a CUDA GPU, but torch.cuda.is_available() is False "
-                     f"(torch {torch.__version__}); run it on a machine with an NVIDIA GPU")
+    refused = _outputs_and_gpu(args)
+    if refused is not None:
+        return _fail(refused)
 
     from kdsl.bench import timing  # torch + triton + GPU only from here on
 
@@ -171,15 +183,9 @@ def run_model(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     if args.m and any(m < 1 for m in args.m):
         return _fail(f"--m {' '.join(map(str, args.m))}: token counts must be positive")
-    for flag in ("json", "plot"):
-        if not _writable(getattr(args, flag)):
-            return _fail(f"--{flag} {getattr(args, flag)}: directory does not exist")
-    if args.plot and not matplotlib_available():
-        return _fail("--plot needs matplotlib, an optional extra: pip install matplotlib")
-    import torch
-
-    if not torch.cuda.is_available():
-        return _fail("--model needs a CUDA GPU, but torch.cuda.is_available() is False")
+    refused = _outputs_and_gpu(args)
+    if refused is not None:
+        return _fail(refused)
     from kdsl.bench.model import run_model_bench
 
     return run_model_bench(args.model, args.m or [*DECODE_M, *PREFILL_M], args.modes, args.variants, args.json,
