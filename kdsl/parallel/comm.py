@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import warnings
 
 import torch
@@ -108,23 +109,26 @@ def symm_mem_buffer(group, device, dtype: torch.dtype, nbytes: int = SYMM_MEM_MA
         raise RuntimeError("kdsl.parallel: all_reduce='symm_mem' sets up its buffer with a collective, which a "
                            "CUDA graph cannot capture: run the layer once eagerly before capturing")
     buffer = None
-    if reason is None and _all_ranks(True, device, group):
+    if _all_ranks(reason is None, device, group):  # every rank takes the same way: NCCL or one-shot
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
+            # The one-shot kernel reads the peers' buffers through their addresses: no multicast object needed.
+            os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
             enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
             if enable is not None and not getattr(symm_mem, "is_symm_mem_enabled_for_group", lambda _: False)(key[0]):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", FutureWarning)  # deprecated (no longer needed) in newer torch
                     enable(key[0])
-            buffer = symm_mem.empty(max(nbytes // dtype.itemsize, 1), dtype=dtype, device=device)
+            with torch.inference_mode(False):  # a normal tensor: every later call writes into it
+                buffer = symm_mem.empty(max(nbytes // dtype.itemsize, 1), dtype=dtype, device=device)
             symm_mem.rendezvous(buffer, key[0])
         except Exception as error:  # no P2P, no handle exchange, ...: NCCL it is, on every rank
             reason, buffer = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", None
         if not _all_ranks(buffer is not None, device, group):
             reason, buffer = reason or "another rank could not set up its buffer", None
-    elif reason is None:
-        reason = "another rank cannot run it"
+    else:
+        reason = reason or "another rank cannot run it"
     if buffer is None:
         _warn_once(reason)
     _buffers[key] = buffer
@@ -136,10 +140,10 @@ def all_reduce_(t: torch.Tensor, group, all_reduce: str = "nccl", max_bytes: int
     nbytes = t.numel() * t.element_size()
     if all_reduce == "symm_mem" and 0 < nbytes <= max_bytes and nbytes % 16 == 0:
         buffer = symm_mem_buffer(group, t.device, t.dtype, max(max_bytes, SYMM_MEM_MAX_BYTES))
-        if buffer is not None and t.numel() <= buffer.numel():
-            src = t.contiguous().view(-1)
+        src = t.contiguous().view(-1)
+        if buffer is not None and src.numel() <= buffer.numel() and src.storage_offset() * src.element_size() % 16 == 0:
             out, mine, ops = torch.empty_like(src), buffer[:src.numel()], torch.ops.symm_mem
-            if _has_copy_out():  # the copy into the buffer inside the kernel (torch >= 2.8)
+            if _has_copy_out():  # the copy into the buffer inside the kernel, where torch has that op
                 ops.one_shot_all_reduce_copy_out(mine, src, "sum", _group_name(group), out)
             else:
                 mine.copy_(src)
