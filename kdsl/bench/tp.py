@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
 
     with tempfile.TemporaryDirectory() as folder:
         options["result"] = os.path.join(folder, "result.json")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_ADDR"] = "127.0.0.1"  # this host's ranks only
         os.environ["MASTER_PORT"] = str(_free_port())
         try:
             mp.spawn(_spawned, args=(args.tp, options), nprocs=args.tp, join=True)
@@ -183,10 +183,13 @@ def _rank_main(rank: int, world: int, local: int, init: str, options: dict) -> d
                                 timeout=timedelta(minutes=5), device_id=device)
     except TypeError:  # a torch without device_id
         dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, timeout=timedelta(minutes=5))
-    try:
-        return bench(rank, world, device, options, GraphTimer(device))
-    finally:
-        dist.destroy_process_group()
+    timer = GraphTimer(device)
+    doc = bench(rank, world, device, options, timer)  # an exception ends this process: the others are stopped
+    torch.cuda.synchronize(device)
+    timer.barrier()
+    comm._buffers.clear()  # symmetric buffers go before the group whose store set them up
+    dist.destroy_process_group()
+    return doc
 
 
 def environment(device) -> dict:
