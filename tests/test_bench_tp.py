@@ -72,7 +72,8 @@ def _worker(rank, world, init_file, result):
                             timeout=timedelta(seconds=120))
     try:
         device = torch.device("cpu")
-        doc = tp.bench(rank, world, device, {"ms": (1, 5), "cases": SMALL, "result": result, "max_copies": 2}, tp.WallTimer(device))
+        options = {"ms": (1, 5), "cases": SMALL, "result": result, "max_copies": 2}
+        doc = tp.bench(rank, world, device, options, tp.WallTimer(device))
         assert doc["failed"] == []
     finally:
         dist.destroy_process_group()

@@ -16,8 +16,9 @@ size is timed alone (all_reduce, all_reduce_symm; all_gather for gathered column
 
 Every time is a CUDA graph of several calls per rank, replayed after a barrier; its calls cycle through copies
 of the weights so that each reads them from DRAM (over 128 MB in all), as a model's layers do. Microseconds
-per call: rank 0's median (the JSON has every rank's). Speedup = TP1 / TP=N. Every variant's output is checked
-against TP = 1's on every rank (a relative error over 2e-2 + 4e-3 * max|TP1|: WRONG, exit 1).
+per call: rank 0's median (the JSON has every rank's). Speedup = TP1 / TP=N. Every variant's output, eager and
+from the graph's last replay, is checked against TP = 1's on every rank (an error over 2e-2 relative + 4e-3 *
+max|TP1|: WRONG, exit 1).
 """
 from __future__ import annotations
 
@@ -308,7 +309,7 @@ def run_case(case: TPCase, ms, rank: int, world: int, device, one, timer, most: 
             expected = tp1[0](x)
             row = {"case": case.name, "kind": case.kind, "scheme": case.scheme, "n": case.n, "k": case.k, "m": m,
                    "tp": world, "copies": {"tp1": len(tp1), "tp": len(tpn)}, "variants": {}, "floors": {}}
-            row["tp1_us"], row["tp1_us_ranks"] = timer.time([lambda mod=mod: mod(x) for mod in tp1])
+            row["tp1_us"], row["tp1_us_ranks"], _ = timer.time([lambda mod=mod: mod(x) for mod in tp1])
             for name, settings in variants(case).items():
                 for mod in tpn:
                     configure(mod, case, settings)
@@ -318,12 +319,13 @@ def run_case(case: TPCase, ms, rank: int, world: int, device, one, timer, most: 
                     size = case.n // world
                     want = expected[..., rank * size:(rank + 1) * size]
                 error, ok = compare(y, want)
-                ok = timer.all_ok(ok)
-                us, ranks = timer.time([lambda mod=mod: mod(x_tp) for mod in tpn])
+                us, ranks, replayed = timer.time([lambda mod=mod: mod(x_tp) for mod in tpn])
+                graph_error, graph_ok = compare(replayed, want)  # what the graph computed, as well as eager
+                error, ok = max(error, graph_error), timer.all_ok(ok and graph_ok)
                 row["variants"][name] = {"us": us, "us_ranks": ranks, "speedup": row["tp1_us"] / us,
                                          "max_error": error, "ok": ok}
             for name, fn in floors(case, m, out_features, world, dtype, device).items():
-                us, ranks = timer.time([fn])
+                us, ranks, _ = timer.time([fn])
                 row["floors"][name] = {"us": us, "us_ranks": ranks}
         for mod in tpn:
             configure(mod, case, variants(case)["tp"])
@@ -387,9 +389,9 @@ class Timer:
 
 class GraphTimer(Timer):
     """Microseconds per call of fns (called in turn), captured in one CUDA graph on every rank and replayed
-    after a barrier; returns (rank 0's median, every rank's median)."""
+    after a barrier; returns (rank 0's median, every rank's median, the last call's output after the replays)."""
 
-    def time(self, fns) -> tuple[float, list[float]]:
+    def time(self, fns) -> tuple[float, list[float], object]:
         calls = max(MIN_CALLS, len(fns))
         for fn in fns:  # eager: compiles kernels, sets up communicators and symmetric buffers
             fn()
@@ -403,7 +405,7 @@ class GraphTimer(Timer):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             for i in range(calls):
-                fns[i % len(fns)]()
+                last = fns[i % len(fns)]()  # every copy holds the same weights: the last output is checked
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self.barrier()
         graph.replay()  # once, warm; its time sets the number of replays (the same on every rank)
@@ -424,19 +426,19 @@ class GraphTimer(Timer):
             times.append(start.elapsed_time(end) * 1e3 / calls)
         del graph
         ranks = self.gather(statistics.median(times))
-        return ranks[0], ranks
+        return ranks[0], ranks, last
 
 
 class WallTimer(Timer):
     """A host clock around eager calls: drives the bench's logic on the CPU (gloo) in tests; not a measurement."""
 
-    def time(self, fns) -> tuple[float, list[float]]:
+    def time(self, fns) -> tuple[float, list[float], object]:
         self.barrier()
         started = time.perf_counter()
         for fn in fns:
-            fn()
+            last = fn()
         ranks = self.gather((time.perf_counter() - started) * 1e6 / len(fns))
-        return ranks[0], ranks
+        return ranks[0], ranks, last
 
 
 # --- report -------------------------------------------------------------------------------------------------

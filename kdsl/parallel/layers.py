@@ -122,7 +122,8 @@ class RowParallelLinear(nn.Module):
         self.rank, self.world_size = _rank_world(group)
         self.in_features, self.out_features = in_features, local.out_features
         if reduce_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"reduce_dtype: expected None (the activation dtype) or a float dtype, got {reduce_dtype!r}")
+            raise ValueError(f"reduce_dtype: expected None (the activation dtype) or a float dtype, "
+                             f"got {reduce_dtype!r}")
         self.reduce_dtype = reduce_dtype
         self.all_reduce = comm.check_all_reduce(all_reduce)
         self.symm_mem_max_bytes = symm_mem_max_bytes

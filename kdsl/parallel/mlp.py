@@ -217,7 +217,8 @@ class ParallelMLP(nn.Module):
             weight = linear.weight.detach()
             dtype = weight.dtype if weight.dtype in (torch.float16, torch.bfloat16) else torch.float16
             ck = ops.gptq_quantize(weight.to(dtype), bits=scheme.bits, group_size=scheme.group_size, sym=sym)
-            tensors[role] = {**{name: ck[name] for name in ("qweight", "qzeros", "scales")}, "bias": bias(linear, dtype)}
+            tensors[role] = {**{name: ck[name] for name in ("qweight", "qzeros", "scales")},
+                             "bias": bias(linear, dtype)}
         gptq = GPTQ(bits=scheme.bits, group_size=scheme.group_size, sym=sym, checkpoint_format="gptq")
         return cls.from_gptq(**tensors, scheme=gptq, **options)
 
