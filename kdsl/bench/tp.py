@@ -395,12 +395,12 @@ class GraphTimer(Timer):
         calls = max(MIN_CALLS, len(fns))
         for fn in fns:  # eager: compiles kernels, sets up communicators and symmetric buffers
             fn()
-        real = torch.cuda.is_current_stream_capturing
-        torch.cuda.is_current_stream_capturing = lambda: True
-        try:  # the code paths a capture takes (FP8Linear's, no launch-plan replays), compiled before capturing
+        # A throwaway capture first: the paths a capture takes (FP8Linear's two kernels, no launch-plan replays)
+        # compile there, not inside the timed graph.
+        warm = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(warm, capture_error_mode="thread_local"):
             fns[0]()
-        finally:
-            torch.cuda.is_current_stream_capturing = real
+        del warm
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
