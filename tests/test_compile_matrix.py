@@ -64,16 +64,19 @@ class KernelSignature:
     # on (and vectorizes loads by); the matrix compiles with that specialization too.
     aligned_ints: tuple[str, ...] = ()
     gluon: bool = False  # a Gluon kernel: compiled from a GluonASTSource, descriptors carry their layout
+    fixed: dict = field(default_factory=dict)  # compile options launch() sets itself, not from the tile
 
     def build(self, tile: dict, out: str) -> tuple[dict, dict, dict]:
-        """(signature, constexprs, compile options) for one tile and output type."""
+        """(signature, constexprs, compile options) for one tile and output type. An argument's type may be a
+        function of the tile (an output whose dtype an option picks)."""
         constexprs = {name: (tile[src] if isinstance(src, str) else src({**tile, "out": out}))
                       for name, src in self.constexprs.items()}
         # An edge tile's descriptors are the whole tile's when the kernel has no edge (EDGE_N = 0).
         blocks = {"EDGE_BLOCK_N": constexprs.get("EDGE_N") or tile.get("BLOCK_N")}
-        signature = {name: kind.format(out=out, **tile, **blocks) for name, kind in self.args.items()}
+        signature = {name: (kind if isinstance(kind, str) else kind(tile)).format(out=out, **tile, **blocks)
+                     for name, kind in self.args.items()}
         signature.update({name: "constexpr" for name in constexprs})
-        options = {key: tile[key] for key in self.options}
+        options = {**{key: tile[key] for key in self.options}, **self.fixed}
         return signature, constexprs, options
 
 
@@ -242,6 +245,36 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
         out_types=("fp16", "bf16"),
         gluon=True,
     ),
+    # The MoE kernels (kernel_defs/moe_fp8.toml): grouped GEMMs in both layouts, and the MoE layer's gate-up GEMM
+    # ("{out}" is x's dtype there); the layer's other kernels are in BESIDE.
+    ("fp8_grouped_gemm", "portable"): KernelSignature(
+        args={"a_ptr": FP8, "b_ptr": FP8, "c_ptr": "*{out}", "as_ptr": F32, "bs_ptr": F32, "group_ptr": "*i32",
+              "M": I32, "N": I32, "K": I32, "E": I32, "stride_am": I32, "stride_be": I32, "stride_bn": I32,
+              "stride_cm": I32, "stride_asm": I32, "stride_bse": I32, "stride_bsn": I32},
+        constexprs=GEMM_BLOCKS,
+        options=("num_warps", "num_stages"),
+        out_types=("bf16", "fp16", "fp32"),
+    ),
+    ("fp8_grouped_gemm_masked", "portable"): KernelSignature(
+        args={"a_ptr": FP8, "b_ptr": FP8, "c_ptr": "*{out}", "as_ptr": F32, "bs_ptr": F32, "count_ptr": "*i32",
+              "MAX_M": I32, "N": I32, "K": I32, "stride_ae": I32, "stride_am": I32, "stride_be": I32, "stride_bn": I32,
+              "stride_ce": I32, "stride_cm": I32, "stride_ase": I32, "stride_asm": I32, "stride_bse": I32,
+              "stride_bsn": I32},
+        constexprs=GEMM_BLOCKS,
+        options=("num_warps", "num_stages"),
+        out_types=("bf16", "fp16", "fp32"),
+    ),
+    ("moe_fp8", "sorted"): KernelSignature(
+        args={"xq_ptr": FP8, "xs_ptr": F32, "w_ptr": FP8, "ws_ptr": F32,
+              "h_ptr": lambda tile: FP8 if tile["fuse_act"] else F32, "hs_ptr": F32,
+              "rows_ptr": "*i32", "block_expert_ptr": "*i32", "meta_ptr": "*i32",
+              "N": I32, "K": I32, "topk": I32, "max_blocks": I32, "stride_xm": I32, "stride_xsm": I32,
+              "stride_we": I32, "stride_wn": I32, "stride_wse": I32, "stride_wsn": I32, "stride_hm": I32,
+              "stride_hsm": I32},
+        constexprs={**GEMM_BLOCKS, "FUSE_ACT": "fuse_act", "ROUND_FIRST": lambda tile: False},
+        options=("num_warps", "num_stages"),
+        out_types=("bf16", "fp16"),
+    ),
     ("gptq_dequant", "blockwise"): KernelSignature(
         args={"qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*{out}", "g_ptr": "*i32", "w_ptr": "*{out}",
               "N": I32, "K": I32, "stride_qwk": I32, "stride_qzg": I32, "stride_sg": I32},
@@ -252,9 +285,47 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
 }
 
 
-def signature_of(entry: KernelEntry, tile: dict) -> tuple[KernelSignature, str, Path]:
-    """(signature, kernel function name, module path) of the kernel the tile's implementation launches."""
+# Kernels a module launches beside its main one (named after the module), as `<module>_<name>`: per (op, impl),
+# name -> signature. Compiled for every tile of the entry too (their blocks come from it).
+MOE_INDEX = {"rows_ptr": "*i32", "meta_ptr": "*i32"}
+BESIDE: dict[tuple[str, str], dict[str, KernelSignature]] = {
+    ("moe_fp8", "sorted"): {
+        "align": KernelSignature(
+            args={"ids_ptr": "*i32", **MOE_INDEX, "block_expert_ptr": "*i32", "num_assignments": I32, "topk": I32,
+                  "num_experts": I32, "max_rows": I32, "max_blocks": I32, "stride_it": I32, "stride_ik": I32},
+            constexprs={"BLOCK_M": "BLOCK_M", "EXPERTS_PAD": lambda tile: 512, "CHUNK": lambda tile: 1024,
+                        "CHUNK_BLOCKS": lambda tile: 16},
+            options=(), fixed={"num_warps": 4}, out_types=("bf16", "fp16")),
+        "quant": KernelSignature(
+            args={"x_ptr": "*{out}", "q_ptr": FP8, "s_ptr": F32, "M": I32, "K": I32, "stride_xm": I32},
+            constexprs={"BLOCK_M": lambda tile: 8, "ROUND_FIRST": lambda tile: False},
+            options=(), fixed={"num_warps": 2}, out_types=("bf16", "fp16")),
+        "act": KernelSignature(
+            args={"gu_ptr": F32, "q_ptr": FP8, "s_ptr": F32, **MOE_INDEX, "inter": I32, "stride_gum": I32,
+                  "stride_qm": I32, "stride_sm": I32},
+            constexprs={"BLOCK_M": "BLOCK_M", "ROUND_FIRST": lambda tile: False},
+            options=(), fixed={"num_warps": 4}, out_types=("bf16", "fp16")),
+        "down": KernelSignature(
+            args={"h_ptr": FP8, "hs_ptr": F32, "w_ptr": FP8, "ws_ptr": F32, "out_ptr": "*{out}", "rows_ptr": "*i32",
+                  "block_expert_ptr": "*i32", "meta_ptr": "*i32", "N": I32, "K": I32, "max_blocks": I32,
+                  "stride_hm": I32, "stride_hsm": I32, "stride_we": I32, "stride_wn": I32, "stride_wse": I32,
+                  "stride_wsn": I32, "stride_om": I32},
+            constexprs=GEMM_BLOCKS, options=("num_warps", "num_stages"), out_types=("bf16", "fp16")),
+        "combine": KernelSignature(
+            args={"out_ptr": "*{out}", "weights_ptr": F32, "ids_ptr": "*i32", "y_ptr": "*{out}", "N": I32,
+                  "topk": I32, "num_experts": I32, "stride_om": I32, "stride_wt": I32, "stride_wk": I32,
+                  "stride_it": I32, "stride_ik": I32, "stride_ym": I32},
+            constexprs={"BLOCK_N": lambda tile: 512}, options=(), fixed={"num_warps": 4}, out_types=("bf16", "fp16")),
+    },
+}
+
+
+def signature_of(entry: KernelEntry, tile: dict, kernel: str = "") -> tuple[KernelSignature, str, Path]:
+    """(signature, kernel function name, module path) of the kernel the tile's implementation launches (kernel:
+    the name of one launched beside it, BESIDE)."""
     module = entry.modules[tile["impl"]]
+    if kernel:
+        return BESIDE[(entry.op, tile["impl"])][kernel], f"{module.path.stem}_{kernel}", module.path
     return SIGNATURES[(entry.op, tile["impl"])], module.path.stem, module.path
 
 
@@ -296,6 +367,7 @@ class Job:
     cc: int
     tile: int | str  # index into the entry's tile buckets, or a name in EXTRA_TILES
     out: str = "bf16"
+    kernel: str = ""  # a kernel the module launches beside its main one (BESIDE), by name
 
     @property
     def params(self) -> dict:
@@ -305,7 +377,7 @@ class Job:
 
     @property
     def key(self) -> str:
-        return f"{self.entry}-sm{self.cc}-tile{self.tile}-{self.out}"
+        return f"{self.entry}-sm{self.cc}-tile{self.tile}-{self.out}" + (f"-{self.kernel}" if self.kernel else "")
 
 
 def jit_kernel(path: Path, function: str):
@@ -333,7 +405,7 @@ def compile_job(job: Job):
 
     entry = ENTRIES[job.entry]
     tile = job.params
-    spec, function, path = signature_of(entry, tile)
+    spec, function, path = signature_of(entry, tile, job.kernel)
     kernel = jit_kernel(path, function)
     # Signatures may read the prepared layout's weights order (the GEMV's packed half2 dot).
     signature, constexprs, options = spec.build({**tile, "weights": (entry.layout or {}).get("weights")}, job.out)
@@ -428,6 +500,9 @@ def _matrix():
         for cc in archs_of(entry):
             for index in range(len(entry.tiles)):
                 yield pytest.param(Job(entry.name, cc, index), id=f"{entry.name}-sm{cc}-tile{index}")
+                for kernel in BESIDE.get((entry.op, entry.tiles[index].params["impl"]), {}):
+                    yield pytest.param(Job(entry.name, cc, index, kernel=kernel),
+                                       id=f"{entry.name}-sm{cc}-tile{index}-{kernel}")
 
 
 def _fp8_entry(op: str, impl: str) -> KernelEntry:
@@ -483,7 +558,8 @@ def test_compiles(job, compiled):
     result = compiled[0][job.key]
     assert f".target sm_{job.cc}" in ptx
     assert result["cubin_bytes"] > 0, "ptxas produced no cubin"
-    assert result["num_warps"] == ENTRIES[job.entry].tiles[job.tile].params["num_warps"]
+    spec = signature_of(ENTRIES[job.entry], job.params, job.kernel)[0]
+    assert result["num_warps"] == spec.fixed.get("num_warps", job.params["num_warps"])
 
 
 def test_every_block_fp8_entry_has_a_signature():
@@ -584,16 +660,33 @@ def test_portable_gemm_uses_fp8_mma_on_ada(job, compiled):
     assert "wgmma" not in ptx
 
 
+GROUPED = _fp8_entry("fp8_grouped_gemm", "portable")
+MASKED = _fp8_entry("fp8_grouped_gemm_masked", "portable")
+MOE = _fp8_entry("moe_fp8", "sorted")
+
+
+@pytest.mark.parametrize("job", [Job(GROUPED.name, 89, 0), Job(GROUPED.name, 89, last(GROUPED)),
+                                 Job(MASKED.name, 89, 0), Job(MOE.name, 89, 0), Job(MOE.name, 89, last(MOE)),
+                                 Job(MOE.name, 89, 0, kernel="down"), Job(MOE.name, 89, last(MOE), kernel="down")],
+                         ids=["grouped-decode", "grouped-prefill", "masked-decode", "moe-gate-up-decode",
+                              "moe-gate-up-fused", "moe-down-decode", "moe-down-prefill"])
+def test_moe_gemms_use_fp8_mma_on_ada(job, compiled):
+    ptx = ptx_of(compiled, job)
+    assert re.search(r"mma\.sync\.aligned\.\S*\.e4m3\.e4m3", ptx), "no e4m3 tensor-core mma in the PTX"
+
+
 @pytest.mark.parametrize("job", [
     Job(PORTABLE.name, 89, last(PORTABLE), "fp16"), Job(PORTABLE.name, 89, last(PORTABLE), "fp32"),
+    Job(GROUPED.name, 89, last(GROUPED), "fp32"), Job(MASKED.name, 89, last(MASKED), "fp32"),
+    Job(MOE.name, 89, last(MOE), "fp16"), Job(MOE.name, 89, last(MOE), "fp16", kernel="combine"),
     Job(BMM.name, 89, last(BMM), "fp16"), Job(BMM.name, 89, last(BMM), "fp32"),
     Job(TMA.name, 90, last(TMA), "fp16"), Job(TMA.name, 90, last(TMA), "fp32"),
     Job(BMM_TMA.name, 90, BMM_TMA_TILES[-1], "fp16"), Job(BMM_TMA.name, 90, BMM_TMA_TILES[-1], "fp32"),
     Job(DEQUANT.name, 89, last(DEQUANT), "fp16"), Job(DEQUANT.name, 89, last(DEQUANT), "fp32"),
-], ids=lambda job: f"{ENTRIES[job.entry].op}-{ENTRIES[job.entry].impl}-{job.out}")
+], ids=lambda job: f"{ENTRIES[job.entry].op}-{ENTRIES[job.entry].impl}-{job.out}" + (f"-{job.kernel}" if job.kernel else ""))
 def test_other_output_dtypes_compile(job, compiled):
     entry = ENTRIES[job.entry]
-    assert job.out in SIGNATURES[(entry.op, job.params["impl"])].out_types
+    assert job.out in signature_of(entry, job.params, job.kernel)[0].out_types
     ptx = ptx_of(compiled, job)
     assert f".target sm_{job.cc}" in ptx
 
