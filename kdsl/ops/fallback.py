@@ -98,3 +98,47 @@ def gptq_gemm_sorted(x, qweight, zeros, scales, groups, perm, bits: int) -> torc
     w = (unpack_rows(qweight, bits).float() - zeros.float()[groups]) * scales.float()[groups]  # [K, N]
     xs = x if perm is None else x[:, perm.long()]
     return (xs.float() @ w).to(x.dtype)
+
+
+def fp8_grouped_gemm(a, a_s, b, b_s, group_ids, act_group: int, block_n: int, block_k: int,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """[M, N]: each row by its expert's b (fp8_gemm's math); rows whose id is outside [0, E) are left zero."""
+    c = torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+    for expert in group_ids.unique().tolist():
+        if 0 <= expert < b.shape[0]:
+            rows = (group_ids == expert).nonzero().squeeze(1)
+            c[rows] = fp8_gemm(a[rows], a_s[rows], b[expert], b_s[expert], act_group, block_n, block_k, out_dtype)
+    return c
+
+
+def fp8_grouped_gemm_masked(a, a_s, b, b_s, masked_m, act_group: int, block_n: int, block_k: int,
+                            out_dtype: torch.dtype) -> torch.Tensor:
+    """[E, max_m, N]: the first masked_m[e] rows (clamped to [0, max_m]) of each expert; the rest left zero."""
+    experts, max_m, _ = a.shape
+    c = torch.zeros(experts, max_m, b.shape[1], dtype=out_dtype, device=a.device)
+    for expert, rows in enumerate(masked_m.clamp(0, max_m).tolist()):
+        c[expert, :rows] = fp8_gemm(a[expert, :rows], a_s[expert, :rows], b[expert], b_s[expert], act_group,
+                                    block_n, block_k, out_dtype)
+    return c
+
+
+def moe_fp8(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, act_group: int, block_n: int, block_k: int) -> torch.Tensor:
+    """The MoE layer in the kernels' order: x quantized per token, gate-up in fp32, h = silu(gate) * up quantized
+    per token, down in x's dtype, then each token's slots weighted and summed in fp32 (j = 0 .. k - 1)."""
+    tokens, hidden = x.shape
+    experts, topk = w13.shape[0], topk_ids.shape[1]
+    inter = w13.shape[1] // 2
+    q, s = act_quant(x, act_group)
+    down = torch.zeros(tokens, topk, hidden, dtype=x.dtype, device=x.device)
+    routed = (topk_ids >= 0) & (topk_ids < experts)
+    for expert in topk_ids[routed].unique().tolist():
+        token, slot = (topk_ids == expert).nonzero(as_tuple=True)
+        gate_up = fp8_gemm(q[token], s[token], w13[expert], w13_s[expert], act_group, block_n, block_k, torch.float32)
+        h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        hq, hs = act_quant(h, act_group)
+        down[token, slot] = fp8_gemm(hq, hs, w2[expert], w2_s[expert], act_group, block_n, block_k, x.dtype)
+    weights = torch.where(routed, topk_weights, 0.0)
+    y = torch.zeros(tokens, hidden, dtype=torch.float32, device=x.device)
+    for j in range(topk):
+        y += weights[:, j, None] * down[:, j].float()
+    return y.to(x.dtype)

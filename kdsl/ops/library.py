@@ -16,6 +16,12 @@ model that calls them without a graph break.
                      str layout_weights, int k, int n, bool contiguous_groups, int zero_bias) -> Tensor
     kdsl::awq_gemm(Tensor x, Tensor qweight, Tensor qzeros, Tensor scales, int group_size) -> Tensor
     kdsl::awq_dequant(Tensor qweight, Tensor qzeros, Tensor scales, int group_size) -> Tensor
+    kdsl::fp8_grouped_gemm(Tensor a, Tensor a_s, Tensor b, Tensor b_s, Tensor group_ids, ScalarType out_dtype,
+                           bool check_ids) -> Tensor
+    kdsl::fp8_grouped_gemm_masked(Tensor a, Tensor a_s, Tensor b, Tensor b_s, Tensor masked_m,
+                                  ScalarType out_dtype, int? expected_m) -> Tensor
+    kdsl::moe_fp8(Tensor x, Tensor w13, Tensor w13_s, Tensor w2, Tensor w2_s, Tensor topk_weights,
+                  Tensor topk_ids, bool check_ids) -> Tensor
 
 None mutates its inputs; every output is a new contiguous tensor. kdsl.ops.fp8_bmm's `out=` is therefore not
 part of kdsl::fp8_bmm: eagerly the Python function writes into out directly (no copy, no dispatcher); under
@@ -55,7 +61,7 @@ import functools
 import torch
 
 from kdsl.ops import _checks as check
-from kdsl.ops import _plan, awq, block_fp8, gptq, w4a16
+from kdsl.ops import _plan, awq, block_fp8, gptq, moe, w4a16
 
 SCHEMAS = {
     "act_quant": "(Tensor x, int group_size) -> (Tensor, Tensor)",
@@ -75,6 +81,14 @@ SCHEMAS = {
                   "int k, int n, bool contiguous_groups, int zero_bias) -> Tensor",
     "awq_gemm": "(Tensor x, Tensor qweight, Tensor qzeros, Tensor scales, int group_size) -> Tensor",
     "awq_dequant": "(Tensor qweight, Tensor qzeros, Tensor scales, int group_size) -> Tensor",
+    # The MoE ops (kdsl.ops.moe). check_ids reads ids on the host unless a CUDA graph is being captured, so they
+    # stay capturable (not tagged cudagraph_unsafe): captured calls skip the check.
+    "fp8_grouped_gemm": "(Tensor a, Tensor a_s, Tensor b, Tensor b_s, Tensor group_ids, ScalarType out_dtype, "
+                        "bool check_ids) -> Tensor",
+    "fp8_grouped_gemm_masked": "(Tensor a, Tensor a_s, Tensor b, Tensor b_s, Tensor masked_m, ScalarType out_dtype, "
+                               "int? expected_m) -> Tensor",
+    "moe_fp8": "(Tensor x, Tensor w13, Tensor w13_s, Tensor w2, Tensor w2_s, Tensor topk_weights, Tensor topk_ids, "
+               "bool check_ids) -> Tensor",
 }
 
 
@@ -197,6 +211,18 @@ def _w4a16_gemm_fake(x, *fields):
     return w4a16._w4a16_gemm_outputs(x, w4a16.prepared_from_args(*fields))
 
 
+def _fp8_grouped_gemm_fake(a, a_s, b, b_s, group_ids, out_dtype, check_ids):
+    return moe._fp8_grouped_gemm_outputs(a, a_s, b, b_s, group_ids, out_dtype, symbolic=True)[-1]
+
+
+def _fp8_grouped_gemm_masked_fake(a, a_s, b, b_s, masked_m, out_dtype, expected_m):
+    return moe._fp8_grouped_gemm_masked_outputs(a, a_s, b, b_s, masked_m, out_dtype, symbolic=True)[-1]
+
+
+def _moe_fp8_fake(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, check_ids):
+    return moe._moe_fp8_outputs(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, symbolic=True)[-1]
+
+
 act_quant = _op("act_quant", block_fp8._act_quant_impl, _act_quant_fake)
 weight_quant = _op("weight_quant", block_fp8._weight_quant_impl, _weight_quant_fake)
 weight_dequant = _op("weight_dequant", block_fp8._weight_dequant_impl, _weight_dequant_fake)
@@ -208,6 +234,11 @@ gptq_dequant = _op("gptq_dequant", gptq._gptq_dequant_impl, _gptq_dequant_fake)
 w4a16_gemm = _op("w4a16_gemm", _w4a16_gemm, _w4a16_gemm_fake)
 awq_gemm = _op("awq_gemm", awq._awq_gemm_impl, awq._awq_gemm_outputs)
 awq_dequant = _op("awq_dequant", awq._awq_dequant_impl, awq._awq_dequant_outputs)
+fp8_grouped_gemm = _op("fp8_grouped_gemm", moe._fp8_grouped_gemm_impl, _fp8_grouped_gemm_fake)
+fp8_grouped_gemm_masked = _op("fp8_grouped_gemm_masked", moe._fp8_grouped_gemm_masked_impl,
+                              _fp8_grouped_gemm_masked_fake)
+moe_fp8 = _op("moe_fp8", moe._moe_fp8_impl, _moe_fp8_fake)
 
 OPS = {op._name.removeprefix("kdsl::"): op for op in (act_quant, weight_quant, weight_dequant, fp8_gemm, fp8_bmm,
-                                                     fp8_linear, gptq_gemm, gptq_dequant, w4a16_gemm, awq_gemm, awq_dequant)}
+                                                     fp8_linear, gptq_gemm, gptq_dequant, w4a16_gemm, awq_gemm, awq_dequant,
+                                                     fp8_grouped_gemm, fp8_grouped_gemm_masked, moe_fp8)}

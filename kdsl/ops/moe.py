@@ -1,0 +1,342 @@
+"""Block-FP8 mixture-of-experts ops (DeepSeek-V3 layout): grouped GEMMs over experts and the MoE layer.
+
+    fp8_grouped_gemm         contiguous layout: rows of a grouped by expert, group_ids[m] the expert of row m
+                             (-1: a padding row), DeepGEMM's "contiguous" grouped GEMM
+    fp8_grouped_gemm_masked  masked layout: a [E, max_m, K], masked_m[e] rows of expert e, read on the device
+    moe_fp8                  y[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j]
+
+Layouts, the kernels and how their tiles are chosen: docs/moe.md.
+
+Ids on the device. The kernels never read outside their tensors whatever the ids hold: a row whose group id is
+outside [0, E) is not computed (its output row is unspecified, like a padding row's), a slot whose expert id is
+outside [0, E) adds nothing to its token, and masked_m is clamped to [0, max_m]. Refusing bad ids by name
+(ValueError naming group_ids or topk_ids) means reading them on the host, one sync per call: the ops do it when
+check_ids=True (the default) unless the current CUDA stream is capturing a graph, where a sync is illegal; so a
+captured call (torch.compile(mode="reduce-overhead") included) and a call with check_ids=False wait on nothing,
+and bad ids there drop their rows as above. moe_fp8's check costs no extra kernel: its routing kernel counts the
+ids outside [0, E) and the op reads that count before the GEMMs are launched. masked_m is never checked (its
+values are the device's business: one CUDA graph for any routing); rows past masked_m[e] are unspecified.
+"""
+from __future__ import annotations
+
+import torch
+
+from kdsl.ops import _checks as check
+from kdsl.ops import fallback
+from kdsl.ops.block_fp8 import FP8, _gemm_scheme, _interpreter_lost_nan, _matching, _refuse_unserved
+from kdsl.runtime import registry
+
+MOE_INPUTS = (torch.bfloat16, torch.float16)
+GEMM_OUTPUTS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# shared: id checks, strides, tile choice
+
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether the current CUDA stream is capturing a graph (a host sync would fail the capture)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _refuse_ids(name: str, ids: torch.Tensor, low: int, high: int, what: str) -> None:
+    """Raise the ValueError naming `name` for ids outside [low, high) (the error path may sync again)."""
+    outside = ids[(ids < low) | (ids >= high)]
+    raise ValueError(f"{name}: expected {what} in [{low}, {high}), got {outside.numel()} outside "
+                     f"(first: {int(outside[0])}); ids outside are dropped only where the check does not run "
+                     "(check_ids=False, or while a CUDA graph is captured)")
+
+
+def _check_ids(name: str, ids: torch.Tensor, low: int, high: int, what: str) -> None:
+    """The eager value check of ids: one host sync (skipped while a CUDA graph is captured)."""
+    if ids.numel() and not _capturing(ids) and bool(((ids < low) | (ids >= high)).any()):
+        _refuse_ids(name, ids, low, high, what)
+
+
+def _unit_k(t: torch.Tensor) -> torch.Tensor:
+    """Unit stride along the last dimension, which the kernels index by (copies only if not)."""
+    return t if t.stride(-1) == 1 or t.numel() == 0 else t.contiguous()
+
+
+def tokens_per_expert(assignments: int, experts: int) -> int:
+    """moe_fp8's M for tile choice: the rows each routed expert gets, ceil(T * k / min(T * k, E))."""
+    return max(1, -(-assignments // max(1, min(assignments, experts))))
+
+
+def _positive_int_or_none(name: str, value) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}: expected a positive integer or None, got {value!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fp8_grouped_gemm: contiguous layout
+
+def fp8_grouped_gemm(
+    a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor, group_ids: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16, *, check_ids: bool = True,
+) -> torch.Tensor:
+    """C [M, N]: row m is (a[m] * a_s[m]) @ (b[g] * b_s[g])^T with g = group_ids[m], block scaling as fp8_gemm.
+
+    a [M, K] float8_e4m3fn with a_s float32 [M, K / 128]; b [E, N, K] float8_e4m3fn with b_s float32
+    [E, ceil(N / 128), K / 128]; group_ids int32 [M], the expert of each row, -1 for a padding row (its output
+    row is unspecified). DeepGEMM's contiguous layout groups rows by expert and pads each group to 128 rows:
+    then every tile of rows belongs to one expert. Any other order is computed correctly, a tile holding rows of
+    several experts making one pass over K per expert. K must be a multiple of 128; any M and N.
+    check_ids: refuse ids outside [-1, E) by name (one host sync; skipped while a CUDA graph is captured).
+    """
+    if torch.compiler.is_compiling():  # see kdsl.ops.block_fp8.act_quant
+        return torch.ops.kdsl.fp8_grouped_gemm(a, a_s, b, b_s, group_ids, out_dtype, check_ids)
+    return _fp8_grouped_gemm_impl(a, a_s, b, b_s, group_ids, out_dtype, check_ids)
+
+
+def _fp8_grouped_gemm_outputs(a, a_s, b, b_s, group_ids, out_dtype, symbolic: bool = False):
+    """Checks and the empty output: (scheme, act_group, block_n, block_k, c)."""
+    check.tensor("a", a, (FP8,), ndim=2)
+    check.tensor("a_s", a_s, (torch.float32,), ndim=2)
+    check.tensor("b", b, (FP8,), ndim=3)
+    check.tensor("b_s", b_s, (torch.float32,), ndim=3)
+    check.tensor("group_ids", group_ids, (torch.int32,), ndim=1)
+    check.out_dtype("out_dtype", out_dtype, GEMM_OUTPUTS)
+    m, k = a.shape
+    experts, n = b.shape[0], b.shape[1]
+    scheme, group, (block_n, block_k) = _gemm_scheme(k, n, a_s.shape[-1], tuple(b_s.shape[1:]), symbolic,
+                                                     op="fp8_grouped_gemm")
+    if k % group:
+        raise ValueError(f"a: last dimension K = {k} must be a multiple of {group}")
+    if experts == 0:
+        raise ValueError(f"b: expected at least one expert [E, N, K], got shape {tuple(b.shape)}")
+    if b.shape[2] != k:
+        raise ValueError(f"b: expected shape (E, N, {k}) to match a's K = {k}, got {tuple(b.shape)}")
+    check.shape("a_s", a_s, (m, k // group), f"one scale per token per {group} of K")
+    check.shape("b_s", b_s, (experts, -(-n // block_n), -(-k // block_k)),
+                f"one scale per {block_n}x{block_k} block of each expert's b")
+    check.shape("group_ids", group_ids, (m,), "one expert id per row of a")
+    check.same_device(a=a, a_s=a_s, b=b, b_s=b_s, group_ids=group_ids)
+    return scheme, group, block_n, block_k, a.new_empty((m, n), dtype=out_dtype)
+
+
+def _fp8_grouped_gemm_impl(a, a_s, b, b_s, group_ids, out_dtype, check_ids: bool = True) -> torch.Tensor:
+    scheme, group, block_n, block_k, c = _fp8_grouped_gemm_outputs(a, a_s, b, b_s, group_ids, out_dtype)
+    m, k = a.shape
+    experts, n = b.shape[0], b.shape[1]
+    if c.numel() == 0:
+        return c
+    if check_ids:
+        _check_ids("group_ids", group_ids, -1, experts, f"expert ids (-1 for padding; b has {experts} experts)")
+    if k == 0:
+        return c.zero_()
+    device = a.device
+    if not check.use_kernels(device):
+        return c.copy_(fallback.fp8_grouped_gemm(a, a_s, b, b_s, group_ids, group, block_n, block_k, out_dtype))
+    a, a_s, b, b_s = (_unit_k(t) for t in (a, a_s, b, b_s))
+    entry = registry.dispatch("fp8_grouped_gemm", scheme, device)
+    tile = entry.tile_for(max(1, -(-m // experts)), n)
+    entry.launch(a, a_s, b, b_s, group_ids.contiguous(), c, tile)
+    if device.type == "cpu":
+        _grouped_lost_nan(a, b, group_ids, c)
+    return c
+
+
+def _grouped_lost_nan(a, b, group_ids, c) -> None:
+    """On the CPU, NaN where a row of a, or the row of its expert's b, holds the NaN code, as the GPU computes
+    (kdsl.ops.block_fp8._interpreter_lost_nan)."""
+    c[_interpreter_lost_nan(a).any(dim=1)] = float("nan")
+    bad_columns = _interpreter_lost_nan(b).any(dim=2)  # [E, N]
+    if bad_columns.any():
+        routed = (group_ids >= 0) & (group_ids < b.shape[0])
+        rows = routed.nonzero().squeeze(1)
+        c[rows] = torch.where(bad_columns[group_ids[rows].long()], float("nan"), c[rows])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fp8_grouped_gemm_masked: masked layout
+
+def fp8_grouped_gemm_masked(
+    a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor, masked_m: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16, *, expected_m: int | None = None,
+) -> torch.Tensor:
+    """C [E, max_m, N]: C[e, :masked_m[e]] = (a[e] * a_s[e]) @ (b[e] * b_s[e])^T, block scaling as fp8_gemm.
+
+    a [E, max_m, K] float8_e4m3fn with a_s float32 [E, max_m, K / 128]; b [E, N, K] with b_s float32
+    [E, ceil(N / 128), K / 128]; masked_m int32 [E] on a's device, read by the kernel (no host sync: one CUDA
+    graph serves any routing), clamped to [0, max_m]; rows past masked_m[e] are unspecified. expected_m: the
+    rows per expert the tile is chosen for (a hint, as DeepGEMM's; default max_m). K must be a multiple of 128.
+    """
+    expected_m = _positive_int_or_none("expected_m", expected_m)
+    if torch.compiler.is_compiling():  # see kdsl.ops.block_fp8.act_quant
+        return torch.ops.kdsl.fp8_grouped_gemm_masked(a, a_s, b, b_s, masked_m, out_dtype, expected_m)
+    return _fp8_grouped_gemm_masked_impl(a, a_s, b, b_s, masked_m, out_dtype, expected_m)
+
+
+def _fp8_grouped_gemm_masked_outputs(a, a_s, b, b_s, masked_m, out_dtype, symbolic: bool = False):
+    """Checks and the empty output: (scheme, act_group, block_n, block_k, c)."""
+    check.tensor("a", a, (FP8,), ndim=3)
+    check.tensor("a_s", a_s, (torch.float32,), ndim=3)
+    check.tensor("b", b, (FP8,), ndim=3)
+    check.tensor("b_s", b_s, (torch.float32,), ndim=3)
+    check.tensor("masked_m", masked_m, (torch.int32,), ndim=1)
+    check.out_dtype("out_dtype", out_dtype, GEMM_OUTPUTS)
+    experts, max_m, k = a.shape
+    n = b.shape[1]
+    scheme, group, (block_n, block_k) = _gemm_scheme(k, n, a_s.shape[-1], tuple(b_s.shape[1:]), symbolic,
+                                                     op="fp8_grouped_gemm_masked")
+    if k % group:
+        raise ValueError(f"a: last dimension K = {k} must be a multiple of {group}")
+    if b.shape[0] != experts:
+        raise ValueError(f"b: expected {experts} experts (a's E) in dimension 0, got shape {tuple(b.shape)}")
+    if b.shape[2] != k:
+        raise ValueError(f"b: expected shape ({experts}, N, {k}) to match a's K = {k}, got {tuple(b.shape)}")
+    check.shape("a_s", a_s, (experts, max_m, k // group), f"one scale per token per {group} of K")
+    check.shape("b_s", b_s, (experts, -(-n // block_n), -(-k // block_k)),
+                f"one scale per {block_n}x{block_k} block of each expert's b")
+    check.shape("masked_m", masked_m, (experts,), "one row count per expert")
+    check.same_device(a=a, a_s=a_s, b=b, b_s=b_s, masked_m=masked_m)
+    return scheme, group, block_n, block_k, a.new_empty((experts, max_m, n), dtype=out_dtype)
+
+
+def _fp8_grouped_gemm_masked_impl(a, a_s, b, b_s, masked_m, out_dtype, expected_m: int | None = None) -> torch.Tensor:
+    scheme, group, block_n, block_k, c = _fp8_grouped_gemm_masked_outputs(a, a_s, b, b_s, masked_m, out_dtype)
+    experts, max_m, k = a.shape
+    n = b.shape[1]
+    if c.numel() == 0:
+        return c
+    if k == 0:
+        return c.zero_()
+    device = a.device
+    if not check.use_kernels(device):
+        return c.copy_(fallback.fp8_grouped_gemm_masked(a, a_s, b, b_s, masked_m, group, block_n, block_k,
+                                                        out_dtype))
+    a, a_s, b, b_s = (_unit_k(t) for t in (a, a_s, b, b_s))
+    entry = registry.dispatch("fp8_grouped_gemm_masked", scheme, device)
+    tile = entry.tile_for(expected_m or max_m, n)
+    entry.launch(a, a_s, b, b_s, masked_m.contiguous(), c, tile)
+    if device.type == "cpu":
+        c[_interpreter_lost_nan(a).any(dim=2)] = float("nan")  # [E, max_m] rows
+        c.transpose(1, 2)[_interpreter_lost_nan(b).any(dim=2)] = float("nan")  # [E, N] columns
+    return c
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# moe_fp8: the layer
+
+def moe_fp8(
+    x: torch.Tensor, w13: torch.Tensor, w13_s: torch.Tensor, w2: torch.Tensor, w2_s: torch.Tensor,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, check_ids: bool = True,
+) -> torch.Tensor:
+    """y [T, H] in x's dtype: y[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
+
+    x [T, H] bf16/fp16; w13 [E, 2I, H] float8_e4m3fn, each expert's gate rows then its up rows, with w13_s
+    float32 [E, ceil(2I / 128), H / 128]; w2 [E, H, I] float8_e4m3fn with w2_s float32 [E, ceil(H / 128), I / 128]
+    (128x128 block scales, DeepSeek-V3's weight_scale_inv); topk_weights float32 [T, k]; topk_ids int32 [T, k].
+    x and h = silu(gate) * up are quantized per token in 1x128 groups (act_quant's rule, s = amax / 448) before
+    their GEMMs; both GEMMs accumulate in fp32, the slots are summed in fp32. H and I must be multiples of 128.
+
+    Every step runs on the device with sizes the host knows (T, k, E), so one CUDA graph serves any routing.
+    check_ids: refuse ids outside [0, E) naming topk_ids (one host sync after the routing kernel; skipped while a
+    CUDA graph is captured); without the check such a slot adds nothing to its token.
+    """
+    if torch.compiler.is_compiling():  # see kdsl.ops.block_fp8.act_quant
+        return torch.ops.kdsl.moe_fp8(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, check_ids)
+    return _moe_fp8_impl(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, check_ids)
+
+
+def _moe_scheme(h: int, two_inter: int, w13_blocks: tuple, symbolic: bool = False) -> tuple[str, int, tuple[int, int]]:
+    """(scheme, act_group, (block_n, block_k)) of the served moe_fp8 scheme whose blocks give w13_s's shape for
+    w13 [E, 2I, H] (w2_s is then checked against the same blocks); where none does, the first served one, whose
+    numbers word the shape errors."""
+    def find():
+        served = registry.scheme_fields("moe_fp8")
+        if not served:
+            registry.require_scheme("moe_fp8", "block_fp8", "any block-FP8 scheme")  # raises
+        found = _matching(served, h, two_inter, w13_blocks)
+        if found is None:
+            _refuse_unserved("moe_fp8", h, two_inter, w13_blocks, None,
+                             f"w13_s[e] shape {tuple(w13_blocks)} for w13[e] ({two_inter}, {h})")
+            name, fields = next(iter(served.items()))
+            found = name, fields["act_group"], tuple(fields["weight_block"])
+        return found
+    if symbolic:
+        return find()
+    return registry.memo(("moe_fp8", h, two_inter, w13_blocks), find)
+
+
+def _moe_fp8_outputs(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, symbolic: bool = False):
+    """Checks and the empty output: (scheme, act_group, block_n, block_k, y)."""
+    check.tensor("x", x, MOE_INPUTS, ndim=2)
+    check.tensor("w13", w13, (FP8,), ndim=3)
+    check.tensor("w13_s", w13_s, (torch.float32,), ndim=3)
+    check.tensor("w2", w2, (FP8,), ndim=3)
+    check.tensor("w2_s", w2_s, (torch.float32,), ndim=3)
+    check.tensor("topk_weights", topk_weights, (torch.float32,), ndim=2)
+    check.tensor("topk_ids", topk_ids, (torch.int32,), ndim=2)
+    tokens, hidden = x.shape
+    experts, two_inter = w13.shape[0], w13.shape[1]
+    scheme, group, (block_n, block_k) = _moe_scheme(hidden, two_inter, tuple(w13_s.shape[1:]), symbolic)
+    if hidden % group:
+        raise ValueError(f"x: hidden size H = {hidden} must be a multiple of {group} (the activation group)")
+    if experts == 0:
+        raise ValueError(f"w13: expected at least one expert [E, 2I, H], got shape {tuple(w13.shape)}")
+    if w13.shape[2] != hidden:
+        raise ValueError(f"w13: expected shape (E, 2I, {hidden}) to match x's H = {hidden}, got {tuple(w13.shape)}")
+    if two_inter % (2 * group):
+        raise ValueError(f"w13: expected (E, 2I, H), gate rows then up rows, with I a multiple of {group} "
+                         f"(h = silu(gate) * up is quantized in groups of {group}), got {tuple(w13.shape)}")
+    inter = two_inter // 2
+    check.shape("w2", w2, (experts, hidden, inter), f"each expert's down projection [H, I], I = {inter} from w13")
+    check.shape("w13_s", w13_s, (experts, -(-two_inter // block_n), -(-hidden // block_k)),
+                f"one scale per {block_n}x{block_k} block of each expert's w13")
+    check.shape("w2_s", w2_s, (experts, -(-hidden // block_n), -(-inter // block_k)),
+                f"one scale per {block_n}x{block_k} block of each expert's w2")
+    if topk_ids.shape[0] != tokens:
+        raise ValueError(f"topk_ids: expected shape ({tokens}, k), one row per token of x, got {tuple(topk_ids.shape)}")
+    check.shape("topk_weights", topk_weights, tuple(topk_ids.shape), "one weight per routed slot, as topk_ids")
+    check.same_device(x=x, w13=w13, w13_s=w13_s, w2=w2, w2_s=w2_s, topk_weights=topk_weights, topk_ids=topk_ids)
+    return scheme, group, block_n, block_k, x.new_empty((tokens, hidden))
+
+
+def _moe_fp8_impl(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, check_ids: bool = True) -> torch.Tensor:
+    scheme, group, block_n, block_k, y = _moe_fp8_outputs(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids)
+    tokens, hidden = x.shape
+    experts, topk = w13.shape[0], topk_ids.shape[1]
+    if y.numel() == 0:
+        return y
+    if topk == 0:
+        return y.zero_()
+    what = f"expert ids (w13 has {experts} experts)"
+    device = x.device
+    if not check.use_kernels(device):
+        if check_ids:
+            _check_ids("topk_ids", topk_ids, 0, experts, what)
+        return y.copy_(fallback.moe_fp8(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, group, block_n, block_k))
+
+    def refuse_outside(count: torch.Tensor) -> None:
+        # The routing kernel counted the ids outside [0, E): the op's one host sync, before the GEMMs launch.
+        if int(count.item()):
+            _refuse_ids("topk_ids", topk_ids, 0, experts, what)
+
+    on_routed = refuse_outside if check_ids and not _capturing(x) else None
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w13, w13_s, w2, w2_s = (_unit_k(t) for t in (w13, w13_s, w2, w2_s))
+    entry = registry.dispatch("moe_fp8", scheme, device)
+    tile = entry.tile_for(tokens_per_expert(tokens * topk, experts), hidden)
+    entry.launch(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, on_routed, tile)
+    if device.type == "cpu":
+        _moe_lost_nan(x, w13, w2, topk_ids, y)
+    return y
+
+
+def _moe_lost_nan(x, w13, w2, topk_ids, y) -> None:
+    """On the CPU, NaN where the GPU computes it and the interpreter decodes a NaN code as 480
+    (kdsl.ops.block_fp8._interpreter_lost_nan): a token whose x holds NaN or +-inf (NaN codes in its quantized
+    groups), or routed to an expert whose w13 holds a NaN code, is NaN everywhere (its h row then holds NaN codes);
+    a column of a token routed to an expert whose w2 holds a NaN code in that row is NaN."""
+    experts = w13.shape[0]
+    routed = (topk_ids >= 0) & (topk_ids < experts)
+    ids = torch.where(routed, topk_ids, 0).long()
+    bad_up = _interpreter_lost_nan(w13).flatten(1).any(dim=1)  # [E]
+    bad_down = _interpreter_lost_nan(w2).any(dim=2)  # [E, H]
+    whole = routed.any(dim=1) & ~torch.isfinite(x).all(dim=1) | (bad_up[ids] & routed).any(dim=1)
+    y[whole] = float("nan")
+    y.masked_fill_((bad_down[ids] & routed[..., None]).any(dim=1), float("nan"))  # [T, H]

@@ -1,0 +1,92 @@
+"""Independent fp32 references for the block-FP8 MoE ops, and random MoE inputs.
+
+Written from the maths on top of tests/reference.py (nothing here imports kdsl): dequantize, then matmul in fp32.
+
+    grouped GEMM   C[m] = (a[m] * a_s[m]) @ (b[g] * b_s[g])^T, g = group_ids[m], rows with g = -1 skipped
+    masked GEMM    C[e, :masked_m[e]] = (a[e] * a_s[e]) @ (b[e] * b_s[e])^T
+    MoE layer      per token t and slot j, e = topk_ids[t, j]:
+                     gate, up = x_t' @ W1_e^T, x_t' @ W3_e^T        (x_t' = x_t through act quant, dequantized)
+                     h = silu(gate) * up, then act quant of h, dequantized -> h'
+                     y_t += topk_weights[t, j] * (h' @ W2_e^T)
+"""
+from __future__ import annotations
+
+import torch
+from reference import FP8, GROUP, act_quant_ref, fp8_gemm_ref, weight_dequant_ref, weight_quant_ref
+
+
+def dequant_rows(q: torch.Tensor, s: torch.Tensor, group: int = GROUP) -> torch.Tensor:
+    """fp32 [..., K] = q * s, each token's scale over its group."""
+    cols = torch.arange(q.shape[-1], device=q.device) // group
+    return q.float() * s.float()[..., cols]
+
+
+def grouped_gemm_ref(a, a_s, b, b_s, group_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 [M, N], bool [M] rows that are defined): rows with an id outside [0, E) stay zero and undefined."""
+    m, n, experts = a.shape[0], b.shape[1], b.shape[0]
+    out = torch.zeros(m, n)
+    defined = (group_ids >= 0) & (group_ids < experts)
+    for row in range(m):
+        if defined[row]:
+            e = int(group_ids[row])
+            out[row] = fp8_gemm_ref(a[row:row + 1], a_s[row:row + 1], b[e], b_s[e])[0]
+    return out, defined
+
+
+def masked_gemm_ref(a, a_s, b, b_s, masked_m) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 [E, max_m, N], bool [E, max_m] rows that are defined)."""
+    experts, max_m, _ = a.shape
+    out = torch.zeros(experts, max_m, b.shape[1])
+    defined = torch.zeros(experts, max_m, dtype=torch.bool)
+    for e in range(experts):
+        rows = max(0, min(int(masked_m[e]), max_m))
+        defined[e, :rows] = True
+        if rows:
+            out[e, :rows] = fp8_gemm_ref(a[e, :rows], a_s[e, :rows], b[e], b_s[e])
+    return out, defined
+
+
+def moe_ref(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids) -> torch.Tensor:
+    """fp32 [T, H]; slots whose id is outside [0, E) add nothing."""
+    tokens, hidden = x.shape
+    experts, inter = w13.shape[0], w13.shape[1] // 2
+    xq, xs = act_quant_ref(x)
+    x_deq = dequant_rows(xq, xs)
+    y = torch.zeros(tokens, hidden)
+    for e in range(experts):
+        w_up = weight_dequant_ref(w13[e], w13_s[e])  # [2I, H]
+        w_down = weight_dequant_ref(w2[e], w2_s[e])  # [H, I]
+        token, slot = (topk_ids == e).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        gate_up = x_deq[token] @ w_up.T
+        h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        hq, hs = act_quant_ref(h)
+        down = dequant_rows(hq, hs) @ w_down.T
+        y.index_add_(0, token, topk_weights[token, slot, None].float() * down)
+    return y
+
+
+def expert_weights(experts: int, n: int, k: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """E random weights [N, K] quantized in 128x128 blocks: (q [E, N, K] e4m3, s [E, ceil(N/128), ceil(K/128)])."""
+    quantized = [weight_quant_ref(torch.randn(n, k) * scale) for _ in range(experts)]
+    return torch.stack([q for q, _ in quantized]), torch.stack([s for _, s in quantized])
+
+
+def moe_layer(experts: int, hidden: int, inter: int) -> tuple[torch.Tensor, ...]:
+    """(w13, w13_s, w2, w2_s) of a random layer: gate and up rows ~ N(0, 1/H), down ~ N(0, 1/I)."""
+    w13, w13_s = expert_weights(experts, 2 * inter, hidden, hidden ** -0.5)
+    w2, w2_s = expert_weights(experts, hidden, inter, inter ** -0.5)
+    return w13, w13_s, w2, w2_s
+
+
+def routing(tokens: int, experts: int, topk: int, skew: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights fp32 [T, k] summing to 1, topk_ids int32 [T, k]): distinct experts per token, picked from
+    router logits; skew > 0 favours the low-numbered experts (ragged groups, some experts without tokens)."""
+    logits = torch.randn(tokens, experts) - skew * torch.arange(experts, dtype=torch.float32)
+    weights, ids = torch.topk(torch.softmax(logits, dim=-1), topk, dim=-1)
+    return (weights / weights.sum(-1, keepdim=True)).float(), ids.to(torch.int32)
+
+
+__all__ = ["FP8", "dequant_rows", "grouped_gemm_ref", "masked_gemm_ref", "moe_ref", "expert_weights", "moe_layer",
+           "routing"]
