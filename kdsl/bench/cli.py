@@ -28,6 +28,11 @@ and check every kdsl result against an fp32 reference on fresh random data.
   fp8_bmm         vs bf16 torch.bmm on the dequantized weights and per-batch loops of torch._scaled_mm
                   (blockwise) and of kdsl's fp8_gemm; a is MLA's transposed [M, B, K] view; the
                   fraction of the roofline (bytes / measured copy rate, FLOPs / measured FP8 rate)
+  moe_fp8         the MoE layer (T tokens, top-k of E experts) vs bf16 per-expert loops and torch._grouped_mm
+                  on the dequantized weights; the roofline counts the routed experts' bytes (decode) and
+                  the FLOPs (prefill)
+  fp8_grouped_gemm, fp8_grouped_gemm_masked   one MoE projection over the routed slots (contiguous
+                  layout padded to 128 rows; masked [E, T, K]) vs the same bf16 baselines and the roofline
 
 Times are medians of triton.testing.do_bench (L2 flushed), plus do_bench_cudagraph for M <= 128
 (gptq_gemm: every M, its bar is on graph timing; fp8_bmm: every M, and up to M = 512 its calls cycle
@@ -41,7 +46,10 @@ shape presets:
                weight_dequant (N,K) = (7168,16384) (24576,1536); gptq_gemm KxN = 4096x4096
                4096x14336 14336x4096 8192x28672 at M = 1 16 64 256; gptq_dequant (N,K) =
                (14336,4096) (28672,8192); fp8_bmm (B,N,K) = (128,512,128) (128,128,512)
-               (16,512,128) (16,128,512) at M = 1 16 64 128 512 4096
+               (16,512,128) (16,128,512) at M = 1 16 64 128 512 4096; MoE (E = 256, top-8,
+               H = 7168, I = 2048 and the TP-8 slice I = 256): moe_fp8 and fp8_grouped_gemm (gate-up
+               and down) at T = 1 16 64 128 512 4096, fp8_grouped_gemm_masked at T = 1 16 64 128
+  qwen3-moe    Qwen3-30B-A3B's MoE (E = 128, top-8, H = 2048, I = 768), the same ops and T
   llama        Llama-3-8B and 70B linears, (N,K) = qkv (6144,4096) o (4096,4096)
                gate_up (28672,4096) down (4096,14336); qkv (10240,8192) o (8192,8192)
                gate_up (57344,8192) down (8192,28672). fp8_gemm: all eight at M = 1 16 64 128

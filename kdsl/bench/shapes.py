@@ -7,12 +7,17 @@ A shape file is a JSON object whose keys are op names; each maps to a list of en
      "weight_dequant": [{"n": 7168, "k": 16384}],
      "gptq_gemm":      [{"m": [1], "k": 4096, "n": 4096}],
      "gptq_dequant":   [{"n": 14336, "k": 4096}],
-     "fp8_bmm":        [{"batch": 128, "m": [1, 64], "n": 512, "k": 128}]}
+     "fp8_bmm":        [{"batch": 128, "m": [1, 64], "n": 512, "k": 128}],
+     "moe_fp8":        [{"experts": 256, "topk": 8, "m": [1, 4096], "hidden": 7168, "inter": 256}],
+     "fp8_grouped_gemm":        [{"experts": 256, "topk": 8, "m": [512], "n": 512, "k": 7168}],
+     "fp8_grouped_gemm_masked": [{"experts": 256, "topk": 8, "m": [16], "n": 7168, "k": 256}]}
 
 Entry keys per op are OP_DIMS[op]; "m" (tokens) may be an integer or a list of integers, the
 others are integers. K must be a multiple of 128 (the quantization group) except for
 weight_dequant, whose scale grid is ceil(N/128) x ceil(K/128); GPTQ N must be a multiple of 8, fp8_bmm's
-N of 16.
+N of 16. The MoE ops route "m" tokens to "topk" of "experts" experts: moe_fp8 is the layer (hidden size,
+expert intermediate size, both multiples of 128), the grouped GEMMs one of its projections (N, K), their rows
+those tokens' slots sorted by expert (contiguous: each group padded to 128 rows; masked: [E, m, K]).
 """
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-OPS = ("fp8_gemm", "act_quant", "weight_dequant", "gptq_gemm", "gptq_dequant", "fp8_bmm")
+MOE_OPS = ("moe_fp8", "fp8_grouped_gemm", "fp8_grouped_gemm_masked")
+OPS = ("fp8_gemm", "act_quant", "weight_dequant", "gptq_gemm", "gptq_dequant", "fp8_bmm", *MOE_OPS)
 OP_DIMS: dict[str, tuple[str, ...]] = {
     "fp8_gemm": ("m", "n", "k"),
     "act_quant": ("m", "k"),
@@ -28,6 +34,10 @@ OP_DIMS: dict[str, tuple[str, ...]] = {
     "gptq_gemm": ("m", "n", "k"),
     "gptq_dequant": ("n", "k"),
     "fp8_bmm": ("batch", "m", "n", "k"),  # batch: MLA's heads
+    # m: tokens, each routed to topk of the experts
+    "moe_fp8": ("experts", "topk", "m", "hidden", "inter"),
+    "fp8_grouped_gemm": ("experts", "topk", "m", "n", "k"),
+    "fp8_grouped_gemm_masked": ("experts", "topk", "m", "n", "k"),
 }
 GROUP = 128  # block-FP8 group / block edge and the GPTQ group size used by the bench
 
@@ -41,6 +51,10 @@ class Case:
     n: int | None = None
     k: int | None = None
     batch: int | None = None
+    experts: int | None = None  # the MoE ops: experts per layer, experts per token, hidden and intermediate sizes
+    topk: int | None = None
+    hidden: int | None = None
+    inter: int | None = None
 
     def dims(self) -> dict[str, int]:
         return {d: getattr(self, d) for d in OP_DIMS[self.op]}
@@ -71,7 +85,30 @@ def _deepseek_v3() -> list[Case]:
     bmm = [Case("fp8_bmm", batch=b, m=m, n=n, k=k) for b, n, k in ((128, 512, 128), (128, 128, 512),
                                                                   (16, 512, 128), (16, 128, 512))
            for m in (1, 16, 64, 128, 512, 4096)]
-    return fp8 + act + deq + gptq + gptq_deq + bmm
+    return fp8 + act + deq + gptq + gptq_deq + bmm + _moe(256, 8, 7168, (2048, 256))
+
+
+# MoE token counts: decode (CUDA graphs) and prefill; the masked layout is a decode layout (max_m = T rows per expert).
+MOE_DECODE = (1, 16, 64, 128)
+MOE_PREFILL = (512, 4096)
+
+
+def _moe(experts: int, topk: int, hidden: int, inters: tuple[int, ...]) -> list[Case]:
+    """A MoE layer at each intermediate size (a TP slice is a smaller one): the layer, and its two grouped GEMMs,
+    gate-up (N, K) = (2I, H) and down (H, I)."""
+    cases = []
+    for inter in inters:
+        layer = dict(experts=experts, topk=topk)
+        cases += [Case("moe_fp8", m=m, hidden=hidden, inter=inter, **layer) for m in MOE_DECODE + MOE_PREFILL]
+        for n, k in ((2 * inter, hidden), (hidden, inter)):
+            cases += [Case("fp8_grouped_gemm", m=m, n=n, k=k, **layer) for m in MOE_DECODE + MOE_PREFILL]
+            cases += [Case("fp8_grouped_gemm_masked", m=m, n=n, k=k, **layer) for m in MOE_DECODE]
+    return cases
+
+
+def _qwen3_moe() -> list[Case]:
+    # Qwen3-30B-A3B: 128 experts, top-8, hidden 2048, expert intermediate 768.
+    return _moe(128, 8, 2048, (768,))
 
 
 def _llama() -> list[Case]:
@@ -87,7 +124,7 @@ def _llama() -> list[Case]:
     return fp8 + act + deq + gptq + gptq_deq
 
 
-PRESETS = {"deepseek-v3": _deepseek_v3, "llama": _llama}
+PRESETS = {"deepseek-v3": _deepseek_v3, "llama": _llama, "qwen3-moe": _qwen3_moe}
 
 
 def preset_cases(name: str) -> list[Case]:
@@ -101,8 +138,8 @@ def _positive_int(value: object, where: str) -> int:
     return value
 
 
-def _check_divisibility(op: str, n: int | None, k: int, where: str) -> None:
-    if op != "weight_dequant" and k % GROUP:
+def _check_divisibility(op: str, n: int | None, k: int | None, where: str) -> None:
+    if k is not None and op != "weight_dequant" and k % GROUP:
         raise ShapeFileError(f"{where}.k: {k} is not a multiple of the group size {GROUP}")
     if op in ("gptq_gemm", "gptq_dequant") and n is not None and n % 8:
         raise ShapeFileError(f"{where}.n: {n} is not a multiple of 8 (int4 packing of qzeros)")
@@ -132,9 +169,16 @@ def parse_shape_entries(doc: object, source: str) -> list[Case]:
             if missing:
                 raise ShapeFileError(f"{where}: missing key {missing[0]!r}")
             n = _positive_int(entry["n"], f"{where}.n") if "n" in wanted else None
-            k = _positive_int(entry["k"], f"{where}.k")
+            k = _positive_int(entry["k"], f"{where}.k") if "k" in wanted else None
             batch = _positive_int(entry["batch"], f"{where}.batch") if "batch" in wanted else None
+            moe = {d: _positive_int(entry[d], f"{where}.{d}") for d in ("experts", "topk", "hidden", "inter")
+                   if d in wanted}
             _check_divisibility(op, n, k, where)
+            for d in ("hidden", "inter"):
+                if d in moe and moe[d] % GROUP:
+                    raise ShapeFileError(f"{where}.{d}: {moe[d]} is not a multiple of the group size {GROUP}")
+            if "topk" in moe and moe["topk"] > moe["experts"]:
+                raise ShapeFileError(f"{where}.topk: {moe['topk']} is more than the {moe['experts']} experts")
             if "m" not in wanted:
                 cases.append(Case(op, n=n, k=k))
                 continue
@@ -142,7 +186,7 @@ def parse_shape_entries(doc: object, source: str) -> list[Case]:
             ms = raw_m if isinstance(raw_m, list) else [raw_m]
             if not ms:
                 raise ShapeFileError(f"{where}.m: empty list")
-            cases += [Case(op, m=_positive_int(m, f"{where}.m"), n=n, k=k, batch=batch) for m in ms]
+            cases += [Case(op, m=_positive_int(m, f"{where}.m"), n=n, k=k, batch=batch, **moe) for m in ms]
     return cases
 
 

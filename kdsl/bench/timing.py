@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.testing
 
+from kdsl.bench import moe as bench_moe
 from kdsl.bench.results import COPY, ERROR, OK, ROOFLINE, UNAVAILABLE, WRONG, Result, Timing
 from kdsl.bench.shapes import GROUP, Case
 
@@ -446,6 +447,7 @@ SETUPS: dict[str, Callable[[Case], CaseSetup]] = {
     "weight_dequant": setup_weight_dequant, "gptq_gemm": setup_gptq_gemm,
     "gptq_dequant": setup_gptq_dequant, "fp8_bmm": setup_fp8_bmm,
 }
+SETUPS.update(bench_moe.SETUPS)  # moe_fp8 and the grouped GEMMs (kdsl/bench/moe.py)
 
 
 @contextlib.contextmanager

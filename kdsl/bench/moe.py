@@ -1,0 +1,241 @@
+"""`kdsl bench` cases of the MoE ops (GPU only): moe_fp8, fp8_grouped_gemm, fp8_grouped_gemm_masked.
+
+Inputs: a random layer of E experts (bf16 weights ~ N(0, 1/fan_in), quantized by torch in 128x128 blocks) and a
+random routing of T tokens (softmax over N(0, 1) logits, top-k). Every kdsl result is checked against an fp32
+reference computed one expert at a time (dequantize, then matmul; the same 1x128 activation quantization).
+
+Baselines, in the same run on the same routing: bf16 on the dequantized weights, as `torch._grouped_mm` (where
+this torch has it) over the tokens sorted by expert, and as a per-expert loop over the routed experts (their rows
+found once, outside the timed call). Decode (T <= 128: CUDA graphs) is judged by bytes: the routed experts'
+weights and scales plus x and y, against the measured copy rate (the roofline row); prefill by TFLOP/s.
+Up to T = 128 each callable cycles through copies of the layer, so that every call finds its experts cold in L2.
+
+Imports from kdsl.bench.timing happen inside the functions: timing imports this module to register the cases.
+"""
+from __future__ import annotations
+
+import torch
+
+from kdsl.bench.shapes import GROUP, Case
+
+DECODE_MAX_T = 128
+MOE_TOL = 2e-2  # bf16 output vs fp32 reference (the activations' e4m3 rounding is in both)
+
+
+def _timing():
+    from kdsl.bench import timing
+    return timing
+
+
+def quantized_experts(experts: int, n: int, k: int, copies: int = 1) -> tuple[list, torch.Tensor]:
+    """([(q [E, N, K] e4m3, s [E, N/128, K/128])] one per copy, w [E, N, K] bf16: the dequantized weights)."""
+    t = _timing()
+    q = torch.empty(experts, n, k, dtype=t.FP8, device=t.DEVICE)
+    s = torch.empty(experts, -(-n // GROUP), -(-k // GROUP), device=t.DEVICE)
+    w = torch.empty(experts, n, k, dtype=torch.bfloat16, device=t.DEVICE)
+    for e in range(experts):
+        q[e], s[e] = t.torch_weight_quant(torch.randn(n, k, device=t.DEVICE, dtype=torch.bfloat16) * k ** -0.5)
+        w[e] = t.fp8_weight_reference(q[e], s[e]).to(torch.bfloat16)
+    return [(q, s)] + [(q.clone(), s.clone()) for _ in range(copies - 1)], w
+
+
+def random_routing(tokens: int, experts: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights fp32 [T, k], topk_ids int32 [T, k]) from random router logits."""
+    t = _timing()
+    logits = torch.randn(tokens, experts, device=t.DEVICE)
+    weights, ids = torch.topk(torch.softmax(logits, dim=-1), topk, dim=-1)
+    return weights / weights.sum(-1, keepdim=True), ids.to(torch.int32)
+
+
+def routed_rows(topk_ids: torch.Tensor, experts: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(expert, tokens, slots) of every routed expert, found on the host once (for the references and the loops)."""
+    found = []
+    for e in torch.unique(topk_ids).tolist():
+        token, slot = (topk_ids == e).nonzero(as_tuple=True)
+        found.append((e, token, slot))
+    return found
+
+
+def _deq_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return q.float() * s.repeat_interleave(GROUP, -1)
+
+
+def _cold_copies(tokens: int, touched_bytes: int) -> int:
+    t = _timing()
+    return min(t.MAX_COPIES, -(-t.COLD_BYTES // max(1, touched_bytes))) if tokens <= DECODE_MAX_T else 1
+
+
+def _roofline_ms(bytes_moved: int, flops: int) -> float:
+    copy_rate, fp8_rate = _timing().machine_ceilings()
+    return 1e3 * max(bytes_moved / copy_rate, flops / fp8_rate)
+
+
+def _grouped_mm():
+    """torch._grouped_mm where this torch has it (bf16, sm_90+), else None."""
+    fn = getattr(torch, "_grouped_mm", None)
+    if fn is None or torch.cuda.get_device_capability() < (9, 0):
+        return None
+    return fn
+
+
+def _sorted_by_expert(topk_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot order, int32 end offsets per expert) of the flattened slots sorted by expert, on the device
+    (scatter_add, not bincount: no host sync, so a CUDA graph captures it)."""
+    flat = topk_ids.view(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(experts, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat.long(), torch.ones_like(flat))
+    return order, torch.cumsum(counts, 0, dtype=torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# moe_fp8
+
+def setup_moe_fp8(case: Case):
+    t = _timing()
+    moe = t.kdsl_op("moe_fp8")
+    experts, topk, tokens, hidden, inter = case.experts, case.topk, case.m, case.hidden, case.inter
+    topk_weights, topk_ids = random_routing(tokens, experts, topk)
+    routed = routed_rows(topk_ids, experts)
+    expert_bytes = (3 * inter * hidden + 4 * (-(-2 * inter // GROUP) * (hidden // GROUP)
+                                             + -(-hidden // GROUP) * (inter // GROUP)))
+    copies = _cold_copies(tokens, len(routed) * expert_bytes)
+    up, w13 = quantized_experts(experts, 2 * inter, hidden, copies)
+    down, w2 = quantized_experts(experts, hidden, inter, copies)
+    layers = [(q13, s13, q2, s2) for (q13, s13), (q2, s2) in zip(up, down)]
+    x = torch.randn(tokens, hidden, device=t.DEVICE, dtype=torch.bfloat16)
+
+    # fp32 reference, one routed expert at a time
+    xq, xs = t.torch_act_quant(x)
+    x_deq = _deq_rows(xq, xs)
+    ref = torch.zeros(tokens, hidden, device=t.DEVICE)
+    q13, s13, q2, s2 = layers[0]
+    for e, token, slot in routed:
+        gate_up = x_deq[token] @ t.fp8_weight_reference(q13[e], s13[e]).T
+        h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        hq, hs = t.torch_act_quant(h)
+        ref.index_add_(0, token, topk_weights[token, slot, None] * (_deq_rows(hq, hs) @ t.fp8_weight_reference(q2[e], s2[e]).T))
+
+    def bf16_loop():
+        y = torch.zeros(tokens, hidden, device=t.DEVICE)
+        for e, token, slot in routed:
+            gate_up = x[token] @ w13[e].T
+            h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            y.index_add_(0, token, topk_weights[token, slot, None] * (h @ w2[e].T).float())
+        return y.to(torch.bfloat16)
+
+    baselines = {"bf16_loop": bf16_loop}
+    grouped_mm = _grouped_mm()
+    if grouped_mm is not None:
+        w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)  # [E, K, N], column-major as _grouped_mm wants
+
+        def bf16_grouped_mm():
+            order, offsets = _sorted_by_expert(topk_ids, experts)
+            token = order // topk
+            gate_up = grouped_mm(x[token], w13_t, offs=offsets)
+            h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            out = grouped_mm(h, w2_t, offs=offsets).float() * topk_weights.view(-1)[order, None]
+            return torch.zeros(tokens, hidden, device=t.DEVICE).index_add_(0, token, out).to(torch.bfloat16)
+
+        baselines["bf16_grouped_mm"] = bf16_grouped_mm
+
+    flops = 6 * tokens * topk * hidden * inter
+    bytes_moved = len(routed) * expert_bytes + 2 * 2 * tokens * hidden + 8 * tokens * topk
+    kdsl = {"moe_fp8": lambda: [moe(x, *layer, topk_weights, topk_ids) for layer in layers]}
+    if tokens <= DECODE_MAX_T:  # eager decode without the ids check's host sync (captured graphs skip it anyway)
+        kdsl["moe_fp8[check_ids=False]"] = lambda: [moe(x, *layer, topk_weights, topk_ids, check_ids=False)
+                                                    for layer in layers]
+    return t.CaseSetup(
+        kdsl=kdsl, check=lambda outs: t.check_close(outs[-1], ref, MOE_TOL), baselines=baselines,
+        tolerance=MOE_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies,
+        roofline_ms=_roofline_ms(bytes_moved, flops))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# grouped GEMMs
+
+def contiguous_layout(topk_ids: torch.Tensor, experts: int, align: int = 128) -> torch.Tensor:
+    """group_ids [M] of DeepGEMM's contiguous layout for this routing: each expert's slots, padded with -1 rows to a
+    multiple of align (on the host: the bench builds the layout once)."""
+    counts = torch.bincount(topk_ids.view(-1).long(), minlength=experts).tolist()
+    ids = []
+    for e, count in enumerate(counts):
+        ids += [e] * count + [-1] * (-count % align)
+    return torch.tensor(ids, dtype=torch.int32, device=topk_ids.device)
+
+
+def _grouped_common(case: Case):
+    t = _timing()
+    experts, topk, tokens, n, k = case.experts, case.topk, case.m, case.n, case.k
+    _, topk_ids = random_routing(tokens, experts, topk)
+    routed = routed_rows(topk_ids, experts)
+    expert_bytes = n * k + 4 * (-(-n // GROUP)) * (k // GROUP)
+    copies = _cold_copies(tokens, len(routed) * expert_bytes)
+    weights, w = quantized_experts(experts, n, k, copies)
+    flops = 2 * tokens * topk * n * k
+    bytes_moved = len(routed) * expert_bytes + tokens * topk * (k + 4 * k // GROUP + 2 * n)
+    return t, experts, topk, tokens, n, k, topk_ids, routed, weights, w, copies, flops, bytes_moved
+
+
+def setup_fp8_grouped_gemm(case: Case):
+    """Contiguous layout: the T * k slots sorted by expert, each group padded to 128 rows (-1 ids)."""
+    t, experts, topk, tokens, n, k, topk_ids, routed, weights, w, copies, flops, bytes_moved = _grouped_common(case)
+    grouped = t.kdsl_op("fp8_grouped_gemm")
+    group_ids = contiguous_layout(topk_ids, experts)
+    x = torch.randn(group_ids.numel(), k, device=t.DEVICE, dtype=torch.bfloat16)
+    a, a_s = t.torch_act_quant(x)
+    defined = group_ids >= 0
+    b0, s0 = weights[0]
+    ref = torch.zeros(group_ids.numel(), n, device=t.DEVICE)
+    rows_of = {e: (group_ids == e).nonzero().squeeze(1) for e, _, _ in routed}
+    for e, rows in rows_of.items():
+        ref[rows] = _deq_rows(a[rows], a_s[rows]) @ t.fp8_weight_reference(b0[e], s0[e]).T
+
+    def check(outs):
+        return t.check_close(outs[-1][defined], ref[defined], t.GEMM_TOL)
+
+    baselines = {"bf16_loop": lambda: [x[rows] @ w[e].T for e, rows in rows_of.items()]}
+    grouped_mm = _grouped_mm()
+    if grouped_mm is not None:
+        x_sorted = x[defined]  # the slots without padding, sorted by expert
+        offsets = torch.cumsum(torch.bincount(group_ids[defined].long(), minlength=experts), 0).to(torch.int32)
+        w_t = w.transpose(1, 2)
+        baselines["bf16_grouped_mm"] = lambda: grouped_mm(x_sorted, w_t, offs=offsets)
+    return t.CaseSetup(
+        kdsl={"fp8_grouped_gemm": lambda: [grouped(a, a_s, b, s, group_ids, check_ids=False) for b, s in weights]},
+        check=check, baselines=baselines, tolerance=t.GEMM_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies,
+        roofline_ms=_roofline_ms(bytes_moved, flops))
+
+
+def setup_fp8_grouped_gemm_masked(case: Case):
+    """Masked layout: a [E, max_m = T, K] (no expert gets more than T of the T tokens), masked_m on the device,
+    expected_m = ceil(T * k / E) as a serving stack would pass it."""
+    t, experts, topk, tokens, n, k, topk_ids, routed, weights, w, copies, flops, bytes_moved = _grouped_common(case)
+    masked = t.kdsl_op("fp8_grouped_gemm_masked")
+    counts = torch.zeros(experts, dtype=torch.int32, device=t.DEVICE)
+    for e, token, _ in routed:
+        counts[e] = token.numel()
+    x = torch.randn(experts, tokens, k, device=t.DEVICE, dtype=torch.bfloat16)
+    a, a_s = t.torch_act_quant(x.view(-1, k))
+    a, a_s = a.view(experts, tokens, k), a_s.view(experts, tokens, k // GROUP)
+    expected_m = max(1, -(-tokens * topk // experts))
+    b0, s0 = weights[0]
+    ref = {e: _deq_rows(a[e, :token.numel()], a_s[e, :token.numel()]) @ t.fp8_weight_reference(b0[e], s0[e]).T
+           for e, token, _ in routed}
+
+    def check(outs):
+        out = outs[-1]
+        return t.check_close(torch.cat([out[e, :r.shape[0]] for e, r in ref.items()]), torch.cat(list(ref.values())),
+                             t.GEMM_TOL)
+
+    return t.CaseSetup(
+        kdsl={"fp8_grouped_gemm_masked": lambda: [masked(a, a_s, b, s, counts, expected_m=expected_m)
+                                                  for b, s in weights]},
+        check=check,
+        baselines={"bf16_loop": lambda: [x[e, :token.numel()] @ w[e].T for e, token, _ in routed]},
+        tolerance=t.GEMM_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies,
+        roofline_ms=_roofline_ms(bytes_moved, flops))
+
+
+SETUPS = {"moe_fp8": setup_moe_fp8, "fp8_grouped_gemm": setup_fp8_grouped_gemm,
+          "fp8_grouped_gemm_masked": setup_fp8_grouped_gemm_masked}
