@@ -282,6 +282,20 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
                     "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K"},
         out_types=("fp16", "bf16"),
     ),
+    # Prepared weights to w [N, K] (w4a16_gemm's dequantize + cuBLAS path). bf16 (the matrix) compiles the
+    # per-row groups, fp16 one group per tile (test_w4a16_dequant_stores_16_bytes_at_a_time). N and K (so the
+    # words' and w's row strides) are multiples of 16 on real shapes: the JIT specializes them, loads and stores
+    # vectorize by them.
+    ("w4a16_dequant", "blockwise"): KernelSignature(
+        args={"qw_ptr": "*i32", "z_ptr": "*{out}", "s_ptr": "*{out}", "g_ptr": "*i32", "w_ptr": "*{out}",
+              "N": I32, "K": I32, "stride_qwk": I32, "stride_zg": I32, "stride_sg": I32, "stride_wn": I32},
+        constexprs={"UNIFORM_GROUP": lambda tile: tile["out"] == "fp16", "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K",
+                    "MAGIC_BITS": lambda tile: 0x6400 if tile["out"] == "fp16" else 0x4300,
+                    "MAGIC_BIAS": lambda tile: 1024 if tile["out"] == "fp16" else 128,
+                    "FP32_MATH": lambda tile: False},
+        out_types=("fp16", "bf16"),
+        aligned_ints=("N", "K", "stride_qwk", "stride_wn"),
+    ),
 }
 
 
@@ -689,6 +703,18 @@ def test_other_output_dtypes_compile(job, compiled):
     assert job.out in signature_of(entry, job.params, job.kernel)[0].out_types
     ptx = ptx_of(compiled, job)
     assert f".target sm_{job.cc}" in ptx
+
+
+W4A16_DEQUANT = {e.min_arch: e for e in ENTRIES.values() if e.op == "w4a16_dequant" and e.scheme == "w4a16.int4.g128"}
+
+
+@pytest.mark.parametrize("job", [Job(W4A16_DEQUANT[cc].name, cc, 0, out) for cc in (80, 90) for out in ("fp16", "bf16")],
+                         ids=[f"sm{cc}-{out}" for cc in (80, 90) for out in ("fp16", "bf16")])
+def test_w4a16_dequant_stores_16_bytes_at_a_time(job, compiled):
+    """w4a16_dequant writes four bytes of w for each byte it reads: its stores of w's K-contiguous rows go out
+    16 bytes at a time, in both layouts (checkpoint words on sm_80, k_planes on sm_90) and both group paths."""
+    ptx = ptx_of(compiled, job)
+    assert re.search(r"st\.global(\.\w+)*\.v4\.b32", ptx), "no 16-byte stores of w"
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:

@@ -12,7 +12,7 @@ from kdsl.kernels.block_fp8 import (fp8_bmm_portable, fp8_bmm_tma_sm90, fp8_gemm
                                     fp8_gemm_tma_persistent, fp8_grouped_gemm_portable, fp8_linear_portable,
                                     moe_fp8_sorted, quant)
 from kdsl.kernels.gptq import checkpoint
-from kdsl.kernels.w4a16 import gemv, gemv_mma_gluon, mma, overlap_gluon, planes_mma
+from kdsl.kernels.w4a16 import dequant, gemv, gemv_mma_gluon, mma, overlap_gluon, planes_mma
 
 # Tile fields every implementation reads.
 BASE_KNOBS = frozenset({"m_max", "num_warps"})
@@ -25,6 +25,7 @@ CATALOGUE: tuple[KernelImpl, ...] = (
     fp8_grouped_gemm_portable.IMPL, fp8_grouped_gemm_portable.MASKED_IMPL, moe_fp8_sorted.IMPL,
     checkpoint.GEMM_SPLITK, checkpoint.DEQUANT_BLOCKWISE,
     mma.IMPL, planes_mma.IMPL, gemv.IMPL, gemv_mma_gluon.IMPL, overlap_gluon.IMPL,
+    dequant.IMPL,
 )
 
 
@@ -39,4 +40,10 @@ def ops_of_family(family: str) -> list[str]:
     return sorted({entry.op for entry in CATALOGUE if entry.family == family})
 
 
-__all__ = ["BASE_KNOBS", "CATALOGUE", "GEMM_KNOBS", "KernelImpl", "NoOptions", "find_impl", "ops_of_family"]
+def dequant_op_for(op: str) -> str | None:
+    """The op whose kernels dequantize op's weights for its dequantize + cuBLAS path (Variant.dequant_min_m)."""
+    return next((entry.op for entry in CATALOGUE if entry.dequant_for == op), None)
+
+
+__all__ = ["BASE_KNOBS", "CATALOGUE", "GEMM_KNOBS", "KernelImpl", "NoOptions", "dequant_op_for", "find_impl",
+           "ops_of_family"]

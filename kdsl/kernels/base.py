@@ -44,6 +44,8 @@ class KernelImpl:
     gemv_block_m: bool = False  # block_m = 1 selects a GEMV instead of the MMA
     gemv_max_m: int = 1  # the most rows its GEMV (block_m = 1) serves well
     refusal: str | None = None  # generated-module function: why a tile should not serve a call (None: it should)
+    # A dequantizer: the op whose dequantize + cuBLAS path it serves (that op's variants set dequant_min_m).
+    dequant_for: str | None = None
 
     def resolve(self, tile) -> StrictModel:
         """The tile's options, validated by this implementation's model, defaults filled."""
