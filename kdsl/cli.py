@@ -188,6 +188,9 @@ def _list(args: argparse.Namespace) -> int:
                              if k not in common and v not in (None, False))
             print(f"    {bound:>20}: {p['impl']} {p['BLOCK_M']}x{p['BLOCK_N']}x{p['BLOCK_K']} warps={p['num_warps']} "
                   f"stages={p['num_stages']} group_m={p['GROUP_M']} split_k={p['SPLIT_K']}{extras}")
+        if entry.dequant:
+            bound = f"M >= {entry.dequant['min_m']}"
+            print(f"    {bound:>20}: {entry.dequant['op']} then torch.matmul (cuBLAS), where one serves (dequant_min_m)")
     print(f"{len(kernels)} kernel(s)", file=sys.stderr)
     return 0
 

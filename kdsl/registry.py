@@ -11,6 +11,7 @@ from kdsl.runtime.registry import (  # noqa: F401
     SchemeNotServedError,
     TORCH_FALLBACK,
     add_generated,
+    dequant_for,
     device_arch,
     dispatch,
     entries,

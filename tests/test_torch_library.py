@@ -117,6 +117,9 @@ def _samples():
     def w4a16(m_shape, g_idx):
         return (torch.randn(*m_shape, 256, dtype=torch.float16), *prepared_args(prepared_weights(64, g_idx)))
 
+    def w4a16_dequant(g_idx):
+        return prepared_args(prepared_weights(64, g_idx))
+
     def awq(m_shape, dtype):
         qweight, qzeros, scales = awq_checkpoint(64, dtype=dtype)
         return (torch.randn(*m_shape, 256).to(dtype), qweight, qzeros, scales, 64)
@@ -147,6 +150,11 @@ def _samples():
         ("w4a16_gemm", "sorted-3d", lambda: w4a16((2, 3), "none")),
         ("w4a16_gemm", "act-order-k_planes", lambda: w4a16((3,), "perm")),
         ("w4a16_gemm", "sorted-3d-k_planes", lambda: w4a16((2, 3), "none")),
+        # 1024 rows: the definition's dequant_min_m, so the op dequantizes and runs torch.matmul inside
+        ("w4a16_gemm", "prefill-act-order", lambda: w4a16((1024,), "perm")),
+        ("w4a16_gemm", "prefill-act-order-k_planes", lambda: w4a16((1024,), "perm")),
+        ("w4a16_dequant", "act-order", lambda: w4a16_dequant("perm")),
+        ("w4a16_dequant", "sorted-k_planes", lambda: w4a16_dequant("none")),
         ("awq_gemm", "fp16", lambda: awq((3,), torch.float16)),
         ("awq_gemm", "bf16-k_planes", lambda: awq((5,), torch.bfloat16)),
         ("awq_dequant", "g64", lambda: awq_checkpoint(64) + (64,)),
@@ -317,6 +325,9 @@ def _public_call(name: str):
         "awq_gemm": (lambda x, *t: ops.awq_gemm(x, *t, group_size=64), (xh, *awq), "awq_gemm"),
         "awq_dequant": (lambda *t: ops.awq_dequant(*t, group_size=64), awq, "awq_dequant"),
     }
+    if name == "w4a16_dequant":
+        prepared = ops.gptq_prepare(*checkpoint, group_size=64)
+        return (lambda qweight: ops.w4a16_dequant(prepared)), (prepared.qweight,), "w4a16_dequant"
     if name in ("w4a16_gemm", "gptq_gemm-prepared"):
         prepared = ops.gptq_prepare(*checkpoint, group_size=64)
         public = ops.w4a16_gemm if name == "w4a16_gemm" else ops.gptq_gemm
@@ -325,7 +336,7 @@ def _public_call(name: str):
 
 
 PUBLIC = ["act_quant", "weight_quant", "weight_dequant", "fp8_gemm", "fp8_linear", "gptq_gemm", "gptq_gemm-prepared",
-          "gptq_dequant", "w4a16_gemm", "awq_gemm", "awq_dequant"]
+          "gptq_dequant", "w4a16_gemm", "w4a16_dequant", "awq_gemm", "awq_dequant"]
 
 
 @pytest.mark.parametrize("name", PUBLIC)

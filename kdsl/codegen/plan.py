@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kdsl.kernels import KernelImpl, find_impl
+from kdsl.kernels import KernelImpl, dequant_op_for, find_impl
 from kdsl.naming import kernel_name
 from kdsl.schema import LoadedDefinition, Tile
 
@@ -37,6 +37,7 @@ class PlannedKernel:
     layout: object | None  # a GPTQLayout for kernels that read prepared weights
     source: str  # definition file, as a path relative to where generate ran
     definition_digest: str  # sha256 of what renders it: its scheme and variant (not the whole file)
+    dequant: dict | None = None  # {"op", "min_m"}: the dequantize + cuBLAS path from min_m rows (dequant_min_m)
 
     @property
     def name(self) -> str:
@@ -72,6 +73,8 @@ def plan_kernels(definitions: list[LoadedDefinition]) -> list[PlannedKernel]:
                     min_arch=variant.min_cc, max_arch=variant.max_cc,
                     tiles=tuple(variant.tiles), tile_impls=tile_impls, modules=modules,
                     layout=variant.layout, source=source, definition_digest=digest,
+                    dequant=None if variant.dequant_min_m is None else {
+                        "op": dequant_op_for(variant.op), "min_m": variant.dequant_min_m},
                 ))
     _refuse_name_clashes(planned)
     return sorted(planned, key=lambda k: k.name)
@@ -79,8 +82,10 @@ def plan_kernels(definitions: list[LoadedDefinition]) -> list[PlannedKernel]:
 
 def _render_inputs_digest(scheme, variant) -> str:
     """sha256 of the validated scheme and variant: an edit elsewhere in the file (another variant, a
-    comment) leaves this kernel's digest, and so its module, unchanged."""
-    canonical = json.dumps({"scheme": scheme.model_dump(mode="json"), "variant": variant.model_dump(mode="json")},
+    comment) leaves this kernel's digest, and so its module, unchanged. dequant_min_m is left out: it is run-time
+    dispatch the manifest carries, not rendered into any module."""
+    canonical = json.dumps({"scheme": scheme.model_dump(mode="json"),
+                            "variant": variant.model_dump(mode="json", exclude={"dequant_min_m"})},
                            sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 

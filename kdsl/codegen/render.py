@@ -117,6 +117,9 @@ def manifest_entry(kernel: PlannedKernel) -> dict:
             "digest": module_digest(kernel, module),
         } for module in kernel.modules],
         "source": kernel.source,
+        # Only where the variant sets dequant_min_m: from "min_m" rows up the op runs the "op" kernel serving its
+        # scheme (same layout), then torch.matmul, instead of its tiles (kdsl.runtime.registry.dequant_for).
+        **({} if kernel.dequant is None else {"dequant": kernel.dequant}),
     }
 
 

@@ -6,13 +6,13 @@ from kdsl.ops.awq import awq_dequant, awq_gemm, awq_prepare
 from kdsl.ops.block_fp8 import act_quant, fp8_bmm, fp8_gemm, fp8_linear, weight_dequant, weight_quant
 from kdsl.ops.gptq import gptq_dequant, gptq_gemm, gptq_prepare, gptq_quantize
 from kdsl.ops.moe import fp8_grouped_gemm, fp8_grouped_gemm_masked, moe_fp8
-from kdsl.ops.w4a16 import GPTQPrepared, W4A16Prepared, w4a16_gemm
+from kdsl.ops.w4a16 import GPTQPrepared, W4A16Prepared, w4a16_dequant, w4a16_gemm
 from kdsl.ops import library  # noqa: F401  registers torch.ops.kdsl.* (torch.compile goes through them)
 
 __all__ = [
     "act_quant", "weight_quant", "weight_dequant", "fp8_gemm", "fp8_bmm", "fp8_linear",
     "gptq_quantize", "gptq_dequant", "gptq_gemm", "gptq_prepare",
     "awq_gemm", "awq_dequant", "awq_prepare",
-    "w4a16_gemm", "W4A16Prepared", "GPTQPrepared",
+    "w4a16_gemm", "w4a16_dequant", "W4A16Prepared", "GPTQPrepared",
     "fp8_grouped_gemm", "fp8_grouped_gemm_masked", "moe_fp8",
 ]

@@ -14,6 +14,9 @@ model that calls them without a graph break.
     kdsl::w4a16_gemm(Tensor x, Tensor qweight, Tensor zeros, Tensor scales, Tensor groups, Tensor? perm,
                      str scheme, str source, int bits, int group_size, str layout_zeros,
                      str layout_weights, int k, int n, bool contiguous_groups, int zero_bias) -> Tensor
+    kdsl::w4a16_dequant(Tensor qweight, Tensor zeros, Tensor scales, Tensor groups, Tensor? perm, str scheme,
+                        str source, int bits, int group_size, str layout_zeros, str layout_weights, int k, int n,
+                        bool contiguous_groups, int zero_bias) -> Tensor
     kdsl::awq_gemm(Tensor x, Tensor qweight, Tensor qzeros, Tensor scales, int group_size) -> Tensor
     kdsl::awq_dequant(Tensor qweight, Tensor qzeros, Tensor scales, int group_size) -> Tensor
     kdsl::fp8_grouped_gemm(Tensor a, Tensor a_s, Tensor b, Tensor b_s, Tensor group_ids, ScalarType out_dtype,
@@ -79,6 +82,10 @@ SCHEMAS = {
     "w4a16_gemm": "(Tensor x, Tensor qweight, Tensor zeros, Tensor scales, Tensor groups, Tensor? perm, "
                   "str scheme, str source, int bits, int group_size, str layout_zeros, str layout_weights, "
                   "int k, int n, bool contiguous_groups, int zero_bias) -> Tensor",
+    # The same fields without x (kdsl.ops.w4a16.prepared_args): the prepared weights as w [N, K].
+    "w4a16_dequant": "(Tensor qweight, Tensor zeros, Tensor scales, Tensor groups, Tensor? perm, str scheme, "
+                     "str source, int bits, int group_size, str layout_zeros, str layout_weights, int k, int n, "
+                     "bool contiguous_groups, int zero_bias) -> Tensor",
     "awq_gemm": "(Tensor x, Tensor qweight, Tensor qzeros, Tensor scales, int group_size) -> Tensor",
     "awq_dequant": "(Tensor qweight, Tensor qzeros, Tensor scales, int group_size) -> Tensor",
     # The MoE ops (kdsl.ops.moe). check_ids reads ids on the host unless a CUDA graph is being captured, so they
@@ -147,17 +154,25 @@ def _op(name: str, impl, fake):
 
 # --- implementations that take the op's arguments where the public function takes others --------
 
-def _w4a16_gemm(x, qweight, zeros, scales, groups, perm, scheme, source, bits, group_size, layout_zeros,
-                layout_weights, k, n, contiguous_groups, zero_bias):
+def _w4a16_gemm(x, *fields):
+    return w4a16._w4a16_gemm_impl(x, _prepared(*fields))
+
+
+def _w4a16_dequant(*fields):
+    return w4a16._w4a16_dequant_impl(_prepared(*fields))
+
+
+def _prepared(qweight, zeros, scales, groups, perm, scheme, source, bits, group_size, layout_zeros,
+              layout_weights, k, n, contiguous_groups, zero_bias):
+    """The W4A16Prepared the implementations take, from the op's arguments."""
     if layout_zeros == "paired" and not _paired(scales, zeros):
         # The "paired" kernels read each (scale, zero) through scales' pointer: the two must be the views of one
         # [G, N, 2] tensor that prepare() made. An op's result may depend only on its inputs' values, not on how
         # they alias (torch.compile or opcheck may pass copies), so copies are paired again here.
         pairs = torch.stack((scales, zeros), dim=-1)
         scales, zeros = pairs[..., 0], pairs[..., 1]
-    return w4a16._w4a16_gemm_impl(x, w4a16.prepared_from_args(
-        qweight, zeros, scales, groups, perm, scheme, source, bits, group_size, layout_zeros, layout_weights,
-        k, n, contiguous_groups, zero_bias))
+    return w4a16.prepared_from_args(qweight, zeros, scales, groups, perm, scheme, source, bits, group_size,
+                                    layout_zeros, layout_weights, k, n, contiguous_groups, zero_bias)
 
 
 def _paired(scales: torch.Tensor, zeros: torch.Tensor) -> bool:
@@ -211,6 +226,10 @@ def _w4a16_gemm_fake(x, *fields):
     return w4a16._w4a16_gemm_outputs(x, w4a16.prepared_from_args(*fields))
 
 
+def _w4a16_dequant_fake(*fields):
+    return w4a16._w4a16_dequant_outputs(w4a16.prepared_from_args(*fields))
+
+
 def _fp8_grouped_gemm_fake(a, a_s, b, b_s, group_ids, out_dtype, check_ids):
     return moe._fp8_grouped_gemm_outputs(a, a_s, b, b_s, group_ids, out_dtype, symbolic=True)[-1]
 
@@ -232,6 +251,7 @@ fp8_linear = _op("fp8_linear", block_fp8._fp8_linear_impl, _fp8_linear_fake)
 gptq_gemm = _op("gptq_gemm", gptq._gptq_gemm_impl, _gptq_gemm_fake)
 gptq_dequant = _op("gptq_dequant", gptq._gptq_dequant_impl, _gptq_dequant_fake)
 w4a16_gemm = _op("w4a16_gemm", _w4a16_gemm, _w4a16_gemm_fake)
+w4a16_dequant = _op("w4a16_dequant", _w4a16_dequant, _w4a16_dequant_fake)
 awq_gemm = _op("awq_gemm", awq._awq_gemm_impl, awq._awq_gemm_outputs)
 awq_dequant = _op("awq_dequant", awq._awq_dequant_impl, awq._awq_dequant_outputs)
 fp8_grouped_gemm = _op("fp8_grouped_gemm", moe._fp8_grouped_gemm_impl, _fp8_grouped_gemm_fake)
@@ -241,4 +261,5 @@ moe_fp8 = _op("moe_fp8", moe._moe_fp8_impl, _moe_fp8_fake)
 
 OPS = {op._name.removeprefix("kdsl::"): op for op in (act_quant, weight_quant, weight_dequant, fp8_gemm, fp8_bmm,
                                                      fp8_linear, gptq_gemm, gptq_dequant, w4a16_gemm, awq_gemm, awq_dequant,
+                                                     w4a16_dequant,
                                                      fp8_grouped_gemm, fp8_grouped_gemm_masked, moe_fp8)}

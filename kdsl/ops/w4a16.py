@@ -17,11 +17,12 @@ import torch
 from kdsl.naming import w4a16_scheme_name
 from kdsl.ops import _checks as check
 from kdsl.ops import _plan, fallback
-from kdsl.ops.gptq_checkpoint import ACTIVATIONS, default_g_idx, pack_rows, unpack_zeros
+from kdsl.ops.gptq_checkpoint import ACTIVATIONS, default_g_idx, pack_rows, unpack_rows, unpack_zeros
 from kdsl.packing import PLANE_ROWS, PLANE_TILE_K, PLANE_TILE_N
 from kdsl.runtime import registry
 
 PREPARED_OP = "w4a16_gemm"
+DEQUANT_OP = "w4a16_dequant"  # the prepared weights as fp16/bf16 (w4a16_gemm's dequantize + cuBLAS path)
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,14 +152,87 @@ def checkpoint_rows(prepared: W4A16Prepared) -> torch.Tensor:
 
 
 def w4a16_gemm(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
-    """y [..., N] = x [..., K] @ w in x's dtype, w from kdsl.ops.gptq_prepare or kdsl.ops.awq_prepare."""
-    if not isinstance(prepared, W4A16Prepared):
-        raise TypeError(f"prepared: expected weights from kdsl.ops.gptq_prepare or awq_prepare, "
-                        f"got {type(prepared).__name__}")
+    """y [..., N] = x [..., K] @ w in x's dtype, w from kdsl.ops.gptq_prepare or kdsl.ops.awq_prepare.
+
+    From the variant's dequant_min_m rows of x up (prefill), the weights are dequantized into a scratch
+    w [N, K] (w4a16_dequant's kernel) and cuBLAS multiplies; below it, the W4A16 GEMM kernels run."""
+    _check_prepared(prepared)
     if torch.compiler.is_compiling():  # one opaque op for Dynamo; see kdsl.ops.block_fp8.act_quant
         # A Python object cannot cross the op boundary: its tensors and fields do (kdsl.ops.library).
         return torch.ops.kdsl.w4a16_gemm(x, *prepared_args(prepared))
     return _w4a16_gemm_impl(x, prepared)
+
+
+def w4a16_dequant(prepared: W4A16Prepared) -> torch.Tensor:
+    """w [N, K] in the prepared dtype (fp16/bf16, nn.Linear's layout) with K in prepared order: input column
+    perm[k] of the checkpoint is column k of w, so x.index_select(-1, prepared.perm) @ w.T (x @ w.T when
+    prepared.perm is None) is w4a16_gemm(x, prepared) up to rounding. The checkpoint's order, where wanted:
+    w_ck = torch.empty_like(w); w_ck[:, prepared.perm.long()] = w. Exact: (q - zero) * scale rounded once."""
+    _check_prepared(prepared)
+    if torch.compiler.is_compiling():  # one opaque op for Dynamo, as w4a16_gemm
+        return torch.ops.kdsl.w4a16_dequant(*prepared_args(prepared))
+    return _w4a16_dequant_impl(prepared)
+
+
+def _check_prepared(prepared) -> None:
+    if not isinstance(prepared, W4A16Prepared):
+        raise TypeError(f"prepared: expected weights from kdsl.ops.gptq_prepare or awq_prepare, "
+                        f"got {type(prepared).__name__}")
+
+
+def _w4a16_dequant_outputs(prepared: W4A16Prepared) -> torch.Tensor:
+    """w4a16_dequant's checks and empty output (the fake kernel under torch.compile too)."""
+    check.tensor("prepared.qweight", prepared.qweight, (torch.int32,))
+    check.tensor("prepared.scales", prepared.scales, ACTIVATIONS)
+    device = check.same_device(qweight=prepared.qweight, zeros=prepared.zeros, scales=prepared.scales,
+                               groups=prepared.groups)
+    return torch.empty((prepared.n, prepared.k), dtype=prepared.dtype, device=device)
+
+
+def _w4a16_dequant_impl(prepared: W4A16Prepared) -> torch.Tensor:
+    w = _w4a16_dequant_outputs(prepared)
+    registry.require_scheme(DEQUANT_OP, prepared.scheme,
+                            f"bits = {prepared.bits}, group_size = {prepared.group_size}")
+    if w.numel() == 0:
+        return w
+    if not check.use_kernels(w.device):
+        return _dequant_torch(prepared)
+    entry = registry.dispatch(DEQUANT_OP, prepared.scheme, w.device)
+    _check_layout(entry, prepared)
+    entry.launch(prepared.qweight, prepared.zeros, prepared.scales, prepared.groups, prepared.contiguous_groups,
+                 w, entry.tile_for(None))
+    return w
+
+
+def _dequant_torch(prepared: W4A16Prepared) -> torch.Tensor:
+    """The torch fallback of w4a16_dequant (CPU without Triton's interpreter): contiguous [N, K]."""
+    groups = prepared.groups.long()
+    w = (unpack_rows(checkpoint_rows(prepared), prepared.bits).float() - _real_zeros(prepared).float()[groups]
+         ) * prepared.scales.float()[groups]  # [K, N]
+    return w.T.to(prepared.dtype).contiguous()
+
+
+def _real_zeros(prepared: W4A16Prepared) -> torch.Tensor:
+    """The zeros [G, N] as real values, whatever the layout stores."""
+    if prepared.layout["zeros"] == "packed":
+        return unpack_zeros(prepared.zeros, prepared.bits, 0)
+    return prepared.zeros.float() - prepared.zero_bias
+
+
+def _check_layout(entry, prepared: W4A16Prepared) -> None:
+    if entry.layout != prepared.layout:
+        raise ValueError(f"prepared: weights are in layout {prepared.layout}, but {entry.name} reads "
+                         f"{entry.layout}; prepare them again")
+
+
+def _dequant_kernel(entry, m: int, device: torch.device):
+    """The dequantizer of w4a16_gemm's dequantize + cuBLAS path for M rows (None: the GEMM tiles serve M): the
+    variant's dequant_min_m (manifest "dequant") and registry.dequant_for, remembered per kernel and device."""
+    dequant = entry.dequant
+    if dequant is None or m < dequant["min_m"]:
+        return None
+    return registry.memo(("w4a16_dequant_for", entry.name, device.type, device.index),
+                         lambda: registry.dequant_for(entry, registry.device_arch(device))[0])
 
 
 def prepared_args(prepared: W4A16Prepared) -> tuple:
@@ -233,20 +307,26 @@ def _w4a16_gemm_impl(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
         return y.zero_()
     x2 = check.rows(x, k)
     if not check.use_kernels(device):
-        zeros = (prepared.zeros.float() - prepared.zero_bias if prepared.layout["zeros"] != "packed"
-                 else unpack_zeros(prepared.zeros, prepared.bits, 0))
-        return fallback.gptq_gemm_sorted(x2, checkpoint_rows(prepared), zeros, prepared.scales, prepared.groups,
-                                         prepared.perm, prepared.bits).view(y.shape)
+        return fallback.gptq_gemm_sorted(x2, checkpoint_rows(prepared), _real_zeros(prepared), prepared.scales,
+                                         prepared.groups, prepared.perm, prepared.bits).view(y.shape)
     entry = registry.dispatch(PREPARED_OP, prepared.scheme, device)
-    if entry.layout != prepared.layout:
-        raise ValueError(f"prepared: weights are in layout {prepared.layout}, but {entry.name} reads "
-                         f"{entry.layout}; prepare them again")
+    _check_layout(entry, prepared)
     perm = prepared.perm
     if perm is not None:
         # Act-order: one gather of x's columns into prepared K order, then the kernels of plain g_idx. Gathering
         # inside the kernels (a perm lookup per element) kept the Gluon TMA tiles from serving and cost 3-27x.
         x2, perm = x2.index_select(1, perm), None
     m = x2.shape[0]
+    dequant = _dequant_kernel(entry, m, device)
+    if dequant is not None:
+        # Prefill: the GEMM is compute-bound, and cuBLAS's fp16/bf16 GEMM on the weights dequantized into a scratch
+        # w (the caching allocator's: capturable in a CUDA graph) beats the W4A16 kernels; the dequant reads
+        # K * N / 2 bytes and writes K * N * 2. No launch plan: only this path's signatures reach here (M >= min_m).
+        w = torch.empty((n, k), dtype=x2.dtype, device=device)
+        dequant.launch(prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
+                       prepared.contiguous_groups, w, dequant.tile_for(None))
+        torch.mm(x2, w.t(), out=y.view(-1, n))
+        return y
     call = registry.Call(m=m, n=n, device_type=device.type, dtype=check.dtype_name(x2.dtype),
                          act_order=False, contiguous_groups=prepared.contiguous_groups,
                          align=check.alignment(x2, prepared.scales))

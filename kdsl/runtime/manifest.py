@@ -124,6 +124,8 @@ class KernelEntry:
     origin: str = SHIPPED  # "shipped", or the folder a user added it from
     zero_bias: dict | None = field(default=None, hash=False, compare=False)  # per dtype name, biased-zero layouts
     scheme_fields: dict = field(default_factory=dict, hash=False, compare=False)  # the scheme as the manifest lists it
+    # {"op": dequantizer op, "min_m": rows}: from min_m rows up, dequantize + torch.matmul (registry.dequant_for)
+    dequant: dict | None = field(default=None, hash=False, compare=False)
 
     def tile_for(self, m: int, n: int | None = None, call: Call | None = None) -> dict:
         """Launch parameters for M rows (and N columns, where the definition tiles by N too).
@@ -244,6 +246,6 @@ def load_manifest(folder: Path | None = None, origin: str = SHIPPED) -> tuple[Ke
             name=raw["name"], op=raw["op"], impl=raw["impl"], scheme=raw["scheme"],
             min_arch=raw["min_arch"], max_arch=raw["max_arch"], tiles=tiles, modules=modules,
             source=raw["source"], layout=raw.get("layout"), origin=origin, zero_bias=raw.get("zero_bias"),
-            scheme_fields=raw.get("scheme_definition", {}),
+            scheme_fields=raw.get("scheme_definition", {}), dequant=raw.get("dequant"),
         ))
     return tuple(entries)

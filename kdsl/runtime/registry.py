@@ -316,10 +316,23 @@ def explain(op: str, scheme=None, arch: str | int | None = None, m: int | None =
     if chosen is not None:
         passed_over, bucket = _run_time_refusals(chosen, m, n, batch)
         tile = chosen.tiles[bucket]
-        lines.append(f"  {chosen.label}: CHOSEN ({chosen.arch_range()}), tile bucket {bucket}: {tile.params['impl']} "
-                     f"({chosen.modules[tile.params['impl']].path.stem}) {tile.params}")
-        lines += [f"    tile bucket {index} ({chosen.tiles[index].params['impl']}) passed over at run time "
-                  f"(GPU, fp16, no act-order): {reason}" for index, reason in passed_over]
+        dequant, why_not = dequant_for(chosen, arch_number) if chosen.dequant else (None, "")
+        if dequant is not None and m is not None and m >= chosen.dequant["min_m"]:
+            lines.append(f"  {chosen.label}: CHOSEN ({chosen.arch_range()}), M = {m} >= dequant_min_m = "
+                         f"{chosen.dequant['min_m']}: dequantize + cuBLAS, no GEMM tile runs")
+            lines.append(f"    {dequant.label} ({dequant.op}/{dequant.impl}) {dequant.tile_for(None)} writes w [N, K] "
+                         f"(prepared K order, x's dtype), then torch.matmul(x, w.T) (cuBLAS)")
+        else:
+            lines.append(f"  {chosen.label}: CHOSEN ({chosen.arch_range()}), tile bucket {bucket}: {tile.params['impl']} "
+                         f"({chosen.modules[tile.params['impl']].path.stem}) {tile.params}")
+            lines += [f"    tile bucket {index} ({chosen.tiles[index].params['impl']}) passed over at run time "
+                      f"(GPU, fp16, no act-order): {reason}" for index, reason in passed_over]
+            if dequant is not None:
+                lines.append(f"    from M = {chosen.dequant['min_m']} up (dequant_min_m): dequantize + cuBLAS instead "
+                             f"({dequant.name}, then torch.matmul)")
+            elif chosen.dequant:
+                lines.append(f"    no dequantize + cuBLAS path from M = {chosen.dequant['min_m']} up: {why_not}; "
+                             "the GEMM tiles serve every M")
     lines += [f"  {entry_name}: {reason}" for entry_name, reason in verdicts]
     for hidden, winner in shadowed():
         if hidden.op == op:
@@ -328,6 +341,21 @@ def explain(op: str, scheme=None, arch: str | int | None = None, m: int | None =
         lines.append("  => no kernel fits" + ("" if verdicts else f": none generated for {op}"))
     lines.append(_here())
     return "\n".join(lines)
+
+
+def dequant_for(entry: KernelEntry, arch: int) -> tuple[KernelEntry | None, str]:
+    """The kernel that dequantizes entry's weights on its dequantize + cuBLAS path at arch (entry.dequant names
+    its op; the definition's dequant_min_m), or None and why not: the op then runs entry's tiles at every M."""
+    if not entry.dequant:
+        return None, f"{entry.name} has no dequant_min_m"
+    op = entry.dequant["op"]
+    chosen, verdicts = _judge(op, entry.scheme, arch)
+    if chosen is None:
+        reasons = "; ".join(f"{name}: {reason}" for name, reason in verdicts if "scheme" not in reason)
+        return None, f"no {op} kernel for {entry.scheme} on {format_arch(arch)}" + (f" ({reasons})" if reasons else "")
+    if chosen.layout != entry.layout:
+        return None, f"{chosen.label} reads layout {chosen.layout}, {entry.name} prepares {entry.layout}"
+    return chosen, ""
 
 
 def _run_time_refusals(entry: KernelEntry, m: int | None, n: int | None,

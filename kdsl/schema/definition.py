@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import Field, ValidationError, model_validator
 
-from kdsl.kernels import BASE_KNOBS, KernelImpl, find_impl, ops_of_family
+from kdsl.kernels import BASE_KNOBS, KernelImpl, dequant_op_for, find_impl, ops_of_family
 from kdsl.naming import format_arch
 from kdsl.schema._base import StrictModel
 from kdsl.schema.arch import archs_in_range
@@ -42,6 +42,7 @@ class KernelDefinition(StrictModel):
             seen_variants.setdefault(key, v_index)
             for scheme in self.schemes:
                 problems.extend(_check_variant(where, variant, scheme))
+            problems.extend(_dequant_path_problems(where, variant, self.variants))
         if problems:
             raise ValueError("\n".join(dict.fromkeys(problems)))
         return self
@@ -76,6 +77,30 @@ def _check_variant(where: str, variant: Variant, scheme) -> list[str]:
             f"{variant.op}/{last.impl} refuses some at run time (on the CPU, for one); follow it with an "
             "alternative tile (same m_max and n_min) of an implementation that refuses none")
     return problems
+
+
+def _dequant_path_problems(where: str, variant: Variant, variants: list[Variant]) -> list[str]:
+    """dequant_min_m: the op must have a dequantize + cuBLAS path, and this definition a variant of its dequant
+    op over the same arch range reading the same layout (both are generated for every scheme of the file, so
+    wherever the registry picks this variant it finds its dequantizer)."""
+    if variant.dequant_min_m is None:
+        return []
+    dequant_op = dequant_op_for(variant.op)
+    if dequant_op is None:
+        return [f"{where}.dequant_min_m: {variant.op} has no dequantize + cuBLAS path"]
+    arch_range = f"min_arch = {variant.min_arch!r}" + (f", max_arch = {variant.max_arch!r}" if variant.max_arch else "")
+    for index, other in enumerate(variants):
+        if other.op == dequant_op and (other.min_cc, other.max_cc) == (variant.min_cc, variant.max_cc):
+            if other.layout != variant.layout:
+                return [f"{where}.dequant_min_m: variants[{index}] ({dequant_op}) reads layout "
+                        f"{_layout_text(other.layout)}, but this variant prepares {_layout_text(variant.layout)}"]
+            return []
+    return [f"{where}.dequant_min_m: needs a {dequant_op} variant with {arch_range} and the same layout in this "
+            f"definition (from M = {variant.dequant_min_m} up, {variant.op} runs it, then torch.matmul)"]
+
+
+def _layout_text(layout) -> str:
+    return "none" if layout is None else "{ " + ", ".join(f'{k} = "{v}"' for k, v in layout.model_dump().items()) + " }"
 
 
 def _impl_fits_variant(where: str, variant: Variant, impl: KernelImpl, scheme) -> list[str]:

@@ -59,6 +59,12 @@ class Variant(StrictModel):
     max_arch: ArchName | None = None
     tiles: list[Tile] = Field(min_length=1)
     layout: GPTQLayout | None = Field(None, description="weight layout, for ops that read prepared weights")
+    dequant_min_m: PositiveInt | None = Field(
+        None, description="from this many rows of x up, the op dequantizes the prepared weights with its dequant op "
+        "(w4a16_gemm: w4a16_dequant, a variant of the same arch range and layout in this definition) and runs "
+        "torch.matmul (cuBLAS) instead of its GEMM tiles, which still serve smaller M (and every M where no dequant "
+        "kernel serves); omit it for no such path"
+    )
 
     @field_validator("tiles")
     @classmethod
