@@ -12,7 +12,8 @@ Written from the maths on top of tests/reference.py (nothing here imports kdsl):
 from __future__ import annotations
 
 import torch
-from reference import FP8, GROUP, act_quant_ref, fp8_gemm_ref, weight_dequant_ref, weight_quant_ref
+from reference import (AMAX_FLOOR, FP8, GROUP, act_quant_ref, divide_by_fp8_max, fp8_gemm_ref, to_e4m3,
+                       weight_dequant_ref)
 
 
 def dequant_rows(q: torch.Tensor, s: torch.Tensor, group: int = GROUP) -> torch.Tensor:
@@ -67,26 +68,38 @@ def moe_ref(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids) -> torch.Tensor:
     return y
 
 
-def expert_weights(experts: int, n: int, k: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def blocks_quant(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] in block x block tiles at once (weight_quant_ref's rule, vectorized for large expert stacks):
+    (q e4m3 [..., N, K], s fp32 [..., ceil(N/block), ceil(K/block)])."""
+    n, k = w.shape[-2:]
+    nb, kb = -(-n // block), -(-k // block)
+    padded = torch.nn.functional.pad(w.float(), (0, kb * block - k, 0, nb * block - n))
+    tiles = padded.unflatten(-1, (kb, block)).unflatten(-3, (nb, block))  # [..., nb, bn, kb, bk]
+    s = divide_by_fp8_max(torch.clamp(tiles.abs().amax(dim=(-3, -1)), min=AMAX_FLOOR))  # [..., nb, kb]
+    q = to_e4m3(tiles / s[..., :, None, :, None]).flatten(-2).flatten(-3, -2)[..., :n, :k]
+    return q.contiguous(), s
+
+
+def expert_weights(experts: int, n: int, k: int, scale: float = 1.0, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """E random weights [N, K] quantized in 128x128 blocks: (q [E, N, K] e4m3, s [E, ceil(N/128), ceil(K/128)])."""
-    quantized = [weight_quant_ref(torch.randn(n, k) * scale) for _ in range(experts)]
-    return torch.stack([q for q, _ in quantized]), torch.stack([s for _, s in quantized])
+    return blocks_quant(torch.randn(experts, n, k, device=device) * scale)
 
 
-def moe_layer(experts: int, hidden: int, inter: int) -> tuple[torch.Tensor, ...]:
+def moe_layer(experts: int, hidden: int, inter: int, device="cpu") -> tuple[torch.Tensor, ...]:
     """(w13, w13_s, w2, w2_s) of a random layer: gate and up rows ~ N(0, 1/H), down ~ N(0, 1/I)."""
-    w13, w13_s = expert_weights(experts, 2 * inter, hidden, hidden ** -0.5)
-    w2, w2_s = expert_weights(experts, hidden, inter, inter ** -0.5)
+    w13, w13_s = expert_weights(experts, 2 * inter, hidden, hidden ** -0.5, device)
+    w2, w2_s = expert_weights(experts, hidden, inter, inter ** -0.5, device)
     return w13, w13_s, w2, w2_s
 
 
-def routing(tokens: int, experts: int, topk: int, skew: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def routing(tokens: int, experts: int, topk: int, skew: float = 0.0, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_weights fp32 [T, k] summing to 1, topk_ids int32 [T, k]): distinct experts per token, picked from
     router logits; skew > 0 favours the low-numbered experts (ragged groups, some experts without tokens)."""
-    logits = torch.randn(tokens, experts) - skew * torch.arange(experts, dtype=torch.float32)
+    logits = torch.randn(tokens, experts, device=device) - skew * torch.arange(experts, dtype=torch.float32,
+                                                                                device=device)
     weights, ids = torch.topk(torch.softmax(logits, dim=-1), topk, dim=-1)
     return (weights / weights.sum(-1, keepdim=True)).float(), ids.to(torch.int32)
 
 
-__all__ = ["FP8", "dequant_rows", "grouped_gemm_ref", "masked_gemm_ref", "moe_ref", "expert_weights", "moe_layer",
-           "routing"]
+__all__ = ["FP8", "dequant_rows", "grouped_gemm_ref", "masked_gemm_ref", "moe_ref", "blocks_quant", "expert_weights",
+           "moe_layer", "routing"]
