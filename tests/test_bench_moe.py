@@ -88,7 +88,10 @@ def test_moe_case_on_the_cpu(cpu_moe_bench):
     routed = moe.bytes_moved - (2 * 2 * 3 * 256 + 8 * 3 * 2)
     expert = 3 * 128 * 256 + 4 * (2 * 2 + 2 * 1)  # w13 + w2 e4m3, and their scales
     assert routed % expert == 0 and 1 <= routed // expert <= 4
-    assert moe.kdsl.eager_ms == pytest.approx(0.25 / 2)  # two copies of the layer per timed callable
+    # two copies of the layer per timed callable, kdsl's and the baselines' alike
+    assert moe.kdsl.eager_ms == pytest.approx(0.25 / 2)
+    assert moe.baselines["bf16_loop"].eager_ms == pytest.approx(0.25 / 2)
+    assert moe.baselines["bf16_grouped_mm"].eager_ms == pytest.approx(0.25 / 2)
     assert "of roofline" in report.format_table(results)
 
 
@@ -107,3 +110,4 @@ def test_grouped_cases_on_the_cpu(cpu_moe_bench, op):
     assert result.flops == 2 * 5 * 2 * 192 * 256
     assert "bf16_loop" in result.baselines and "roofline" in result.baselines
     assert result.baselines["bf16_loop"].error is None
+    assert result.kdsl.eager_ms == pytest.approx(0.25 / 2) == result.baselines["bf16_loop"].eager_ms

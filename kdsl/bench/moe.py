@@ -27,8 +27,9 @@ def _timing():
     return timing
 
 
-def quantized_experts(experts: int, n: int, k: int, copies: int = 1) -> tuple[list, torch.Tensor]:
-    """([(q [E, N, K] e4m3, s [E, N/128, K/128])] one per copy, w [E, N, K] bf16: the dequantized weights)."""
+def quantized_experts(experts: int, n: int, k: int, copies: int = 1) -> list[tuple[torch.Tensor, ...]]:
+    """[(q [E, N, K] e4m3, s [E, N/128, K/128], w [E, N, K] bf16: the dequantized weights)], one per copy: every
+    callable, kdsl's and the baselines', cycles through the copies (CaseSetup.calls)."""
     t = _timing()
     q = torch.empty(experts, n, k, dtype=t.FP8, device=t.DEVICE)
     s = torch.empty(experts, -(-n // GROUP), -(-k // GROUP), device=t.DEVICE)
@@ -36,7 +37,7 @@ def quantized_experts(experts: int, n: int, k: int, copies: int = 1) -> tuple[li
     for e in range(experts):
         q[e], s[e] = t.torch_weight_quant(torch.randn(n, k, device=t.DEVICE, dtype=torch.bfloat16) * k ** -0.5)
         w[e] = t.fp8_weight_reference(q[e], s[e]).to(torch.bfloat16)
-    return [(q, s)] + [(q.clone(), s.clone()) for _ in range(copies - 1)], w
+    return [(q, s, w)] + [(q.clone(), s.clone(), w.clone()) for _ in range(copies - 1)]
 
 
 def random_routing(tokens: int, experts: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,9 +101,10 @@ def setup_moe_fp8(case: Case):
     expert_bytes = (3 * inter * hidden + 4 * (-(-2 * inter // GROUP) * (hidden // GROUP)
                                              + -(-hidden // GROUP) * (inter // GROUP)))
     copies = _cold_copies(tokens, len(routed) * expert_bytes)
-    up, w13 = quantized_experts(experts, 2 * inter, hidden, copies)
-    down, w2 = quantized_experts(experts, hidden, inter, copies)
-    layers = [(q13, s13, q2, s2) for (q13, s13), (q2, s2) in zip(up, down)]
+    up = quantized_experts(experts, 2 * inter, hidden, copies)
+    down = quantized_experts(experts, hidden, inter, copies)
+    layers = [(q13, s13, q2, s2) for (q13, s13, _), (q2, s2, _) in zip(up, down)]
+    bf16_layers = [(w13, w2) for (_, _, w13), (_, _, w2) in zip(up, down)]
     x = torch.randn(tokens, hidden, device=t.DEVICE, dtype=torch.bfloat16)
 
     # fp32 reference, one routed expert at a time
@@ -116,7 +118,7 @@ def setup_moe_fp8(case: Case):
         hq, hs = t.torch_act_quant(h)
         ref.index_add_(0, token, topk_weights[token, slot, None] * (_deq_rows(hq, hs) @ t.fp8_weight_reference(q2[e], s2[e]).T))
 
-    def bf16_loop():
+    def bf16_loop(w13, w2):
         y = torch.zeros(tokens, hidden, device=t.DEVICE)
         for e, token, slot in routed:
             gate_up = x[token] @ w13[e].T
@@ -124,20 +126,19 @@ def setup_moe_fp8(case: Case):
             y.index_add_(0, token, topk_weights[token, slot, None] * (h @ w2[e].T).float())
         return y.to(torch.bfloat16)
 
-    baselines = {"bf16_loop": bf16_loop}
+    baselines = {"bf16_loop": lambda: [bf16_loop(w13, w2) for w13, w2 in bf16_layers]}
     grouped_mm = _grouped_mm()
     if grouped_mm is not None:
-        w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)  # [E, K, N], column-major as _grouped_mm wants
-
-        def bf16_grouped_mm():
+        def bf16_grouped_mm(w13, w2):
             order, offsets = _sorted_by_expert(topk_ids, experts)
             token = order // topk
-            gate_up = grouped_mm(x[token], w13_t, offs=offsets)
+            # [E, K, N] views, column-major as _grouped_mm wants
+            gate_up = grouped_mm(x[token], w13.transpose(1, 2), offs=offsets)
             h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            out = grouped_mm(h, w2_t, offs=offsets).float() * topk_weights.view(-1)[order, None]
+            out = grouped_mm(h, w2.transpose(1, 2), offs=offsets).float() * topk_weights.view(-1)[order, None]
             return torch.zeros(tokens, hidden, device=t.DEVICE).index_add_(0, token, out).to(torch.bfloat16)
 
-        baselines["bf16_grouped_mm"] = bf16_grouped_mm
+        baselines["bf16_grouped_mm"] = lambda: [bf16_grouped_mm(w13, w2) for w13, w2 in bf16_layers]
 
     flops = 6 * tokens * topk * hidden * inter
     bytes_moved = len(routed) * expert_bytes + 2 * 2 * tokens * hidden + 8 * tokens * topk
@@ -171,21 +172,21 @@ def _grouped_common(case: Case):
     routed = routed_rows(topk_ids, experts)
     expert_bytes = n * k + 4 * (-(-n // GROUP)) * (k // GROUP)
     copies = _cold_copies(tokens, len(routed) * expert_bytes)
-    weights, w = quantized_experts(experts, n, k, copies)
+    weights = quantized_experts(experts, n, k, copies)
     flops = 2 * tokens * topk * n * k
     bytes_moved = len(routed) * expert_bytes + tokens * topk * (k + 4 * k // GROUP + 2 * n)
-    return t, experts, topk, tokens, n, k, topk_ids, routed, weights, w, copies, flops, bytes_moved
+    return t, experts, topk, tokens, n, k, topk_ids, routed, weights, copies, flops, bytes_moved
 
 
 def setup_fp8_grouped_gemm(case: Case):
     """Contiguous layout: the T * k slots sorted by expert, each group padded to 128 rows (-1 ids)."""
-    t, experts, topk, tokens, n, k, topk_ids, routed, weights, w, copies, flops, bytes_moved = _grouped_common(case)
+    t, experts, topk, tokens, n, k, topk_ids, routed, weights, copies, flops, bytes_moved = _grouped_common(case)
     grouped = t.kdsl_op("fp8_grouped_gemm")
     group_ids = contiguous_layout(topk_ids, experts)
     x = torch.randn(group_ids.numel(), k, device=t.DEVICE, dtype=torch.bfloat16)
     a, a_s = t.torch_act_quant(x)
     defined = group_ids >= 0
-    b0, s0 = weights[0]
+    b0, s0, _ = weights[0]
     ref = torch.zeros(group_ids.numel(), n, device=t.DEVICE)
     rows_of = {e: (group_ids == e).nonzero().squeeze(1) for e, _, _ in routed}
     for e, rows in rows_of.items():
@@ -194,15 +195,15 @@ def setup_fp8_grouped_gemm(case: Case):
     def check(outs):
         return t.check_close(outs[-1][defined], ref[defined], t.GEMM_TOL)
 
-    baselines = {"bf16_loop": lambda: [x[rows] @ w[e].T for e, rows in rows_of.items()]}
+    baselines = {"bf16_loop": lambda: [[x[rows] @ w[e].T for e, rows in rows_of.items()] for _, _, w in weights]}
     grouped_mm = _grouped_mm()
     if grouped_mm is not None:
         x_sorted = x[defined]  # the slots without padding, sorted by expert
         offsets = torch.cumsum(torch.bincount(group_ids[defined].long(), minlength=experts), 0).to(torch.int32)
-        w_t = w.transpose(1, 2)
-        baselines["bf16_grouped_mm"] = lambda: grouped_mm(x_sorted, w_t, offs=offsets)
+        baselines["bf16_grouped_mm"] = lambda: [grouped_mm(x_sorted, w.transpose(1, 2), offs=offsets)
+                                                for _, _, w in weights]
     return t.CaseSetup(
-        kdsl={"fp8_grouped_gemm": lambda: [grouped(a, a_s, b, s, group_ids, check_ids=False) for b, s in weights]},
+        kdsl={"fp8_grouped_gemm": lambda: [grouped(a, a_s, b, s, group_ids, check_ids=False) for b, s, _ in weights]},
         check=check, baselines=baselines, tolerance=t.GEMM_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies,
         roofline_ms=_roofline_ms(bytes_moved, flops))
 
@@ -210,7 +211,7 @@ def setup_fp8_grouped_gemm(case: Case):
 def setup_fp8_grouped_gemm_masked(case: Case):
     """Masked layout: a [E, max_m = T, K] (no expert gets more than T of the T tokens), masked_m on the device,
     expected_m = ceil(T * k / E) as a serving stack would pass it."""
-    t, experts, topk, tokens, n, k, topk_ids, routed, weights, w, copies, flops, bytes_moved = _grouped_common(case)
+    t, experts, topk, tokens, n, k, topk_ids, routed, weights, copies, flops, bytes_moved = _grouped_common(case)
     masked = t.kdsl_op("fp8_grouped_gemm_masked")
     counts = torch.zeros(experts, dtype=torch.int32, device=t.DEVICE)
     for e, token, _ in routed:
@@ -219,7 +220,7 @@ def setup_fp8_grouped_gemm_masked(case: Case):
     a, a_s = t.torch_act_quant(x.view(-1, k))
     a, a_s = a.view(experts, tokens, k), a_s.view(experts, tokens, k // GROUP)
     expected_m = max(1, -(-tokens * topk // experts))
-    b0, s0 = weights[0]
+    b0, s0, _ = weights[0]
     ref = {e: _deq_rows(a[e, :token.numel()], a_s[e, :token.numel()]) @ t.fp8_weight_reference(b0[e], s0[e]).T
            for e, token, _ in routed}
 
@@ -230,9 +231,10 @@ def setup_fp8_grouped_gemm_masked(case: Case):
 
     return t.CaseSetup(
         kdsl={"fp8_grouped_gemm_masked": lambda: [masked(a, a_s, b, s, counts, expected_m=expected_m)
-                                                  for b, s in weights]},
+                                                  for b, s, _ in weights]},
         check=check,
-        baselines={"bf16_loop": lambda: [x[e, :token.numel()] @ w[e].T for e, token, _ in routed]},
+        baselines={"bf16_loop": lambda: [[x[e, :token.numel()] @ w[e].T for e, token, _ in routed]
+                                         for _, _, w in weights]},
         tolerance=t.GEMM_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies,
         roofline_ms=_roofline_ms(bytes_moved, flops))
 
