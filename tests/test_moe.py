@@ -115,7 +115,8 @@ def test_grouped_refuses_bad_ids_by_name():
     b, b_s = expert_weights(3, 64, 128)
     for bad in (3, -2):
         group_ids = torch.tensor([0, 1, 2, bad, -1, 0, 0, 1], dtype=torch.int32)
-        with pytest.raises(ValueError, match=rf"group_ids: expected expert ids .* in \[-1, 3\), got 1 outside \(first: {bad}\)"):
+        message = rf"group_ids: expected expert ids .* in \[-1, 3\), got 1 outside \(first: {bad}\)"
+        with pytest.raises(ValueError, match=message):
             kdsl.ops.fp8_grouped_gemm(a, a_s, b, b_s, group_ids)
         # Unchecked, the row is dropped like a padding row: the others are still right.
         c = kdsl.ops.fp8_grouped_gemm(a, a_s, b, b_s, group_ids, check_ids=False)

@@ -116,7 +116,8 @@ def setup_moe_fp8(case: Case):
         gate_up = x_deq[token] @ t.fp8_weight_reference(q13[e], s13[e]).T
         h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         hq, hs = t.torch_act_quant(h)
-        ref.index_add_(0, token, topk_weights[token, slot, None] * (_deq_rows(hq, hs) @ t.fp8_weight_reference(q2[e], s2[e]).T))
+        down_e = _deq_rows(hq, hs) @ t.fp8_weight_reference(q2[e], s2[e]).T
+        ref.index_add_(0, token, topk_weights[token, slot, None] * down_e)
 
     def bf16_loop(w13, w2):
         y = torch.zeros(tokens, hidden, device=t.DEVICE)

@@ -41,7 +41,8 @@ class FP8MoE(nn.Module):
         self.register_buffer("w2_s", w2_s)
 
     @classmethod
-    def from_float(cls, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *, check_ids: bool = True) -> "FP8MoE":
+    def from_float(cls, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
+                   check_ids: bool = True) -> "FP8MoE":
         """Quantize float expert weights in 128x128 blocks (kdsl.ops.weight_quant, one expert at a time):
         gate and up [E, I, H] (nn.Linear's [out, in] per expert), down [E, H, I]."""
         if gate.shape != up.shape or gate.dim() != 3:

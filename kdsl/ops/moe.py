@@ -225,7 +225,8 @@ def moe_fp8(
     x: torch.Tensor, w13: torch.Tensor, w13_s: torch.Tensor, w2: torch.Tensor, w2_s: torch.Tensor,
     topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, check_ids: bool = True,
 ) -> torch.Tensor:
-    """y [T, H] in x's dtype: y[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
+    """y [T, H] in x's dtype: y[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)),
+    e = topk_ids[t, j].
 
     x [T, H] bf16/fp16; w13 [E, 2I, H] float8_e4m3fn, each expert's gate rows then its up rows, with w13_s
     float32 [E, ceil(2I / 128), H / 128]; w2 [E, H, I] float8_e4m3fn with w2_s float32 [E, ceil(H / 128), I / 128]
