@@ -25,7 +25,7 @@ def dequant_rows(q: torch.Tensor, s: torch.Tensor, group: int = GROUP) -> torch.
 def grouped_gemm_ref(a, a_s, b, b_s, group_ids) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 [M, N], bool [M] rows that are defined): rows with an id outside [0, E) stay zero and undefined."""
     m, n, experts = a.shape[0], b.shape[1], b.shape[0]
-    out = torch.zeros(m, n)
+    out = torch.zeros(m, n, device=a.device)
     defined = (group_ids >= 0) & (group_ids < experts)
     for row in range(m):
         if defined[row]:
@@ -37,8 +37,8 @@ def grouped_gemm_ref(a, a_s, b, b_s, group_ids) -> tuple[torch.Tensor, torch.Ten
 def masked_gemm_ref(a, a_s, b, b_s, masked_m) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 [E, max_m, N], bool [E, max_m] rows that are defined)."""
     experts, max_m, _ = a.shape
-    out = torch.zeros(experts, max_m, b.shape[1])
-    defined = torch.zeros(experts, max_m, dtype=torch.bool)
+    out = torch.zeros(experts, max_m, b.shape[1], device=a.device)
+    defined = torch.zeros(experts, max_m, dtype=torch.bool, device=a.device)
     for e in range(experts):
         rows = max(0, min(int(masked_m[e]), max_m))
         defined[e, :rows] = True
@@ -53,7 +53,7 @@ def moe_ref(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids) -> torch.Tensor:
     experts, inter = w13.shape[0], w13.shape[1] // 2
     xq, xs = act_quant_ref(x)
     x_deq = dequant_rows(xq, xs)
-    y = torch.zeros(tokens, hidden)
+    y = torch.zeros(tokens, hidden, device=x.device)
     for e in range(experts):
         w_up = weight_dequant_ref(w13[e], w13_s[e])  # [2I, H]
         w_down = weight_dequant_ref(w2[e], w2_s[e])  # [H, I]
