@@ -10,6 +10,8 @@ truncates fp32 -> bf16). GPU checks are marked gpu at the end.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -135,7 +137,7 @@ def test_definition_declares_the_threshold_per_arch():
     for arch, layout in (("sm_90", {"zeros": "paired", "weights": "k_planes"}),
                          ("sm_80", {"zeros": "biased", "weights": "checkpoint"})):
         gemm = kdsl.registry.select("w4a16_gemm", "w4a16.int4.g128", arch=arch)
-        assert gemm.dequant == {"op": "w4a16_dequant", "min_m": 1024}
+        assert gemm.dequant == {"op": "w4a16_dequant", "min_m": 1024, "max_n": 8192}
         dequant, why = kdsl.registry.dequant_for(gemm, int(arch[3:]))
         assert why == "" and dequant.op == "w4a16_dequant" and dequant.layout == layout == gemm.layout
 
@@ -182,7 +184,8 @@ def test_explain_shows_the_choice(capsys):
     assert "torch.matmul(x, w.T)" in text
     below = kdsl.registry.explain("w4a16_gemm", "w4a16.int4.g128", arch="sm_80", m=16, n=4096)
     assert "tile bucket 1: mma" in below
-    assert "from M = 1024 up (dequant_min_m): dequantize + cuBLAS instead (w4a16_dequant__int4_g128__blockwise_sm80" in below
+    assert ("from M = 1024 up (dequant_min_m), N <= 8192 (dequant_max_n): dequantize + cuBLAS instead "
+            "(w4a16_dequant__int4_g128__blockwise_sm80") in below
     from kdsl.cli import main
     assert main(["explain", "w4a16_gemm", "--arch", "sm_90", "--m", "2048"]) == 0
     assert "dequantize + cuBLAS, no GEMM tile runs" in capsys.readouterr().out
@@ -405,3 +408,29 @@ def test_gpu_bench_prepared_row_takes_the_dequant_path(launched):
     assert len(launched) == 1 and launched[0].startswith("w4a16_dequant__int4_g128__blockwise_sm"), launched
     error, why = setup.check(out)
     assert why is None, (error, why)
+
+
+def test_dequant_max_n_keeps_wide_layers_on_the_gemm_tiles(monkeypatch):
+    """The shipped definitions bound the path at N <= 8192 (wider layers' GEMM tiles beat it on an H200)."""
+    text = kdsl.registry.explain("w4a16_gemm", "w4a16.int4.g128", arch="sm_90", m=2048, n=28672)
+    assert "N <= 8192 (dequant_max_n)" in text and "no GEMM tile runs" not in text
+    assert "no GEMM tile runs" in kdsl.registry.explain("w4a16_gemm", "w4a16.int4.g128", arch="sm_90", m=2048, n=4096)
+
+
+def test_dequant_max_n_needs_dequant_min_m():
+    text = """
+[[schemes]]
+kind = "w4a16"
+group_size = 128
+
+[[variants]]
+op = "w4a16_gemm"
+impl = "mma"
+min_arch = "sm_80"
+layout = { zeros = "biased" }
+dequant_max_n = 8192
+tiles = [{ block_m = 16, block_n = 64, block_k = 128, num_warps = 4 }]
+"""
+    with pytest.raises(DefinitionError, match=r"dequant_max_n: bounds the dequantize \+ cuBLAS path, which needs "
+                                              r"dequant_min_m"):
+        parse_definition(Path("defs.toml"), text)

@@ -74,7 +74,8 @@ def plan_kernels(definitions: list[LoadedDefinition]) -> list[PlannedKernel]:
                     tiles=tuple(variant.tiles), tile_impls=tile_impls, modules=modules,
                     layout=variant.layout, source=source, definition_digest=digest,
                     dequant=None if variant.dequant_min_m is None else {
-                        "op": dequant_op_for(variant.op), "min_m": variant.dequant_min_m},
+                        "op": dequant_op_for(variant.op), "min_m": variant.dequant_min_m,
+                        **({} if variant.dequant_max_n is None else {"max_n": variant.dequant_max_n})},
                 ))
     _refuse_name_clashes(planned)
     return sorted(planned, key=lambda k: k.name)
@@ -85,7 +86,7 @@ def _render_inputs_digest(scheme, variant) -> str:
     comment) leaves this kernel's digest, and so its module, unchanged. dequant_min_m is left out: it is run-time
     dispatch the manifest carries, not rendered into any module."""
     canonical = json.dumps({"scheme": scheme.model_dump(mode="json"),
-                            "variant": variant.model_dump(mode="json", exclude={"dequant_min_m"})},
+                            "variant": variant.model_dump(mode="json", exclude={"dequant_min_m", "dequant_max_n"})},
                            sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 

@@ -225,11 +225,12 @@ def _check_layout(entry, prepared: W4A16Prepared) -> None:
                          f"{entry.layout}; prepare them again")
 
 
-def _dequant_kernel(entry, m: int, device: torch.device):
-    """The dequantizer of w4a16_gemm's dequantize + cuBLAS path for M rows (None: the GEMM tiles serve M): the
-    variant's dequant_min_m (manifest "dequant") and registry.dequant_for, remembered per kernel and device."""
+def _dequant_kernel(entry, m: int, n: int, device: torch.device):
+    """The dequantizer of w4a16_gemm's dequantize + cuBLAS path for M rows and N columns (None: the GEMM tiles
+    serve the call): the variant's dequant_min_m and dequant_max_n (manifest "dequant") and registry.dequant_for,
+    remembered per kernel and device."""
     dequant = entry.dequant
-    if dequant is None or m < dequant["min_m"]:
+    if dequant is None or m < dequant["min_m"] or n > dequant.get("max_n", n):
         return None
     return registry.memo(("w4a16_dequant_for", entry.name, device.type, device.index),
                          lambda: registry.dequant_for(entry, registry.device_arch(device))[0])
@@ -317,7 +318,7 @@ def _w4a16_gemm_impl(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
         # inside the kernels (a perm lookup per element) kept the Gluon TMA tiles from serving and cost 3-27x.
         x2, perm = x2.index_select(1, perm), None
     m = x2.shape[0]
-    dequant = _dequant_kernel(entry, m, device)
+    dequant = _dequant_kernel(entry, m, n, device)
     if dequant is not None:
         # Prefill: the GEMM is compute-bound, and cuBLAS's fp16/bf16 GEMM on the weights dequantized into a scratch
         # w (the caching allocator's: capturable in a CUDA graph) beats the W4A16 kernels; the dequant reads

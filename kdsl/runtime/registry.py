@@ -317,7 +317,8 @@ def explain(op: str, scheme=None, arch: str | int | None = None, m: int | None =
         passed_over, bucket = _run_time_refusals(chosen, m, n, batch)
         tile = chosen.tiles[bucket]
         dequant, why_not = dequant_for(chosen, arch_number) if chosen.dequant else (None, "")
-        if dequant is not None and m is not None and m >= chosen.dequant["min_m"]:
+        if (dequant is not None and m is not None and m >= chosen.dequant["min_m"]
+                and (n is None or n <= chosen.dequant.get("max_n", n))):
             lines.append(f"  {chosen.label}: CHOSEN ({chosen.arch_range()}), M = {m} >= dequant_min_m = "
                          f"{chosen.dequant['min_m']}: dequantize + cuBLAS, no GEMM tile runs")
             lines.append(f"    {dequant.label} ({dequant.op}/{dequant.impl}) {dequant.tile_for(None)} writes w [N, K] "
@@ -328,8 +329,10 @@ def explain(op: str, scheme=None, arch: str | int | None = None, m: int | None =
             lines += [f"    tile bucket {index} ({chosen.tiles[index].params['impl']}) passed over at run time "
                       f"(GPU, fp16, no act-order): {reason}" for index, reason in passed_over]
             if dequant is not None:
-                lines.append(f"    from M = {chosen.dequant['min_m']} up (dequant_min_m): dequantize + cuBLAS instead "
-                             f"({dequant.name}, then torch.matmul)")
+                widest = chosen.dequant.get("max_n")
+                lines.append(f"    from M = {chosen.dequant['min_m']} up (dequant_min_m)"
+                             + ("" if widest is None else f", N <= {widest} (dequant_max_n)")
+                             + f": dequantize + cuBLAS instead ({dequant.name}, then torch.matmul)")
             elif chosen.dequant:
                 lines.append(f"    no dequantize + cuBLAS path from M = {chosen.dequant['min_m']} up: {why_not}; "
                              "the GEMM tiles serve every M")

@@ -84,6 +84,8 @@ def _dequant_path_problems(where: str, variant: Variant, variants: list[Variant]
     op over the same arch range reading the same layout (both are generated for every scheme of the file, so
     wherever the registry picks this variant it finds its dequantizer)."""
     if variant.dequant_min_m is None:
+        if variant.dequant_max_n is not None:
+            return [f"{where}.dequant_max_n: bounds the dequantize + cuBLAS path, which needs dequant_min_m"]
         return []
     dequant_op = dequant_op_for(variant.op)
     if dequant_op is None:

@@ -65,6 +65,10 @@ class Variant(StrictModel):
         "torch.matmul (cuBLAS) instead of its GEMM tiles, which still serve smaller M (and every M where no dequant "
         "kernel serves); omit it for no such path"
     )
+    dequant_max_n: PositiveInt | None = Field(
+        None, description="with dequant_min_m: only layers of at most this many output columns take the dequantize "
+        "+ cuBLAS path (wider ones keep the GEMM tiles, whose wide-N prefill tiles may beat it); omit: every N"
+    )
 
     @field_validator("tiles")
     @classmethod
