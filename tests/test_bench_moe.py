@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kdsl.bench import report
+from kdsl.bench.cases import SETUPS
 from kdsl.bench.results import OK
 from kdsl.bench.shapes import MOE_OPS, Case, ShapeFileError, load_shape_file, preset_cases
 
@@ -79,7 +80,7 @@ def cpu_moe_bench(monkeypatch):
 
 def test_moe_case_on_the_cpu(cpu_moe_bench):
     case = Case("moe_fp8", m=3, experts=4, topk=2, hidden=256, inter=128)
-    results = cpu_moe_bench.run_case(case, host_time=False)
+    results = cpu_moe_bench.run_case(case, host_time=False, setups=SETUPS)
     assert [r.impl for r in results] == ["moe_fp8", "moe_fp8[check_ids=False]"]
     moe = results[0]
     assert moe.status == OK and moe.rel_err < 2e-2, moe.detail
@@ -96,7 +97,7 @@ def test_moe_case_on_the_cpu(cpu_moe_bench):
 
 
 def test_moe_prefill_case_and_grouped_mm_baseline(cpu_moe_bench):
-    (moe,) = cpu_moe_bench.run_case(Case("moe_fp8", m=130, experts=4, topk=2, hidden=128, inter=128),
+    (moe,) = cpu_moe_bench.run_case(Case("moe_fp8", m=130, experts=4, topk=2, hidden=128, inter=128), setups=SETUPS,
                                     host_time=False)
     assert moe.status == OK and moe.rel_err < 2e-2, moe.detail
     assert moe.baselines["bf16_grouped_mm"].eager_ms == 0.25 and moe.baselines["bf16_loop"].eager_ms == 0.25
@@ -105,7 +106,7 @@ def test_moe_prefill_case_and_grouped_mm_baseline(cpu_moe_bench):
 
 @pytest.mark.parametrize("op", ["fp8_grouped_gemm", "fp8_grouped_gemm_masked"])
 def test_grouped_cases_on_the_cpu(cpu_moe_bench, op):
-    (result,) = cpu_moe_bench.run_case(Case(op, m=5, n=192, k=256, experts=4, topk=2), host_time=False)
+    (result,) = cpu_moe_bench.run_case(Case(op, m=5, n=192, k=256, experts=4, topk=2), host_time=False, setups=SETUPS)
     assert result.status == OK and result.rel_err < 2e-2, result.detail
     assert result.flops == 2 * 5 * 2 * 192 * 256
     assert "bf16_loop" in result.baselines and "roofline" in result.baselines

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from pathlib import Path
 
-from kdsl.bench.report import build_document, format_table, matplotlib_available, plot_ratios, write_json
+from kdsl.bench.report import build_document, command_line, format_table, matplotlib_available, plot_ratios, write_json
 from kdsl.bench.results import OK, Result
 from kdsl.bench.model import DECODE_M, PREFILL_M, parse_shape
 from kdsl.bench.model import MODES as MODEL_MODES
@@ -99,13 +98,6 @@ def _fail(message: str) -> int:
     return 2
 
 
-def command_line(argv: list[str] | None = None) -> str:
-    argv = sys.argv if argv is None else argv
-    if argv and Path(argv[0]).name == "__main__.py" and Path(argv[0]).parent.name == "kdsl":
-        return shlex.join(["python", "-m", "kdsl", *argv[1:]])
-    return shlex.join(argv)
-
-
 def _progress(results: list[Result]) -> str:
     parts = []
     for r in results:
@@ -154,11 +146,12 @@ def run(args: argparse.Namespace) -> int:
         return _fail(refused)
 
     from kdsl.bench import timing  # torch + triton + GPU only from here on
+    from kdsl.bench.cases import SETUPS
 
     results: list[Result] = []
     for i, case in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {case.op} {case.label()} ...", end="", file=sys.stderr, flush=True)
-        case_results = timing.run_case(case, host_time=args.host_time)
+        case_results = timing.run_case(case, host_time=args.host_time, setups=SETUPS)
         print(" " + _progress(case_results), file=sys.stderr, flush=True)
         results += case_results
 

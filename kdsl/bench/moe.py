@@ -10,40 +10,36 @@ found once, outside the timed call). Decode (T <= 128: CUDA graphs) is judged by
 weights and scales plus x and y, against the measured copy rate (the roofline row); prefill by TFLOP/s.
 Up to T = 128 each callable cycles through copies of the layer, so that every call finds its experts cold in L2.
 
-Imports from kdsl.bench.timing happen inside the functions: timing imports this module to register the cases.
+kdsl.bench.cases puts these setups beside timing's (timing does not import this module).
 """
 from __future__ import annotations
 
 import torch
 
+from kdsl.bench import timing
 from kdsl.bench.shapes import GROUP, Case
 
 DECODE_MAX_T = 128
 MOE_TOL = 2e-2  # bf16 output vs fp32 reference (the activations' e4m3 rounding is in both)
 
 
-def _timing():
-    from kdsl.bench import timing
-    return timing
 
 
 def quantized_experts(experts: int, n: int, k: int, copies: int = 1) -> list[tuple[torch.Tensor, ...]]:
     """[(q [E, N, K] e4m3, s [E, N/128, K/128], w [E, N, K] bf16: the dequantized weights)], one per copy: every
     callable, kdsl's and the baselines', cycles through the copies (CaseSetup.calls)."""
-    t = _timing()
-    q = torch.empty(experts, n, k, dtype=t.FP8, device=t.DEVICE)
-    s = torch.empty(experts, -(-n // GROUP), -(-k // GROUP), device=t.DEVICE)
-    w = torch.empty(experts, n, k, dtype=torch.bfloat16, device=t.DEVICE)
+    q = torch.empty(experts, n, k, dtype=timing.FP8, device=timing.DEVICE)
+    s = torch.empty(experts, -(-n // GROUP), -(-k // GROUP), device=timing.DEVICE)
+    w = torch.empty(experts, n, k, dtype=torch.bfloat16, device=timing.DEVICE)
     for e in range(experts):
-        q[e], s[e] = t.torch_weight_quant(torch.randn(n, k, device=t.DEVICE, dtype=torch.bfloat16) * k ** -0.5)
-        w[e] = t.fp8_weight_reference(q[e], s[e]).to(torch.bfloat16)
+        q[e], s[e] = timing.torch_weight_quant(torch.randn(n, k, device=timing.DEVICE, dtype=torch.bfloat16) * k ** -0.5)
+        w[e] = timing.fp8_weight_reference(q[e], s[e]).to(torch.bfloat16)
     return [(q, s, w)] + [(q.clone(), s.clone(), w.clone()) for _ in range(copies - 1)]
 
 
 def random_routing(tokens: int, experts: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_weights fp32 [T, k], topk_ids int32 [T, k]) from random router logits."""
-    t = _timing()
-    logits = torch.randn(tokens, experts, device=t.DEVICE)
+    logits = torch.randn(tokens, experts, device=timing.DEVICE)
     weights, ids = torch.topk(torch.softmax(logits, dim=-1), topk, dim=-1)
     return weights / weights.sum(-1, keepdim=True), ids.to(torch.int32)
 
@@ -62,12 +58,11 @@ def _deq_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def _cold_copies(tokens: int, touched_bytes: int) -> int:
-    t = _timing()
-    return min(t.MAX_COPIES, -(-t.COLD_BYTES // max(1, touched_bytes))) if tokens <= DECODE_MAX_T else 1
+    return min(timing.MAX_COPIES, -(-timing.COLD_BYTES // max(1, touched_bytes))) if tokens <= DECODE_MAX_T else 1
 
 
 def _roofline_ms(bytes_moved: int, flops: int) -> float:
-    copy_rate, fp8_rate = _timing().machine_ceilings()
+    copy_rate, fp8_rate = timing.machine_ceilings()
     return 1e3 * max(bytes_moved / copy_rate, flops / fp8_rate)
 
 
@@ -93,8 +88,7 @@ def _sorted_by_expert(topk_ids: torch.Tensor, experts: int) -> tuple[torch.Tenso
 # moe_fp8
 
 def setup_moe_fp8(case: Case):
-    t = _timing()
-    moe = t.kdsl_op("moe_fp8")
+    moe = timing.kdsl_op("moe_fp8")
     experts, topk, tokens, hidden, inter = case.experts, case.topk, case.m, case.hidden, case.inter
     topk_weights, topk_ids = random_routing(tokens, experts, topk)
     routed = routed_rows(topk_ids, experts)
@@ -105,22 +99,22 @@ def setup_moe_fp8(case: Case):
     down = quantized_experts(experts, hidden, inter, copies)
     layers = [(q13, s13, q2, s2) for (q13, s13, _), (q2, s2, _) in zip(up, down)]
     bf16_layers = [(w13, w2) for (_, _, w13), (_, _, w2) in zip(up, down)]
-    x = torch.randn(tokens, hidden, device=t.DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(tokens, hidden, device=timing.DEVICE, dtype=torch.bfloat16)
 
     # fp32 reference, one routed expert at a time
-    xq, xs = t.torch_act_quant(x)
+    xq, xs = timing.torch_act_quant(x)
     x_deq = _deq_rows(xq, xs)
-    ref = torch.zeros(tokens, hidden, device=t.DEVICE)
+    ref = torch.zeros(tokens, hidden, device=timing.DEVICE)
     q13, s13, q2, s2 = layers[0]
     for e, token, slot in routed:
-        gate_up = x_deq[token] @ t.fp8_weight_reference(q13[e], s13[e]).T
+        gate_up = x_deq[token] @ timing.fp8_weight_reference(q13[e], s13[e]).T
         h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        hq, hs = t.torch_act_quant(h)
-        down_e = _deq_rows(hq, hs) @ t.fp8_weight_reference(q2[e], s2[e]).T
+        hq, hs = timing.torch_act_quant(h)
+        down_e = _deq_rows(hq, hs) @ timing.fp8_weight_reference(q2[e], s2[e]).T
         ref.index_add_(0, token, topk_weights[token, slot, None] * down_e)
 
     def bf16_loop(w13, w2):
-        y = torch.zeros(tokens, hidden, device=t.DEVICE)
+        y = torch.zeros(tokens, hidden, device=timing.DEVICE)
         for e, token, slot in routed:
             gate_up = x[token] @ w13[e].T
             h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
@@ -137,7 +131,7 @@ def setup_moe_fp8(case: Case):
             gate_up = grouped_mm(x[token], w13.transpose(1, 2), offs=offsets)
             h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
             out = grouped_mm(h, w2.transpose(1, 2), offs=offsets).float() * topk_weights.view(-1)[order, None]
-            return torch.zeros(tokens, hidden, device=t.DEVICE).index_add_(0, token, out).to(torch.bfloat16)
+            return torch.zeros(tokens, hidden, device=timing.DEVICE).index_add_(0, token, out).to(torch.bfloat16)
 
         baselines["bf16_grouped_mm"] = lambda: [bf16_grouped_mm(w13, w2) for w13, w2 in bf16_layers]
 
@@ -147,8 +141,8 @@ def setup_moe_fp8(case: Case):
     if tokens <= DECODE_MAX_T:  # eager decode without the ids check's host sync (captured graphs skip it anyway)
         kdsl["moe_fp8[check_ids=False]"] = lambda: [moe(x, *layer, topk_weights, topk_ids, check_ids=False)
                                                     for layer in layers]
-    return t.CaseSetup(
-        kdsl=kdsl, check=lambda outs: t.check_close(outs[-1], ref, MOE_TOL), baselines=baselines,
+    return timing.CaseSetup(
+        kdsl=kdsl, check=lambda outs: timing.check_close(outs[-1], ref, MOE_TOL), baselines=baselines,
         tolerance=MOE_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies,
         roofline_ms=_roofline_ms(bytes_moved, flops))
 
@@ -167,7 +161,6 @@ def contiguous_layout(topk_ids: torch.Tensor, experts: int, align: int = 128) ->
 
 
 def _grouped_common(case: Case):
-    t = _timing()
     experts, topk, tokens, n, k = case.experts, case.topk, case.m, case.n, case.k
     _, topk_ids = random_routing(tokens, experts, topk)
     routed = routed_rows(topk_ids, experts)
@@ -176,25 +169,25 @@ def _grouped_common(case: Case):
     weights = quantized_experts(experts, n, k, copies)
     flops = 2 * tokens * topk * n * k
     bytes_moved = len(routed) * expert_bytes + tokens * topk * (k + 4 * k // GROUP + 2 * n)
-    return t, experts, topk, tokens, n, k, topk_ids, routed, weights, copies, flops, bytes_moved
+    return experts, topk, tokens, n, k, topk_ids, routed, weights, copies, flops, bytes_moved
 
 
 def setup_fp8_grouped_gemm(case: Case):
     """Contiguous layout: the T * k slots sorted by expert, each group padded to 128 rows (-1 ids)."""
-    t, experts, topk, tokens, n, k, topk_ids, routed, weights, copies, flops, bytes_moved = _grouped_common(case)
-    grouped = t.kdsl_op("fp8_grouped_gemm")
+    experts, topk, tokens, n, k, topk_ids, routed, weights, copies, flops, bytes_moved = _grouped_common(case)
+    grouped = timing.kdsl_op("fp8_grouped_gemm")
     group_ids = contiguous_layout(topk_ids, experts)
-    x = torch.randn(group_ids.numel(), k, device=t.DEVICE, dtype=torch.bfloat16)
-    a, a_s = t.torch_act_quant(x)
+    x = torch.randn(group_ids.numel(), k, device=timing.DEVICE, dtype=torch.bfloat16)
+    a, a_s = timing.torch_act_quant(x)
     defined = group_ids >= 0
     b0, s0, _ = weights[0]
-    ref = torch.zeros(group_ids.numel(), n, device=t.DEVICE)
+    ref = torch.zeros(group_ids.numel(), n, device=timing.DEVICE)
     rows_of = {e: (group_ids == e).nonzero().squeeze(1) for e, _, _ in routed}
     for e, rows in rows_of.items():
-        ref[rows] = _deq_rows(a[rows], a_s[rows]) @ t.fp8_weight_reference(b0[e], s0[e]).T
+        ref[rows] = _deq_rows(a[rows], a_s[rows]) @ timing.fp8_weight_reference(b0[e], s0[e]).T
 
     def check(outs):
-        return t.check_close(outs[-1][defined], ref[defined], t.GEMM_TOL)
+        return timing.check_close(outs[-1][defined], ref[defined], timing.GEMM_TOL)
 
     baselines = {"bf16_loop": lambda: [[x[rows] @ w[e].T for e, rows in rows_of.items()] for _, _, w in weights]}
     grouped_mm = _grouped_mm()
@@ -203,40 +196,40 @@ def setup_fp8_grouped_gemm(case: Case):
         offsets = torch.cumsum(torch.bincount(group_ids[defined].long(), minlength=experts), 0).to(torch.int32)
         baselines["bf16_grouped_mm"] = lambda: [grouped_mm(x_sorted, w.transpose(1, 2), offs=offsets)
                                                 for _, _, w in weights]
-    return t.CaseSetup(
+    return timing.CaseSetup(
         kdsl={"fp8_grouped_gemm": lambda: [grouped(a, a_s, b, s, group_ids, check_ids=False) for b, s, _ in weights]},
-        check=check, baselines=baselines, tolerance=t.GEMM_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies,
+        check=check, baselines=baselines, tolerance=timing.GEMM_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies,
         roofline_ms=_roofline_ms(bytes_moved, flops))
 
 
 def setup_fp8_grouped_gemm_masked(case: Case):
     """Masked layout: a [E, max_m = T, K] (no expert gets more than T of the T tokens), masked_m on the device,
     expected_m = ceil(T * k / E) as a serving stack would pass it."""
-    t, experts, topk, tokens, n, k, topk_ids, routed, weights, copies, flops, bytes_moved = _grouped_common(case)
-    masked = t.kdsl_op("fp8_grouped_gemm_masked")
-    counts = torch.zeros(experts, dtype=torch.int32, device=t.DEVICE)
+    experts, topk, tokens, n, k, topk_ids, routed, weights, copies, flops, bytes_moved = _grouped_common(case)
+    masked = timing.kdsl_op("fp8_grouped_gemm_masked")
+    counts = torch.zeros(experts, dtype=torch.int32, device=timing.DEVICE)
     for e, token, _ in routed:
         counts[e] = token.numel()
-    x = torch.randn(experts, tokens, k, device=t.DEVICE, dtype=torch.bfloat16)
-    a, a_s = t.torch_act_quant(x.view(-1, k))
+    x = torch.randn(experts, tokens, k, device=timing.DEVICE, dtype=torch.bfloat16)
+    a, a_s = timing.torch_act_quant(x.view(-1, k))
     a, a_s = a.view(experts, tokens, k), a_s.view(experts, tokens, k // GROUP)
     expected_m = max(1, -(-tokens * topk // experts))
     b0, s0, _ = weights[0]
-    ref = {e: _deq_rows(a[e, :token.numel()], a_s[e, :token.numel()]) @ t.fp8_weight_reference(b0[e], s0[e]).T
+    ref = {e: _deq_rows(a[e, :token.numel()], a_s[e, :token.numel()]) @ timing.fp8_weight_reference(b0[e], s0[e]).T
            for e, token, _ in routed}
 
     def check(outs):
         out = outs[-1]
-        return t.check_close(torch.cat([out[e, :r.shape[0]] for e, r in ref.items()]), torch.cat(list(ref.values())),
-                             t.GEMM_TOL)
+        return timing.check_close(torch.cat([out[e, :r.shape[0]] for e, r in ref.items()]), torch.cat(list(ref.values())),
+                             timing.GEMM_TOL)
 
-    return t.CaseSetup(
+    return timing.CaseSetup(
         kdsl={"fp8_grouped_gemm_masked": lambda: [masked(a, a_s, b, s, counts, expected_m=expected_m)
                                                   for b, s, _ in weights]},
         check=check,
         baselines={"bf16_loop": lambda: [[x[e, :token.numel()] @ w[e].T for e, token, _ in routed]
                                          for _, _, w in weights]},
-        tolerance=t.GEMM_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies,
+        tolerance=timing.GEMM_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies,
         roofline_ms=_roofline_ms(bytes_moved, flops))
 
 

@@ -33,6 +33,8 @@ import datetime as _dt
 import importlib.util
 import json
 import math
+import shlex
+import sys
 from pathlib import Path
 
 from kdsl.bench.results import ERROR, OK, ROOFLINE, UNAVAILABLE, WRONG, Result, Timing
@@ -214,3 +216,10 @@ def plot_ratios(results: list[Result], path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    argv = sys.argv if argv is None else argv
+    if argv and Path(argv[0]).name == "__main__.py" and Path(argv[0]).parent.name == "kdsl":
+        return shlex.join(["python", "-m", "kdsl", *argv[1:]])
+    return shlex.join(argv)

@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.testing
 
-from kdsl.bench import moe as bench_moe
 from kdsl.bench.results import COPY, ERROR, OK, ROOFLINE, UNAVAILABLE, WRONG, Result, Timing
 from kdsl.bench.shapes import GROUP, Case
 
@@ -447,7 +446,6 @@ SETUPS: dict[str, Callable[[Case], CaseSetup]] = {
     "weight_dequant": setup_weight_dequant, "gptq_gemm": setup_gptq_gemm,
     "gptq_dequant": setup_gptq_dequant, "fp8_bmm": setup_fp8_bmm,
 }
-SETUPS.update(bench_moe.SETUPS)  # moe_fp8 and the grouped GEMMs (kdsl/bench/moe.py)
 
 
 @contextlib.contextmanager
@@ -511,13 +509,14 @@ def graph_timed(case: Case) -> bool:
     return case.m is not None and (case.m <= GRAPH_MAX_M or case.op in GRAPH_EVERY_M)
 
 
-def run_case(case: Case, host_time: bool = True) -> list[Result]:
+def run_case(case: Case, host_time: bool = True, setups: dict | None = None) -> list[Result]:
     """All results of one case: one per kdsl implementation, sharing the baseline timings. host_time=False
-    skips the host-time batches (kdsl bench --no-host-time)."""
+    skips the host-time batches (kdsl bench --no-host-time). setups: op -> the function that sets a case up
+    (default SETUPS; kdsl.bench.cases.SETUPS adds the MoE ops of kdsl/bench/moe.py)."""
     torch.manual_seed(zlib.crc32(f"{case.op} {case.label()}".encode()))  # reproducible, never zeros
     try:
         with full_fp32_matmul():
-            setup = SETUPS[case.op](case)
+            setup = (setups or SETUPS)[case.op](case)
     except OpUnavailable as exc:
         return [Result(case, case.op, Timing(error=str(exc)), status=UNAVAILABLE, detail=str(exc))]
     except Exception as exc:  # noqa: BLE001 - e.g. kdsl's quantizer rejecting the shape

@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(why)
     ms = tuple(getattr(args, "m", None) or M_VALUES)
     json_path = str(Path(args.json).resolve()) if args.json else None
-    from kdsl.bench.cli import command_line
+    from kdsl.bench.report import command_line
 
     options = {"ms": ms, "json": json_path, "command": command_line()}
     if _torchrun():
