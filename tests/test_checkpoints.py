@@ -337,3 +337,99 @@ def test_from_pretrained_on_the_gpu(kind, model_dtype, scale_dtype, tol, tmp_pat
         ids = torch.randint(0, VOCAB, shape)
         err = ref.rel_fro_error(logits(model, ids.cuda()).cpu(), logits(reference_model, ids))
         assert err < tol, f"{kind} {shape}: relative error {err:.3g}"
+
+
+# --- DeepSeek-V3: block-FP8 experts ---------------------------------------------------------------------
+
+def deepseek_config():
+    return transformers.DeepseekV3Config(
+        hidden_size=256, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        n_group=1, topk_group=1, first_k_dense_replace=0, q_lora_rank=256, kv_lora_rank=128, qk_rope_head_dim=64,
+        qk_nope_head_dim=128, v_head_dim=128, vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def write_deepseek_checkpoint(folder, inverse: bool = False):
+    """DeepSeek-V3's published names: every linear and each routed expert's gate/up/down_proj in block FP8.
+    Returns the bf16 model of the dequantized weights and each expert's (w13, w13_s, w2, w2_s) as kdsl stacks them."""
+    config = deepseek_config()
+    torch.manual_seed(2)
+    dense = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    state = {k: v.detach().clone() for k, v in dense.state_dict().items()}
+    experts = "model.layers.0.mlp.experts"
+    gate_up, down = state.pop(f"{experts}.gate_up_proj").float(), state.pop(f"{experts}.down_proj").float()
+    stacked = {"w13": [], "w13_s": [], "w2": [], "w2_s": []}
+    for e in range(config.n_routed_experts):
+        for proj, w in (("gate_proj", gate_up[e, :128]), ("up_proj", gate_up[e, 128:]), ("down_proj", down[e])):
+            q, s = ref.weight_quant_ref(w)
+            state[f"{experts}.{e}.{proj}.weight"] = q
+            state[f"{experts}.{e}.{proj}.weight_scale_inv"] = 1.0 / s if inverse else s
+        stacked["w13"].append(torch.cat([state[f"{experts}.{e}.gate_proj.weight"], state[f"{experts}.{e}.up_proj.weight"]]))
+        stacked["w2"].append(state[f"{experts}.{e}.down_proj.weight"])
+        scales = [state[f"{experts}.{e}.{p}.weight_scale_inv"] for p in ("gate_proj", "up_proj", "down_proj")]
+        scales = [1.0 / s for s in scales] if inverse else scales
+        stacked["w13_s"].append(torch.cat(scales[:2]))
+        stacked["w2_s"].append(scales[2])
+    for name, module in dense.named_modules():
+        if isinstance(module, nn.Linear) and name != "lm_head":
+            q, s = ref.weight_quant_ref(state.pop(f"{name}.weight").float())
+            state[f"{name}.weight"], state[f"{name}.weight_scale_inv"] = q, (1.0 / s if inverse else s)
+    config_dict = {**config.to_dict(), "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+        **({"weight_scale_semantics": "inverse"} if inverse else {})}}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config_dict))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+    return {k: torch.stack(v) for k, v in stacked.items()}
+
+
+@pytest.mark.parametrize("inverse", [False, True], ids=["deepseek", "gptqmodel-inverse"])
+def test_deepseek_v3_experts_load_into_fp8_experts(inverse, tmp_path):
+    import reference_moe
+
+    stacked = write_deepseek_checkpoint(tmp_path, inverse)
+    model = kdsl.from_pretrained(tmp_path, device="cpu", dtype=torch.bfloat16)
+    layer = model.model.layers[0]
+    experts = layer.mlp.experts
+    assert isinstance(experts, kdsl.nn.FP8Experts) and isinstance(layer.self_attn.q_b_proj, kdsl.nn.FP8Linear)
+    assert isinstance(layer.mlp.shared_experts.down_proj, kdsl.nn.FP8Linear) and type(model.lm_head) is nn.Linear
+    assert torch.equal(experts.w13.view(torch.uint8), stacked["w13"].view(torch.uint8))
+    assert torch.equal(experts.w2.view(torch.uint8), stacked["w2"].view(torch.uint8))
+    # the experts on the router's choice, called as transformers calls them, against the fp32 per-expert reference
+    x = torch.randn(6, 256).to(torch.bfloat16)
+    with torch.no_grad():
+        _, weights, ids = layer.mlp.gate(x)
+        got = experts(x, ids, weights)
+    want = reference_moe.moe_ref(x.float(), stacked["w13"], stacked["w13_s"].float(), stacked["w2"],
+                                 stacked["w2_s"].float(), weights.float(), ids.int())
+    assert ref.rel_fro_error(got, want) < 2e-2
+    with torch.no_grad():
+        logits = model(input_ids=torch.randint(0, VOCAB, (1, 7))).logits
+    assert logits.shape == (1, 7, VOCAB) and torch.isfinite(logits).all()
+
+
+def test_deepseek_v3_expert_missing_is_refused_by_name(tmp_path):
+    write_deepseek_checkpoint(tmp_path)
+    from safetensors.torch import load_file
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.layers.0.mlp.experts.3.up_proj.weight_scale_inv"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(kdsl.nn.CheckpointError, match=r"experts\.3\.up_proj\.weight_scale_inv: missing"):
+        kdsl.from_pretrained(tmp_path, device="cpu", dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_deepseek_v3_experts_on_the_gpu(tmp_path):
+    import reference_moe
+
+    stacked = write_deepseek_checkpoint(tmp_path)
+    model = kdsl.from_pretrained(tmp_path, device="cuda", dtype=torch.bfloat16)
+    layer = model.model.layers[0]
+    for tokens in (1, 16, 200):
+        x = torch.randn(tokens, 256, device="cuda").to(torch.bfloat16)
+        with torch.no_grad():
+            _, weights, ids = layer.mlp.gate(x)
+            got = layer.mlp.experts(x, ids, weights)
+        want = reference_moe.moe_ref(x.float().cpu(), stacked["w13"], stacked["w13_s"].float(), stacked["w2"],
+                                     stacked["w2_s"].float(), weights.float().cpu(), ids.int().cpu())
+        assert ref.rel_fro_error(got.cpu(), want) < 2e-2, tokens

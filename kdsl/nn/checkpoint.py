@@ -17,6 +17,7 @@ from torch import nn
 
 from kdsl.nn.convert import _swap
 from kdsl.nn.modules import FP8Linear, W4A16Linear
+from kdsl.nn.moe import FP8Experts
 from kdsl.ops.gptq_checkpoint import unpack_rows
 from kdsl.ops.w4a16 import prepare
 from kdsl.schema import HFQuantization, read_hf_config
@@ -45,6 +46,7 @@ class LayerFormat:
 
     marker = "weight"
     tp = False  # load_quantized's tp_plan can cut these layers (kdsl.parallel)
+    experts = False  # reads per-expert tensors into transformers' fused experts modules (expert_specs, build_experts)
 
     def __init__(self, hf: HFQuantization):
         self.hf, self.scheme = hf, hf.scheme
@@ -88,11 +90,34 @@ class DeepSeekFP8(LayerFormat):
     def tp(self):
         return not self.hf.scale_inverse
 
-    def build(self, t, act_dtype):
-        scale = t[self.scale_role].float()
+    def multiplier(self, scale: torch.Tensor) -> torch.Tensor:
+        """The stored scale as the dequantization multiplier, float32."""
         if self.hf.scale_inverse:
-            scale = scale.reciprocal()  # 448 / amax -> amax / 448; NaN stays NaN, inf gives 0 (an all-zero block)
-        return FP8Linear(t["weight"], scale, t.get("bias"), self.scheme)
+            return scale.float().reciprocal()  # 448 / amax -> amax / 448; NaN stays NaN, inf gives 0 (a zero block)
+        return scale.float()
+
+    def build(self, t, act_dtype):
+        return FP8Linear(t["weight"], self.multiplier(t[self.scale_role]), t.get("bias"), self.scheme)
+
+    experts = True  # reads DeepSeek-V3's per-expert tensors into transformers' fused experts modules
+
+    def expert_specs(self, inter: int, hidden: int) -> dict[str, Spec]:
+        """One expert's tensors under <experts>.<e>.: gate and up [I, H], down [H, I], each with its block scales."""
+        bn, bk = self.scheme.weight_block
+        specs = {}
+        for proj, (n, k) in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))):
+            specs[f"{proj}.weight"] = Spec((n, k), ("F8_E4M3",))
+            specs[f"{proj}.{self.scale_role}"] = Spec((-(-n // bn), -(-k // bk)), FLOATS)
+        return specs
+
+    def build_experts(self, experts: list[dict[str, torch.Tensor]]) -> nn.Module:
+        """FP8Experts from each expert's tensors: gate then up rows stacked as w13, their block scales likewise."""
+        s = self.scale_role
+        w13 = torch.stack([torch.cat([t["gate_proj.weight"], t["up_proj.weight"]]) for t in experts])
+        w13_s = torch.stack([self.multiplier(torch.cat([t[f"gate_proj.{s}"], t[f"up_proj.{s}"]])) for t in experts])
+        w2 = torch.stack([t["down_proj.weight"] for t in experts])
+        w2_s = torch.stack([self.multiplier(t[f"down_proj.{s}"]) for t in experts])
+        return FP8Experts(w13, w13_s, w2, w2_s)
 
 
 class CompressedFP8Block(DeepSeekFP8):
@@ -101,6 +126,7 @@ class CompressedFP8Block(DeepSeekFP8):
 
     scale_role = "weight_scale"
     tp = False
+    experts = False
 
 
 class GPTQFormat(LayerFormat):
@@ -250,7 +276,19 @@ class _LazyTensor:
 @dataclass
 class _Plan:
     quantized: dict[str, dict[str, str]] = field(default_factory=dict)  # module name -> {role: key}
+    experts: dict[str, list[dict[str, str]]] = field(default_factory=dict)  # experts module -> per expert {role: key}
     plain: dict[str, str] = field(default_factory=dict)  # model state_dict key -> checkpoint key
+
+
+def _fused_experts(module: nn.Module) -> tuple[int, int, int] | None:
+    """(E, I, H) of a transformers fused experts module (gate_up_proj [E, 2I, H], down_proj [E, H, I]), or None."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == down.dim() == 3):
+        return None
+    experts, double_inter, hidden = gate_up.shape
+    if double_inter % 2 or tuple(down.shape) != (experts, hidden, double_inter // 2):
+        return None
+    return experts, double_inter // 2, hidden
 
 
 def _ignored(name: str, patterns: tuple[str, ...]) -> bool:
@@ -287,8 +325,32 @@ def _plan(model: nn.Module, shards: _Shards, fmt: LayerFormat) -> _Plan:
                 problems.append(f"{key}: expected dtype {' or '.join(spec.dtypes)}, found {shards.dtype(key)}")
             roles[role] = key
         plan.quantized[name] = roles
+    for name, module in model.named_modules():
+        shape = _fused_experts(module) if fmt.experts else None
+        key = f"{name}.0.gate_proj.weight"
+        if shape is None or key not in shards.where or not fmt.marks(shards.dtype(key)) or _ignored(name, fmt.hf.ignore):
+            continue
+        experts, inter, hidden = shape
+        if inter % fmt.scheme.weight_block[0]:
+            problems.append(f"{name}: expert intermediate size {inter} is not a multiple of the weight block's "
+                            f"{fmt.scheme.weight_block[0]} rows, so gate and up blocks cannot be stacked as w13")
+            continue
+        plan.experts[name] = []
+        for e in range(experts):
+            roles = {}
+            for role, spec in fmt.expert_specs(inter, hidden).items():
+                key = f"{name}.{e}.{role}"
+                if key not in shards.where:
+                    problems.append(f"{key}: missing (expected shape {spec.shape})")
+                elif shards.shape(key) != spec.shape:
+                    problems.append(f"{key}: expected shape {spec.shape} for expert {e} of {experts} "
+                                    f"(I = {inter}, H = {hidden}), found {shards.shape(key)}")
+                elif shards.dtype(key) not in spec.dtypes:
+                    problems.append(f"{key}: expected dtype {' or '.join(spec.dtypes)}, found {shards.dtype(key)}")
+                roles[role] = key
+            plan.experts[name].append(roles)
     for key, tensor in model.state_dict().items():
-        if key.rpartition(".")[0] in plan.quantized:
+        if key.rpartition(".")[0] in plan.quantized or key.rpartition(".")[0] in plan.experts:
             continue
         if key not in shards.where:
             problems.append(f"{key}: missing (the model has it, shape {tuple(tensor.shape)})")
@@ -297,6 +359,7 @@ def _plan(model: nn.Module, shards: _Shards, fmt: LayerFormat) -> _Plan:
         else:
             plan.plain[key] = key
     used = set(plan.plain) | {key for roles in plan.quantized.values() for key in roles.values()}
+    used |= {key for experts in plan.experts.values() for roles in experts for key in roles.values()}
     problems += [f"{key}: in the checkpoint but not in the model" for key in sorted(set(shards.where) - used)]
     if problems:
         raise CheckpointError("the checkpoint does not fit the model:\n  " + "\n  ".join(problems))
@@ -346,7 +409,9 @@ def load_quantized(model: nn.Module, path, device=None, *, dtype: torch.dtype | 
     published key names) into model, in place.
 
     Each nn.Linear with quantized tensors in the checkpoint becomes an FP8Linear (DeepSeek-V3 / GPTQModel FP8
-    `weight` + `weight_scale_inv`; compressed-tensors FP8_BLOCK `weight` + `weight_scale`) or a W4A16Linear
+    `weight` + `weight_scale_inv`, and a transformers fused experts module (gate_up_proj, down_proj) whose
+    experts are stored as `<name>.<e>.{gate,up,down}_proj.weight` + `weight_scale_inv` becomes a
+    kdsl.nn.FP8Experts running kdsl.ops.moe_fp8; compressed-tensors FP8_BLOCK `weight` + `weight_scale`) or a W4A16Linear
     (GPTQ v1/v2 `qweight`, `qzeros`, `scales`, optional `g_idx`; AWQ `qweight`, `qzeros` (optional when
     symmetric), `scales`; compressed-tensors pack-quantized `weight_packed`, `weight_scale`, `weight_shape`,
     optional `weight_zero_point` and `weight_g_idx`), with its `bias`, its weights prepared for `device`
@@ -402,6 +467,10 @@ def load_quantized(model: nn.Module, path, device=None, *, dtype: torch.dtype | 
                 fmt.check_values(key, role, tensors[role], k, n)
             act_dtype = dtype or (linear.weight.dtype if linear.weight.dtype in ACT_DTYPES else None)
             swapped.append((name, _swap(model, name, fmt.build(tensors, act_dtype))))
+            del tensors
+        for name, experts in plan.experts.items():
+            tensors = [{role: shards.load(key, device) for role, key in roles.items()} for roles in experts]
+            swapped.append((name, _swap(model, name, fmt.build_experts(tensors))))
             del tensors
     except Exception:
         for name, old in reversed(swapped):  # nothing half-replaced

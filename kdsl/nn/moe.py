@@ -80,3 +80,13 @@ class FP8MoE(nn.Module):
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, scheme={self.scheme}, check_ids={self.check_ids}, "
                 f"path={registry.run_path(device)}, kernel={kernel}")
+
+
+class FP8Experts(FP8MoE):
+    """FP8MoE with the call of transformers' fused experts modules (DeepseekV3Experts and its kin, whose
+    gate_up_proj [E, 2I, H] and down_proj [E, H, I] it replaces): forward(hidden_states, top_k_index,
+    top_k_weights). kdsl.load_quantized puts it where a checkpoint stores those experts in block FP8."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,  # type: ignore[override]
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return super().forward(hidden_states, top_k_weights.float(), top_k_index.to(torch.int32))
