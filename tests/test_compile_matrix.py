@@ -101,6 +101,18 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
         args={"x_ptr": "*bf16", "q_ptr": FP8, "s_ptr": F32, "M": I32, "K": I32, "stride_xm": I32},
         constexprs={"BLOCK_M": "BLOCK_M", "ROUND_FIRST": lambda tile: False},
     ),
+    # The gated MLP's activation (kernel_defs/silu_mul.toml): "{out}" is gate_up's dtype (and h's).
+    ("silu_mul", "rowwise"): KernelSignature(
+        args={"gu_ptr": "*{out}", "h_ptr": "*{out}", "M": I32, "I": I32, "stride_gum": I32, "stride_hm": I32},
+        constexprs={"BLOCK_M": "BLOCK_M", "BLOCK_N": "BLOCK_N"},
+        out_types=("bf16", "fp16", "fp32"),
+    ),
+    ("silu_mul_quant", "rowwise"): KernelSignature(
+        args={"gu_ptr": "*{out}", "q_ptr": FP8, "s_ptr": F32, "M": I32, "I": I32, "stride_gum": I32,
+              "stride_qm": I32, "stride_sm": I32},
+        constexprs={"BLOCK_M": "BLOCK_M", "ROUND_FIRST": lambda tile: False},
+        out_types=("bf16", "fp16", "fp32"),
+    ),
     ("weight_quant", "blockwise"): KernelSignature(
         args={"w_ptr": "*bf16", "q_ptr": FP8, "s_ptr": F32, "N": I32, "K": I32, "stride_wn": I32, "stride_sn": I32},
         constexprs={"ROUND_FIRST": lambda tile: False},

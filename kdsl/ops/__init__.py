@@ -2,6 +2,7 @@
 
 Each is also a PyTorch custom op, torch.ops.kdsl.<name> (kdsl.ops.library), which torch.compile traces
 as one node; the functions here switch to it while compiling and skip the dispatcher otherwise."""
+from kdsl.ops.activation import silu_mul, silu_mul_quant
 from kdsl.ops.awq import awq_dequant, awq_gemm, awq_prepare
 from kdsl.ops.block_fp8 import act_quant, fp8_bmm, fp8_gemm, fp8_linear, weight_dequant, weight_quant
 from kdsl.ops.gptq import gptq_dequant, gptq_gemm, gptq_prepare, gptq_quantize
@@ -15,4 +16,5 @@ __all__ = [
     "awq_gemm", "awq_dequant", "awq_prepare",
     "w4a16_gemm", "w4a16_dequant", "W4A16Prepared", "GPTQPrepared",
     "fp8_grouped_gemm", "fp8_grouped_gemm_masked", "moe_fp8",
+    "silu_mul", "silu_mul_quant",
 ]

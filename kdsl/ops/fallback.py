@@ -142,3 +142,17 @@ def moe_fp8(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, act_group: int, blo
     for j in range(topk):
         y += weights[:, j, None] * down[:, j].float()
     return y.to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in fp32 (gate_up's first half, then its second), rounded once to gate_up's dtype."""
+    inter = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :inter].float(), gate_up[..., inter:].float()
+    return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
+
+
+def silu_mul_quant(gate_up: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(gate) * up in fp32, quantized as act_quant quantizes."""
+    inter = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :inter].float(), gate_up[..., inter:].float()
+    return act_quant(torch.nn.functional.silu(gate) * up, group_size)

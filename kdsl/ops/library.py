@@ -25,6 +25,8 @@ model that calls them without a graph break.
                                   ScalarType out_dtype, int? expected_m) -> Tensor
     kdsl::moe_fp8(Tensor x, Tensor w13, Tensor w13_s, Tensor w2, Tensor w2_s, Tensor topk_weights,
                   Tensor topk_ids, bool check_ids) -> Tensor
+    kdsl::silu_mul(Tensor gate_up) -> Tensor
+    kdsl::silu_mul_quant(Tensor gate_up, int group_size) -> (Tensor, Tensor)        # q, s
 
 None mutates its inputs; every output is a new contiguous tensor. kdsl.ops.fp8_bmm's `out=` is therefore not
 part of kdsl::fp8_bmm: eagerly the Python function writes into out directly (no copy, no dispatcher); under
@@ -64,7 +66,7 @@ import functools
 import torch
 
 from kdsl.ops import _checks as check
-from kdsl.ops import _plan, awq, block_fp8, gptq, moe, w4a16
+from kdsl.ops import _plan, activation, awq, block_fp8, gptq, moe, w4a16
 
 SCHEMAS = {
     "act_quant": "(Tensor x, int group_size) -> (Tensor, Tensor)",
@@ -96,6 +98,9 @@ SCHEMAS = {
                                "int? expected_m) -> Tensor",
     "moe_fp8": "(Tensor x, Tensor w13, Tensor w13_s, Tensor w2, Tensor w2_s, Tensor topk_weights, Tensor topk_ids, "
                "bool check_ids) -> Tensor",
+    # The gated MLP's activation (kdsl.ops.activation).
+    "silu_mul": "(Tensor gate_up) -> Tensor",
+    "silu_mul_quant": "(Tensor gate_up, int group_size) -> (Tensor, Tensor)",
 }
 
 
@@ -242,6 +247,15 @@ def _moe_fp8_fake(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, check_ids):
     return moe._moe_fp8_outputs(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, symbolic=True)[-1]
 
 
+def _silu_mul_fake(gate_up):
+    return activation._silu_mul_outputs(gate_up)[1]
+
+
+def _silu_mul_quant_fake(gate_up, group_size):
+    _, q, s = activation._silu_mul_quant_outputs(gate_up, group_size)
+    return q, s
+
+
 act_quant = _op("act_quant", block_fp8._act_quant_impl, _act_quant_fake)
 weight_quant = _op("weight_quant", block_fp8._weight_quant_impl, _weight_quant_fake)
 weight_dequant = _op("weight_dequant", block_fp8._weight_dequant_impl, _weight_dequant_fake)
@@ -258,8 +272,11 @@ fp8_grouped_gemm = _op("fp8_grouped_gemm", moe._fp8_grouped_gemm_impl, _fp8_grou
 fp8_grouped_gemm_masked = _op("fp8_grouped_gemm_masked", moe._fp8_grouped_gemm_masked_impl,
                               _fp8_grouped_gemm_masked_fake)
 moe_fp8 = _op("moe_fp8", moe._moe_fp8_impl, _moe_fp8_fake)
+silu_mul = _op("silu_mul", activation._silu_mul_impl, _silu_mul_fake)
+silu_mul_quant = _op("silu_mul_quant", activation._silu_mul_quant_impl, _silu_mul_quant_fake)
 
 OPS = {op._name.removeprefix("kdsl::"): op for op in (act_quant, weight_quant, weight_dequant, fp8_gemm, fp8_bmm,
                                                      fp8_linear, gptq_gemm, gptq_dequant, w4a16_gemm, awq_gemm, awq_dequant,
                                                      w4a16_dequant,
-                                                     fp8_grouped_gemm, fp8_grouped_gemm_masked, moe_fp8)}
+                                                     fp8_grouped_gemm, fp8_grouped_gemm_masked, moe_fp8,
+                                                     silu_mul, silu_mul_quant)}

@@ -1,0 +1,17 @@
+"""The gated MLP's activation, silu(gate) * up, on the gate-up GEMM's output [..., 2I] (gate's I columns, then
+up's): one memory-bound pass, one program per rows x columns tile.
+
+silu_mul / rowwise (sm_80+) writes h [..., I] in the input's dtype (W4A16 MLPs: the down GEMM reads it as it is);
+silu_mul_quant / rowwise (sm_89+: e4m3 stores) quantizes h per token in 1 x act_group groups as act_quant does
+(common/act_group_quant.py.j2: s = amax / 448, NaN kept, zero groups finite), so FP8 MLPs feed the down GEMM
+without an act_quant of their own. Both compute h in fp32 and round it once. silu_mul reads none of its scheme's
+fields: it is generated for the block_fp8 scheme of its definition file only because every kernel has one."""
+from kdsl.kernels.base import KernelImpl
+
+SILU_MUL = KernelImpl(
+    "block_fp8", "silu_mul", "rowwise", "block_fp8/silu_mul.py.j2", 80, None,
+    "silu(gate) * up in fp32, rounded once to the input's dtype", tile_knobs=frozenset({"block_m", "block_n"}))
+SILU_MUL_QUANT = KernelImpl(
+    "block_fp8", "silu_mul_quant", "rowwise", "block_fp8/silu_mul.py.j2", 89, None,
+    "silu(gate) * up in fp32, quantized per token and group to e4m3 (act_quant's rule)",
+    tile_knobs=frozenset({"block_m"}))
