@@ -1,6 +1,11 @@
 """kdsl.parallel.ParallelMLP and the collectives under the parallel layers, on torch.distributed (gloo, 2 spawned
 CPU processes), against the one-rank quantized MLP down(silu(gate(x)) * up(x)).
 
+ParallelMLP computes h = silu(gate) * up in one kernel (fused_act: kdsl.ops.silu_mul_quant for FP8, which hands down
+h already quantized, silu_mul for int4), in fp32 rounded once; the one-rank reference does the same in torch
+(mlp_ref). Where the kernel does not run (two GEMMs, fused_act = False), torch's silu and mul in the activation
+dtype, each rounded, as before: an e4m3 code of h is a 1/8 step, so the two orders are not interchangeable.
+
 One spawn runs every case on the ops' torch fallbacks; a second runs the FP8 and GPTQ act-order MLPs on the
 generated kernels through Triton's interpreter.
 """
@@ -35,9 +40,42 @@ def one_rank(kind, t, scheme):
     return W4A16Linear.from_awq(t["qweight"], t["qzeros"], t["scales"], t.get("bias"), scheme)
 
 
-def reference(kind, tensors, scheme, x):
+def reference(kind, tensors, scheme, x, fused=True):
     gate, up, down = (one_rank(kind, tensors[role], scheme) for role in ("gate", "up", "down"))
-    return down(F.silu(gate(x)) * up(x))
+    return mlp_ref(gate, up, down, x, fused)
+
+
+def mlp_ref(gate, up, down, x, fused=True):
+    """The one-rank MLP. fused: h = silu(gate(x)) * up(x) in fp32, rounded once: an FP8 down quantizes the fp32 h
+    (what silu_mul_quant hands it), an int4 down reads h rounded to x's dtype (silu_mul). Not fused: torch's silu
+    and mul in x's dtype."""
+    if not fused:
+        return down(F.silu(gate(x)) * up(x))
+    h = F.silu(gate(x).float()) * up(x).float()
+    return down(h).to(x.dtype) if isinstance(down, FP8Linear) else down(h.to(x.dtype))
+
+
+class OpSpy:
+    """Records the last dimension of each call of the named kdsl.ops functions (what ParallelMLP and FP8Linear
+    look up at call time)."""
+
+    def __init__(self, *names):
+        self.names, self.calls, self.saved = names, [], {}
+
+    def __enter__(self):
+        for name in self.names:
+            original = self.saved[name] = getattr(kdsl.ops, name)
+
+            def wrapped(x, *args, _name=name, _original=original, **kwargs):
+                self.calls.append((_name, x.shape[-1]))
+                return _original(x, *args, **kwargs)
+
+            setattr(kdsl.ops, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self.saved.items():
+            setattr(kdsl.ops, name, original)
 
 
 def mlp_tensors(kind, seed, **kw):
@@ -134,17 +172,25 @@ def _mlp_cases(rank, interpret):
                   ("gptq", mlp_tensors("gptq", 25, act_order=False), GPTQ(), x_fp16, True),
                   ("awq", mlp_tensors("awq", 30), AWQ(), x_fp16, True)]
     for kind, tensors, scheme, x, fused in cases:
-        expected = reference(kind, tensors, scheme, x)
+        expected = {act: reference(kind, tensors, scheme, x, act) for act in (True, False)}
         for reduce_dtype in (None, torch.float32):
             what = f"{kind} {scheme.name} MLP reduce={reduce_dtype} TP={WORLD} rank {rank}"
             mlp = build(kind, tensors, scheme, reduce_dtype=reduce_dtype)
             assert (mlp.up is None) == fused, what
+            assert mlp.fused_act == fused, what  # the kernel runs wherever gate and up are one GEMM
             assert mlp.hidden_size == H and mlp.intermediate_size == I
-            with Spy("all_reduce", "all_gather_into_tensor", "all_gather") as spy:
+            with Spy("all_reduce", "all_gather_into_tensor", "all_gather") as spy, \
+                    OpSpy("silu_mul_quant", "silu_mul", "act_quant") as ops_spy:
                 y = mlp(x)
             assert [c[0] for c in spy.calls] == ["all_reduce"], (what, spy.calls)  # one all-reduce, no gather
-            check_close(y, expected, what)
-            check_close(mlp(x.unsqueeze(0)), expected.unsqueeze(0), what + " (3-D x)")
+            # h's one kernel, on gate_up's [M, 2 I / T]; no act_quant of h (FP8: down takes silu_mul_quant's codes)
+            act = ("silu_mul_quant" if kind == "fp8" else "silu_mul", 2 * I // WORLD)
+            assert [c for c in ops_spy.calls if c[1] != H] == ([act] if fused else []), (what, ops_spy.calls)
+            check_close(y, expected[fused], what)
+            check_close(mlp(x.unsqueeze(0)), expected[fused].unsqueeze(0), what + " (3-D x)")
+            if fused:  # the same weights with torch's silu and mul: the unfused reference
+                mlp.fused_act = False
+                check_close(mlp(x), expected[False], what + " (fused_act = False)")
 
 
 def _from_float(rank):
@@ -159,7 +205,7 @@ def _from_float(rank):
             copy = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None).to(dtype)
             copy.load_state_dict(linear.state_dict())
             quantized[role] = kdsl.quantize_(copy, scheme)
-        expected = quantized["down"](F.silu(quantized["gate"](x)) * quantized["up"](x))
+        expected = mlp_ref(quantized["gate"], quantized["up"], quantized["down"], x)
         mlp = ParallelMLP.from_float(layers["gate"], layers["up"], layers["down"], scheme)
         check_close(mlp(x), expected, f"from_float {scheme.name} rank {rank}")
 

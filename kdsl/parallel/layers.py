@@ -190,10 +190,30 @@ class RowParallelLinear(nn.Module):
             y = _fp8_partial(self.local, x, torch.float32)  # float32 partials from the GEMM, x as it is
         else:
             y = self.local(x)
+        return self._reduce(y, x.dtype)
+
+    def forward_quantized(self, q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """forward() of an FP8 shard fed its input shard already quantized (input_is_parallel): q e4m3 [..., K_r]
+        and s float32 [..., K_r / act_group] as act_quant (or silu_mul_quant) writes them; dtype is the activation
+        dtype forward() would have been given (the output's, and the reduction's unless reduce_dtype says
+        otherwise). One fp8_gemm, then the all-reduce and the bias as forward() does."""
+        local = self.local
+        if not isinstance(local, FP8Linear) or not self.input_is_parallel:
+            raise TypeError("forward_quantized: needs an FP8 shard with input_is_parallel=True, this one holds "
+                            f"{type(local).__name__} (input_is_parallel={self.input_is_parallel})")
+        reduce = self.reduce_dtype or dtype
+        y = ops.fp8_gemm(q, s, local.weight, local.weight_scale_inv,
+                         out_dtype=torch.float32 if reduce == torch.float32 else dtype)
+        if local.bias is not None:
+            y = y + local.bias.to(y.dtype)
+        return self._reduce(y, dtype)
+
+    def _reduce(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The partial y summed over the group in reduce_dtype (default: dtype), returned in dtype, plus the bias."""
         if self.world_size > 1:
-            y = comm.all_reduce_(y.to(comm.comm_dtype(reduce, self.group)), self.group, self.all_reduce,
-                                 self.symm_mem_max_bytes)
-        y = y.to(x.dtype)
+            y = comm.all_reduce_(y.to(comm.comm_dtype(self.reduce_dtype or dtype, self.group)), self.group,
+                                 self.all_reduce, self.symm_mem_max_bytes)
+        y = y.to(dtype)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:

@@ -6,6 +6,12 @@ down is row parallel over the same I / T features (RowParallelLinear, input_is_p
 communication is down's all-reduce of [..., H], in the activation dtype by default (reduce_dtype=torch.float32
 for float32 partials; all_reduce="symm_mem" for torch's one-shot kernel at decode sizes).
 
+SiLU * up is one generated kernel where one serves (fused_act): for FP8, kdsl.ops.silu_mul_quant writes h already
+quantized in down's 1x128 activation groups, so down is one fp8_gemm with no act_quant of its own (gate_up GEMM ->
+silu_mul_quant -> down GEMM -> all-reduce); for W4A16, kdsl.ops.silu_mul writes h in the activation dtype. Both
+compute h in fp32 and round it once. With gate and up as two GEMMs (their act-order g_idx differ), or
+fused_act = False, torch's silu and mul run instead.
+
 Constructors take the three linears' checkpoint tensors (mappings with their usual names) or float nn.Linear
 layers (quantized as kdsl.quantize_ does). The shard rules are kdsl.parallel.sharding's: FP8 needs
 I / T % 128 == 0 (down's row shard); GPTQ act-order sorts down's K by group and cuts gate and up to produce
@@ -21,6 +27,7 @@ from torch import nn
 
 from kdsl import ops
 from kdsl.nn.modules import FP8Linear, W4A16Linear
+from kdsl.runtime import registry
 from kdsl.parallel import comm
 from kdsl.parallel.layers import RowParallelLinear, _rank_world
 from kdsl.parallel.sharding import FP8Shard, gptq_row_index, shard_awq, shard_fp8, shard_gptq
@@ -97,6 +104,24 @@ class ParallelMLP(nn.Module):
         self.gate_slice, self.up_slice = gate_slice, up_slice
         self.group, self.rank, self.world_size = down.group, down.rank, down.world_size
         self.hidden_size, self.intermediate_size = down.out_features, down.in_features
+        # h = silu(gate) * up in one generated kernel (False: torch's silu and mul; a plain attribute, which the
+        # bench turns off to time the unfused path on the same weights).
+        self.fused_act = self.fused_act_serves()
+
+    def fused_act_serves(self) -> bool:
+        """Whether silu_mul_quant (FP8 down) or silu_mul (W4A16 down) can run on gate_up's output as it is: one
+        GEMM writing [..., 2 I_r], gate's I_r columns then up's, with no padding between them (FP8 shards of I / T
+        off the 128 grid would carry some), and a generated kernel serving the op (silu_mul_quant: for down's
+        activation group)."""
+        local = self.gate_slice.stop - self.gate_slice.start
+        if (self.up is not None or self.gate_slice != slice(0, local) or self.up_slice != slice(local, 2 * local)
+                or getattr(self.gate_up, "out_features", None) != 2 * local):
+            return False
+        if isinstance(self.down.local, FP8Linear):
+            group = self.down.local.scheme.act_group
+            served = any(fields.get("act_group") == group for fields in registry.scheme_fields("silu_mul_quant").values())
+            return served and local % group == 0
+        return bool(registry.served_schemes("silu_mul"))
 
     # --- constructors ------------------------------------------------------------------------------------
 
@@ -226,6 +251,12 @@ class ParallelMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.gate_up(x)
+        if self.fused_act:
+            down = self.down
+            if isinstance(down.local, FP8Linear):  # h quantized in down's activation groups: down is one fp8_gemm
+                q, s = ops.silu_mul_quant(h, down.local.scheme.act_group)
+                return down.forward_quantized(q, s, h.dtype)
+            return down(ops.silu_mul(h))
         if self.up is None:
             gate, up = h[..., self.gate_slice], h[..., self.up_slice]
         else:
@@ -234,5 +265,11 @@ class ParallelMLP(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
-                f"rank={self.rank}/{self.world_size}, gate_up={'one GEMM' if self.up is None else 'two GEMMs'}")
+                f"rank={self.rank}/{self.world_size}, gate_up={'one GEMM' if self.up is None else 'two GEMMs'}, "
+                f"act={self._act_name()}")
+
+    def _act_name(self) -> str:
+        if not self.fused_act:
+            return "torch silu, mul"
+        return "silu_mul_quant" if isinstance(self.down.local, FP8Linear) else "silu_mul"
 
