@@ -433,3 +433,121 @@ def test_deepseek_v3_experts_on_the_gpu(tmp_path):
         want = reference_moe.moe_ref(x.float().cpu(), stacked["w13"], stacked["w13_s"].float(), stacked["w2"],
                                      stacked["w2_s"].float(), weights.float().cpu(), ids.int().cpu())
         assert ref.rel_fro_error(got.cpu(), want) < 2e-2, tokens
+
+
+# --- Qwen3-MoE: GPTQ / AWQ int4 experts -------------------------------------------------------------------------
+
+def qwen3_moe_config():
+    return transformers.Qwen3MoeConfig(
+        hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+        vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+QWEN3_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+
+
+def write_qwen3_moe_checkpoint(folder, kind: str, model_dtype: torch.dtype = torch.bfloat16,
+                               scale_dtype: torch.dtype = torch.float16):
+    """A random tiny Qwen3-MoE in kind's int4 format as GPTQModel / AutoAWQ store MoE models: the attention linears
+    and each expert's gate_proj, up_proj and down_proj under `<experts>.<e>.` (GPTQ with act-order: each its own
+    g_idx). Returns the float32 reference model (every quantized weight dequantized) and the experts' dequantized
+    weights as moe_dense_ref takes them ([E, H, 2I], [E, I, H])."""
+    config = qwen3_moe_config()
+    torch.manual_seed(3)
+    dense = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    state = {k: v.detach().to(model_dtype) for k, v in dense.state_dict().items()}
+    reference_model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    reference_model.load_state_dict({k: v.float() for k, v in state.items()})
+    for linear in QWEN3_LINEARS:
+        name = f"model.layers.0.{linear}"
+        tensors, weight = quantize_layer(kind, state.pop(f"{name}.weight").float(), scale_dtype)
+        state.update({f"{name}.{role}": t.contiguous() for role, t in tensors.items()})
+        reference_model.get_submodule(name).weight.data = weight
+    experts = "model.layers.0.mlp.experts"
+    gate_up, down = state.pop(f"{experts}.gate_up_proj").float(), state.pop(f"{experts}.down_proj").float()
+    inter = config.moe_intermediate_size
+    w13, w2 = [], []
+    for e in range(config.num_experts):
+        weights = {}
+        for proj, w in (("gate_proj", gate_up[e, :inter]), ("up_proj", gate_up[e, inter:]), ("down_proj", down[e])):
+            tensors, weights[proj] = quantize_layer(kind, w, scale_dtype)  # dequantized [N, K]
+            state.update({f"{experts}.{e}.{proj}.{role}": t.contiguous() for role, t in tensors.items()})
+        w13.append(torch.cat([weights["gate_proj"], weights["up_proj"]]))  # [2I, H]
+        w2.append(weights["down_proj"])  # [H, I]
+    reference_experts = reference_model.get_submodule(experts)
+    reference_experts.gate_up_proj.data, reference_experts.down_proj.data = torch.stack(w13), torch.stack(w2)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**config.to_dict(), "quantization_config": quant_config(kind)}))
+    save_file(state, str(folder / "model.safetensors"))
+    return reference_model, torch.stack(w13).transpose(1, 2), torch.stack(w2).transpose(1, 2)
+
+
+@pytest.mark.parametrize("kind, model_dtype", [("gptq_desc_act", torch.bfloat16), ("awq_sym", torch.float16),
+                                               ("awq_sym_zeros", torch.bfloat16)])
+def test_qwen3_moe_int4_experts_load_into_w4a16_experts(kind, model_dtype, tmp_path):
+    import reference_moe
+
+    reference_model, w13, w2 = write_qwen3_moe_checkpoint(tmp_path, kind, model_dtype)
+    model = kdsl.from_pretrained(tmp_path, device="cpu", dtype=model_dtype)
+    layer = model.model.layers[0]
+    experts = layer.mlp.experts
+    assert isinstance(experts, kdsl.nn.W4A16Experts) and isinstance(layer.self_attn.q_proj, kdsl.nn.W4A16Linear)
+    assert type(model.lm_head) is nn.Linear and experts.w13_scales.dtype == model_dtype
+    assert (experts.w13_perm is not None) == (kind == "gptq_desc_act")
+    # the experts on the router's choice, called as transformers calls them, against the fp32 per-expert reference
+    x = torch.randn(6, 256).to(model_dtype)
+    with torch.no_grad():
+        _, weights, ids = layer.mlp.gate(x)
+        got = experts(x, ids, weights)
+    want = reference_moe.moe_dense_ref(x.float(), w13, w2, weights.float(), ids.int())
+    assert ref.rel_fro_error(got, want) < 2e-2
+    ids = torch.randint(0, VOCAB, (1, 7))
+    out, want = logits(model, ids), logits(reference_model, ids)
+    assert torch.isfinite(out).all() and ref.rel_fro_error(out, want) < 2e-2
+
+
+def test_qwen3_moe_expert_missing_is_refused_by_name(tmp_path):
+    write_qwen3_moe_checkpoint(tmp_path, "gptq_desc_act")
+    from safetensors.torch import load_file
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.layers.0.mlp.experts.2.down_proj.scales"]
+    tensors["model.layers.0.mlp.experts.1.up_proj.qzeros"] = tensors["model.layers.0.mlp.experts.1.up_proj.qzeros"][:, :8].contiguous()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(kdsl.nn.CheckpointError) as error:
+        kdsl.from_pretrained(tmp_path, device="cpu", dtype=torch.bfloat16)
+    assert "experts.2.down_proj.scales: missing" in str(error.value)
+    assert "experts.1.up_proj.qzeros: expected shape (2, 16) for expert 1 of 4 (I = 128, H = 256), found (2, 8)" \
+        in str(error.value)
+
+
+@pytest.mark.gpu
+def test_qwen3_moe_int4_experts_on_the_gpu(tmp_path):
+    import reference_moe
+
+    _, w13, w2 = write_qwen3_moe_checkpoint(tmp_path, "gptq_desc_act")
+    model = kdsl.from_pretrained(tmp_path, device="cuda", dtype=torch.bfloat16)
+    layer = model.model.layers[0]
+    for tokens in (1, 16, 200):
+        x = torch.randn(tokens, 256, device="cuda").to(torch.bfloat16)
+        with torch.no_grad():
+            _, weights, ids = layer.mlp.gate(x)
+            got = layer.mlp.experts(x, ids, weights)
+        want = reference_moe.moe_dense_ref(x.float().cpu(), w13, w2, weights.float().cpu(), ids.int().cpu())
+        assert ref.rel_fro_error(got.cpu(), want) < 2e-2, tokens
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda: transformers.GPTQConfig(bits=4, group_size=128, desc_act=True, sym=False), "gptq.int4.g128.gptq"),
+    (lambda: transformers.FineGrainedFP8Config(), "block_fp8.e4m3.w128x128.a128.f32"),
+    (lambda: transformers.AwqConfig(bits=4, group_size=64), "awq.int4.g64"),
+], ids=["GPTQConfig", "FineGrainedFP8Config", "AwqConfig"])
+def test_configs_as_transformers_writes_them_are_read(make, expected):
+    """Every key transformers' own config classes write is read or known harmless (none is refused)."""
+    assert kdsl.schema.read_hf_config(make().to_dict()).scheme.name == expected
+
+
+def test_power_of_two_fp8_scales_are_refused():
+    config = {**transformers.FineGrainedFP8Config().to_dict(), "scale_fmt": "ue8m0"}
+    with pytest.raises(ValueError, match=r"scale_fmt = 'ue8m0' is not supported"):
+        kdsl.schema.read_hf_config(config)

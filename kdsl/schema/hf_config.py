@@ -36,6 +36,8 @@ CALIBRATION_KEYS = frozenset({
     "moe", "buffered_fwd", "wait_for_submodule_finalizers", "auto_forward_data_parallel", "weight_only",
     "preprocessors", "smooth", "pack_impl", "calibration", "duo_scaling", "modules_to_fuse",
     "do_fuse", "fuse_max_seq_len", "exllama_version", "use_marlin", "pack_dtype",
+    # transformers' own configs: run-time choices and what the quantizer was given, not how tensors are stored
+    "model_seqlen", "pad_token_id", "modules_to_convert", "dequantize",
 })
 # Keys that are harmless while unset (None, False, empty) and change what tensors mean otherwise.
 UNSET_ONLY = {
@@ -145,7 +147,15 @@ FP8_NAMES = ("e4m3", "float8_e4m3fn", "fp8", "e4m3fn")
 def _fp8(config: dict) -> HFQuantization:
     _check_keys(config, {"quant_method", "method", "fmt", "format", "checkpoint_format", "activation_scheme",
                          "weight_block_size", "weight_scale_semantics", "weight_scale_method",
-                         "modules_to_not_convert", "bits", "group_size", "desc_act", "sym"})
+                         "modules_to_not_convert", "bits", "group_size", "desc_act", "sym", "scale_fmt",
+                         "expert_dtype"})
+    expert_dtype = config.get("expert_dtype")
+    if expert_dtype is not None and str(expert_dtype).lower() not in FP8_NAMES:
+        raise _refuse("expert_dtype", expert_dtype, "kdsl loads experts in the same block FP8 as the other layers")
+    scale_fmt = config.get("scale_fmt")
+    if scale_fmt not in (None, "float", "float32"):
+        raise _refuse("scale_fmt", scale_fmt, "kdsl's block FP8 keeps float32 scales; power-of-two (ue8m0) "
+                                              "activation scales are not served yet")
     for key in ("fmt", "format", "checkpoint_format"):
         if key in config and str(config[key]).lower() not in FP8_NAMES:
             raise _refuse(key, config[key], "kdsl's block FP8 is e4m3 (float8_e4m3fn)")
@@ -178,8 +188,9 @@ def _fp8(config: dict) -> HFQuantization:
 # --- quant_method "gptq" -------------------------------------------------------------------------------
 
 def _gptq(config: dict) -> HFQuantization:
+    # backend: which GPTQ kernel transformers/optimum should run ("auto", "marlin", ...), not the storage
     _check_keys(config, {"quant_method", "method", "bits", "group_size", "desc_act", "sym", "checkpoint_format",
-                         "format", "modules_to_not_convert"})
+                         "format", "modules_to_not_convert", "backend"})
     _pack_dtype(config)
     formats = {config[key] for key in ("checkpoint_format", "format") if key in config}
     if len(formats) > 1:
@@ -207,14 +218,15 @@ def _awq(config: dict) -> HFQuantization:
         if not isinstance(value, str) or value.lower() != "gemm":
             raise _refuse(key, value, "supported: 'gemm' (AutoAWQ's 'gemv', 'gemv_fast' and 'marlin' pack "
                                       "the weights differently)")
-    backend = config.get("backend")
-    if backend not in (None, "autoawq"):
-        raise _refuse("backend", backend, "llm-awq packs its weights for its GEMV kernel; supported: 'autoawq'")
+    backend = config.get("backend")  # GPTQModel: who packed the weights; transformers: which kernel to run
+    if backend not in (None, "auto", "autoawq"):
+        raise _refuse("backend", backend, "llm-awq packs its weights for its GEMV kernel; supported: 'autoawq' "
+                                          "(or transformers' 'auto')")
     if config.get("desc_act"):
         raise _refuse("desc_act", config["desc_act"], "AWQ checkpoints have no act-order")
+    # zero_point decides: GPTQModel writes sym = not zero_point, and transformers' AwqConfig carries its parent
+    # GPTQConfig's sym = true beside zero_point = true, which means nothing for AWQ.
     zero_point = _bool(config, "zero_point", True)
-    if "sym" in config and _bool(config, "sym", False) == zero_point:
-        raise ValueError(f"{PREFIX}.sym = {config['sym']!r} and zero_point = {zero_point!r} contradict each other")
     group_size = _int(config, "group_size", 128, "q_group_size")
     if group_size == -1 or not is_gptq_group_size(group_size):
         raise ValueError(f"{PREFIX}.group_size = {group_size} must be a power of two >= 16")
