@@ -3,7 +3,7 @@
 # kernel: moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90 (moe_fp8/sorted: tokens sorted by expert on the device, gate-up GEMM (+ silu * up + 1x128 quant), down GEMM, weighted combine)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: 82eeaae82266d6a6 (sha256 of this kernel's scheme, variant and templates)
+# digest: f62a931e5cb5901b (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -12,12 +12,9 @@ ACT_GROUP = tl.constexpr(128)
 W_BLOCK_N = tl.constexpr(128)
 W_BLOCK_K = tl.constexpr(128)
 
-# Launch shapes of the memory-bound helpers (routing, quantization, activation, combine): a few microseconds
-# each at decode, a small share of the GEMMs' time at prefill.
-ALIGN_CHUNK = 1024  # assignments per step of the routing program
-ALIGN_BLOCKS = 16  # M blocks per step when the routing program names each block's expert
+# Launch shape of the memory-bound quantization (routing and combine: common/moe_routing.py.j2): a few
+# microseconds at decode, a small share of the GEMMs' time at prefill.
 QUANT_ROWS = 8  # rows per program quantizing x (act_quant's tile)
-COMBINE_COLS = 512  # hidden columns per program of the combine
 
 
 FP8_MAX = tl.constexpr(448.0)
@@ -120,7 +117,13 @@ def _fp8_rows_dot(a_ptr, as_ptr, b_ptr, bs_ptr, rows_a, offs_n, N, K,
     return acc
 
 
-# --- 1. routing: the (token, slot) assignments sorted by expert, each expert's run padded to BLOCK_M rows ----------
+# Launch shapes of the routing and combine kernels: a few microseconds each at decode.
+ALIGN_CHUNK = 1024  # assignments per step of the routing program
+ALIGN_BLOCKS = 16  # M blocks per step when the routing program names each block's expert
+COMBINE_COLS = 512  # hidden columns per program of the combine
+
+
+# --- routing: the (token, slot) assignments sorted by expert, each expert's run padded to BLOCK_M rows ------------
 
 @triton.jit
 def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90_align(
@@ -171,7 +174,71 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90_align(
         tl.store(rows_ptr + row, assignment, mask=routed)
 
 
-# --- 2. x quantized per token in 1 x ACT_GROUP groups (act_quant's rule and code) ------------------------------------
+# --- combine: y[t] = sum_j topk_weights[t, j] * out[t * topk + j] over the routed slots ----------------------------
+
+@triton.jit
+def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90_combine(
+    out_ptr, weights_ptr, ids_ptr, y_ptr, N, topk, num_experts,
+    stride_om, stride_wt, stride_wk, stride_it, stride_ik, stride_ym,
+    BLOCK_N: tl.constexpr,
+):
+    """One program: BLOCK_N hidden columns of one token; the slots summed in order j = 0 .. topk - 1, in fp32."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in range(0, topk):
+        expert = tl.load(ids_ptr + token * stride_it + j * stride_ik)
+        routed = (expert >= 0) & (expert < num_experts)
+        weight = tl.load(weights_ptr + token * stride_wt + j * stride_wk)
+        # An unrouted slot's row of out was never written: none of it is read.
+        down = tl.load(out_ptr + (token * topk + j) * stride_om + cols, mask=cols < tl.where(routed, N, 0), other=0.0)
+        acc += tl.where(routed, weight, 0.0) * down.to(tl.float32)
+    tl.store(y_ptr + token * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=col_ok)
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def routing_rows(assignments: int, num_experts: int, block_m: int) -> int:
+    """Sorted rows to allocate: at most min(assignments, E) experts are routed to, each run padded by up to
+    block_m - 1 rows; a multiple of block_m. The grids cover these; programs past the rows used return."""
+    bound = assignments + min(assignments, num_experts) * (block_m - 1)
+    return _cdiv(bound, block_m) * block_m
+
+
+def _route(topk_ids, num_experts: int, block_m: int, on_routed):
+    """Launch the routing kernel: (rows [max_rows], block_expert [max_blocks], meta, max_rows, max_blocks), all on
+    topk_ids' device and sized on the host for the worst routing. on_routed: None, or called with the count of ids
+    outside [0, E) (a one-element int32 tensor) before anything else is launched."""
+    assignments = topk_ids.shape[0] * topk_ids.shape[1]
+    max_rows = routing_rows(assignments, num_experts, block_m)
+    max_blocks = max_rows // block_m
+    index = torch.empty(max_rows + max_blocks + 2 + num_experts, dtype=torch.int32, device=topk_ids.device)
+    rows, block_expert, meta = index[:max_rows], index[max_rows:max_rows + max_blocks], index[max_rows + max_blocks:]
+    moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90_align[(1,)](
+        topk_ids, rows, block_expert, meta, assignments, topk_ids.shape[1], num_experts, max_rows, max_blocks,
+        topk_ids.stride(0), topk_ids.stride(1),
+        BLOCK_M=block_m, EXPERTS_PAD=_next_power_of_two(num_experts + 1), CHUNK=ALIGN_CHUNK,
+        CHUNK_BLOCKS=ALIGN_BLOCKS, num_warps=4,
+    )
+    if on_routed is not None:
+        on_routed(meta[1:2])
+    return rows, block_expert, meta, max_rows, max_blocks
+
+
+def _combine(out, topk_weights, topk_ids, y, num_experts: int) -> None:
+    """y [T, H] = each token's routed rows of out [T * k, H], weighted and summed in fp32 (the combine kernel)."""
+    tokens, hidden = y.shape
+    moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90_combine[(tokens, _cdiv(hidden, COMBINE_COLS))](
+        out, topk_weights, topk_ids, y, hidden, topk_ids.shape[1], num_experts, out.stride(0),
+        topk_weights.stride(0), topk_weights.stride(1), topk_ids.stride(0), topk_ids.stride(1), y.stride(0),
+        BLOCK_N=COMBINE_COLS, num_warps=4,
+    )
+
+
+# --- 1. x quantized per token in 1 x ACT_GROUP groups (act_quant's rule and code) ------------------------------------
 
 @triton.jit
 def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90_quant(x_ptr, q_ptr, s_ptr, M, K, stride_xm, BLOCK_M: tl.constexpr, ROUND_FIRST: tl.constexpr):
@@ -187,7 +254,7 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90_quant(x_ptr, q_ptr, s_ptr, M, K
     tl.store(s_ptr + rows * (K // ACT_GROUP) + pid_g, scale, mask=row_ok)
 
 
-# --- 3. gate and up projections over the sorted rows --------------------------------------------------------------
+# --- 2. gate and up projections over the sorted rows --------------------------------------------------------------
 
 @triton.jit
 def _gate_up_dot(a_ptr, as_ptr, w_ptr, ws_ptr, rows_a, offs_n, inter, K,
@@ -261,7 +328,7 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90(
                      mask=live[:, None] & (offs_n[None, :] < N))
 
 
-# --- 4. (FUSE_ACT off) h = silu(gate) * up, quantized per row in 1 x ACT_GROUP groups --------------------------------
+# --- 3. (FUSE_ACT off) h = silu(gate) * up, quantized per row in 1 x ACT_GROUP groups --------------------------------
 
 @triton.jit
 def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90_act(gu_ptr, q_ptr, s_ptr, rows_ptr, meta_ptr, inter, stride_gum, stride_qm, stride_sm,
@@ -282,7 +349,7 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90_act(gu_ptr, q_ptr, s_ptr, rows_
         tl.store(s_ptr + rows * stride_sm + pid_g, scale, mask=live)
 
 
-# --- 5. down projection, each row stored at its assignment -------------------------------------------------------
+# --- 4. down projection, each row stored at its assignment -------------------------------------------------------
 
 @triton.jit
 def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90_down(
@@ -311,29 +378,6 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90_down(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(assignment >= 0)[:, None] & (offs_n[None, :] < N))
 
 
-# --- 6. combine: y[t] = sum_j topk_weights[t, j] * out[t * topk + j] over the routed slots ----------------------------
-
-@triton.jit
-def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90_combine(
-    out_ptr, weights_ptr, ids_ptr, y_ptr, N, topk, num_experts,
-    stride_om, stride_wt, stride_wk, stride_it, stride_ik, stride_ym,
-    BLOCK_N: tl.constexpr,
-):
-    """One program: BLOCK_N hidden columns of one token; the slots summed in order j = 0 .. topk - 1, in fp32."""
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in range(0, topk):
-        expert = tl.load(ids_ptr + token * stride_it + j * stride_ik)
-        routed = (expert >= 0) & (expert < num_experts)
-        weight = tl.load(weights_ptr + token * stride_wt + j * stride_wk)
-        # An unrouted slot's row of out was never written: none of it is read.
-        down = tl.load(out_ptr + (token * topk + j) * stride_om + cols, mask=cols < tl.where(routed, N, 0), other=0.0)
-        acc += tl.where(routed, weight, 0.0) * down.to(tl.float32)
-    tl.store(y_ptr + token * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=col_ok)
-
-
 # Tiles per M bucket, from the definition: (largest M served or None for the rest,
 # smallest N served or None, launch parameters); the first that serves (M, N) is used.
 TILES = (
@@ -347,17 +391,6 @@ TILES = (
 def _cdiv(n: int, d: int) -> int:
     # Host code's ceil division: triton.cdiv is a constexpr function, about 3 us a call on the host.
     return -(-n // d)
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-def routing_rows(assignments: int, num_experts: int, block_m: int) -> int:
-    """Sorted rows to allocate: at most min(assignments, E) experts are routed to, each run padded by up to
-    block_m - 1 rows; a multiple of block_m. The grids cover these; programs past the rows used return."""
-    bound = assignments + min(assignments, num_experts) * (block_m - 1)
-    return _cdiv(bound, block_m) * block_m
 
 
 def launch(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, on_routed, tile):
@@ -377,22 +410,11 @@ def launch(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, on_routed, tile):
     assignments = T * topk
     block_m, block_n = tile["BLOCK_M"], tile["BLOCK_N"]
     fuse = tile["fuse_act"]
-    max_rows = routing_rows(assignments, E, block_m)
-    max_blocks = max_rows // block_m
     device = x.device
     round_first = device.type == "cpu"
     fp8 = w13.dtype
 
-    index = torch.empty(max_rows + max_blocks + 2 + E, dtype=torch.int32, device=device)
-    rows, block_expert, meta = index[:max_rows], index[max_rows:max_rows + max_blocks], index[max_rows + max_blocks:]
-    moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90_align[(1,)](
-        topk_ids, rows, block_expert, meta, assignments, topk, E, max_rows, max_blocks,
-        topk_ids.stride(0), topk_ids.stride(1),
-        BLOCK_M=block_m, EXPERTS_PAD=_next_power_of_two(E + 1), CHUNK=ALIGN_CHUNK, CHUNK_BLOCKS=ALIGN_BLOCKS,
-        num_warps=4,
-    )
-    if on_routed is not None:
-        on_routed(meta[1:2])
+    rows, block_expert, meta, max_rows, max_blocks = _route(topk_ids, E, block_m, on_routed)
 
     xq = torch.empty((T, H), dtype=fp8, device=device)
     xs = torch.empty((T, H // ACT_GROUP.value), dtype=torch.float32, device=device)
@@ -424,7 +446,4 @@ def launch(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, on_routed, tile):
         hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1), w2_s.stride(0), w2_s.stride(1), out.stride(0),
         **gemm,
     )
-    moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90_combine[(T, _cdiv(H, COMBINE_COLS))](
-        out, topk_weights, topk_ids, y, H, topk, E, out.stride(0), topk_weights.stride(0), topk_weights.stride(1),
-        topk_ids.stride(0), topk_ids.stride(1), y.stride(0), BLOCK_N=COMBINE_COLS, num_warps=4,
-    )
+    _combine(out, topk_weights, topk_ids, y, E)

@@ -1,4 +1,4 @@
-"""Independent fp32 references for the block-FP8 MoE ops, and random MoE inputs.
+"""Independent fp32 references for the MoE ops (block FP8, and W4A16 on dequantized weights), and random MoE inputs.
 
 Written from the maths on top of tests/reference.py (nothing here imports kdsl): dequantize, then matmul in fp32.
 
@@ -8,6 +8,7 @@ Written from the maths on top of tests/reference.py (nothing here imports kdsl):
                      gate, up = x_t' @ W1_e^T, x_t' @ W3_e^T        (x_t' = x_t through act quant, dequantized)
                      h = silu(gate) * up, then act quant of h, dequantized -> h'
                      y_t += topk_weights[t, j] * (h' @ W2_e^T)
+    W4A16 layer    the same without activation quantization, on the int4 experts dequantized in fp32 (moe_dense_ref)
 """
 from __future__ import annotations
 
@@ -101,5 +102,23 @@ def routing(tokens: int, experts: int, topk: int, skew: float = 0.0, device="cpu
     return (weights / weights.sum(-1, keepdim=True)).float(), ids.to(torch.int32)
 
 
-__all__ = ["FP8", "dequant_rows", "grouped_gemm_ref", "masked_gemm_ref", "moe_ref", "blocks_quant", "expert_weights",
-           "moe_layer", "routing"]
+__all__ = ["FP8", "dequant_rows", "grouped_gemm_ref", "masked_gemm_ref", "moe_ref", "moe_dense_ref", "blocks_quant",
+           "expert_weights", "moe_layer", "routing"]
+
+
+# --- W4A16 MoE (int4 experts): dequantized fp32 weights, then the layer in fp32 --------------------------------------
+
+def moe_dense_ref(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """fp32 [T, H] of the gated-MLP experts on dense fp32 weights as y = x @ w: w13 [E, H, 2I] (gate columns, then
+    up columns), w2 [E, I, H]; slots whose id is outside [0, E) add nothing."""
+    tokens, hidden = x.shape
+    experts, inter = w13.shape[0], w13.shape[2] // 2
+    y = torch.zeros(tokens, hidden, device=x.device)
+    for e in range(experts):
+        token, slot = (topk_ids == e).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        gate_up = x[token].float() @ w13[e].float()
+        h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y.index_add_(0, token, topk_weights[token, slot, None].float() * (h @ w2[e].float()))
+    return y

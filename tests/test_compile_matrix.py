@@ -96,6 +96,17 @@ W4A16_ARGS = {"x_ptr": "*{out}", "perm_ptr": "*i32", "qw_ptr": "*i32", "z_ptr": 
               "M": I32, "N": I32, "K": I32,
               "stride_xm": I32, "stride_qwk": I32, "stride_zg": I32, "stride_sg": I32, "stride_ym": I32}
 
+# The W4A16 MoE GEMMs' weight, routing and integer arguments, and their constexprs ("{out}" is the activation dtype).
+MOE_W4A16_WEIGHTS = {"perm_ptr": "*i32", "qw_ptr": "*i32", "z_ptr": "*{out}", "s_ptr": "*{out}", "rows_ptr": "*i32",
+                     "block_expert_ptr": "*i32", "meta_ptr": "*i32", "N": I32, "K": I32, "max_blocks": I32,
+                     "stride_pe": I32, "stride_qwe": I32, "stride_qwk": I32, "stride_ze": I32, "stride_zg": I32,
+                     "stride_se": I32, "stride_sg": I32}
+MOE_W4A16_CONSTEXPRS = {
+    **GEMM_BLOCKS, "HAS_PERM": lambda tile: True, "UNIFORM_GROUP": lambda tile: tile["BLOCK_M"] > 16,
+    "MAGIC_BITS": lambda tile: 0x6400 if tile["out"] == "fp16" else 0x4300,
+    "MAGIC_BIAS": lambda tile: 1024 if tile["out"] == "fp16" else 128,
+    "FP32_MATH": lambda tile: False, "ASM_DEQUANT": lambda tile: tile["BLOCK_M"] >= 64}
+
 SIGNATURES: dict[tuple[str, str], KernelSignature] = {
     ("act_quant", "rowwise"): KernelSignature(
         args={"x_ptr": "*bf16", "q_ptr": FP8, "s_ptr": F32, "M": I32, "K": I32, "stride_xm": I32},
@@ -287,6 +298,17 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
         options=("num_warps", "num_stages"),
         out_types=("bf16", "fp16"),
     ),
+    # The W4A16 MoE layer (kernel_defs/moe_w4a16.toml): its gate-up GEMM ("{out}" is x's dtype, h's and the scales');
+    # routing, down GEMM and combine are in BESIDE. Act-order's gather of x is compiled in (HAS_PERM); the decode tile
+    # compiles the per-row group lookup (group_size < block_k), the others one group per K tile and, from 64 rows, the
+    # PTX unpack, as launch() picks them.
+    ("moe_w4a16", "sorted"): KernelSignature(
+        args={**MOE_W4A16_WEIGHTS, "x_ptr": "*{out}", "h_ptr": "*{out}", "topk": I32, "stride_xm": I32,
+              "stride_pup": I32, "stride_hm": I32},
+        constexprs=MOE_W4A16_CONSTEXPRS,
+        options=("num_warps", "num_stages"),
+        out_types=("fp16", "bf16"),
+    ),
     ("gptq_dequant", "blockwise"): KernelSignature(
         args={"qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*{out}", "g_ptr": "*i32", "w_ptr": "*{out}",
               "N": I32, "K": I32, "stride_qwk": I32, "stride_qzg": I32, "stride_sg": I32},
@@ -314,14 +336,21 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
 # Kernels a module launches beside its main one (named after the module), as `<module>_<name>`: per (op, impl),
 # name -> signature. Compiled for every tile of the entry too (their blocks come from it).
 MOE_INDEX = {"rows_ptr": "*i32", "meta_ptr": "*i32"}
+# The MoE layers' routing and combine (common/moe_routing.py.j2), the same in moe_fp8 and moe_w4a16.
+MOE_ALIGN = KernelSignature(
+    args={"ids_ptr": "*i32", **MOE_INDEX, "block_expert_ptr": "*i32", "num_assignments": I32, "topk": I32,
+          "num_experts": I32, "max_rows": I32, "max_blocks": I32, "stride_it": I32, "stride_ik": I32},
+    constexprs={"BLOCK_M": "BLOCK_M", "EXPERTS_PAD": lambda tile: 512, "CHUNK": lambda tile: 1024,
+                "CHUNK_BLOCKS": lambda tile: 16},
+    options=(), fixed={"num_warps": 4}, out_types=("bf16", "fp16"))
+MOE_COMBINE = KernelSignature(
+    args={"out_ptr": "*{out}", "weights_ptr": F32, "ids_ptr": "*i32", "y_ptr": "*{out}", "N": I32,
+          "topk": I32, "num_experts": I32, "stride_om": I32, "stride_wt": I32, "stride_wk": I32,
+          "stride_it": I32, "stride_ik": I32, "stride_ym": I32},
+    constexprs={"BLOCK_N": lambda tile: 512}, options=(), fixed={"num_warps": 4}, out_types=("bf16", "fp16"))
 BESIDE: dict[tuple[str, str], dict[str, KernelSignature]] = {
     ("moe_fp8", "sorted"): {
-        "align": KernelSignature(
-            args={"ids_ptr": "*i32", **MOE_INDEX, "block_expert_ptr": "*i32", "num_assignments": I32, "topk": I32,
-                  "num_experts": I32, "max_rows": I32, "max_blocks": I32, "stride_it": I32, "stride_ik": I32},
-            constexprs={"BLOCK_M": "BLOCK_M", "EXPERTS_PAD": lambda tile: 512, "CHUNK": lambda tile: 1024,
-                        "CHUNK_BLOCKS": lambda tile: 16},
-            options=(), fixed={"num_warps": 4}, out_types=("bf16", "fp16")),
+        "align": MOE_ALIGN,
         "quant": KernelSignature(
             args={"x_ptr": "*{out}", "q_ptr": FP8, "s_ptr": F32, "M": I32, "K": I32, "stride_xm": I32},
             constexprs={"BLOCK_M": lambda tile: 8, "ROUND_FIRST": lambda tile: False},
@@ -337,11 +366,14 @@ BESIDE: dict[tuple[str, str], dict[str, KernelSignature]] = {
                   "stride_hm": I32, "stride_hsm": I32, "stride_we": I32, "stride_wn": I32, "stride_wse": I32,
                   "stride_wsn": I32, "stride_om": I32},
             constexprs=GEMM_BLOCKS, options=("num_warps", "num_stages"), out_types=("bf16", "fp16")),
-        "combine": KernelSignature(
-            args={"out_ptr": "*{out}", "weights_ptr": F32, "ids_ptr": "*i32", "y_ptr": "*{out}", "N": I32,
-                  "topk": I32, "num_experts": I32, "stride_om": I32, "stride_wt": I32, "stride_wk": I32,
-                  "stride_it": I32, "stride_ik": I32, "stride_ym": I32},
-            constexprs={"BLOCK_N": lambda tile: 512}, options=(), fixed={"num_warps": 4}, out_types=("bf16", "fp16")),
+        "combine": MOE_COMBINE,
+    },
+    ("moe_w4a16", "sorted"): {
+        "align": MOE_ALIGN,
+        "down": KernelSignature(
+            args={**MOE_W4A16_WEIGHTS, "h_ptr": "*{out}", "out_ptr": "*{out}", "stride_hm": I32, "stride_om": I32},
+            constexprs=MOE_W4A16_CONSTEXPRS, options=("num_warps", "num_stages"), out_types=("fp16", "bf16")),
+        "combine": MOE_COMBINE,
     },
 }
 
@@ -699,6 +731,24 @@ MOE = _fp8_entry("moe_fp8", "sorted")
 def test_moe_gemms_use_fp8_mma_on_ada(job, compiled):
     ptx = ptx_of(compiled, job)
     assert re.search(r"mma\.sync\.aligned\.\S*\.e4m3\.e4m3", ptx), "no e4m3 tensor-core mma in the PTX"
+
+
+MOE_W4A16 = {e.min_arch: e for e in ENTRIES.values() if e.op == "moe_w4a16" and e.scheme == "w4a16.int4.g128"}
+
+
+@pytest.mark.parametrize("job", [
+    Job(MOE_W4A16[80].name, 80, 0, "fp16"), Job(MOE_W4A16[80].name, 80, last(MOE_W4A16[80])),
+    Job(MOE_W4A16[80].name, 80, 0, "fp16", kernel="down"), Job(MOE_W4A16[80].name, 80, last(MOE_W4A16[80]), kernel="down"),
+    Job(MOE_W4A16[90].name, 90, 0), Job(MOE_W4A16[90].name, 90, last(MOE_W4A16[90]), kernel="down"),
+], ids=["sm80-gate-up-decode-fp16", "sm80-gate-up-prefill", "sm80-down-decode-fp16", "sm80-down-prefill",
+        "sm90-gate-up-decode", "sm90-down-prefill"])
+def test_moe_w4a16_gemms_use_tensor_cores(job, compiled):
+    """The int4 MoE GEMMs multiply the dequantized weights on fp16/bf16 tensor cores (mma.sync, or wgmma on
+    Hopper), accumulating in fp32."""
+    ptx = ptx_of(compiled, job)
+    out = job.out.replace("fp", "f")
+    assert re.search(rf"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.{out}\.{out}\.f32|wgmma\.mma_async\S*\.f32\.{out}\.{out}",
+                     ptx), f"no {job.out} tensor-core MMA in the PTX"
 
 
 @pytest.mark.parametrize("job", [

@@ -337,7 +337,7 @@ def test_load_quantized_refuses_a_bad_tp_plan_and_an_uninitialized_group(tmp_pat
     write_checkpoint(tmp_path / "awq", "awq")
     model = TinyMLP()
     before = dict(model.named_children())
-    with pytest.raises(ValueError, match=r"tp_plan\['up'\]: expected 'column' or 'row', got 'colwise'"):
+    with pytest.raises(ValueError, match=r"tp_plan\['up'\]: expected 'column', 'row' or 'mlp', got 'colwise'"):
         kdsl.load_quantized(model, tmp_path / "awq", device="cpu", tp_plan={"up": "colwise"})
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):

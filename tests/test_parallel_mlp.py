@@ -9,6 +9,7 @@ dtype, each rounded, as before: an e4m3 code of h is a 1/8 step, so the two orde
 One spawn runs every case on the ops' torch fallbacks; a second runs the FP8 and GPTQ act-order MLPs on the
 generated kernels through Triton's interpreter.
 """
+import json
 import os
 import tempfile
 import warnings
@@ -23,9 +24,10 @@ from torch import nn
 
 import kdsl
 from kdsl.nn import FP8Linear, W4A16Linear
-from kdsl.parallel import ColumnParallelLinear, ParallelMLP, RowParallelLinear, comm
+from kdsl.parallel import ColumnParallelLinear, ParallelMLP, RowParallelLinear, ShardError, comm
 from kdsl.schema import GPTQ, BlockFP8
 from kdsl.schema.scheme import AWQ
+from reference import rel_fro_error
 from test_parallel import awq_layer, check_close, fp8_layer, gptq_layer
 
 WORLD = 2
@@ -254,6 +256,181 @@ def test_parallel_mlp_matches_one_rank():
     kdsl.quantize_; the dtypes the reduction carries; the column layer's one all_gather_into_tensor; the
     symm_mem option's fallback off CUDA."""
     spawn(interpret=False)
+
+
+# --- load_quantized(tp_plan={"model.layers.*.mlp": "mlp"}) ------------------------------------------------------
+
+LOAD_CONFIGS = {
+    "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": False},
+    "gptq_v2": {"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "gptq_v2"},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+}
+PLAN = {"model.layers.*.mlp": "mlp"}
+
+
+class GatedMLP(nn.Module):
+    """transformers' LlamaMLP: down_proj(act_fn(gate_proj(x)) * up_proj(x))."""
+
+    def __init__(self, dtype, inter=I, act=None):
+        super().__init__()
+        self.gate_proj = nn.Linear(H, inter, bias=True, dtype=dtype)
+        self.up_proj = nn.Linear(H, inter, bias=True, dtype=dtype)
+        self.down_proj = nn.Linear(inter, H, bias=True, dtype=dtype)
+        self.act_fn = act or nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, dtype, **kw):
+        super().__init__()
+        self.norm = nn.LayerNorm(H, dtype=dtype)
+        self.mlp = GatedMLP(dtype, **kw)
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class GatedModel(nn.Module):
+    """Two decoder layers named as transformers names them, an unquantized head."""
+
+    def __init__(self, dtype, **kw):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList([Decoder(dtype, **kw) for _ in range(2)])
+        self.model.norm = nn.LayerNorm(H, dtype=dtype)
+        self.lm_head = nn.Linear(H, 72, bias=False, dtype=dtype)
+
+    def forward(self, x):
+        for layer in self.model.layers:
+            x = layer(x)
+        return self.lm_head(self.model.norm(x))
+
+
+def write_gated_checkpoint(folder, kind, inter=I):
+    """GatedModel's checkpoint in the published names (layers' linears quantized, biases included)."""
+    from safetensors.torch import save_file
+
+    dtype = torch.bfloat16 if kind == "fp8" else torch.float16
+    gen = torch.Generator().manual_seed(80)
+    ckpt = {"model.norm.weight": (torch.rand(H, generator=gen) + 0.5).to(dtype),
+            "model.norm.bias": (torch.randn(H, generator=gen) * 0.1).to(dtype),
+            "lm_head.weight": (torch.randn(72, H, generator=gen) * 0.05).to(dtype)}
+    for i in range(2):
+        ckpt[f"model.layers.{i}.norm.weight"] = (torch.rand(H, generator=gen) + 0.5).to(dtype)
+        ckpt[f"model.layers.{i}.norm.bias"] = (torch.randn(H, generator=gen) * 0.1).to(dtype)
+        for seed, (name, (n, k)) in enumerate((("gate_proj", (inter, H)), ("up_proj", (inter, H)),
+                                               ("down_proj", (H, inter))), 90 + 10 * i):
+            if kind == "fp8":
+                t = fp8_layer(n, k, seed)
+            elif kind == "awq":
+                t = awq_layer(n, k, seed)
+            else:
+                t = gptq_layer(n, k, seed, checkpoint_format=kind, act_order=kind == "gptq")
+            if name == "up_proj" and "g_idx" in t:  # gate and up quantize the same input: one g_idx, one GEMM
+                t["g_idx"] = ckpt[f"model.layers.{i}.mlp.gate_proj.g_idx"].clone()
+            ckpt.update({f"model.layers.{i}.mlp.{name}.{role}": v for role, v in t.items()})
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {**LOAD_CONFIGS[kind], "modules_to_not_convert": ["lm_head"]}
+    (folder / "config.json").write_text(json.dumps({"model_type": "tiny", "quantization_config": config}))
+    save_file({k: v.contiguous() for k, v in ckpt.items()}, str(folder / "model.safetensors"))
+
+
+def _unchanged(model, before, what):
+    assert {name: type(m) for name, m in model.named_modules()} == before, what
+
+
+def _load_cases(rank, folder):
+    from kdsl.nn import checkpoint
+
+    one = [dist.new_group([r]) for r in range(WORLD)][rank]  # every rank creates every group
+    torch.manual_seed(81)
+    x = torch.randn(5, H)
+    for kind, dtype in (("fp8", torch.bfloat16), ("gptq", torch.float16), ("gptq_v2", torch.float16),
+                        ("awq", torch.float16), ("gptq", torch.bfloat16)):  # fp16 int4 scales into a bf16 model
+        what = f"load_quantized mlp {kind} {dtype} TP={WORLD} rank {rank}"
+        path = os.path.join(folder, kind)
+        read_whole, load = [], checkpoint._Shards.load
+
+        def spy(self, key, device, load=load, read_whole=read_whole):
+            read_whole.append(key)
+            return load(self, key, device)
+
+        checkpoint._Shards.load = spy
+        try:
+            tp = kdsl.load_quantized(GatedModel(dtype), path, device="cpu", tp_plan=PLAN)
+        finally:
+            checkpoint._Shards.load = load
+        mlps = [layer.mlp for layer in tp.model.layers]
+        assert all(isinstance(m, ParallelMLP) and m.fused_act and m.world_size == WORLD for m in mlps), what
+        assert mlps[0].intermediate_size == I and mlps[0].gate_up.out_features == 2 * I // WORLD, what
+        # Only the MLPs' g_idx and biases are read whole; their weights and scales through get_slice.
+        assert [k for k in read_whole if ".mlp." in k] == [
+            k for k in read_whole if ".mlp." in k and k.endswith((".bias", ".g_idx"))], (what, read_whole)
+        tp1 = kdsl.load_quantized(GatedModel(dtype), path, device="cpu", tp_plan=PLAN, group=one)
+        plain = kdsl.load_quantized(GatedModel(dtype), path, device="cpu", dtype=dtype)
+        xd = x.to(dtype)
+        # Each MLP on the same input; the whole model (two residual layers, each re-quantizing inputs that the
+        # reduction rounded differently) within 2% of TP = 1 in the Frobenius norm.
+        for i, m in enumerate(mlps):
+            check_close(m(xd), tp1.model.layers[i].mlp(xd), f"{what} layer {i} against a TP = 1 ParallelMLP")
+        assert rel_fro_error(tp(xd), tp1(xd)) < 2e-2, what
+        for i, m in enumerate(mlps):  # torch's silu and mul, as GatedMLP runs them
+            m.fused_act = False
+            check_close(m(xd), plain.model.layers[i].mlp(xd), f"{what} layer {i} (fused_act = False) against "
+                        "the TP = 1 model's GatedMLP")
+        assert rel_fro_error(tp(xd), plain(xd)) < 2e-2, what
+
+
+def _load_refusals(rank, folder):
+    fp8 = os.path.join(folder, "fp8")
+    refusals = [
+        ({"model.layers.*": "mlp"}, {}, r"matches model\.layers\.0, which holds no nn\.Linear gate_proj, up_proj, "
+                                        r"down_proj \(it holds norm: LayerNorm, mlp: GatedMLP\)"),
+        ({"model.layers.*.mlp.gate_proj": "mlp"}, {}, r"matches model\.layers\.0\.mlp\.gate_proj, an nn\.Linear"),
+        ({"model.layer.*.mlp": "mlp"}, {}, r"tp_plan\['model\.layer\.\*\.mlp'\] = 'mlp' matches no module"),
+        (PLAN, {"act": nn.GELU()}, r"whose act_fn: GELU is not SiLU"),
+        ({**PLAN, "*.up_proj": "column"}, {}, r"model\.layers\.0\.mlp\.up_proj a style of its own"),
+    ]
+    for plan, kw, message in refusals:
+        model = GatedModel(torch.bfloat16, **kw)
+        before = {name: type(m) for name, m in model.named_modules()}
+        with pytest.raises(kdsl.nn.checkpoint.CheckpointError, match=message):
+            kdsl.load_quantized(model, fp8, device="cpu", tp_plan=plan)
+        _unchanged(model, before, plan)
+    with pytest.raises(ValueError, match=r"tp_plan\['x'\]: expected 'column', 'row' or 'mlp', got 'gated'"):
+        kdsl.load_quantized(GatedModel(torch.bfloat16), fp8, device="cpu", tp_plan={"x": "gated"})
+    # FP8 down needs whole 128-column activation groups per rank: I = 384 gives 192. The first MLP fails to cut,
+    # and the model is left as it was.
+    model = GatedModel(torch.bfloat16, inter=384)
+    before = {name: type(m) for name, m in model.named_modules()}
+    with pytest.raises(ShardError, match=r"K = 384 / 2 = 192 must be a whole number and a multiple of 128"):
+        kdsl.load_quantized(model, os.path.join(folder, "fp8_384"), device="cpu", tp_plan=PLAN)
+    _unchanged(model, before, "fp8 I = 384")
+
+
+def _load_worker(rank, world, init_file, folder):
+    os.environ.pop("TRITON_INTERPRET", None)  # torch fallbacks: the kernels are the interpreter tests' business
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        with torch.no_grad():
+            _load_cases(rank, folder)
+            _load_refusals(rank, folder)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_load_quantized_mlp_plan_matches_one_rank(tmp_path):
+    """load_quantized(tp_plan={"model.layers.*.mlp": "mlp"}) on 2 ranks: ParallelMLPs from each rank's slices of
+    FP8, GPTQ (act-order, v2) and AWQ checkpoints equal the one-rank ParallelMLPs and (with torch's silu and mul)
+    the model loaded whole; what it cannot serve is refused by name and leaves the model as it was."""
+    for kind in LOAD_CONFIGS:
+        write_gated_checkpoint(tmp_path / kind, kind)
+    write_gated_checkpoint(tmp_path / "fp8_384", "fp8", inter=384)
+    mp.spawn(_load_worker, args=(WORLD, str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
 
 
 def test_parallel_mlp_through_the_interpreter():

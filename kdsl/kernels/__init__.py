@@ -12,7 +12,7 @@ from kdsl.kernels.block_fp8 import (fp8_bmm_portable, fp8_bmm_tma_sm90, fp8_gemm
                                     fp8_gemm_tma_persistent, fp8_grouped_gemm_portable, fp8_linear_portable,
                                     moe_fp8_sorted, quant, silu_mul)
 from kdsl.kernels.gptq import checkpoint
-from kdsl.kernels.w4a16 import dequant, gemv, gemv_mma_gluon, mma, overlap_gluon, planes_mma
+from kdsl.kernels.w4a16 import dequant, gemv, gemv_mma_gluon, mma, moe_sorted, overlap_gluon, planes_mma
 
 # Tile fields every implementation reads.
 BASE_KNOBS = frozenset({"m_max", "num_warps"})
@@ -26,7 +26,7 @@ CATALOGUE: tuple[KernelImpl, ...] = (
     fp8_grouped_gemm_portable.IMPL, fp8_grouped_gemm_portable.MASKED_IMPL, moe_fp8_sorted.IMPL,
     checkpoint.GEMM_SPLITK, checkpoint.DEQUANT_BLOCKWISE,
     mma.IMPL, planes_mma.IMPL, gemv.IMPL, gemv_mma_gluon.IMPL, overlap_gluon.IMPL,
-    dequant.IMPL,
+    dequant.IMPL, moe_sorted.IMPL,
 )
 
 

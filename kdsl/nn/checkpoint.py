@@ -366,7 +366,9 @@ def _plan(model: nn.Module, shards: _Shards, fmt: LayerFormat) -> _Plan:
     return plan
 
 
-TP_STYLES = ("column", "row")
+TP_STYLES = ("column", "row", "mlp")
+MLP_ROLES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}  # ParallelMLP's roles: the linears' names
+SILU_CLASSES = ("SiLU", "SiLUActivation")  # torch's nn.SiLU, and transformers' name for it in older versions
 
 
 def _tp_style(name: str, tp_plan: dict[str, str] | None) -> str | None:
@@ -390,6 +392,99 @@ def _build_parallel(scheme, style: str, shards: _Shards, roles: dict[str, str], 
     if isinstance(scheme, AWQ):
         return cls.from_awq(t["qweight"], t["qzeros"], t["scales"], bias, group=group, scheme=scheme)
     return cls.from_gptq(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), bias, group=group, scheme=scheme)
+
+
+class _AsDtype:
+    """A lazily read checkpoint tensor converted to dtype as it is read (int4 scales into the model's dtype)."""
+
+    def __init__(self, tensor, dtype: torch.dtype):
+        self._tensor, self.dtype = tensor, dtype
+        self.shape, self.device = tensor.shape, tensor.device
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._tensor[index].to(self.dtype)
+
+
+def _parallel_mlps(model: nn.Module, plan: _Plan, tp_plan: dict[str, str] | None) -> dict[str, dict[str, str]]:
+    """{module name: {role: its linear's name}} for every module a tp_plan "mlp" pattern matches (the first
+    matching pattern decides, as for linears), each checked to be a gated MLP ParallelMLP can replace: gate_proj,
+    up_proj and down_proj quantized in the checkpoint, a SiLU activation if it names one, nothing else that holds
+    a tensor. Anything else a pattern matches, and a pattern that matches no module, is refused by name."""
+    patterns = [pattern for pattern, style in (tp_plan or {}).items() if style == "mlp"]
+    if not patterns:
+        return {}
+    found, problems, matched, inside = {}, [], set(), None
+    for name, module in model.named_modules():  # depth first: an MLP's submodules come right after it
+        if not name or (inside is not None and name.startswith(inside)):
+            continue
+        pattern = next((p for p, style in tp_plan.items() if fnmatch.fnmatchcase(name, p)), None)
+        if pattern is None or tp_plan[pattern] != "mlp":
+            continue
+        matched.add(pattern)
+        where = f"tp_plan[{pattern!r}] = 'mlp' matches {name}"
+        if isinstance(module, nn.Linear):
+            problems.append(f"{where}, an nn.Linear: 'mlp' takes the module holding gate_proj, up_proj and "
+                            "down_proj (use 'column' / 'row' for single linears)")
+            continue
+        children = dict(module.named_children())
+        missing = [child for child in MLP_ROLES.values() if not isinstance(children.get(child), nn.Linear)]
+        if missing:
+            problems.append(f"{where}, which holds no nn.Linear {', '.join(missing)} (it holds "
+                            f"{', '.join(f'{k}: {type(v).__name__}' for k, v in children.items()) or 'no modules'}); "
+                            "narrow the pattern to the gated MLPs")
+            continue
+        linears = {role: f"{name}.{child}" for role, child in MLP_ROLES.items()}
+        unquantized = [linear for linear in linears.values() if linear not in plan.quantized]
+        if unquantized:
+            problems.append(f"{where}, but {', '.join(unquantized)} is not quantized in the checkpoint "
+                            "(ParallelMLP runs quantized gate, up and down)")
+            continue
+        others = {k: v for k, v in children.items() if k not in MLP_ROLES.values()}
+        held = [k for k, v in others.items() if any(True for _ in v.parameters()) or any(True for _ in v.buffers())]
+        held += [k for k, _ in module.named_parameters(recurse=False)] + [k for k, _ in module.named_buffers(recurse=False)]
+        if held:
+            problems.append(f"{where}, which also holds tensors ({', '.join(held)}) that ParallelMLP would drop")
+            continue
+        act = [f"{k}: {type(v).__name__}" for k, v in others.items() if type(v).__name__ not in SILU_CLASSES]
+        if act:
+            problems.append(f"{where}, whose {', '.join(act)} is not SiLU: ParallelMLP computes "
+                            "down(silu(gate(x)) * up(x))")
+            continue
+        claimed = [linear for linear in linears.values() if _tp_style(linear, tp_plan) not in (None, "mlp")]
+        if claimed:
+            problems.append(f"{where}, and tp_plan gives {', '.join(claimed)} a style of its own: one or the other")
+            continue
+        found[name], inside = linears, f"{name}."
+    problems += [f"tp_plan[{p!r}] = 'mlp' matches no module of the model" for p in patterns if p not in matched]
+    if problems:
+        raise CheckpointError("tp_plan: cannot build kdsl.parallel.ParallelMLP:\n  " + "\n  ".join(problems))
+    return found
+
+
+def _build_parallel_mlp(scheme, shards: _Shards, plan: _Plan, linears: dict[str, str], device, group,
+                        act_dtype: torch.dtype | None) -> nn.Module:
+    """A ParallelMLP from this rank's slices of gate, up and down (g_idx and biases are read whole); int4 scales
+    are converted to act_dtype (default: the checkpoint's) as they are read."""
+    from kdsl.parallel import ParallelMLP
+
+    tensors = {}
+    for role, linear in linears.items():
+        t = {}
+        for name, key in plan.quantized[linear].items():
+            t[name] = shards.load(key, device) if name in ("g_idx", "bias") else shards.lazy(key, device)
+        if "scales" in t and act_dtype is not None and t["scales"].dtype != act_dtype:
+            t["scales"] = _AsDtype(t["scales"], act_dtype)
+        if "weight_scale_inv" in t and t["weight_scale_inv"].dtype != torch.float32:  # FP8 multipliers in float32
+            t["weight_scale_inv"] = _AsDtype(t["weight_scale_inv"], torch.float32)
+        tensors[role] = t
+    if isinstance(scheme, BlockFP8):
+        return ParallelMLP.from_fp8(**tensors, group=group, scheme=scheme)
+    if isinstance(scheme, AWQ):
+        return ParallelMLP.from_awq(**tensors, group=group, scheme=scheme)
+    return ParallelMLP.from_gptq(**tensors, group=group, scheme=scheme)
 
 
 def _read_config(folder: Path) -> dict:
@@ -425,12 +520,16 @@ def load_quantized(model: nn.Module, path, device=None, *, dtype: torch.dtype | 
     A config key kdsl does not know, a missing, extra, mis-shaped or mis-typed tensor raises (ValueError /
     CheckpointError naming it) before anything changes; layers are read one at a time.
 
-    Tensor parallel: tp_plan maps module-name patterns (fnmatch: "layers.*.mlp.up_proj") to "column" or
-    "row"; each quantized linear a pattern matches becomes a kdsl.parallel.ColumnParallelLinear (output
+    Tensor parallel: tp_plan maps module-name patterns (fnmatch: "layers.*.mlp.up_proj") to "column",
+    "row" or "mlp"; each quantized linear a pattern matches becomes a kdsl.parallel.ColumnParallelLinear (output
     gathered) or RowParallelLinear (takes the whole input, all-reduces) over `group` (default: the default
     process group), built from this rank's slice of its tensors (DeepSeek FP8, GPTQ and AWQ with zero points;
-    other formats are refused under tp_plan). A layer that cannot be cut raises kdsl.parallel.ShardError and
-    leaves the model as it was.
+    other formats are refused under tp_plan). "mlp" ("model.layers.*.mlp") replaces each module it matches, a
+    gated MLP holding gate_proj, up_proj and down_proj linears (and a SiLU act_fn), with a
+    kdsl.parallel.ParallelMLP: one gate_up GEMM, SiLU * up in one kernel, row-parallel down, one all-reduce.
+    A module it matches that is not such an MLP (other children holding tensors, another activation, a linear
+    left unquantized) and a pattern that matches nothing are refused. A layer that cannot be cut raises
+    kdsl.parallel.ShardError and leaves the model as it was.
     """
     import kdsl
 
@@ -438,7 +537,7 @@ def load_quantized(model: nn.Module, path, device=None, *, dtype: torch.dtype | 
     config = _read_config(folder)
     for pattern, style in (tp_plan or {}).items():
         if style not in TP_STYLES:
-            raise ValueError(f"tp_plan[{pattern!r}]: expected 'column' or 'row', got {style!r}")
+            raise ValueError(f"tp_plan[{pattern!r}]: expected 'column', 'row' or 'mlp', got {style!r}")
     if dtype is not None and dtype not in ACT_DTYPES:
         raise TypeError(f"dtype: expected torch.float16 or torch.bfloat16, got {dtype}")
     hf = read_hf_config(config["quantization_config"])
@@ -447,13 +546,22 @@ def load_quantized(model: nn.Module, path, device=None, *, dtype: torch.dtype | 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shards = _Shards(folder)
     plan = _plan(model, shards, fmt)
-    if tp_plan and not fmt.tp and any(_tp_style(name, tp_plan) for name in plan.quantized):
+    mlps = _parallel_mlps(model, plan, tp_plan)
+    in_mlps = {linear for linears in mlps.values() for linear in linears.values()}
+    if tp_plan and not fmt.tp and (mlps or any(_tp_style(name, tp_plan) for name in plan.quantized)):
         raise CheckpointError(f"tp_plan: tensor-parallel loading does not read {hf.source} checkpoints"
                               f"{' with inverse scales' if hf.scale_inverse else ''} yet; load without tp_plan")
 
     swapped = []
     try:
+        for name, linears in mlps.items():
+            gate = model.get_submodule(linears["gate"])
+            act_dtype = dtype or (gate.weight.dtype if gate.weight.dtype in ACT_DTYPES else None)
+            swapped.append((name, _swap(model, name, _build_parallel_mlp(fmt.scheme, shards, plan, linears, device,
+                                                                         group, act_dtype))))
         for name, roles in plan.quantized.items():
+            if name in in_mlps:
+                continue
             style = _tp_style(name, tp_plan)
             if style is not None:
                 swapped.append((name, _swap(model, name, _build_parallel(fmt.scheme, style, shards, roles, device,

@@ -156,3 +156,30 @@ def silu_mul_quant(gate_up: torch.Tensor, group_size: int) -> tuple[torch.Tensor
     inter = gate_up.shape[-1] // 2
     gate, up = gate_up[..., :inter].float(), gate_up[..., inter:].float()
     return act_quant(torch.nn.functional.silu(gate) * up, group_size)
+
+
+def moe_w4a16(x, expert_weights, topk_weights, topk_ids, experts: int) -> torch.Tensor:
+    """The W4A16 MoE layer in the kernels' order. expert_weights(e) -> (w13 fp32 [H, 2I], perm13 [S, H] or None,
+    w2 fp32 [I, H], perm2 [1, I] or None), K in prepared order (x's column perm[s, k] is row k of segment s's
+    columns). gate-up in fp32, h = silu(gate) * up in x's dtype, down in x's dtype, then each token's slots weighted
+    and summed in fp32 (j = 0 .. k - 1)."""
+    tokens, hidden = x.shape
+    topk = topk_ids.shape[1]
+    down = torch.zeros(tokens, topk, hidden, dtype=x.dtype, device=x.device)
+    routed = (topk_ids >= 0) & (topk_ids < experts)
+    for expert in topk_ids[routed].unique().tolist():
+        token, slot = (topk_ids == expert).nonzero(as_tuple=True)
+        w13, perm13, w2, perm2 = expert_weights(expert)
+        inter = w13.shape[1] // 2
+        xs = x[token].float()
+        x_gate = xs if perm13 is None else xs[:, perm13[0].long()]
+        x_up = xs if perm13 is None else xs[:, perm13[-1].long()]
+        h = (torch.nn.functional.silu(x_gate @ w13[:, :inter]) * (x_up @ w13[:, inter:])).to(x.dtype).float()
+        if perm2 is not None:
+            h = h[:, perm2[0].long()]
+        down[token, slot] = (h @ w2).to(x.dtype)
+    weights = torch.where(routed, topk_weights, 0.0)
+    y = torch.zeros(tokens, hidden, dtype=torch.float32, device=x.device)
+    for j in range(topk):
+        y += weights[:, j, None] * down[:, j].float()
+    return y.to(x.dtype)

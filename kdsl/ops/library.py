@@ -25,6 +25,10 @@ model that calls them without a graph break.
                                   ScalarType out_dtype, int? expected_m) -> Tensor
     kdsl::moe_fp8(Tensor x, Tensor w13, Tensor w13_s, Tensor w2, Tensor w2_s, Tensor topk_weights,
                   Tensor topk_ids, bool check_ids) -> Tensor
+    kdsl::moe_w4a16(Tensor x, Tensor w13_qweight, Tensor w13_zeros, Tensor w13_scales, Tensor? w13_perm,
+                    Tensor w2_qweight, Tensor w2_zeros, Tensor w2_scales, Tensor? w2_perm, str scheme, str source,
+                    int bits, int group_size, str layout_zeros, str layout_weights, int zero_bias,
+                    Tensor topk_weights, Tensor topk_ids, bool check_ids) -> Tensor
     kdsl::silu_mul(Tensor gate_up) -> Tensor
     kdsl::silu_mul_quant(Tensor gate_up, int group_size) -> (Tensor, Tensor)        # q, s
 
@@ -66,7 +70,7 @@ import functools
 import torch
 
 from kdsl.ops import _checks as check
-from kdsl.ops import _plan, activation, awq, block_fp8, gptq, moe, w4a16
+from kdsl.ops import _plan, activation, awq, block_fp8, gptq, moe, w4a16, w4a16_moe
 
 SCHEMAS = {
     "act_quant": "(Tensor x, int group_size) -> (Tensor, Tensor)",
@@ -98,6 +102,11 @@ SCHEMAS = {
                                "int? expected_m) -> Tensor",
     "moe_fp8": "(Tensor x, Tensor w13, Tensor w13_s, Tensor w2, Tensor w2_s, Tensor topk_weights, Tensor topk_ids, "
                "bool check_ids) -> Tensor",
+    # Two W4A16ExpertsPrepared cross as their tensors and the fields they share (kdsl.ops.w4a16_moe.prepared_args).
+    "moe_w4a16": "(Tensor x, Tensor w13_qweight, Tensor w13_zeros, Tensor w13_scales, Tensor? w13_perm, "
+                 "Tensor w2_qweight, Tensor w2_zeros, Tensor w2_scales, Tensor? w2_perm, str scheme, str source, "
+                 "int bits, int group_size, str layout_zeros, str layout_weights, int zero_bias, "
+                 "Tensor topk_weights, Tensor topk_ids, bool check_ids) -> Tensor",
     # The gated MLP's activation (kdsl.ops.activation).
     "silu_mul": "(Tensor gate_up) -> Tensor",
     "silu_mul_quant": "(Tensor gate_up, int group_size) -> (Tensor, Tensor)",
@@ -247,6 +256,23 @@ def _moe_fp8_fake(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, check_ids):
     return moe._moe_fp8_outputs(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, symbolic=True)[-1]
 
 
+def _moe_w4a16_experts(w13_qweight, w13_zeros, w13_scales, w13_perm, w2_qweight, w2_zeros, w2_scales, w2_perm,
+                       *shared):
+    """(w13, w2) as kdsl.ops.moe_w4a16 takes them, from the op's arguments."""
+    return (w4a16_moe.prepared_from_args(w13_qweight, w13_zeros, w13_scales, w13_perm, *shared),
+            w4a16_moe.prepared_from_args(w2_qweight, w2_zeros, w2_scales, w2_perm, *shared))
+
+
+def _moe_w4a16(x, *args):
+    *fields, topk_weights, topk_ids, check_ids = args
+    return w4a16_moe._moe_w4a16_impl(x, *_moe_w4a16_experts(*fields), topk_weights, topk_ids, check_ids)
+
+
+def _moe_w4a16_fake(x, *args):
+    *fields, topk_weights, topk_ids, check_ids = args
+    return w4a16_moe._moe_w4a16_outputs(x, *_moe_w4a16_experts(*fields), topk_weights, topk_ids)
+
+
 def _silu_mul_fake(gate_up):
     return activation._silu_mul_outputs(gate_up)[1]
 
@@ -272,6 +298,7 @@ fp8_grouped_gemm = _op("fp8_grouped_gemm", moe._fp8_grouped_gemm_impl, _fp8_grou
 fp8_grouped_gemm_masked = _op("fp8_grouped_gemm_masked", moe._fp8_grouped_gemm_masked_impl,
                               _fp8_grouped_gemm_masked_fake)
 moe_fp8 = _op("moe_fp8", moe._moe_fp8_impl, _moe_fp8_fake)
+moe_w4a16_op = _op("moe_w4a16", _moe_w4a16, _moe_w4a16_fake)
 silu_mul = _op("silu_mul", activation._silu_mul_impl, _silu_mul_fake)
 silu_mul_quant = _op("silu_mul_quant", activation._silu_mul_quant_impl, _silu_mul_quant_fake)
 
@@ -279,4 +306,4 @@ OPS = {op._name.removeprefix("kdsl::"): op for op in (act_quant, weight_quant, w
                                                      fp8_linear, gptq_gemm, gptq_dequant, w4a16_gemm, awq_gemm, awq_dequant,
                                                      w4a16_dequant,
                                                      fp8_grouped_gemm, fp8_grouped_gemm_masked, moe_fp8,
-                                                     silu_mul, silu_mul_quant)}
+                                                     silu_mul, silu_mul_quant, moe_w4a16_op)}
