@@ -57,7 +57,8 @@ def test_the_default_cases_are_the_issue_shapes():
         ("row", "fp8", 7168, 16384), ("mlp", "fp8", 7168, 18432), ("mlp", "gptq", 8192, 28672)]
     assert set(tp.variants(tp.CASES[0])) == {"tp", "tp_sharded"}
     assert set(tp.variants(tp.CASES[2])) == {"tp", "tp_fp32", "tp_symm"}
-    assert set(tp.variants(tp.CASES[5])) == {"tp"}  # fp16: no one-shot kernel
+    assert set(tp.variants(tp.CASES[4])) == {"tp", "tp_symm", "tp_unfused"}
+    assert set(tp.variants(tp.CASES[5])) == {"tp", "tp_unfused"}  # fp16: no one-shot kernel
 
 
 SMALL = (tp.TPCase("fp8 column 576x256", "column", "fp8", 576, 256),  # off the 128 grid at TP = 2
@@ -94,5 +95,8 @@ def test_the_bench_logic_runs_on_two_gloo_ranks():
         assert r["copies"] == {"tp1": 2, "tp": 2}  # tiny weights: as many copies as allowed
         for v in r["variants"].values():
             assert v["ok"] and v["max_error"] < 2e-2 and len(v["us_ranks"]) == 2 and v["speedup"] > 0
+    mlp = by_case[("fp8 MLP H=256 I=256", 5)]  # with and without silu_mul_quant, at TP = 1 and TP = 2
+    assert set(mlp["variants"]) == {"tp", "tp_symm", "tp_unfused"} and set(mlp["tp1_variants"]) == {"tp1_unfused"}
     table = tp.format_table(doc)
     assert "fp8 MLP H=256 I=256" in table and "tp_symm" in table and "faster than TP1 in" in table
+    assert "tp1_unfused" in table and "tp_unfused" in table

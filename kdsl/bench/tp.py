@@ -7,11 +7,14 @@ under torchrun (WORLD_SIZE = N, LOCAL_RANK picks the GPU). Cases (N x K of a lin
   fp8 row 7168x2048, 7168x16384       RowParallelLinear fed its input shard (input_is_parallel, as after a
                                       column layer): reduced in bf16 (tp), in fp32 (tp_fp32), and through
                                       torch's symmetric-memory one-shot all-reduce (tp_symm, where it runs)
-  fp8 MLP DeepSeek-V3 dense           ParallelMLP H=7168 I=18432: tp and tp_symm
-  w4a16 MLP Llama-3-70B               ParallelMLP.from_gptq H=8192 I=28672, group 128, fp16: tp
+  fp8 MLP DeepSeek-V3 dense           ParallelMLP H=7168 I=18432: tp, tp_symm, and tp_unfused (fused_act off:
+                                      torch's silu and mul, and for FP8 an act_quant of h, instead of
+                                      silu_mul_quant / silu_mul)
+  w4a16 MLP Llama-3-70B               ParallelMLP.from_gptq H=8192 I=28672, group 128, fp16: tp, tp_unfused
 
 at M = 1 16 64 512 2048 (--m to change). TP = 1 is the same module on one GPU (FP8Linear; the MLP on a
-one-rank group: one stacked gate_up GEMM, no collective), on every rank at once. The collective of the same
+one-rank group: one stacked gate_up GEMM, the fused activation, no collective), on every rank at once; for the
+MLPs TP = 1 is also timed unfused (tp1_unfused), and unfused variants are checked against it. The collective of the same
 size is timed alone (all_reduce, all_reduce_symm; all_gather for gathered columns): the floor of TP = N.
 
 Every time is a CUDA graph of several calls per rank, replayed after a barrier; its calls cycle through copies
@@ -83,6 +86,8 @@ def variants(case: TPCase) -> dict[str, dict]:
         out["tp_fp32"] = {"reduce_dtype": "float32"}
     if case.scheme == "fp8":  # the one-shot kernel takes bf16 and fp32, not fp16
         out["tp_symm"] = {"all_reduce": "symm_mem"}
+    if case.kind == "mlp":  # torch's silu and mul (FP8: and act_quant of h) instead of silu_mul(_quant)
+        out["tp_unfused"] = {"fused_act": False}
     return out
 
 
@@ -281,6 +286,8 @@ def configure(module, case: TPCase, settings: dict) -> None:
     row = module.down if case.kind == "mlp" else module
     row.reduce_dtype = torch.float32 if settings.get("reduce_dtype") == "float32" else None
     row.all_reduce = settings.get("all_reduce", "nccl")
+    if case.kind == "mlp":
+        module.fused_act = settings.get("fused_act", True) and module.fused_act_serves()
 
 
 def weight_bytes(module) -> int:
@@ -313,11 +320,20 @@ def run_case(case: TPCase, ms, rank: int, world: int, device, one, timer, most: 
             row = {"case": case.name, "kind": case.kind, "scheme": case.scheme, "n": case.n, "k": case.k, "m": m,
                    "tp": world, "copies": {"tp1": len(tp1), "tp": len(tpn)}, "variants": {}, "floors": {}}
             row["tp1_us"], row["tp1_us_ranks"], _ = timer.time([lambda mod=mod: mod(x) for mod in tp1])
+            unfused = None
+            if case.kind == "mlp":  # TP = 1 with torch's silu and mul: the unfused variants' reference
+                for mod in tp1:
+                    mod.fused_act = False
+                unfused = tp1[0](x)
+                us, ranks, _ = timer.time([lambda mod=mod: mod(x) for mod in tp1])
+                row["tp1_variants"] = {"tp1_unfused": {"us": us, "us_ranks": ranks}}
+                for mod in tp1:
+                    mod.fused_act = mod.fused_act_serves()
             for name, settings in variants(case).items():
                 for mod in tpn:
                     configure(mod, case, settings)
                 y = tpn[0](x_tp)
-                want = expected
+                want = unfused if settings.get("fused_act") is False else expected
                 if case.kind == "column" and not settings["gather_output"]:
                     size = case.n // world
                     want = expected[..., rank * size:(rank + 1) * size]
@@ -461,13 +477,16 @@ def format_table(doc: dict) -> str:
         rows = [r for r in doc["rows"] if r["case"] == name]
         names = list(rows[0]["variants"])
         floors_ = list(dict.fromkeys(f for r in rows for f in r["floors"]))
-        header = f"{'M':>6} {'TP1':>9} " + " ".join(f"{v:>12} {'x':>5}" for v in names) + " " + " ".join(
-            f"{f:>15}" for f in floors_)
+        tp1s = list(dict.fromkeys(f for r in rows for f in r.get("tp1_variants", {})))
+        header = f"{'M':>6} {'TP1':>9} " + "".join(f"{v:>12} " for v in tp1s) + " ".join(
+            f"{v:>12} {'x':>5}" for v in names) + " " + " ".join(f"{f:>15}" for f in floors_)
         lines += ["", name, header]
         for r in rows:
             cells = " ".join(f"{r['variants'][v]['us']:>12.1f} {r['variants'][v]['speedup']:>5.2f}"
                              + ("" if r["variants"][v]["ok"] else " WRONG") for v in names)
-            lines.append(f"{r['m']:>6} {r['tp1_us']:>9.1f} {cells} " + " ".join(
+            baselines = "".join(f"{r.get('tp1_variants', {}).get(v, {}).get('us', float('nan')):>12.1f} "
+                                for v in tp1s)
+            lines.append(f"{r['m']:>6} {r['tp1_us']:>9.1f} {baselines}{cells} " + " ".join(
                 f"{r['floors'][f]['us']:>15.1f}" if f in r["floors"] else f"{'-':>15}" for f in floors_))
     faster = sum(r["variants"]["tp"]["speedup"] > 1 for r in doc["rows"])
     lines += ["", f"TP{tp} (tp) faster than TP1 in {faster} of {len(doc['rows'])} cells; "
