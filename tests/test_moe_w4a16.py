@@ -317,6 +317,77 @@ tiles = [{ block_m = 16, block_n = 64, block_k = 128 }]
         parse_definition("moe.toml", text)
 
 
+# --- kdsl.nn.W4A16MoE / W4A16Experts -------------------------------------------------------------------------------
+
+def _projection(parts_k_n, **kw):
+    qweight, qzeros, scales, g_idx, dense = gptq_experts(*parts_k_n, **kw)
+    return {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": None if g_idx is None else g_idx[:, 0]}, dense
+
+
+def test_w4a16_moe_module_from_gptq_tensors(launched):
+    """gate, up and down as a checkpoint stores them (each with its own act-order g_idx), stacked over experts."""
+    experts, hidden, inter = 3, 256, 256
+    gate, dense_gate = _projection((experts, hidden, inter), g_idx="perm")
+    up, dense_up = _projection((experts, hidden, inter), g_idx="perm")
+    down, dense_down = _projection((experts, inter, hidden), g_idx="perm")
+    layer = kdsl.nn.W4A16MoE.from_gptq(gate, up, down, kdsl.GPTQ(group_size=128, desc_act=True))
+    assert layer.w13_perm.shape == (experts, 2, hidden) and layer.w2_perm.shape == (experts, 1, inter)
+    assert "num_experts=3" in repr(layer) and "act_order=True" in repr(layer) and "moe_w4a16__" in repr(layer)
+    x = torch.randn(2, 3, hidden).half()
+    topk_weights, topk_ids = routing(6, experts, 2)
+    with torch.no_grad():
+        y = layer.bfloat16()(x, topk_weights.view(2, 3, 2), topk_ids.view(2, 3, 2))
+    assert layer.w13_scales.dtype == torch.float16  # .bfloat16() leaves the prepared experts alone
+    assert y.shape == (2, 3, hidden)
+    ref = moe_dense_ref(x.view(6, hidden), torch.cat([dense_gate, dense_up], 2), dense_down, topk_weights, topk_ids)
+    assert rel_fro_error(y.view(6, hidden), ref) < LIMITS[torch.float16]
+    expect_kernel(launched, MOE)
+
+
+def test_w4a16_experts_takes_transformers_call_and_awq():
+    experts, hidden, inter = 2, 256, 128
+    projections = [awq_experts(experts, k, n, zeros=False, dtype=torch.bfloat16)
+                   for k, n in ((hidden, inter), (hidden, inter), (inter, hidden))]
+    gate, up, down = ({"qweight": qw, "qzeros": qz, "scales": s} for qw, qz, s, _ in projections)
+    layer = kdsl.nn.W4A16Experts.from_awq(gate, up, down, kdsl.AWQ(zero_point=False))
+    x = torch.randn(5, hidden).bfloat16()
+    topk_weights, topk_ids = routing(5, experts, 2)
+    with torch.no_grad():
+        y = layer(x, topk_ids.long(), topk_weights.bfloat16())  # transformers' order and dtypes
+    dense13 = torch.cat([projections[0][3], projections[1][3]], 2)
+    ref = moe_dense_ref(x, dense13, projections[2][3], topk_weights.bfloat16().float(), topk_ids)
+    assert rel_fro_error(y, ref) < LIMITS[torch.bfloat16]
+
+
+def test_w4a16_moe_from_float_is_close_to_the_float_layer():
+    experts, hidden, inter = 2, 256, 128
+    gate, up = torch.randn(experts, inter, hidden) * 0.06, torch.randn(experts, inter, hidden) * 0.06
+    down = torch.randn(experts, hidden, inter) * 0.09
+    layer = kdsl.nn.W4A16MoE.from_float(gate.half(), up.half(), down.half())
+    x = torch.randn(4, hidden).half()
+    topk_weights, topk_ids = routing(4, experts, 2)
+    with torch.no_grad():
+        y = layer(x, topk_weights, topk_ids)
+    # the same round-to-nearest checkpoint (kdsl.ops.gptq_quantize), dequantized apart from kdsl
+    def dense(w):
+        made = [kdsl.ops.gptq_quantize(w_e.half(), group_size=128) for w_e in w]
+        return torch.stack([rg.dequant_ref(m["qweight"], m["qzeros"], m["scales"]) for m in made])  # [E, K, N]
+
+    ref = moe_dense_ref(x, torch.cat([dense(gate), dense(up)], 2), dense(down), topk_weights, topk_ids)
+    assert rel_fro_error(y, ref) < LIMITS[torch.float16]
+    floats = moe_dense_ref(x, torch.cat([gate, up], 1).transpose(1, 2), down.transpose(1, 2), topk_weights, topk_ids)
+    assert rel_fro_error(y, floats) < 0.3  # int4 round-to-nearest, through two GEMMs and the gating
+
+
+def test_w4a16_moe_module_refuses_mismatched_experts():
+    w13, w2, _, _ = gptq_layer(2, 256, 128)
+    other13, _, _, _ = gptq_layer(3, 256, 128)
+    with pytest.raises(ValueError, match=r"w2: expected 3 experts"):
+        kdsl.nn.W4A16MoE(other13, w2)
+    with pytest.raises(TypeError, match=r"w2: expected experts from kdsl.ops.gptq_moe_prepare"):
+        kdsl.nn.W4A16MoE(w13, w2.qweight)
+
+
 # --- torch.library: fake kernel, opcheck, torch.compile(fullgraph=True) ------------------------------------------
 
 def _op_args(g_idx="perm"):

@@ -17,7 +17,7 @@ from torch import nn
 
 from kdsl.nn.convert import _swap
 from kdsl.nn.modules import FP8Linear, W4A16Linear
-from kdsl.nn.moe import FP8Experts
+from kdsl.nn.moe import FP8Experts, W4A16Experts
 from kdsl.ops.gptq_checkpoint import unpack_rows
 from kdsl.ops.w4a16 import prepare
 from kdsl.schema import HFQuantization, read_hf_config
@@ -110,7 +110,14 @@ class DeepSeekFP8(LayerFormat):
             specs[f"{proj}.{self.scale_role}"] = Spec((-(-n // bn), -(-k // bk)), FLOATS)
         return specs
 
-    def build_experts(self, experts: list[dict[str, torch.Tensor]]) -> nn.Module:
+    def experts_problem(self, inter: int, hidden: int) -> str | None:
+        """Why a fused experts module of this intermediate and hidden size cannot be built (None: it can)."""
+        if inter % self.scheme.weight_block[0]:
+            return (f"expert intermediate size {inter} is not a multiple of the weight block's "
+                    f"{self.scheme.weight_block[0]} rows, so gate and up blocks cannot be stacked as w13")
+        return None
+
+    def build_experts(self, experts: list[dict[str, torch.Tensor]], act_dtype: torch.dtype | None = None) -> nn.Module:
         """FP8Experts from each expert's tensors: gate then up rows stacked as w13, their block scales likewise."""
         s = self.scale_role
         w13 = torch.stack([torch.cat([t["gate_proj.weight"], t["up_proj.weight"]]) for t in experts])
@@ -144,6 +151,26 @@ class GPTQFormat(LayerFormat):
         return W4A16Linear.from_gptq(t["qweight"], t["qzeros"], t["scales"].to(dtype), t.get("g_idx"),
                                      t.get("bias"), self.scheme)
 
+    experts = True  # per-expert qweight/qzeros/scales/g_idx (Qwen3-MoE GPTQ) into a fused experts module
+
+    def expert_specs(self, inter: int, hidden: int) -> dict[str, Spec]:
+        """One expert's tensors under <experts>.<e>.: gate and up [I, H] linears, down [H, I], as GPTQ stores them."""
+        specs = {}
+        for proj, (k, n) in (("gate_proj", (hidden, inter)), ("up_proj", (hidden, inter)), ("down_proj", (inter, hidden))):
+            specs.update({f"{proj}.{role}": spec for role, spec in self.specs(k, n).items() if role != "bias"})
+        return specs
+
+    def experts_problem(self, inter: int, hidden: int) -> str | None:
+        return _int4_experts_problem(self.scheme.group_size, inter, hidden)
+
+    def build_experts(self, experts: list[dict[str, torch.Tensor]], act_dtype: torch.dtype | None = None) -> nn.Module:
+        """W4A16Experts from each expert's tensors: each projection's stacked over the experts (gate and up as one
+        w13, each half with its own g_idx), prepared on their device in the model's dtype."""
+        projections = _stack_experts(experts)
+        dtype = _act_dtype(projections["gate_proj"]["scales"], act_dtype)
+        return W4A16Experts.from_gptq(projections["gate_proj"], projections["up_proj"], projections["down_proj"],
+                                      self.scheme, dtype=dtype)
+
 
 AWQ_SYMMETRIC_ZEROS = -0x77777778  # 0x88888888 as int32: a zero of 8 in every nibble, whatever the order
 
@@ -169,6 +196,53 @@ class AWQFormat(LayerFormat):
             qzeros = torch.full((t["scales"].shape[0], t["qweight"].shape[1]), AWQ_SYMMETRIC_ZEROS,
                                 dtype=torch.int32, device=t["qweight"].device)
         return W4A16Linear.from_awq(t["qweight"], qzeros, t["scales"].to(dtype), t.get("bias"), self.scheme)
+
+    experts = True  # per-expert qweight/qzeros/scales (Qwen3-MoE AWQ) into a fused experts module
+
+    def expert_specs(self, inter: int, hidden: int) -> dict[str, Spec]:
+        """One expert's tensors under <experts>.<e>.: gate and up [I, H] linears, down [H, I], as AWQ stores them."""
+        specs = {}
+        for proj, (k, n) in (("gate_proj", (hidden, inter)), ("up_proj", (hidden, inter)), ("down_proj", (inter, hidden))):
+            specs.update({f"{proj}.{role}": spec for role, spec in self.specs(k, n).items() if role != "bias"})
+        return specs
+
+    def experts_problem(self, inter: int, hidden: int) -> str | None:
+        return _int4_experts_problem(self.scheme.group_size, inter, hidden)
+
+    def build_experts(self, experts: list[dict[str, torch.Tensor]], act_dtype: torch.dtype | None = None) -> nn.Module:
+        """W4A16Experts from each expert's tensors (symmetric checkpoints may leave qzeros out: every zero 8)."""
+        projections = _stack_experts(experts)
+        dtype = _act_dtype(projections["gate_proj"]["scales"], act_dtype)
+        return W4A16Experts.from_awq(projections["gate_proj"], projections["up_proj"], projections["down_proj"],
+                                     self.scheme, dtype=dtype)
+
+
+def _int4_experts_problem(group_size: int, inter: int, hidden: int) -> str | None:
+    """An int4 fused experts module stacks gate and up along N (whole int32 words of 8 columns) and groups K."""
+    if inter % 8:
+        return f"expert intermediate size {inter} is not a multiple of 8, so gate and up words cannot be stacked as w13"
+    for what, k in (("hidden size", hidden), ("expert intermediate size", inter)):
+        if group_size != -1 and k % group_size:
+            return f"{what} {k} is not a multiple of group_size = {group_size}"
+    return None
+
+
+def _stack_experts(experts: list[dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+    """{projection: {role: [E, ...]}} from each expert's {"<projection>.<role>": tensor}: every role all experts
+    store, stacked; a g_idx only some store is completed with k // group_size order for the others, any other
+    optional role only some store (symmetric AWQ's qzeros) is left out."""
+    stacked: dict[str, dict[str, torch.Tensor]] = {}
+    for key in sorted({key for t in experts for key in t}):
+        projection, _, role = key.rpartition(".")
+        present = [t.get(key) for t in experts]
+        if all(p is not None for p in present):
+            stacked.setdefault(projection, {})[role] = torch.stack(present)
+        elif role == "g_idx":
+            k = next(p for p in present if p is not None).shape[0]
+            scales = experts[0][f"{projection}.scales"]
+            default = torch.arange(k, dtype=torch.int32, device=scales.device) // (k // scales.shape[0])
+            stacked.setdefault(projection, {})[role] = torch.stack([default if p is None else p for p in present])
+    return stacked
 
 
 class CompressedPacked(LayerFormat):
@@ -327,13 +401,13 @@ def _plan(model: nn.Module, shards: _Shards, fmt: LayerFormat) -> _Plan:
         plan.quantized[name] = roles
     for name, module in model.named_modules():
         shape = _fused_experts(module) if fmt.experts else None
-        key = f"{name}.0.gate_proj.weight"
+        key = f"{name}.0.gate_proj.{fmt.marker}"
         if shape is None or key not in shards.where or not fmt.marks(shards.dtype(key)) or _ignored(name, fmt.hf.ignore):
             continue
         experts, inter, hidden = shape
-        if inter % fmt.scheme.weight_block[0]:
-            problems.append(f"{name}: expert intermediate size {inter} is not a multiple of the weight block's "
-                            f"{fmt.scheme.weight_block[0]} rows, so gate and up blocks cannot be stacked as w13")
+        problem = fmt.experts_problem(inter, hidden)
+        if problem:
+            problems.append(f"{name}: {problem}")
             continue
         plan.experts[name] = []
         for e in range(experts):
@@ -341,8 +415,10 @@ def _plan(model: nn.Module, shards: _Shards, fmt: LayerFormat) -> _Plan:
             for role, spec in fmt.expert_specs(inter, hidden).items():
                 key = f"{name}.{e}.{role}"
                 if key not in shards.where:
-                    problems.append(f"{key}: missing (expected shape {spec.shape})")
-                elif shards.shape(key) != spec.shape:
+                    if spec.required:
+                        problems.append(f"{key}: missing (expected shape {spec.shape})")
+                    continue
+                if shards.shape(key) != spec.shape:
                     problems.append(f"{key}: expected shape {spec.shape} for expert {e} of {experts} "
                                     f"(I = {inter}, H = {hidden}), found {shards.shape(key)}")
                 elif shards.dtype(key) not in spec.dtypes:
@@ -509,7 +585,9 @@ def load_quantized(model: nn.Module, path, device=None, *, dtype: torch.dtype | 
     kdsl.nn.FP8Experts running kdsl.ops.moe_fp8; compressed-tensors FP8_BLOCK `weight` + `weight_scale`) or a W4A16Linear
     (GPTQ v1/v2 `qweight`, `qzeros`, `scales`, optional `g_idx`; AWQ `qweight`, `qzeros` (optional when
     symmetric), `scales`; compressed-tensors pack-quantized `weight_packed`, `weight_scale`, `weight_shape`,
-    optional `weight_zero_point` and `weight_g_idx`), with its `bias`, its weights prepared for `device`
+    optional `weight_zero_point` and `weight_g_idx`; a fused experts module whose experts a GPTQ or AWQ checkpoint
+    stores as `<name>.<e>.{gate,up,down}_proj.<those tensors>` (Qwen3-MoE) becomes a kdsl.nn.W4A16Experts running
+    kdsl.ops.moe_w4a16), with its `bias`, its weights prepared for `device`
     (default: CUDA if available, else the CPU). Every other tensor of the model, modules_to_not_convert /
     ignore included, is loaded from the checkpoint.
 
@@ -578,7 +656,9 @@ def load_quantized(model: nn.Module, path, device=None, *, dtype: torch.dtype | 
             del tensors
         for name, experts in plan.experts.items():
             tensors = [{role: shards.load(key, device) for role, key in roles.items()} for roles in experts]
-            swapped.append((name, _swap(model, name, fmt.build_experts(tensors))))
+            gate_up = model.get_submodule(name).gate_up_proj
+            act_dtype = dtype or (gate_up.dtype if gate_up.dtype in ACT_DTYPES else None)
+            swapped.append((name, _swap(model, name, fmt.build_experts(tensors, act_dtype))))
             del tensors
     except Exception:
         for name, old in reversed(swapped):  # nothing half-replaced
