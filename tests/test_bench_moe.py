@@ -112,3 +112,30 @@ def test_grouped_cases_on_the_cpu(cpu_moe_bench, op):
     assert "bf16_loop" in result.baselines and "roofline" in result.baselines
     assert result.baselines["bf16_loop"].error is None
     assert result.kdsl.eager_ms == pytest.approx(0.25 / 2) == result.baselines["bf16_loop"].eager_ms
+
+
+def test_presets_hold_qwen3_moe_w4a16():
+    for preset in ("qwen3-moe", "deepseek-v3"):  # the default preset carries it too: `kdsl bench --op moe_w4a16`
+        cases = [c for c in preset_cases(preset) if c.op == "moe_w4a16"]
+        assert {(c.experts, c.topk, c.hidden, c.inter) for c in cases} == {(128, 8, 2048, 768)}
+        assert sorted(c.m for c in cases) == [1, 16, 64, 128, 512, 4096]
+
+
+@pytest.mark.parametrize("tokens", [3, 130], ids=["decode", "prefill"])
+def test_moe_w4a16_case_on_the_cpu(cpu_moe_bench, tokens):
+    case = Case("moe_w4a16", m=tokens, experts=4, topk=2, hidden=256, inter=128)
+    results = cpu_moe_bench.run_case(case, host_time=False, setups=SETUPS)
+    decode = tokens <= 128
+    assert [r.impl for r in results] == ["moe_w4a16", *(["moe_w4a16[check_ids=False]"] if decode else []),
+                                         "moe_w4a16[desc_act]"]
+    for result in results:  # act-order's permuted layer computes the same product
+        assert result.status == OK and result.rel_err < 2e-2, (result.impl, result.detail)
+    moe = results[0]
+    assert set(moe.baselines) >= {"bf16_loop", "bf16_grouped_mm", "roofline"}
+    assert moe.baselines["bf16_loop"].rel_err < 2e-2
+    assert moe.flops == 6 * tokens * 2 * 256 * 128
+    routed = moe.bytes_moved - (2 * 2 * tokens * 256 + 8 * tokens * 2)
+    expert = 3 * 128 * 256 // 2 + 2 * 2 * (2 * 256 + 1 * 256)  # int4 w13 + w2, and a scale and zero per group
+    assert routed % expert == 0 and 1 <= routed // expert <= 4
+    copies = 2 if decode else 1
+    assert moe.kdsl.eager_ms == pytest.approx(0.25 / copies) == moe.baselines["bf16_loop"].eager_ms

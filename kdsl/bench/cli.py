@@ -32,6 +32,8 @@ and check every kdsl result against an fp32 reference on fresh random data.
                   the FLOPs (prefill)
   fp8_grouped_gemm, fp8_grouped_gemm_masked   one MoE projection over the routed slots (contiguous
                   layout padded to 128 rows; masked [E, T, K]) vs the same bf16 baselines and the roofline
+  moe_w4a16       the MoE layer on int4 GPTQ experts (group 128; also with act-order, [desc_act]) vs the
+                  same bf16 baselines; roofline: routed experts' int4 bytes (decode), bf16 FLOPs (prefill)
 
 Times are medians of triton.testing.do_bench (L2 flushed), plus do_bench_cudagraph for M <= 128
 (gptq_gemm: every M, its bar is on graph timing; fp8_bmm: every M, and up to M = 512 its calls cycle
@@ -47,8 +49,9 @@ shape presets:
                (14336,4096) (28672,8192); fp8_bmm (B,N,K) = (128,512,128) (128,128,512)
                (16,512,128) (16,128,512) at M = 1 16 64 128 512 4096; MoE (E = 256, top-8,
                H = 7168, I = 2048 and the TP-8 slice I = 256): moe_fp8 and fp8_grouped_gemm (gate-up
-               and down) at T = 1 16 64 128 512 4096, fp8_grouped_gemm_masked at T = 1 16 64 128
-  qwen3-moe    Qwen3-30B-A3B's MoE (E = 128, top-8, H = 2048, I = 768), the same ops and T
+               and down) at T = 1 16 64 128 512 4096, fp8_grouped_gemm_masked at T = 1 16 64 128;
+               moe_w4a16 on Qwen3-30B-A3B's MoE (E = 128, top-8, H = 2048, I = 768) at the same T
+  qwen3-moe    Qwen3-30B-A3B's MoE (E = 128, top-8, H = 2048, I = 768): the MoE ops above and moe_w4a16
   llama        Llama-3-8B and 70B linears, (N,K) = qkv (6144,4096) o (4096,4096)
                gate_up (28672,4096) down (4096,14336); qkv (10240,8192) o (8192,8192)
                gate_up (57344,8192) down (8192,28672). fp8_gemm: all eight at M = 1 16 64 128

@@ -9,14 +9,15 @@ A shape file is a JSON object whose keys are op names; each maps to a list of en
      "gptq_dequant":   [{"n": 14336, "k": 4096}],
      "fp8_bmm":        [{"batch": 128, "m": [1, 64], "n": 512, "k": 128}],
      "moe_fp8":        [{"experts": 256, "topk": 8, "m": [1, 4096], "hidden": 7168, "inter": 256}],
+     "moe_w4a16":      [{"experts": 128, "topk": 8, "m": [1, 4096], "hidden": 2048, "inter": 768}],
      "fp8_grouped_gemm":        [{"experts": 256, "topk": 8, "m": [512], "n": 512, "k": 7168}],
      "fp8_grouped_gemm_masked": [{"experts": 256, "topk": 8, "m": [16], "n": 7168, "k": 256}]}
 
 Entry keys per op are OP_DIMS[op]; "m" (tokens) may be an integer or a list of integers, the
 others are integers. K must be a multiple of 128 (the quantization group) except for
 weight_dequant, whose scale grid is ceil(N/128) x ceil(K/128); GPTQ N must be a multiple of 8, fp8_bmm's
-N of 16. The MoE ops route "m" tokens to "topk" of "experts" experts: moe_fp8 is the layer (hidden size,
-expert intermediate size, both multiples of 128), the grouped GEMMs one of its projections (N, K), their rows
+N of 16. The MoE ops route "m" tokens to "topk" of "experts" experts: moe_fp8 and moe_w4a16 are the layer (hidden
+size, expert intermediate size, both multiples of 128), the grouped GEMMs one of its projections (N, K), their rows
 those tokens' slots sorted by expert (contiguous: each group padded to 128 rows; masked: [E, m, K]).
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-MOE_OPS = ("moe_fp8", "fp8_grouped_gemm", "fp8_grouped_gemm_masked")
+MOE_OPS = ("moe_fp8", "fp8_grouped_gemm", "fp8_grouped_gemm_masked", "moe_w4a16")
 OPS = ("fp8_gemm", "act_quant", "weight_dequant", "gptq_gemm", "gptq_dequant", "fp8_bmm", *MOE_OPS)
 OP_DIMS: dict[str, tuple[str, ...]] = {
     "fp8_gemm": ("m", "n", "k"),
@@ -36,6 +37,7 @@ OP_DIMS: dict[str, tuple[str, ...]] = {
     "fp8_bmm": ("batch", "m", "n", "k"),  # batch: MLA's heads
     # m: tokens, each routed to topk of the experts
     "moe_fp8": ("experts", "topk", "m", "hidden", "inter"),
+    "moe_w4a16": ("experts", "topk", "m", "hidden", "inter"),  # int4 experts (GPTQ, group 128)
     "fp8_grouped_gemm": ("experts", "topk", "m", "n", "k"),
     "fp8_grouped_gemm_masked": ("experts", "topk", "m", "n", "k"),
 }
@@ -85,7 +87,7 @@ def _deepseek_v3() -> list[Case]:
     bmm = [Case("fp8_bmm", batch=b, m=m, n=n, k=k) for b, n, k in ((128, 512, 128), (128, 128, 512),
                                                                   (16, 512, 128), (16, 128, 512))
            for m in (1, 16, 64, 128, 512, 4096)]
-    return fp8 + act + deq + gptq + gptq_deq + bmm + _moe(256, 8, 7168, (2048, 256))
+    return fp8 + act + deq + gptq + gptq_deq + bmm + _moe(256, 8, 7168, (2048, 256)) + _qwen3_moe_w4a16()
 
 
 # MoE token counts: decode (CUDA graphs) and prefill; the masked layout is a decode layout (max_m = T rows per expert).
@@ -106,9 +108,14 @@ def _moe(experts: int, topk: int, hidden: int, inters: tuple[int, ...]) -> list[
     return cases
 
 
+def _qwen3_moe_w4a16() -> list[Case]:
+    # Qwen3-30B-A3B's MoE as its GPTQ / AWQ int4 checkpoints store it (the int4 layer has no DeepSeek-V3 form).
+    return [Case("moe_w4a16", m=m, experts=128, topk=8, hidden=2048, inter=768) for m in MOE_DECODE + MOE_PREFILL]
+
+
 def _qwen3_moe() -> list[Case]:
     # Qwen3-30B-A3B: 128 experts, top-8, hidden 2048, expert intermediate 768.
-    return _moe(128, 8, 2048, (768,))
+    return _moe(128, 8, 2048, (768,)) + _qwen3_moe_w4a16()
 
 
 def _llama() -> list[Case]:

@@ -1,0 +1,162 @@
+"""`kdsl bench` case of the W4A16 MoE layer (GPU only): moe_w4a16, Qwen3-30B-A3B's int4 experts.
+
+Inputs: a random layer of E experts in GPTQ's int4 format (group 128, asymmetric: random integer weights, zeros
+and scales, built on the device), prepared once by kdsl.ops.gptq_moe_prepare, bf16 activations and a random routing
+of T tokens (kdsl.bench.moe.random_routing). Every kdsl result is checked against an fp32 reference computed one
+routed expert at a time on the dequantized weights.
+
+Rows: `moe_w4a16`; at decode `moe_w4a16[check_ids=False]` (no host sync for the ids check); and
+`moe_w4a16[desc_act]`: the same layer with act-order, every expert's K permuted inside each group (each of gate and
+up its own permutation) and the stored rows moved with it, so the product is the same and the kernels gather x's
+and h's columns through the permutations. Baselines, in the same run on the same routing: bf16 on the dequantized
+weights, as a per-expert loop over the routed experts (their rows found once, outside the timed call) and as
+`torch._grouped_mm` where this torch has it. Decode (T <= 128: CUDA graphs) is judged by bytes, the routed experts'
+int4 weights, scales and zeros plus x and y, against the measured copy rate; prefill by FLOPs against the bf16
+tensor-core rate, taken as half the measured FP8 rate. Up to T = 128 each callable cycles through copies of the
+layer, so that every call finds its experts cold in L2.
+
+kdsl.bench.cases puts this setup beside timing's and kdsl.bench.moe's (timing does not import this module).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kdsl.bench import timing
+from kdsl.bench.moe import (DECODE_MAX_T, MOE_TOL, _cold_copies, _grouped_mm, _sorted_by_expert, random_routing,
+                            routed_rows)
+from kdsl.bench.shapes import GROUP, Case
+
+SHIFTS = tuple(range(0, 32, 4))
+
+
+def _pack_rows(q: torch.Tensor) -> torch.Tensor:
+    """int [R, C] in [0, 16) -> int32 [R / 8, C], row r in bits 4 (r % 8) (GPTQ's qweight)."""
+    shifts = torch.tensor(SHIFTS, device=q.device, dtype=torch.int64)
+    words = (q.to(torch.int64).view(-1, 8, q.shape[1]) << shifts[None, :, None]).sum(1)
+    return (words - ((words >> 31) << 32)).to(torch.int32)
+
+
+def _unpack_rows(words: torch.Tensor) -> torch.Tensor:
+    shifts = torch.tensor(SHIFTS, device=words.device, dtype=torch.int32)
+    return ((words.unsqueeze(1) >> shifts[None, :, None]) & 15).reshape(-1, words.shape[1])
+
+
+def gptq_layer(experts: int, k: int, n: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """One projection of E experts as GPTQ stores it ({"qweight", "qzeros", "scales"} stacked over experts, "gptq"
+    format, group 128) with the real zeros int32 [E, G, N] and the int weights [E, K, N] (for the reference)."""
+    groups = k // GROUP
+    q = torch.randint(0, 16, (experts, k, n), device=timing.DEVICE, dtype=torch.int32)
+    zeros = torch.randint(1, 16, (experts, groups, n), device=timing.DEVICE, dtype=torch.int32)
+    # (q - zero) spans about +-8: scales of ~ 1 / (8 sqrt(k)) give each product ~ N(0, 1/k) weights
+    scales = ((torch.rand(experts, groups, n, device=timing.DEVICE) + 0.5) * (k ** -0.5 / 4)).to(torch.bfloat16)
+    qweight = torch.stack([_pack_rows(q[e]) for e in range(experts)])
+    qzeros = torch.stack([_pack_rows((zeros[e] - 1).T.contiguous()).T.contiguous() for e in range(experts)])
+    return {"qweight": qweight, "qzeros": qzeros, "scales": scales}, zeros, q
+
+
+def _dense(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """One expert's fp32 [K, N] = (q - zero) * scale per group of 128 rows."""
+    return (q - zeros.repeat_interleave(GROUP, 0)).float() * scales.float().repeat_interleave(GROUP, 0)
+
+
+def _within_groups(experts: int, segments: int, k: int) -> torch.Tensor:
+    """int32 [E, S, K]: a random permutation of K that moves rows only inside their group of 128."""
+    noise = torch.rand(experts, segments, k // GROUP, GROUP, device=timing.DEVICE)
+    base = torch.arange(0, k, GROUP, device=timing.DEVICE)[:, None]
+    return (noise.argsort(-1) + base).flatten(-2).to(torch.int32)
+
+
+def _act_order(prepared, perm: torch.Tensor):
+    """prepared with act-order: stored row k of segment s becomes row perm[e, s, k] of the original, so with x's
+    columns gathered through perm the product is unchanged (perm keeps every row in its group)."""
+    segments = perm.shape[1]
+    cols = prepared.n // segments
+    qweight = torch.empty_like(prepared.qweight)
+    for e in range(prepared.experts):
+        q = _unpack_rows(prepared.qweight[e])
+        moved = torch.cat([q[perm[e, s].long(), s * cols:(s + 1) * cols] for s in range(segments)], dim=1)
+        qweight[e] = _pack_rows(moved)
+    return dataclasses.replace(prepared, qweight=qweight, perm=perm)
+
+
+def _copy(prepared):
+    return dataclasses.replace(prepared, **{name: getattr(prepared, name).clone()
+                                            for name in ("qweight", "zeros", "scales", "perm")
+                                            if getattr(prepared, name) is not None})
+
+
+def setup_moe_w4a16(case: Case):
+    moe = timing.kdsl_op("moe_w4a16")
+    prepare = timing.kdsl_op("gptq_moe_prepare")
+    experts, topk, tokens, hidden, inter = case.experts, case.topk, case.m, case.hidden, case.inter
+    topk_weights, topk_ids = random_routing(tokens, experts, topk)
+    routed = routed_rows(topk_ids, experts)
+
+    gate_up, zeros13, q13 = gptq_layer(experts, hidden, 2 * inter)
+    down, zeros2, q2 = gptq_layer(experts, inter, hidden)
+    w13 = prepare(gate_up["qweight"], gate_up["qzeros"], gate_up["scales"], None, group_size=GROUP)
+    w2 = prepare(down["qweight"], down["qzeros"], down["scales"], None, group_size=GROUP)
+    # bytes an expert's weights occupy: int4 words, and a 2-byte scale and zero per group and column
+    expert_bytes = 3 * hidden * inter // 2 + 2 * 2 * (hidden // GROUP * 2 * inter + inter // GROUP * hidden)
+    copies = _cold_copies(tokens, len(routed) * expert_bytes)
+    layers = [(w13, w2)] + [(_copy(w13), _copy(w2)) for _ in range(copies - 1)]
+    act_order = [(_act_order(a, _within_groups(experts, 2, hidden)), _act_order(b, _within_groups(experts, 1, inter)))
+                 for a, b in layers]
+    x = torch.randn(tokens, hidden, device=timing.DEVICE, dtype=torch.bfloat16)
+
+    # fp32 reference and the bf16 weights of the baselines ([E, N, K], nn.Linear's layout), one expert at a time
+    ref = torch.zeros(tokens, hidden, device=timing.DEVICE)
+    w13_bf16 = torch.empty(experts, 2 * inter, hidden, device=timing.DEVICE, dtype=torch.bfloat16)
+    w2_bf16 = torch.empty(experts, hidden, inter, device=timing.DEVICE, dtype=torch.bfloat16)
+    routed_experts = {e: (token, slot) for e, token, slot in routed}
+    for e in range(experts):
+        dense13 = _dense(q13[e], zeros13[e], gate_up["scales"][e])
+        dense2 = _dense(q2[e], zeros2[e], down["scales"][e])
+        w13_bf16[e], w2_bf16[e] = dense13.T.to(torch.bfloat16), dense2.T.to(torch.bfloat16)
+        if e in routed_experts:
+            token, slot = routed_experts[e]
+            gu = x[token].float() @ dense13
+            h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+            ref.index_add_(0, token, topk_weights[token, slot, None] * (h @ dense2))
+    del q13, q2, zeros13, zeros2
+    bf16_layers = [(w13_bf16, w2_bf16)] + [(w13_bf16.clone(), w2_bf16.clone()) for _ in range(copies - 1)]
+
+    def bf16_loop(w13, w2):
+        y = torch.zeros(tokens, hidden, device=timing.DEVICE)
+        for e, token, slot in routed:
+            gu = x[token] @ w13[e].T
+            h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+            y.index_add_(0, token, topk_weights[token, slot, None] * (h @ w2[e].T).float())
+        return y.to(torch.bfloat16)
+
+    baselines = {"bf16_loop": lambda: [bf16_loop(a, b) for a, b in bf16_layers]}
+    grouped_mm = _grouped_mm()
+    if grouped_mm is not None:
+        def bf16_grouped_mm(w13, w2):
+            order, offsets = _sorted_by_expert(topk_ids, experts)
+            token = order // topk
+            gu = grouped_mm(x[token], w13.transpose(1, 2), offs=offsets)
+            h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+            out = grouped_mm(h, w2.transpose(1, 2), offs=offsets).float() * topk_weights.view(-1)[order, None]
+            return torch.zeros(tokens, hidden, device=timing.DEVICE).index_add_(0, token, out).to(torch.bfloat16)
+
+        baselines["bf16_grouped_mm"] = lambda: [bf16_grouped_mm(a, b) for a, b in bf16_layers]
+
+    flops = 6 * tokens * topk * hidden * inter
+    bytes_moved = len(routed) * expert_bytes + 2 * 2 * tokens * hidden + 8 * tokens * topk
+    kdsl = {"moe_w4a16": lambda: [moe(x, a, b, topk_weights, topk_ids) for a, b in layers]}
+    if tokens <= DECODE_MAX_T:  # eager decode without the ids check's host sync (captured graphs skip it anyway)
+        kdsl["moe_w4a16[check_ids=False]"] = lambda: [moe(x, a, b, topk_weights, topk_ids, check_ids=False)
+                                                      for a, b in layers]
+    kdsl["moe_w4a16[desc_act]"] = lambda: [moe(x, a, b, topk_weights, topk_ids) for a, b in act_order]
+    copy_rate, fp8_rate = timing.machine_ceilings()
+    check = lambda outs: timing.check_close(outs[-1], ref, MOE_TOL)  # noqa: E731
+    return timing.CaseSetup(
+        kdsl=kdsl, check=check, baselines=baselines, baseline_checks={name: check for name in baselines},
+        tolerance=MOE_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies,
+        roofline_ms=1e3 * max(bytes_moved / copy_rate, flops / (fp8_rate / 2)))
+
+
+SETUPS = {"moe_w4a16": setup_moe_w4a16}
