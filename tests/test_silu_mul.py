@@ -24,7 +24,8 @@ NAN, INF = float("nan"), float("inf")
 NAN_CODE = 0x7F
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # One unit in the last place of each dtype, relative to the value (bf16: 8 significant bits, fp16: 11).
-RELATIVE_ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2.0 ** -20}  # fp32: h itself, a few ulps
+# fp32: h itself is a few ulps off on every path
+RELATIVE_ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2.0 ** -20}
 # Below about the smallest normal, h may come out 0: exp(-gate) overflows fp32 for gate < -88 on every path.
 TINY = {torch.bfloat16: 1e-37, torch.float16: 6e-8, torch.float32: 1e-37}
 

@@ -520,7 +520,8 @@ def _parallel_mlps(model: nn.Module, plan: _Plan, tp_plan: dict[str, str] | None
             continue
         others = {k: v for k, v in children.items() if k not in MLP_ROLES.values()}
         held = [k for k, v in others.items() if any(True for _ in v.parameters()) or any(True for _ in v.buffers())]
-        held += [k for k, _ in module.named_parameters(recurse=False)] + [k for k, _ in module.named_buffers(recurse=False)]
+        held += [k for k, _ in module.named_parameters(recurse=False)]
+        held += [k for k, _ in module.named_buffers(recurse=False)]
         if held:
             problems.append(f"{where}, which also holds tensors ({', '.join(held)}) that ParallelMLP would drop")
             continue

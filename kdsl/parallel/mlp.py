@@ -119,7 +119,8 @@ class ParallelMLP(nn.Module):
             return False
         if isinstance(self.down.local, FP8Linear):
             group = self.down.local.scheme.act_group
-            served = any(fields.get("act_group") == group for fields in registry.scheme_fields("silu_mul_quant").values())
+            schemes = registry.scheme_fields("silu_mul_quant").values()
+            served = any(fields.get("act_group") == group for fields in schemes)
             return served and local % group == 0
         return bool(registry.served_schemes("silu_mul"))
 
