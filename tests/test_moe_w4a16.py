@@ -456,7 +456,7 @@ def _gpu_layer(experts, hidden, inter, g_idx="none", dtype=torch.bfloat16):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("g_idx", ["none", "perm"])
-@pytest.mark.parametrize("tokens", [1, 16, 64, 512])
+@pytest.mark.parametrize("tokens", [1, 16, 64, 512, 2048])  # 2048: 128 per expert, the PTX-unpack prefill tile
 def test_gpu_qwen3_moe_matches_reference(tokens, g_idx):
     w13, w2, dense13, dense2 = _gpu_layer(128, 2048, 768, g_idx)
     topk_weights, topk_ids = routing(tokens, 128, 8, device="cuda")
