@@ -512,7 +512,8 @@ def test_qwen3_moe_expert_missing_is_refused_by_name(tmp_path):
     from safetensors.torch import load_file
     tensors = load_file(str(tmp_path / "model.safetensors"))
     del tensors["model.layers.0.mlp.experts.2.down_proj.scales"]
-    tensors["model.layers.0.mlp.experts.1.up_proj.qzeros"] = tensors["model.layers.0.mlp.experts.1.up_proj.qzeros"][:, :8].contiguous()
+    key = "model.layers.0.mlp.experts.1.up_proj.qzeros"
+    tensors[key] = tensors[key][:, :8].contiguous()
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(kdsl.nn.CheckpointError) as error:
         kdsl.from_pretrained(tmp_path, device="cpu", dtype=torch.bfloat16)

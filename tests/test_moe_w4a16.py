@@ -47,8 +47,8 @@ def gptq_experts(experts: int, k: int, n: int, parts: int = 1, *, fmt="gptq", sy
         scales.append(torch.cat([c["scales"] for c in made], 1))
         if g_idx != "none":
             groups.append(torch.stack([c["g_idx"] for c in made]))
-        dense.append(torch.cat([rg.dequant_ref(c["qweight"], c["qzeros"], c["scales"], c["g_idx"], group_size=group_size,
-                                               checkpoint_format=fmt) for c in made], 1))
+        dense.append(torch.cat([rg.dequant_ref(c["qweight"], c["qzeros"], c["scales"], c["g_idx"],
+                                               group_size=group_size, checkpoint_format=fmt) for c in made], 1))
     stacked = [torch.stack(t).to(device) for t in (qweight, qzeros, scales)]
     return (*stacked, torch.stack(groups).to(device) if groups else None, torch.stack(dense).to(device))
 
@@ -321,7 +321,8 @@ tiles = [{ block_m = 16, block_n = 64, block_k = 128 }]
 
 def _projection(parts_k_n, **kw):
     qweight, qzeros, scales, g_idx, dense = gptq_experts(*parts_k_n, **kw)
-    return {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": None if g_idx is None else g_idx[:, 0]}, dense
+    g_idx = None if g_idx is None else g_idx[:, 0]
+    return {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}, dense
 
 
 def test_w4a16_moe_module_from_gptq_tensors(launched):

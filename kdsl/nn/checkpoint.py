@@ -155,10 +155,7 @@ class GPTQFormat(LayerFormat):
 
     def expert_specs(self, inter: int, hidden: int) -> dict[str, Spec]:
         """One expert's tensors under <experts>.<e>.: gate and up [I, H] linears, down [H, I], as GPTQ stores them."""
-        specs = {}
-        for proj, (k, n) in (("gate_proj", (hidden, inter)), ("up_proj", (hidden, inter)), ("down_proj", (inter, hidden))):
-            specs.update({f"{proj}.{role}": spec for role, spec in self.specs(k, n).items() if role != "bias"})
-        return specs
+        return _int4_expert_specs(self, inter, hidden)
 
     def experts_problem(self, inter: int, hidden: int) -> str | None:
         return _int4_experts_problem(self.scheme.group_size, inter, hidden)
@@ -201,10 +198,7 @@ class AWQFormat(LayerFormat):
 
     def expert_specs(self, inter: int, hidden: int) -> dict[str, Spec]:
         """One expert's tensors under <experts>.<e>.: gate and up [I, H] linears, down [H, I], as AWQ stores them."""
-        specs = {}
-        for proj, (k, n) in (("gate_proj", (hidden, inter)), ("up_proj", (hidden, inter)), ("down_proj", (inter, hidden))):
-            specs.update({f"{proj}.{role}": spec for role, spec in self.specs(k, n).items() if role != "bias"})
-        return specs
+        return _int4_expert_specs(self, inter, hidden)
 
     def experts_problem(self, inter: int, hidden: int) -> str | None:
         return _int4_experts_problem(self.scheme.group_size, inter, hidden)
@@ -215,6 +209,14 @@ class AWQFormat(LayerFormat):
         dtype = _act_dtype(projections["gate_proj"]["scales"], act_dtype)
         return W4A16Experts.from_awq(projections["gate_proj"], projections["up_proj"], projections["down_proj"],
                                      self.scheme, dtype=dtype)
+
+
+def _int4_expert_specs(fmt: LayerFormat, inter: int, hidden: int) -> dict[str, Spec]:
+    """The format's tensors of each of an expert's linears (K, N): gate and up (H, I), down (I, H); no bias."""
+    specs = {}
+    for proj, (k, n) in (("gate_proj", (hidden, inter)), ("up_proj", (hidden, inter)), ("down_proj", (inter, hidden))):
+        specs.update({f"{proj}.{role}": spec for role, spec in fmt.specs(k, n).items() if role != "bias"})
+    return specs
 
 
 def _int4_experts_problem(group_size: int, inter: int, hidden: int) -> str | None:
@@ -402,7 +404,8 @@ def _plan(model: nn.Module, shards: _Shards, fmt: LayerFormat) -> _Plan:
     for name, module in model.named_modules():
         shape = _fused_experts(module) if fmt.experts else None
         key = f"{name}.0.gate_proj.{fmt.marker}"
-        if shape is None or key not in shards.where or not fmt.marks(shards.dtype(key)) or _ignored(name, fmt.hf.ignore):
+        if (shape is None or key not in shards.where or not fmt.marks(shards.dtype(key))
+                or _ignored(name, fmt.hf.ignore)):
             continue
         experts, inter, hidden = shape
         problem = fmt.experts_problem(inter, hidden)

@@ -159,8 +159,8 @@ class W4A16MoE(nn.Module):
         cached = self.__dict__.get("_prepared_cache")
         if cached is None or any(a is not b for a, b in zip(cached[0], tensors)):
             fields = self._fields
-            shared = (fields["scheme"], fields["source"], fields["bits"], fields["group_size"], fields["layout"]["zeros"],
-                      fields["layout"].get("weights", ""), fields["zero_bias"])
+            shared = (fields["scheme"], fields["source"], fields["bits"], fields["group_size"],
+                      fields["layout"]["zeros"], fields["layout"].get("weights", ""), fields["zero_bias"])
             cached = (tensors, (w4a16_moe.prepared_from_args(*tensors[:4], *shared),
                                 w4a16_moe.prepared_from_args(*tensors[4:], *shared)))
             self.__dict__["_prepared_cache"] = cached

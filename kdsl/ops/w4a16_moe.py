@@ -1,4 +1,4 @@
-"""W4A16 mixture of experts (kdsl.ops.w4a16_moe): int4 experts prepared once (GPTQ v1/v2, AWQ), and the MoE layer that runs them.
+"""W4A16 mixture of experts (kdsl.ops.w4a16_moe): int4 experts prepared once (GPTQ v1/v2, AWQ), and the MoE layer.
 
     gptq_moe_prepare   GPTQ checkpoint tensors of one projection of every expert, stacked on a leading E dimension
                        (qweight [E, K/8, N], qzeros [E, G, N/8], scales [E, G, N], g_idx [E, K] or [E, S, K])
@@ -110,7 +110,8 @@ def awq_moe_prepare(qweight: torch.Tensor, qzeros: torch.Tensor | None, scales: 
     """Prepare one projection of E AutoAWQ "gemm" experts, stacked: qweight int32 [E, K, N / 8] (packed along N in
     AWQ's column order), qzeros int32 [E, G, N / 8] or None (symmetric: every zero 8), scales fp16/bf16 [E, G, N];
     activations must then come in scales' dtype. Runs the same kernels as prepared GPTQ experts."""
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 16 or group_size & (group_size - 1):
+    if (not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 16
+            or group_size & (group_size - 1)):
         raise ValueError(f"group_size: expected a power of two >= 16, got {group_size!r}")
     check.tensor("qweight", qweight, (torch.int32,), ndim=3)
     experts, k, n, groups = _stacked_shapes(qweight, scales, group_size, qweight.shape[1], qweight.shape[2] * 8)
@@ -309,7 +310,8 @@ def _moe_w4a16_outputs(x, w13: W4A16ExpertsPrepared, w2: W4A16ExpertsPrepared, t
         raise ValueError(f"w13.perm: expected one permutation per expert or two (gate and up halves), got "
                          f"{w13.segments} segments")
     if w2.segments != 1:
-        raise ValueError(f"w2.perm: expected one permutation per expert (down_proj's g_idx), got {w2.segments} segments")
+        raise ValueError(f"w2.perm: expected one permutation per expert (down_proj's g_idx), got {w2.segments} "
+                         "segments")
     if topk_ids.shape[0] != tokens:
         raise ValueError(f"topk_ids: expected shape ({tokens}, k), one row per token of x, got {tuple(topk_ids.shape)}")
     check.shape("topk_weights", topk_weights, tuple(topk_ids.shape), "one weight per routed slot, as topk_ids")
