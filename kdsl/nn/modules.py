@@ -69,18 +69,24 @@ def _fp8_fused(scheme: BlockFP8, n: int, k: int, blocks: tuple[int, int]) -> boo
     return linear_scheme(k, n, blocks) == scheme.name
 
 
-class _QuantizedLinear(nn.Module):
-    """Keeps its quantized weights' dtypes through .to(dtype) / .half() / .bfloat16(): those move them to
-    another device at most (a cast would silently change what the kernels read); the bias follows the cast."""
+class KeepsQuantizedDtypes(nn.Module):
+    """Keeps its quantized buffers' dtypes through .to(dtype) / .half() / .bfloat16(): those move them to another
+    device at most (a cast would silently change what the kernels read); buffers named in FOLLOWS_CAST follow it."""
+
+    FOLLOWS_CAST: tuple[str, ...] = ()
 
     def _apply(self, fn, recurse=True):
-        before = {name: t for name, t in self._buffers.items() if t is not None and name != "bias"}
+        before = {name: t for name, t in self._buffers.items() if t is not None and name not in self.FOLLOWS_CAST}
         super()._apply(fn, recurse)
         for name, old in before.items():
             new = self._buffers[name]
             if new.dtype != old.dtype:
                 self._buffers[name] = old.to(new.device)
         return self
+
+
+class _QuantizedLinear(KeepsQuantizedDtypes):
+    FOLLOWS_CAST = ("bias",)
 
 
 class FP8Linear(_QuantizedLinear):

@@ -11,11 +11,11 @@ Inference only, like every kdsl module.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from kdsl import ops, registry
 from kdsl.ops import moe as moe_ops
 from kdsl.ops import w4a16_moe
+from kdsl.nn.modules import KeepsQuantizedDtypes
 from kdsl.ops.w4a16_moe import W4A16ExpertsPrepared
 from kdsl.schema import GPTQ
 from kdsl.schema.scheme import AWQ
@@ -23,7 +23,7 @@ from kdsl.schema.scheme import AWQ
 OP = "moe_fp8"
 
 
-class FP8MoE(nn.Module):
+class FP8MoE(KeepsQuantizedDtypes):
     """Experts of a MoE layer in block FP8: forward(x, topk_weights, topk_ids) -> kdsl.ops.moe_fp8(...).
 
     w13 [E, 2I, H] float8_e4m3fn (gate rows, then up rows) with w13_s float32 [E, ceil(2I/128), H/128];
@@ -58,16 +58,6 @@ class FP8MoE(nn.Module):
         downs = [ops.weight_quant(d.detach()) for d in down]
         return cls(torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs]),
                    torch.stack([q for q, _ in downs]), torch.stack([s for _, s in downs]), check_ids=check_ids)
-
-    def _apply(self, fn, recurse=True):
-        # .to(dtype) / .half() move the quantized weights at most: a cast would change what the kernels read.
-        before = {name: t for name, t in self._buffers.items() if t is not None}
-        super()._apply(fn, recurse)
-        for name, old in before.items():
-            new = self._buffers[name]
-            if new.dtype != old.dtype:
-                self._buffers[name] = old.to(new.device)
-        return self
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [..., H] bf16/fp16, topk_weights float32 [..., k], topk_ids int32 [..., k] -> [..., H] in x's dtype."""
@@ -123,7 +113,7 @@ def _stack_gate_up(gate: dict, up: dict) -> dict:
     return stacked
 
 
-class W4A16MoE(nn.Module):
+class W4A16MoE(KeepsQuantizedDtypes):
     """Experts of a MoE layer on int4 weights: forward(x, topk_weights, topk_ids) -> kdsl.ops.moe_w4a16(...).
 
     w13 (every expert's gate_proj then up_proj, K = H, N = 2I) and w2 (down_proj, K = I, N = H): kdsl.ops
@@ -215,16 +205,6 @@ class W4A16MoE(nn.Module):
 
         return cls.from_gptq(quantize(gate), quantize(up), quantize(down), GPTQ(bits=scheme.bits,
                              group_size=scheme.group_size), check_ids=check_ids)
-
-    def _apply(self, fn, recurse=True):
-        # .to(dtype) / .half() move the int4 experts at most: a cast would change what the kernels read.
-        before = {name: t for name, t in self._buffers.items() if t is not None}
-        super()._apply(fn, recurse)
-        for name, old in before.items():
-            new = self._buffers[name]
-            if new.dtype != old.dtype:
-                self._buffers[name] = old.to(new.device)
-        return self
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [..., H] in the prepared dtype, topk_weights float32 [..., k], topk_ids int32 [..., k] -> [..., H]."""
