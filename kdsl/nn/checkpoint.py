@@ -595,9 +595,9 @@ def load_quantized(model: nn.Module, path, device=None, *, dtype: torch.dtype | 
     (default: CUDA if available, else the CPU). Every other tensor of the model, modules_to_not_convert /
     ignore included, is loaded from the checkpoint.
 
-    dtype (float16 or bfloat16): the dtype the model computes in; default: the dtype of each replaced
-    nn.Linear's weight. int4 scales and the model's other float tensors are converted to it at load time,
-    whatever dtype the checkpoint stored them in (fp16 scales in a bf16 model, say).
+    dtype (float16 or bfloat16): the dtype the int4 layers compute in; default: the dtype of each replaced
+    nn.Linear's weight. int4 scales are converted to it at load time whatever dtype the checkpoint stored them
+    in (fp16 scales in a bf16 model, say); every other float tensor takes the dtype the model gives it.
 
     A config key kdsl does not know, a missing, extra, mis-shaped or mis-typed tensor raises (ValueError /
     CheckpointError naming it) before anything changes; layers are read one at a time.
@@ -672,7 +672,9 @@ def load_quantized(model: nn.Module, path, device=None, *, dtype: torch.dtype | 
     plain = {}
     for key, ckpt in plan.plain.items():
         tensor = shards.load(ckpt, device)
-        target = dtype or current[key].dtype  # the model's dtype, as load_state_dict's copy would give
+        # The model's own dtype for that tensor, as load_state_dict's copy would give: dtype= sets the int4 layers'
+        # compute dtype, not tensors the model keeps in float32 on purpose (DeepSeek-V3's router, say).
+        target = current[key].dtype
         if tensor.is_floating_point() and current[key].is_floating_point() and tensor.dtype != target:
             tensor = tensor.to(target)
         plain[key] = tensor
