@@ -199,6 +199,11 @@ def run_model_bench(spec: str, ms: list[int], modes: list[str], variants: list[s
         except ImportError as error:
             print(f"  {model_name}: not available ({error})", file=sys.stderr)
             continue
+        except Exception as error:  # noqa: BLE001 - a peer's API that moved: its rows are left out, said so
+            if model_name in ("fp16", "bf16", "w4a16", "fp8"):
+                raise
+            print(f"  {model_name}: not available ({type(error).__name__}: {error})", file=sys.stderr)
+            continue
         for m in ms:
             x = torch.randn(m, shape.hidden, device="cuda", dtype=dtype)
             for mode in modes:
