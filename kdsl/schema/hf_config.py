@@ -17,7 +17,7 @@ not know may change what a tensor means and ignoring it could give a silently wr
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kdsl.naming import is_gptq_group_size
 from kdsl.schema.scheme import AWQ, GPTQ, SUPPORTED_GPTQ_BITS, BlockFP8
@@ -61,7 +61,6 @@ class HFQuantization:
     scale_inverse: bool = False  # FP8 weight_scale_inv holds 1 / the dequantization multiplier (GPTQModel)
     ignore: tuple[str, ...] = ()  # module names ("re:" prefix: a regular expression) stored unquantized
     actorder: bool = False  # compressed-tensors: a weight_g_idx per layer
-    extra: dict = field(default_factory=dict)
 
 
 def _refuse(key: str, value, why: str) -> ValueError:
