@@ -87,6 +87,36 @@ def _sorted_by_expert(topk_ids: torch.Tensor, experts: int) -> tuple[torch.Tenso
 # ---------------------------------------------------------------------------------------------------------------
 # moe_fp8
 
+def bf16_baselines(x, bf16_layers, routed, topk_weights, topk_ids, experts: int, inter: int) -> dict:
+    """The MoE layer in bf16 on each copy of the weights (w13 [E, 2I, H], w2 [E, H, I]): a per-expert loop, and
+    torch._grouped_mm over the slots sorted by expert where this torch has it."""
+    tokens, hidden = x.shape
+    topk = topk_ids.shape[1]
+
+    def bf16_loop(w13, w2):
+        y = torch.zeros(tokens, hidden, device=timing.DEVICE)
+        for e, token, slot in routed:
+            gate_up = x[token] @ w13[e].T
+            h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            y.index_add_(0, token, topk_weights[token, slot, None] * (h @ w2[e].T).float())
+        return y.to(torch.bfloat16)
+
+    baselines = {"bf16_loop": lambda: [bf16_loop(w13, w2) for w13, w2 in bf16_layers]}
+    grouped_mm = _grouped_mm()
+    if grouped_mm is not None:
+        def bf16_grouped_mm(w13, w2):
+            order, offsets = _sorted_by_expert(topk_ids, experts)
+            token = order // topk
+            # [E, K, N] views, column-major as _grouped_mm wants
+            gate_up = grouped_mm(x[token], w13.transpose(1, 2), offs=offsets)
+            h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            out = grouped_mm(h, w2.transpose(1, 2), offs=offsets).float() * topk_weights.view(-1)[order, None]
+            return torch.zeros(tokens, hidden, device=timing.DEVICE).index_add_(0, token, out).to(torch.bfloat16)
+
+        baselines["bf16_grouped_mm"] = lambda: [bf16_grouped_mm(w13, w2) for w13, w2 in bf16_layers]
+    return baselines
+
+
 def setup_moe_fp8(case: Case):
     moe = timing.kdsl_op("moe_fp8")
     experts, topk, tokens, hidden, inter = case.experts, case.topk, case.m, case.hidden, case.inter
@@ -113,27 +143,7 @@ def setup_moe_fp8(case: Case):
         down_e = _deq_rows(hq, hs) @ timing.fp8_weight_reference(q2[e], s2[e]).T
         ref.index_add_(0, token, topk_weights[token, slot, None] * down_e)
 
-    def bf16_loop(w13, w2):
-        y = torch.zeros(tokens, hidden, device=timing.DEVICE)
-        for e, token, slot in routed:
-            gate_up = x[token] @ w13[e].T
-            h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            y.index_add_(0, token, topk_weights[token, slot, None] * (h @ w2[e].T).float())
-        return y.to(torch.bfloat16)
-
-    baselines = {"bf16_loop": lambda: [bf16_loop(w13, w2) for w13, w2 in bf16_layers]}
-    grouped_mm = _grouped_mm()
-    if grouped_mm is not None:
-        def bf16_grouped_mm(w13, w2):
-            order, offsets = _sorted_by_expert(topk_ids, experts)
-            token = order // topk
-            # [E, K, N] views, column-major as _grouped_mm wants
-            gate_up = grouped_mm(x[token], w13.transpose(1, 2), offs=offsets)
-            h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            out = grouped_mm(h, w2.transpose(1, 2), offs=offsets).float() * topk_weights.view(-1)[order, None]
-            return torch.zeros(tokens, hidden, device=timing.DEVICE).index_add_(0, token, out).to(torch.bfloat16)
-
-        baselines["bf16_grouped_mm"] = lambda: [bf16_grouped_mm(w13, w2) for w13, w2 in bf16_layers]
+    baselines = bf16_baselines(x, bf16_layers, routed, topk_weights, topk_ids, experts, inter)
 
     flops = 6 * tokens * topk * hidden * inter
     bytes_moved = len(routed) * expert_bytes + 2 * 2 * tokens * hidden + 8 * tokens * topk

@@ -24,7 +24,7 @@ import dataclasses
 import torch
 
 from kdsl.bench import timing
-from kdsl.bench.moe import (DECODE_MAX_T, MOE_TOL, _cold_copies, _grouped_mm, _sorted_by_expert, random_routing,
+from kdsl.bench.moe import (DECODE_MAX_T, MOE_TOL, _cold_copies, bf16_baselines, random_routing,
                             routed_rows)
 from kdsl.bench.shapes import GROUP, Case
 
@@ -123,26 +123,7 @@ def setup_moe_w4a16(case: Case):
     del q13, q2, zeros13, zeros2
     bf16_layers = [(w13_bf16, w2_bf16)] + [(w13_bf16.clone(), w2_bf16.clone()) for _ in range(copies - 1)]
 
-    def bf16_loop(w13, w2):
-        y = torch.zeros(tokens, hidden, device=timing.DEVICE)
-        for e, token, slot in routed:
-            gu = x[token] @ w13[e].T
-            h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-            y.index_add_(0, token, topk_weights[token, slot, None] * (h @ w2[e].T).float())
-        return y.to(torch.bfloat16)
-
-    baselines = {"bf16_loop": lambda: [bf16_loop(a, b) for a, b in bf16_layers]}
-    grouped_mm = _grouped_mm()
-    if grouped_mm is not None:
-        def bf16_grouped_mm(w13, w2):
-            order, offsets = _sorted_by_expert(topk_ids, experts)
-            token = order // topk
-            gu = grouped_mm(x[token], w13.transpose(1, 2), offs=offsets)
-            h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-            out = grouped_mm(h, w2.transpose(1, 2), offs=offsets).float() * topk_weights.view(-1)[order, None]
-            return torch.zeros(tokens, hidden, device=timing.DEVICE).index_add_(0, token, out).to(torch.bfloat16)
-
-        baselines["bf16_grouped_mm"] = lambda: [bf16_grouped_mm(a, b) for a, b in bf16_layers]
+    baselines = bf16_baselines(x, bf16_layers, routed, topk_weights, topk_ids, experts, inter)
 
     flops = 6 * tokens * topk * hidden * inter
     bytes_moved = len(routed) * expert_bytes + 2 * 2 * tokens * hidden + 8 * tokens * topk
