@@ -70,7 +70,13 @@ def check_h(h: torch.Tensor, gate_up: torch.Tensor):
     finite = ref.isfinite()
     assert torch.equal(got[~finite & ~ref.isnan()], ref[~finite & ~ref.isnan()])  # +-inf where the reference's
     error = (got - ref)[finite].abs()
-    bound = RELATIVE_ULP[h.dtype] * ref[finite].abs() * 1.001 + TINY[h.dtype]
+    relative = RELATIVE_ULP[h.dtype]
+    if h.dtype == torch.float32 and h.device.type == "cuda":
+        # The GPU's exp is exp2(gate * log2(e)) on an approximate exp2: the product's rounding, |gate| * 2^-24 at
+        # most, becomes exp's relative error, and h's when gate is very negative (h ~ gate * exp(gate)).
+        gate = gate_up[..., : gate_up.shape[-1] // 2].cpu().float().abs()[finite]
+        relative = relative + gate * 2.0 ** -22
+    bound = relative * ref[finite].abs() * 1.001 + TINY[h.dtype]
     assert (error <= bound).all(), f"{int((error > bound).sum())} of {error.numel()} values over one ulp"
 
 
