@@ -3,7 +3,7 @@
 # kernel: fp8_linear__e4m3_w128x128_a128_f32__portable_sm89 (fp8_linear/portable: act_quant in registers inside fp8_gemm's pointer-load tile, optional deterministic split-K, bias)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 86bf7a015b06fd2e (sha256 of this kernel's scheme, variant and templates)
+# digest: ca44595fa252c4ff (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -261,7 +261,7 @@ def fp8_linear__e4m3_w128x128_a128_f32__portable_sm89(
     for k in range(first, stop):
         # x is loaded a step ahead (Triton's pipeliner stages B's loads for the MMA, not this one, whose user is
         # the quantization). On an H100 that changed little either way: the loop is bound by the quantization's
-        # arithmetic, which every program of a row block repeats (benchmarks/RESULTS.md, fp8_linear).
+        # arithmetic, which every program of a row block repeats (benchmarks/results/host_h100/fp8_linear/).
         x = x_next.to(tl.float32)
         x_ptrs += ACT_GROUP
         x_next = tl.load(x_ptrs, mask=(offs_k < ACT_GROUP * (stop - k - 1))[None, :], other=0.0)

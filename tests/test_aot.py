@@ -1,7 +1,8 @@
 """`kdsl aot` on the CPU: export for sm_90 (and the sm_80 refusal), compile every generated C file with the
 system compiler against the cuda.h Triton ships, and check the C dispatcher's choices (kernel, tile bucket,
 specialization, kernel arguments, grid) against kdsl.registry and the generated modules' own launch()
-over a grid of (M, N, K, alignment) cases, with the CUDA driver stubbed. GPU runs: benchmarks/aot_*.py."""
+over a grid of (M, N, K, alignment) cases, with the CUDA driver stubbed. GPU runs: the examples in
+examples/aot/ (docs/aot.md)."""
 from __future__ import annotations
 
 import ctypes

@@ -2,7 +2,7 @@
 
 The cases run kdsl's real ops through Triton's interpreter on tiny layers, with fake timers (no GPU), so the
 inputs, the fp32 references, the baselines and the byte and FLOP counts are checked here; timings come from GPU
-runs (benchmarks/RESULTS.md).
+runs (benchmarks/README.md).
 """
 from __future__ import annotations
 

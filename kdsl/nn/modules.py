@@ -24,7 +24,7 @@ FLOAT_OUT = (torch.bfloat16, torch.float16, torch.float32)
 # FP8Linear runs the fused fp8_linear (one launch) for up to this many rows outside torch.compile, where the
 # host's cost per launch sets the pace of eager decode; otherwise act_quant + fp8_gemm, whose kernels take less
 # GPU time (on an H100 the fused kernel took 0.87-1.34x their GPU time at M = 1, 1.19-1.79x at M = 16, 2.4-4.6x
-# at M = 64: benchmarks/RESULTS.md, fp8_linear section). Under torch.compile (its CUDA graphs included) the host
+# at M = 64: benchmarks/results/host_h100/fp8_linear/). Under torch.compile (its CUDA graphs included) the host
 # cost is gone and GPU time decides, so compiled code takes the two kernels: its outputs may differ from eager
 # ones by a rounding (the fused kernel adds the bias in fp32, and the GEMM tiles differ). A CUDA graph captured
 # by hand has no host cost either, so capture takes the two kernels too (whole-model graphs of FP8Linear at

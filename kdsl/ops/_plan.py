@@ -27,7 +27,7 @@ NO_PLAN and every call takes the ordinary path.
 A plan declines (returns None, and the op takes the ordinary path) while Triton's launch hooks are set (a
 profiler sees every launch as Triton reports it), while a CUDA graph is being captured (the graph's replays have
 no host time to save, and a replayed launch of the Gluon TMA W4A16 kernel measured 3% slower on the GPU inside a
-graph than the ordinary path's: benchmarks/plan_probe.py, an H200) and, for CPU tensors, when TRITON_INTERPRET
+graph than the ordinary path's: a probe on an H200, removed; see git log) and, for CPU tensors, when TRITON_INTERPRET
 is unset.
 Plans live in kdsl.runtime.registry.plans: registry.reset() and add_generated() empty it; at most LIMIT
 are kept (the dict is emptied when full, like the modules' _COMPILED).
