@@ -71,6 +71,17 @@ def compile_c(out: Path, sources: list, target: Path, extra=()) -> None:
 
 # ---- what is exported -------------------------------------------------------------------------------------
 
+def test_launch_expressions_are_read_not_run():
+    """abi.evaluate walks the parsed expression: the subset the C dispatcher also compiles, and nothing else."""
+    assert abis.evaluate("cdiv(M, 64) * 2 + (K % 16 == 0) - nonzero(perm)", dict(M=65, K=32, perm=0)) == 5
+    assert abis.evaluate("dtype_size(KDSL_F32) * least(M, 3)", dict(M=7)) == 12
+    for outside in ("__import__('os')", "M / 2", "M // 2", "x.real", "M < K < 3", "open(M)", "1.5", "M and K"):
+        with pytest.raises(abis.ExpressionError, match="outside the launch subset"):
+            abis.evaluate(outside, dict(M=1, K=2, x=3))
+    with pytest.raises(abis.ExpressionError, match="N has no value"):
+        abis.evaluate("cdiv(M, N)", dict(M=1))
+
+
 def test_manifest_lists_ops_kernels_and_cubin_hashes(exported, manifest):
     import hashlib
 

@@ -318,9 +318,12 @@ def op_source(abi: abis.OpAbi, function: str, selected: list, fallbacks: dict | 
     return "\n".join(out)
 
 
+# A helper of the subset is kdsl__<name> in C (kdsl_aot_internal.h).
+_C_HELPER = re.compile(r"\b(" + "|".join(abis.HELPERS) + r")\(")
+
+
 def _c_expression(expression: str) -> str:
-    return re.sub(r"\b(cdiv|div|nonzero|either|split_cap|split_for|least|addr|dtype_size|programs|tma_stride|"
-                  r"bad_tma_stride)\(", r"kdsl__\1(", expression)
+    return _C_HELPER.sub(r"kdsl__\1(", expression)
 
 
 def info_source(result) -> str:
