@@ -20,7 +20,8 @@ import torch
 import kdsl
 from kdsl.aot import abi as abis
 from kdsl.aot import runtime as aot_runtime
-from kdsl.aot.export import export, int_key, plan
+from kdsl.aot.export import export
+from kdsl.aot.plan import int_key, plan
 from kdsl.cli import main
 
 CC = shutil.which("cc") or shutil.which("gcc")
@@ -679,7 +680,7 @@ def test_fp8_gemm_gluon_tiles_route_to_their_alternatives():
     """fp8_gemm/deferred_gluon's tiles are left out as Gluon by what their module is, and the dispatcher sends
     their calls where the registry sends a call the Gluon kernel refuses: the alternative tile after each,
     tma_persistent's Triton kernel with the same blocks (aligned calls; misaligned ones go to the fallback)."""
-    from kdsl.aot.export import exported_buckets, left_out_reason, needs_fallback, route
+    from kdsl.aot.plan import exported_buckets, left_out_reason, needs_fallback, route
     from kdsl.runtime.manifest import Call
 
     kdsl.registry.reset()
@@ -1120,7 +1121,7 @@ def test_w4a16_dispatcher_matches_the_registry_and_the_generated_launch(exported
     """Tile (the Gluon tiles' refused calls, and the Gluon GEMV's at a K it was not exported for, routed to their
     alternatives, as the registry routes calls they refuse), K split (from the SM count, or the largest exported split below it), specialization, kernel
     arguments and grid, against kdsl.registry and the generated modules' launch()."""
-    from kdsl.aot.export import exported_buckets
+    from kdsl.aot.plan import exported_buckets
     from kdsl.ops import _checks
 
     out = exported_w4a16[0][arch]

@@ -77,7 +77,7 @@ class ImplLaunch:
     # the exporter compiles the splits the op's problems reach (and 1), and the dispatcher takes the largest
     # exported split not above the one asked for; the grid and the scratch sizes may name it as `split`.
     # The values EXACT: the value itself, compiled for each value the problems reaching the tile give it; other
-    # values are refused by the tile (kdsl.aot.export.exact_values).
+    # values are refused by the tile (kdsl.aot.plan.exact_values).
     runtime_constexprs: tuple = ()
     # Constexprs that follow the dtype arguments: (dtypes {argument: name}) -> {name: value}.
     dtype_constexprs: callable = None

@@ -20,7 +20,8 @@ import os
 import threading
 from pathlib import Path
 
-from kdsl.aot.export import int_key, pointer_key
+from kdsl.aot.emit import AOT_FORMAT
+from kdsl.aot.plan import int_key, pointer_key
 
 AOT_ENV = "KDSL_AOT"
 
@@ -62,8 +63,6 @@ class AotLibrary:
             data = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise AotError(f"{path} does not exist: write it with `python -m kdsl aot --out {self.folder}`") from None
-        from kdsl.aot.export import AOT_FORMAT
-
         if data.get("format") != AOT_FORMAT:
             raise AotError(f"{path} has format {data.get('format')!r}, this kdsl reads {AOT_FORMAT}")
         self.manifest = data
