@@ -10,7 +10,9 @@ import os
 # Triton 3.9 warns on every compile unless this is set; fusing multiply-adds is its default anyway.
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
-from kdsl import nn, ops, registry  # noqa: E402
+# kdsl.aot adds itself to the runtime when imported, so KDSL_AOT=DIR serves any use of kdsl without the runtime
+# importing it.
+from kdsl import aot, nn, ops, registry  # noqa: E402
 from kdsl.nn import from_pretrained, load_quantized, quantize_  # noqa: E402
 from kdsl.runtime.registry import NoKernelError  # noqa: E402
 from kdsl.runtime.registry import SchemeNotServedError, served_schemes  # noqa: E402

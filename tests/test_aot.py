@@ -817,6 +817,24 @@ def test_load_wraps_the_exported_kernels_and_unload_restores_them(exported, mani
     assert getattr(module, entry.name) is original
 
 
+def test_kdsl_aot_env_wraps_modules_as_the_registry_imports_them(exported):
+    """KDSL_AOT=DIR in a fresh process: the first generated module imported loads DIR and its exported kernel is
+    wrapped (kdsl.aot adds its hook to the runtime when kdsl is imported; the runtime imports nothing of it)."""
+    script = """
+import kdsl
+from kdsl.aot import runtime
+entry = kdsl.registry.select("act_quant", arch=90)
+module = entry.load()
+print(type(getattr(module, entry.name)).__name__, runtime.loaded().folder)
+"""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "KDSL_AOT": str(exported[0]),
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["AotKernel", str(exported[0])]
+
+
 def test_a_folder_without_a_manifest_is_named(tmp_path):
     with pytest.raises(aot_runtime.AotError, match="aot_manifest.json does not exist"):
         kdsl.aot.load(tmp_path)
