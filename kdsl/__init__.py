@@ -10,10 +10,12 @@ import os
 # Triton 3.9 warns on every compile unless this is set; fusing multiply-adds is its default anyway.
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
-from kdsl import nn, ops, registry  # noqa: E402
+# kdsl.aot adds itself to the runtime when imported, so KDSL_AOT=DIR serves any use of kdsl without the runtime
+# importing it.
+from kdsl import aot, nn, ops, registry  # noqa: E402
 from kdsl.nn import from_pretrained, load_quantized, quantize_  # noqa: E402
 from kdsl.runtime.registry import NoKernelError  # noqa: E402
-from kdsl.runtime.registry import SchemeNotServedError, served_schemes  # noqa: E402
+from kdsl.runtime.registry import SchemeNotServedError, require_served_scheme, served_schemes  # noqa: E402,F401
 from kdsl.schema import GPTQ, BlockFP8  # noqa: E402
 from kdsl.schema.scheme import AWQ  # noqa: E402
 from kdsl.schema import scheme_from_hf as _scheme_from_config  # noqa: E402
@@ -27,14 +29,7 @@ def scheme_from_hf(config: dict) -> BlockFP8 | GPTQ | AWQ:
     SchemeNotServedError (a ValueError) naming it and the schemes that are served.
     """
     scheme = _scheme_from_config(config)
-    missing = [name for name in scheme.kernel_schemes if name not in served_schemes()]
-    if missing:
-        family = missing[0].split(".")[0]
-        served = sorted(s for s in served_schemes() if s.split(".")[0] == family)
-        raise SchemeNotServedError(None, scheme.name,
-            f"quantization_config selects scheme {scheme.name}, whose kernels ({', '.join(missing)}) were not "
-            f"generated; served: {', '.join(served) or 'none'} (add it to a definition and run `kdsl generate`)"
-        )
+    require_served_scheme(scheme)
     return scheme
 
 

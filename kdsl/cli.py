@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from kdsl.arguments import arch, int_at_least, non_negative_int
+
 EPILOG = """\
 exit status:
   0  done (a kernel fits, generated files are up to date, every result is correct)
@@ -19,37 +21,6 @@ exit status:
 
 class UsageError(Exception):
     """The user asked for something that does not exist: main prints it and exits 2."""
-
-
-def int_at_least(minimum: int):
-    """argparse type: an integer >= minimum, refused with a message that says so."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-    parse.__name__ = "non-negative integer" if minimum == 0 else f"integer >= {minimum}"
-    return parse
-
-
-non_negative_int = int_at_least(0)  # sizes
-
-
-def arch(text: str) -> int:
-    """argparse type for --arch: 'sm_90' -> 90; an arch kdsl does not know (a typo such as sm_999) is refused."""
-    from kdsl.naming import KNOWN_ARCHS, format_arch, parse_arch
-
-    known = ", ".join(map(format_arch, KNOWN_ARCHS))
-    try:
-        number = parse_arch(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"{error}; known archs: {known}") from None
-    if number not in KNOWN_ARCHS:
-        raise argparse.ArgumentTypeError(f"unknown arch {text!r}; known archs: {known}")
-    return number
 
 
 def _kernels(op: str | None) -> list:

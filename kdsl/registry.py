@@ -21,6 +21,7 @@ from kdsl.runtime.registry import (  # noqa: F401
     plans,
     remove_generated,
     require_scheme,
+    require_served_scheme,
     reset,
     run_path,
     scheme_fields,

@@ -21,7 +21,8 @@ import torch
 import kdsl
 from kdsl.aot import abi as abis
 from kdsl.aot import runtime as aot_runtime
-from kdsl.aot.export import export, int_key, plan
+from kdsl.aot.export import export
+from kdsl.aot.plan import int_key, plan
 from kdsl.cli import main
 
 CC = shutil.which("cc") or shutil.which("gcc")
@@ -71,6 +72,17 @@ def compile_c(out: Path, sources: list, target: Path, extra=()) -> None:
 
 
 # ---- what is exported -------------------------------------------------------------------------------------
+
+def test_launch_expressions_are_read_not_run():
+    """abi.evaluate walks the parsed expression: the subset the C dispatcher also compiles, and nothing else."""
+    assert abis.evaluate("cdiv(M, 64) * 2 + (K % 16 == 0) - nonzero(perm)", dict(M=65, K=32, perm=0)) == 5
+    assert abis.evaluate("dtype_size(KDSL_F32) * least(M, 3)", dict(M=7)) == 12
+    for outside in ("__import__('os')", "M / 2", "M // 2", "x.real", "M < K < 3", "open(M)", "1.5", "M and K"):
+        with pytest.raises(abis.ExpressionError, match="outside the launch subset"):
+            abis.evaluate(outside, dict(M=1, K=2, x=3))
+    with pytest.raises(abis.ExpressionError, match="N has no value"):
+        abis.evaluate("cdiv(M, N)", dict(M=1))
+
 
 def test_manifest_lists_ops_kernels_and_cubin_hashes(exported, manifest):
     import hashlib
@@ -669,7 +681,7 @@ def test_fp8_gemm_gluon_tiles_route_to_their_alternatives():
     """fp8_gemm/deferred_gluon's tiles are left out as Gluon by what their module is, and the dispatcher sends
     their calls where the registry sends a call the Gluon kernel refuses: the alternative tile after each,
     tma_persistent's Triton kernel with the same blocks (aligned calls; misaligned ones go to the fallback)."""
-    from kdsl.aot.export import exported_buckets, left_out_reason, needs_fallback, route
+    from kdsl.aot.plan import exported_buckets, left_out_reason, needs_fallback, route
     from kdsl.runtime.manifest import Call
 
     kdsl.registry.reset()
@@ -804,6 +816,24 @@ def test_load_wraps_the_exported_kernels_and_unload_restores_them(exported, mani
     finally:
         kdsl.aot.unload()
     assert getattr(module, entry.name) is original
+
+
+def test_kdsl_aot_env_wraps_modules_as_the_registry_imports_them(exported):
+    """KDSL_AOT=DIR in a fresh process: the first generated module imported loads DIR and its exported kernel is
+    wrapped (kdsl.aot adds its hook to the runtime when kdsl is imported; the runtime imports nothing of it)."""
+    script = """
+import kdsl
+from kdsl.aot import runtime
+entry = kdsl.registry.select("act_quant", arch=90)
+module = entry.load()
+print(type(getattr(module, entry.name)).__name__, runtime.loaded().folder)
+"""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "KDSL_AOT": str(exported[0]),
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["AotKernel", str(exported[0])]
 
 
 def test_a_folder_without_a_manifest_is_named(tmp_path):
@@ -1110,7 +1140,7 @@ def test_w4a16_dispatcher_matches_the_registry_and_the_generated_launch(exported
     """Tile (the Gluon tiles' refused calls, and the Gluon GEMV's at a K it was not exported for, routed to their
     alternatives, as the registry routes calls they refuse), K split (from the SM count, or the largest exported split below it), specialization, kernel
     arguments and grid, against kdsl.registry and the generated modules' launch()."""
-    from kdsl.aot.export import exported_buckets
+    from kdsl.aot.plan import exported_buckets
     from kdsl.ops import _checks
 
     out = exported_w4a16[0][arch]

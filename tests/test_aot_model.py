@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 
 from kdsl.aot import abi as abis
 from kdsl.aot import export as export_module
-from kdsl.aot.export import ExportError, compile_specs, exact_values, export, plan
+from kdsl.aot.export import ExportError, compile_specs, export
+from kdsl.aot.plan import exact_values, plan
 from kdsl.aot.model import ModelError, from_checkpoint, from_shapes, safetensors_header
 from kdsl.cli import _Progress, main
 

@@ -4,8 +4,10 @@ One description serves three readers: the exporter (which specializations to com
 dispatcher's checks, tile choice, kernel arguments and grid) and the tests (which compare it with what the
 generated module's launch() computes, so the two cannot drift apart unnoticed).
 
-Expressions (`params`, `grid`, `runtime_constexprs`) are written once in a subset both C and Python evaluate:
-names of the op's C arguments, integer literals, the dtype codes (KDSL_F16, ...), + - * == <= >=, and the helpers
+Expressions (`params`, `grid`, `runtime_constexprs`) are written once in a subset both C and Python evaluate
+(Python through evaluate(), which walks the parsed tree and refuses anything else):
+names of the op's C arguments, integer literals, the dtype codes (KDSL_F16, ...), + - * %, one comparison
+(== != < <= > >=), and the helpers
 cdiv(a, b), div(a, b) (floor division of non-negative numbers), nonzero(p) (1 if p is not 0/NULL), either(p, q)
 (p unless it is NULL, then q), split_cap and split_for (the generated modules' K split, below; `sms` is the
 device's SM count), least(a, b), addr(p) (a pointer's address), dtype_size(d) (bytes of a kdsl_dtype),
@@ -16,6 +18,9 @@ before either language sees them.
 """
 from __future__ import annotations
 
+import ast
+import functools
+import operator
 from dataclasses import dataclass, field
 
 # The dtypes the ABI names (kdsl_dtype in kdsl_aot.h): C enum name, Triton pointer type, torch dtype name.
@@ -72,7 +77,7 @@ class ImplLaunch:
     # the exporter compiles the splits the op's problems reach (and 1), and the dispatcher takes the largest
     # exported split not above the one asked for; the grid and the scratch sizes may name it as `split`.
     # The values EXACT: the value itself, compiled for each value the problems reaching the tile give it; other
-    # values are refused by the tile (kdsl.aot.export.exact_values).
+    # values are refused by the tile (kdsl.aot.plan.exact_values).
     runtime_constexprs: tuple = ()
     # Constexprs that follow the dtype arguments: (dtypes {argument: name}) -> {name: value}.
     dtype_constexprs: callable = None
@@ -758,11 +763,94 @@ def fill(expression: str, tile: dict, scheme: dict) -> str:
     return expression.format(**values)
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _div(a: int, b: int) -> int:
+    return a // b
+
+
+def _nonzero(p: int) -> int:
+    return int(p != 0)
+
+
+def _either(p: int, q: int) -> int:
+    return p if p else q
+
+
+def _addr(p: int) -> int:
+    return p
+
+
+# The helpers an expression may call, as the C dispatcher has them (kdsl__<name> in kdsl_aot_internal.h).
+HELPERS = {"cdiv": _cdiv, "div": _div, "nonzero": _nonzero, "either": _either, "split_cap": split_cap,
+           "split_for": split_for, "least": min, "addr": _addr, "dtype_size": dtype_size, "programs": programs,
+           "tma_stride": tma_stride, "bad_tma_stride": bad_tma_stride}
+_CONSTANTS = {code: DTYPE_CODES[name] for name, (code, *_) in DTYPES.items()}  # KDSL_F16, ...
+# The operators both languages read alike on the subset's integers. Floor division is div(): `//` opens a C
+# comment, and C's `/` is not Python's.
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Mod: operator.mod}
+_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+            ast.Gt: operator.gt, ast.GtE: operator.ge}
+
+
+class ExpressionError(ValueError):
+    """An expression outside the subset both C and Python read alike, or naming a value it was not given."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse(expression: str) -> ast.expr:
+    """The expression's tree, checked once to hold only what the subset allows."""
+    try:
+        tree = ast.parse(expression.strip(), mode="eval").body
+    except SyntaxError as error:
+        raise ExpressionError(f"{expression!r} is not an expression of the launch subset: {error.msg}") from None
+    for node in ast.walk(tree):
+        if not _in_subset(node):
+            shown = ast.unparse(node) if isinstance(node, ast.expr) else f"the operator {type(node).__name__}"
+            raise ExpressionError(f"{expression!r}: {shown} is outside the launch subset (names, integers, "
+                                  f"+ - * %, one comparison, calls of {', '.join(HELPERS)})")
+    return tree
+
+
+def _in_subset(node: ast.AST) -> bool:
+    if isinstance(node, (ast.Name, ast.Load, ast.BinOp, ast.USub, *_BINARY, *_COMPARE)):
+        return True  # a BinOp's or UnaryOp's operator is a node of its own, checked on its own
+    if isinstance(node, ast.Constant):
+        return type(node.value) is int
+    if isinstance(node, ast.UnaryOp):
+        return isinstance(node.op, ast.USub)
+    if isinstance(node, ast.Compare):
+        return len(node.ops) == 1  # C would read a < b < c as (a < b) < c
+    if isinstance(node, ast.Call):
+        return isinstance(node.func, ast.Name) and node.func.id in HELPERS and not node.keywords
+    return False
+
+
+def _value(node: ast.expr, values: dict) -> int:
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        if node.id in values:
+            return values[node.id]
+        if node.id in _CONSTANTS:
+            return _CONSTANTS[node.id]
+        raise ExpressionError(f"{node.id} has no value (given: {', '.join(sorted(values)) or 'nothing'})")
+    if isinstance(node, ast.BinOp):
+        return _BINARY[type(node.op)](_value(node.left, values), _value(node.right, values))
+    if isinstance(node, ast.UnaryOp):
+        return -_value(node.operand, values)
+    if isinstance(node, ast.Compare):
+        return int(_COMPARE[type(node.ops[0])](_value(node.left, values), _value(node.comparators[0], values)))
+    return HELPERS[node.func.id](*(_value(arg, values) for arg in node.args))
+
+
 def evaluate(expression: str, values: dict) -> int:
-    """Evaluate a filled expression in Python (the C dispatcher compiles the same text)."""
-    namespace = {"cdiv": lambda a, b: -(-a // b), "div": lambda a, b: a // b, "nonzero": lambda p: int(p != 0),
-                 "either": lambda p, q: p if p else q, "split_cap": split_cap, "split_for": split_for,
-                 "least": min, "addr": lambda p: p, "dtype_size": dtype_size, "programs": programs,
-                 "tma_stride": tma_stride, "bad_tma_stride": bad_tma_stride,
-                 **{code: DTYPE_CODES[name] for name, (code, *_) in DTYPES.items()}, "__builtins__": {}}
-    return int(eval(expression, namespace, dict(values)))  # noqa: S307 (text written in abi.py, not user input)
+    """Evaluate a filled expression in Python (the C dispatcher compiles the same text): its tree, parsed once
+    and held to the subset, is walked here; nothing is executed."""
+    tree = _parse(expression)
+    try:
+        return int(_value(tree, values))
+    except ExpressionError as error:
+        raise ExpressionError(f"{expression!r}: {error}") from None

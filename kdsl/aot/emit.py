@@ -7,9 +7,10 @@ import shutil
 from pathlib import Path
 
 from kdsl.aot import abi as abis
-from kdsl.aot.export import exported_buckets, split_name, tile_impl
+from kdsl.aot.plan import Plan, exact_names, exact_values, exported_buckets, launch_of, tile_impl
 from kdsl.naming import format_arch
 
+AOT_FORMAT = 1  # of aot_manifest.json (kdsl.aot.runtime reads it)
 RUNTIME = Path(__file__).parent / "c"
 C_TYPES = {"ptr": "const void *", "i64": "int64_t", "dtype": "kdsl_dtype"}
 
@@ -64,12 +65,10 @@ def header(abi: abis.OpAbi, functions: list, schemes: dict) -> str:
 
 
 def _bucket_code(abi: abis.OpAbi, entry, scheme_values: dict) -> list:
-    """The tile bucket, as kdsl.aot.export.route picks it (the registry's tile_for with the left-out tiles
+    """The tile bucket, as kdsl.aot.plan.route picks it (the registry's tile_for with the left-out tiles
     disabled): the first exported tile serving M (and N) whose launch does not refuse the call; a tile refusing
     to "entry" sends the call to the fallback; where tiles served but all refused, the entry's last tile; else
     (no tile served) the fallback. bucket -1: the fallback's (or, without one, an error)."""
-    from kdsl.aot.export import exact_names, exact_values, launch_of
-
     exported = exported_buckets(abi, entry)
     lines = ["  int bucket = -1, served = 0, routed_away = 0;"]
     for index in exported:
@@ -318,9 +317,12 @@ def op_source(abi: abis.OpAbi, function: str, selected: list, fallbacks: dict | 
     return "\n".join(out)
 
 
+# A helper of the subset is kdsl__<name> in C (kdsl_aot_internal.h).
+_C_HELPER = re.compile(r"\b(" + "|".join(abis.HELPERS) + r")\(")
+
+
 def _c_expression(expression: str) -> str:
-    return re.sub(r"\b(cdiv|div|nonzero|either|split_cap|split_for|least|addr|dtype_size|programs|tma_stride|"
-                  r"bad_tma_stride)\(", r"kdsl__\1(", expression)
+    return _C_HELPER.sub(r"kdsl__\1(", expression)
 
 
 def info_source(result) -> str:
@@ -375,8 +377,6 @@ clean:
 
 
 def write_all(out: Path, result) -> None:
-    from kdsl.aot.export import manifest
-
     (out / "include").mkdir(parents=True, exist_ok=True)
     (out / "src").mkdir(parents=True, exist_ok=True)
     shutil.copyfile(RUNTIME / "kdsl_aot.h", out / "include" / "kdsl_aot.h")
@@ -400,3 +400,39 @@ def write_all(out: Path, result) -> None:
     (out / "CMakeLists.txt").write_text(CMAKE, encoding="utf-8")
     (out / "Makefile").write_text(MAKEFILE, encoding="utf-8")
     (out / "aot_manifest.json").write_text(json.dumps(manifest(result), indent=1) + "\n", encoding="utf-8")
+
+
+def manifest(result: Plan) -> dict:
+    import triton
+
+    functions = function_names(result)
+    return dict(
+        format=AOT_FORMAT, generator="kdsl aot", triton=triton.__version__,
+        archs=[format_arch(a) for a in result.archs],
+        ops=[dict(op=abi.op, function=functions[(abi.op, scheme)], scheme=scheme, arch=format_arch(arch), entry=entry.name,
+                  impl=entry.impl, digest=_entry_digest(entry), specializations=len(specs),
+                  **_fallback_record(result.fallbacks.get((abi.op, scheme, arch))))
+             for abi, scheme, arch, entry, specs in result.selected],
+        not_exported=[dict(kernel=what, reason=why) for what, why in result.skipped],
+        routes=list(result.routes),
+        specializations=[spec.record() for spec in result.specs],
+    )
+
+
+def _fallback_record(fallback) -> dict:
+    if fallback is None:
+        return {}
+    entry, specs = fallback
+    return dict(fallback=dict(entry=entry.name, impl=entry.impl, digest=_entry_digest(entry),
+                              specializations=len(specs)))
+
+
+def _entry_digest(entry) -> str | None:
+    """The generated module's digest line (its definition and templates), so a deployment can match sources."""
+    try:
+        for line in Path(entry.module_path).read_text(encoding="utf-8").splitlines()[:8]:
+            if line.startswith("# digest: "):
+                return line.split()[2]
+    except OSError:
+        return None
+    return None

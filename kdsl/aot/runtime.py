@@ -9,8 +9,9 @@ nothing; any other launch goes to Triton's JIT as before (counted in stats()). A
 as the C launcher (kdsl__launch) passes it: a CUtensorMap encoded with cuTensorMapEncodeTiled from the
 descriptor's base, shape and strides and the compiled kernel's box, swizzle and element type (the manifest's
 per-spec `tma`), then its shape as int32s and strides as int64s, as many as the export read from the PTX.
-The wrapping happens where the registry imports a generated module (kdsl.runtime.manifest's module hook),
-so kdsl.ops and the templates are unchanged.
+The wrapping happens where the registry imports a generated module: importing this module adds its hook to
+kdsl.runtime.manifest (kdsl's package imports it), so kdsl.ops and the templates are unchanged and the runtime
+never imports kdsl.aot.
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ import os
 import threading
 from pathlib import Path
 
-from kdsl.aot.export import int_key, pointer_key
+from kdsl.aot.emit import AOT_FORMAT
+from kdsl.aot.plan import int_key, pointer_key
+from kdsl.runtime import manifest, registry
 
 AOT_ENV = "KDSL_AOT"
 
@@ -62,8 +65,6 @@ class AotLibrary:
             data = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise AotError(f"{path} does not exist: write it with `python -m kdsl aot --out {self.folder}`") from None
-        from kdsl.aot.export import AOT_FORMAT
-
         if data.get("format") != AOT_FORMAT:
             raise AotError(f"{path} has format {data.get('format')!r}, this kdsl reads {AOT_FORMAT}")
         self.manifest = data
@@ -312,8 +313,8 @@ def _argument_key(arg):
     return element, "D" if arg.data_ptr() % 16 == 0 else ""
 
 
-def _patch(entry, module) -> None:
-    """The registry's module hook: wrap the module's kernels that the loaded export serves."""
+def _patch(module) -> None:
+    """Wrap the module's kernels that the loaded export serves."""
     library = _library
     if library is None:
         return
@@ -328,8 +329,6 @@ def _patch(entry, module) -> None:
 def load(folder) -> AotLibrary:
     """Launch the kernels exported to `folder` instead of compiling them (until unload())."""
     global _library
-    from kdsl.runtime import manifest
-
     import torch
 
     library = AotLibrary(Path(folder))
@@ -340,11 +339,9 @@ def load(folder) -> AotLibrary:
             _POINTER_TYPES[dtype] = "*" + element
     _DESCRIPTORS.update(_descriptor_classes())
     _library = library
-    if _patch not in manifest.MODULE_HOOKS:
-        manifest.MODULE_HOOKS.append(_patch)
     _forget_launch_plans()
-    for entry_path, module in list(manifest._MODULES.items()):
-        _patch(None, module)
+    for module in manifest.loaded_modules():
+        _patch(module)
     return library
 
 
@@ -370,26 +367,18 @@ def _descriptor_classes() -> dict:
 def unload() -> None:
     """Back to compiling every kernel with Triton's JIT."""
     global _library
-    from kdsl.runtime import manifest
-
     for (_, kernel), (module, original) in list(_patched.items()):
         setattr(module, kernel, original)
     _patched.clear()
     _library = None
     _forget_launch_plans()
-    if _patch in manifest.MODULE_HOOKS:
-        manifest.MODULE_HOOKS.remove(_patch)
 
 
 def _forget_launch_plans() -> None:
     """kdsl.ops' launch plans (kdsl/ops/_plan.py) replay the kernels they recorded: drop them so calls go
     through the wrapped (or restored) kernels. A launch from a cubin is not recorded (the wrapper returns no
     compiled kernel), so calls served by the export take the ops' ordinary path."""
-    from kdsl.runtime import registry
-
-    plans = getattr(registry, "plans", None)
-    if plans is not None:
-        plans.clear()
+    registry.plans.clear()
 
 
 def loaded() -> AotLibrary | None:
@@ -406,3 +395,14 @@ def load_from_env() -> None:
     folder = os.environ.get(AOT_ENV, "").strip()
     if folder and _library is None:
         load(folder)
+
+
+def _on_module_import(kernel_module, module) -> None:
+    """The runtime's module hook: the first generated module imported loads KDSL_AOT=DIR (if set and nothing is
+    loaded; load() wraps every module imported so far, this one included), and each is wrapped."""
+    if _library is None:
+        load_from_env()
+    _patch(module)
+
+
+manifest.add_module_hook(_on_module_import)

@@ -102,14 +102,15 @@ def variant(name: str, shape: Shape, device: str = "cuda"):
     """The model of a variant (fp16, bf16 or one of VARIANTS); ImportError where its package is missing."""
     import torch
 
-    import kdsl
+    from kdsl.nn import quantize_ as kdsl_quantize_
+    from kdsl.schema import GPTQ, BlockFP8
 
     dtype = torch.float16 if name in ("fp16", "w4a16") else torch.bfloat16
     model = build(shape, dtype, device)
     if name == "w4a16":
-        kdsl.quantize_(model, kdsl.GPTQ(group_size=128))
+        kdsl_quantize_(model, GPTQ(group_size=128))
     elif name == "fp8":
-        kdsl.quantize_(model, kdsl.BlockFP8())
+        kdsl_quantize_(model, BlockFP8())
     elif name == "torchao-fp8":
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 

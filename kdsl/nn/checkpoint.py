@@ -20,7 +20,8 @@ from kdsl.nn.modules import FP8Linear, W4A16Linear
 from kdsl.nn.moe import FP8Experts, W4A16Experts
 from kdsl.ops.gptq_checkpoint import unpack_rows
 from kdsl.ops.w4a16 import prepare
-from kdsl.schema import HFQuantization, read_hf_config
+from kdsl.runtime.registry import require_served_scheme
+from kdsl.schema import HFQuantization, read_hf_config, scheme_from_hf
 from kdsl.schema.scheme import AWQ, BlockFP8
 
 HALVES = ("F16", "BF16")
@@ -613,8 +614,6 @@ def load_quantized(model: nn.Module, path, device=None, *, dtype: torch.dtype | 
     left unquantized) and a pattern that matches nothing are refused. A layer that cannot be cut raises
     kdsl.parallel.ShardError and leaves the model as it was.
     """
-    import kdsl
-
     folder = Path(path)
     config = _read_config(folder)
     for pattern, style in (tp_plan or {}).items():
@@ -623,7 +622,7 @@ def load_quantized(model: nn.Module, path, device=None, *, dtype: torch.dtype | 
     if dtype is not None and dtype not in ACT_DTYPES:
         raise TypeError(f"dtype: expected torch.float16 or torch.bfloat16, got {dtype}")
     hf = read_hf_config(config["quantization_config"])
-    kdsl.scheme_from_hf(config["quantization_config"])  # refuses a scheme no generated kernel serves
+    require_served_scheme(scheme_from_hf(config["quantization_config"]))
     fmt = FORMATS[hf.source](hf)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shards = _Shards(folder)

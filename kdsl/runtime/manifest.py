@@ -94,7 +94,8 @@ class KernelModule:
         module = _MODULES.get(self.path)
         if module is None:
             module = _MODULES[self.path] = _import_file(self.import_name, self.path)
-            _run_module_hooks(self, module)
+            for hook in _MODULE_HOOKS:
+                hook(self, module)
         return module
 
     @property
@@ -189,17 +190,21 @@ class KernelEntry:
 
 
 _MODULES: dict[Path, ModuleType] = {}
-# Called with (KernelModule, module) after a generated module is imported: kdsl.aot wraps the kernels it exported.
-MODULE_HOOKS: list = []
+# Called with (KernelModule, module) after a generated module is imported. A package that launches kernels
+# another way (kdsl.aot: exported cubins) adds itself here when it is imported; the runtime imports none of them.
+_MODULE_HOOKS: list = []
 
 
-def _run_module_hooks(kernel_module, module: ModuleType) -> None:
-    if os.environ.get("KDSL_AOT") and not MODULE_HOOKS:
-        from kdsl.aot.runtime import load_from_env  # KDSL_AOT=DIR: exported cubins instead of compiling
+def add_module_hook(hook) -> None:
+    """Call hook(kernel_module, module) after each generated module is imported from now on (a hook added
+    twice runs once); loaded_modules() gives those imported before."""
+    if hook not in _MODULE_HOOKS:
+        _MODULE_HOOKS.append(hook)
 
-        load_from_env()
-    for hook in MODULE_HOOKS:
-        hook(kernel_module, module)
+
+def loaded_modules() -> list[ModuleType]:
+    """The generated modules imported so far."""
+    return list(_MODULES.values())
 
 
 def _import_file(module_name: str, path: Path) -> ModuleType:

@@ -204,6 +204,19 @@ def require_scheme(op: str, scheme: str, asked: str) -> None:
         )
 
 
+def require_served_scheme(scheme) -> None:
+    """Refuse a quantization_config's scheme (kdsl.schema's BlockFP8 / GPTQ / AWQ: read for its name and
+    kernel_schemes) whose kernels were not all generated."""
+    missing = [name for name in scheme.kernel_schemes if name not in served_schemes()]
+    if missing:
+        family = missing[0].split(".")[0]
+        served = sorted(s for s in served_schemes() if s.split(".")[0] == family)
+        raise SchemeNotServedError(None, scheme.name,
+            f"quantization_config selects scheme {scheme.name}, whose kernels ({', '.join(missing)}) were not "
+            f"generated; served: {', '.join(served) or 'none'} (add it to a definition and run `kdsl generate`)"
+        )
+
+
 def device_arch(device: torch.device | None = None) -> int:
     """The arch to select for: KDSL_ARCH, else the CUDA device's, else the interpreter tier for CPU."""
     forced = _settings().forced_arch

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from kdsl.bench.shapes import PRESETS, ShapeFileError, resolve_shapes
-from kdsl.cli import int_at_least
+from kdsl.arguments import int_at_least
 from kdsl.kernels import find_impl
 from kdsl.tune import search
 from kdsl.tune.space import DEFAULT_MAX_CANDIDATES, Bucket, buckets, candidates
