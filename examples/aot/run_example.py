@@ -93,7 +93,7 @@ def main() -> int:
     import json
 
     from kdsl.aot import abi as abis
-    from kdsl.aot.export import route
+    from kdsl.aot.plan import route
 
     # The kernel and tile the export's sm_XY dispatcher gives each call (its entry, else its fallback).
     arch = registry.device_arch()

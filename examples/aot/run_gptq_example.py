@@ -7,7 +7,7 @@ kdsl.ops.gptq_prepare; the prepared tensors (W4A16Prepared's fields) are written
 program (a deployment could save the same fields with safetensors). Checks, per (M, act-order), M = 1 .. 8
 (on sm_90 the Gluon GEMV, gemv_mma_gluon, exported for K = 4096), 16, 64:
   y from C == the same kernel launched from Python: the entry's launch() with the tile the C dispatcher
-  takes (kdsl.aot.export.route: the registry's choice for the call, with the Gluon GEMV refusing a K it was not
+  takes (kdsl.aot.plan.route: the registry's choice for the call, with the Gluon GEMV refusing a K it was not
   exported for and any tile left out of the export passed over), bit for bit;
   the relative error against an fp32 dequantize-then-matmul reference of the checkpoint (< 1e-2);
   against kdsl.ops.w4a16_gemm as the registry picks by default (Gluon tiles where they serve), printed.
@@ -58,7 +58,7 @@ def main() -> int:
 
     from kdsl import ops
     from kdsl.aot import abi as abis
-    from kdsl.aot.export import route
+    from kdsl.aot.plan import route
     from kdsl.ops.gptq_checkpoint import pack_rows
     from kdsl.runtime import registry
 
