@@ -101,7 +101,7 @@ def main() -> None:
     if args.show_plans:
         for key, plan in getattr(kdsl.registry, "plans", {}).items():
             print(f"# plan {key[0]}:")
-            print(plan.source if plan else "  (not replayable)")
+            print(plan.describe() if plan else "  (not replayable)")
 
 
 def write_json(args, rows: list) -> None:

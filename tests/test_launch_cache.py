@@ -434,6 +434,26 @@ def test_a_compiled_plan_runs_the_kernel_with_the_calls_pointers(compiled_act_qu
     assert (x_ptr, q_ptr, s_ptr) == (x.data_ptr(), q2.data_ptr(), s2.data_ptr())
     assert run_args[12:15] == jit_args[3:6]  # M, K, stride: this signature's, as recorded
     assert q2.shape == q1.shape and s2.stride() == s1.stride() and q2.data_ptr() != q1.data_ptr()
+    assert "i0.data_ptr(), o0.data_ptr(), o1.data_ptr()" in plan.describe()
+
+
+def test_a_compiled_plan_calls_tritons_c_launcher_as_cuda_launcher_does(compiled_act_quant, monkeypatch):
+    """Where _direct_launcher finds Triton 3.6's C launcher, the plan calls it with CudaLauncher.__call__'s
+    arguments: grid, stream, function, cooperative, pdl, two scratch, packed metadata, three None, kernel's."""
+    log, _ = compiled_act_quant
+    raw_calls = []
+    monkeypatch.setattr(_plan, "_direct_launcher",
+                        lambda compiled: (lambda *args: raw_calls.append(args), {}, None, False, True))
+    x, _ = fp8_operands()
+    kdsl.ops.act_quant(x)
+    q, s = kdsl.ops.act_quant(x)
+    (plan,) = plans("act_quant")
+    assert plan and [entry[0] for entry in log] == ["jit"] and len(raw_calls) == 1
+    grid, jit_args = log[0][1], log[0][2]
+    args = raw_calls[0]
+    assert args[:13] == (*grid, "stream", "function", False, True, None, None, ("metadata",), None, None, None)
+    assert args[13:16] == (x.data_ptr(), q.data_ptr(), s.data_ptr()) and args[16:19] == jit_args[3:6]
+    assert "by its C launcher" in plan.describe()
 
 
 def test_a_compiled_plan_declines_while_a_launch_hook_is_set(compiled_act_quant):
