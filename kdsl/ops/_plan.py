@@ -15,7 +15,7 @@ function of the call's signature, so a plan keyed on that signature can skip it:
        CompiledKernel.__getitem__ runner does, with pointers passed as integers so the launcher does not
        ask the driver about each one), under the interpreter through kernel[grid](...). It is built from
        data: each launch's argument list is kept with its constants in place, and a call only copies it and
-       fills in its own pointers (each data_ptr() read once), descriptors and the stream. plan.describe()
+       fills in its own pointers (each data_ptr() read once a launch), descriptors and the stream. plan.describe()
        says what a plan launches, in words.
 
 A miss runs the op's ordinary path, which raises the same errors as ever, and records the launches the
@@ -37,7 +37,6 @@ are kept (the dict is emptied when full, like the modules' _COMPILED).
 """
 from __future__ import annotations
 
-import collections
 import os
 
 import torch
@@ -290,18 +289,12 @@ def _compiled_replay(steps: list, templates: tuple, held: tuple):
     fill (place, slot) being where a call tensor's data_ptr() goes."""
     from triton import knobs
 
-    # A pointer passed at one place is read there; one passed at several (two launches of a tensor) is read
-    # once per call, before the launches, into `shared`.
-    uses = collections.Counter(slot for step in steps for _, slot in step[2])
-    shared_slots = tuple(slot for slot, count in uses.items() if count > 1)
-    steps = tuple((launcher, recorded,
-                   tuple((at, slot) for at, slot in fills if uses[slot] == 1),
-                   tuple((at, shared_slots.index(slot)) for at, slot in fills if uses[slot] > 1),
-                   splices)
+    steps = tuple((launcher, recorded, *_reads_and_copies(fills), splices)
                   for launcher, recorded, fills, splices in steps)
 
     chain_type, stream_of, device = type(_hook_chain()), _triton_stream(), current_device()
-    cuda, empty_like, single = torch.cuda, torch.empty_like, len(templates) == 1
+    cuda, empty_like, count = torch.cuda, torch.empty_like, len(templates)
+    first, second = (*templates, None, None)[:2]
 
     def replay(*inputs):
         runtime = knobs.runtime
@@ -310,25 +303,46 @@ def _compiled_replay(steps: list, templates: tuple, held: tuple):
                 or (leave is not None and (type(leave) is not chain_type or leave.calls))
                 or cuda.is_current_stream_capturing()):
             return None
-        outputs = tuple(map(empty_like, templates))
+        # An op returns one or two tensors: a call per template is cheaper than a loop's or map's.
+        if count == 1:
+            outputs = (empty_like(first),)
+        elif count == 2:
+            outputs = (empty_like(first), empty_like(second))
+        else:
+            outputs = tuple([empty_like(template) for template in templates])
         tensors = inputs + outputs
         stream = stream_of(device)
-        shared = []
-        for slot in shared_slots:  # a loop, not a comprehension: Python 3.11 calls a comprehension as a function
-            shared.append(tensors[slot].data_ptr())
-        for launcher, recorded, own, from_shared, splices in steps:
+        for launcher, recorded, reads, copies, splices in steps:
             args = recorded.copy()
             args[3] = stream
-            for at, slot in own:
+            for at, slot in reads:
                 args[at] = tensors[slot].data_ptr()
-            for at, index in from_shared:
-                args[at] = shared[index]
-            for at, expand, slot in splices:
-                args[at:at + 1] = expand(tensors[slot])
+            if copies:
+                for at, source in copies:
+                    args[at] = args[source]
+            if splices:
+                for at, expand, slot in splices:
+                    args[at:at + 1] = expand(tensors[slot])
             launcher(*args)
-        return outputs[0] if single else outputs
+        return outputs[0] if count == 1 else outputs
     replay.held = held
     return replay
+
+
+def _reads_and_copies(fills: list) -> tuple:
+    """A launch's pointer fills (place, slot) as the places where a call reads a pointer, (place, slot), and
+    those that repeat one read in the same launch, (place, place read): w4a16's qweight where perm is None.
+    Each launch reads its pointers once; two launches that take one tensor each read it, which costs less
+    than keeping it across launches would."""
+    first: dict = {}
+    reads, copies = [], []
+    for at, slot in fills:
+        if slot in first:
+            copies.append((at, first[slot]))
+        else:
+            first[slot] = at
+            reads.append((at, slot))
+    return tuple(reads), tuple(copies)
 
 
 def _interpreted_replay(steps: tuple, templates: tuple):
