@@ -14,9 +14,9 @@ function of the call's signature, so a plan keyed on that signature can skip it:
        them: on the GPU through the compiled kernel's launcher (CompiledKernel.run, as Triton's own
        CompiledKernel.__getitem__ runner does, with pointers passed as integers so the launcher does not
        ask the driver about each one), under the interpreter through kernel[grid](...). It is built from
-       data: each launch's argument list is kept with its constants in place, and a call only copies it and
-       fills in its own pointers (each data_ptr() read once a launch), descriptors and the stream. plan.describe()
-       says what a plan launches, in words.
+       data, not from source text: each launch's argument list is kept with its constants in place, and a
+       call copies it and fills in the stream, its own pointers (each data_ptr() read once a launch) and
+       descriptors. plan.describe() says what a plan launches, in words.
 
 A miss runs the op's ordinary path, which raises the same errors as ever, and records the launches the
 module's _launch makes (common/launch_cache.py.j2) and, on the GPU, those of the kernels the module launches
