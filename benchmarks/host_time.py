@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--only", help="comma-separated prefixes: run only the cases whose name starts with one")
-    parser.add_argument("--show-plans", action="store_true", help="print the launch plans' code at the end")
+    parser.add_argument("--show-plans", action="store_true", help="print what the launch plans launch at the end")
     args = parser.parse_args()
     rows = []
     only = tuple(args.only.split(",")) if args.only else None
