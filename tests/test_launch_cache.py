@@ -6,6 +6,8 @@ is called with; tests/test_gpu_fp8.py runs the real kernels through the cache.
 """
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -434,6 +436,26 @@ def test_a_compiled_plan_runs_the_kernel_with_the_calls_pointers(compiled_act_qu
     assert (x_ptr, q_ptr, s_ptr) == (x.data_ptr(), q2.data_ptr(), s2.data_ptr())
     assert run_args[12:15] == jit_args[3:6]  # M, K, stride: this signature's, as recorded
     assert q2.shape == q1.shape and s2.stride() == s1.stride() and q2.data_ptr() != q1.data_ptr()
+    assert "i0.data_ptr(), o0.data_ptr(), o1.data_ptr()" in plan.describe()
+
+
+def test_a_compiled_plan_calls_tritons_c_launcher_as_cuda_launcher_does(compiled_act_quant, monkeypatch):
+    """Where _direct_launcher finds Triton 3.6's C launcher, the plan calls it with CudaLauncher.__call__'s
+    arguments: grid, stream, function, cooperative, pdl, two scratch, packed metadata, three None, kernel's."""
+    log, _ = compiled_act_quant
+    raw_calls = []
+    monkeypatch.setattr(_plan, "_direct_launcher",
+                        lambda compiled: (lambda *args: raw_calls.append(args), {}, None, False, True))
+    x, _ = fp8_operands()
+    kdsl.ops.act_quant(x)
+    q, s = kdsl.ops.act_quant(x)
+    (plan,) = plans("act_quant")
+    assert plan and [entry[0] for entry in log] == ["jit"] and len(raw_calls) == 1
+    grid, jit_args = log[0][1], log[0][2]
+    args = raw_calls[0]
+    assert args[:13] == (*grid, "stream", "function", False, True, None, None, ("metadata",), None, None, None)
+    assert args[13:16] == (x.data_ptr(), q.data_ptr(), s.data_ptr()) and args[16:19] == jit_args[3:6]
+    assert "by its C launcher" in plan.describe()
 
 
 def test_a_compiled_plan_declines_while_a_launch_hook_is_set(compiled_act_quant):
@@ -548,3 +570,38 @@ def test_a_kernel_the_module_launches_itself_is_recorded_too(compiled_act_quant,
     assert run_args[:3] == (7, 2, 1) and run_args[9] == x.data_ptr()
     assert run_args[12:] == (3, 256, 256, 8, False)  # M, K, stride, then the constexprs in signature order
     assert mod.act_quant__e4m3_w128x128_a128_f32__rowwise_sm89.__class__.__name__ == "FakeJit"  # put back
+
+
+def test_a_compiled_plan_fills_each_launchs_pointers_and_descriptors(monkeypatch):
+    """Two launches: a tensor passed twice in one launch (w4a16's qweight where perm is None) and to both,
+    a TMA descriptor expanded as Triton's make_tensordesc_arg does, the split-K scratch by address."""
+    calls = []
+
+    class Compiled:
+        function, packed_metadata = "function", ("metadata",)
+
+        def __init__(self, descriptors: dict):
+            self.descriptors = descriptors
+
+    def expand(desc, meta):
+        return [meta, desc.base.data_ptr(), *desc.block_shape]
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(_plan, "_triton_stream", lambda: (lambda device: "stream"))
+    monkeypatch.setattr(_plan, "_direct_launcher", lambda compiled: (
+        lambda *args: calls.append(args), compiled.descriptors, expand, False, True))
+    x, w, y, scratch = torch.randn(4, 16), torch.randn(16, 16), torch.empty(4, 16), torch.zeros(8)
+    module = types.SimpleNamespace(__name__="fake", _INTERPRETING=False, _SPLITK_SCRATCH={"c": (scratch,)})
+    launches = [(Compiled({}), (3,), (x, w, w, scratch, y, 5), (True,), True),
+                (Compiled({0: "meta"}), (2, 2), (TensorDescriptor.from_tensor(w, [8, 8]), x, 7), (), True)]
+    plan = _plan._build(types.SimpleNamespace(module=module, launches=launches, count=2), (x, w), (y,))
+    x2 = torch.randn(4, 16)
+    y2 = plan(x2, w)
+    assert y2.shape == y.shape and y2.data_ptr() != y.data_ptr()
+
+    def head(*grid):
+        return (*grid, "stream", "function", False, True, None, None, ("metadata",), None, None, None)
+    assert calls == [
+        (*head(3, 1, 1), x2.data_ptr(), w.data_ptr(), w.data_ptr(), scratch.data_ptr(), y2.data_ptr(), 5, True),
+        (*head(2, 2, 1), "meta", w.data_ptr(), 8, 8, x2.data_ptr(), 7)]
+    assert "*expand(i1)" in plan.describe()

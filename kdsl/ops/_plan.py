@@ -13,7 +13,10 @@ function of the call's signature, so a plan keyed on that signature can skip it:
        template: the cheapest allocation torch offers from Python) and launches the recorded kernels on
        them: on the GPU through the compiled kernel's launcher (CompiledKernel.run, as Triton's own
        CompiledKernel.__getitem__ runner does, with pointers passed as integers so the launcher does not
-       ask the driver about each one), under the interpreter through kernel[grid](...).
+       ask the driver about each one), under the interpreter through kernel[grid](...). It is built from
+       data, not from source text: each launch's argument list is kept with its constants in place, and a
+       call copies it and fills in the stream, its own pointers (each data_ptr() read once a launch) and
+       descriptors. plan.describe() says what a plan launches, in words.
 
 A miss runs the op's ordinary path, which raises the same errors as ever, and records the launches the
 module's _launch makes (common/launch_cache.py.j2) and, on the GPU, those of the kernels the module launches
@@ -170,6 +173,12 @@ def _template(out: torch.Tensor):
 
 
 def _build(rec: Recorder, inputs: tuple, outputs: tuple):
+    """The replay function of what rec recorded, or None where a replay would not be the same launch.
+
+    Everything a call does not change is worked out here: each launch's argument list, with the constants in
+    place and a placeholder where a call's own tensor goes (its pointer on the GPU, the tensor itself under the
+    interpreter), or where its TMA descriptor goes. Tensors are named by slot: their index in
+    (*inputs, *outputs), the order a call passes its tensors in and allocates its outputs in."""
     launches = rec.launches
     if not launches or any(launch is None for launch in launches):
         return None
@@ -178,111 +187,182 @@ def _build(rec: Recorder, inputs: tuple, outputs: tuple):
         return None
     if compiled and rec.count != len(launches):
         return None  # a launch went around _launch: replaying the recorded ones would miss it
-    names = [f"i{j}" for j in range(len(inputs))] + [f"o{j}" for j in range(len(outputs))]
-    tensors = [(name, t) for name, t in zip(names, (*inputs, *outputs)) if t is not None]
     by_ptr = {}
-    for name, t in tensors:
+    for slot, t in enumerate((*inputs, *outputs)):
+        if t is None:
+            continue
         if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.numel() == 0 or t.data_ptr() in by_ptr:
             return None  # aliasing arguments: which of them a launch reads is not in the key
-        by_ptr[t.data_ptr()] = name, t
+        by_ptr[t.data_ptr()] = slot, t
+    names = [f"i{j}" for j in range(len(inputs))] + [f"o{j}" for j in range(len(outputs))]
 
-    def slot_of(p: torch.Tensor) -> str | None:
+    def slot_of(p: torch.Tensor) -> int | None:
         """The call tensor p starts at (p itself, or a view such as x.reshape(-1, K) of it). A launch reads
         its pointer only (the interpreter also its dtype), so the same call tensor of a later call serves."""
-        name, t = by_ptr.get(p.data_ptr(), (None, None))
-        return name if t is not None and (compiled or p.dtype == t.dtype) else None
+        slot, t = by_ptr.get(p.data_ptr(), (None, None))
+        return slot if t is not None and (compiled or p.dtype == t.dtype) else None
     scratch = {id(t) for pair in getattr(rec.module, "_SPLITK_SCRATCH", {}).values() for t in pair}
 
-    ns: dict = {"_empty_like": torch.empty_like, "_rebase": _rebase, "_environ": os.environ}
-    counter = iter(range(1 << 30))
-
-    def constant(value) -> str:
-        name = f"_c{next(counter)}"
-        ns[name] = value
-        return name
-
-    direct = position = None
-    pointers: set = set()
-
-    def argument(p) -> str | None:
-        """Source text of one launch argument, None where the plan cannot reproduce it."""
-        if p is None or type(p) is bool or type(p) is int:
-            return repr(p)
-        if isinstance(p, torch.Tensor):
-            if id(p) in scratch:
-                held = constant(p)  # held, so its memory stays the scratch's while the plan lives
-                return constant(p.data_ptr()) if compiled else held
-            slot = slot_of(p)
-            if slot is None or not compiled:
-                return slot
-            pointers.add(slot)
-            return f"_p{slot}"  # its data_ptr(), read once per call
-        base = getattr(p, "base", None)
-        if getattr(p, "block_shape", None) is not None and isinstance(base, torch.Tensor):
-            slot = slot_of(base)
-            if slot is None or not hasattr(p, "__dict__"):
-                return None
-            if direct is not None:
-                if position not in direct[1]:
-                    return None
-                # Triton's own expansion of the descriptor, kept per base address (a weight's is fixed).
-                return f"*{constant(_expander(p, direct[1][position], direct[2]))}({slot})"
-            return f"_rebase({constant(p)}, {slot})"
-        if isinstance(p, (float, str)) or not hasattr(p, "data_ptr"):
-            return constant(p)
+    templates = tuple(_template(out) for out in outputs)
+    if any(template is None for template in templates):
         return None
-
-    lines = [f"def replay({', '.join(names[:len(inputs)])}):"]
-    if compiled:
-        from triton import knobs
-
-        ns["_knobs"], ns["_Chain"] = knobs, type(_hook_chain())
-        ns["_stream"] = _triton_stream()
-        ns["_cuda"] = torch.cuda
-        lines += ["    _rt = _knobs.runtime",
-                  "    _h, _x = _rt.launch_enter_hook, _rt.launch_exit_hook",
-                  "    if ((_h is not None and (type(_h) is not _Chain or _h.calls))",
-                  "            or (_x is not None and (type(_x) is not _Chain or _x.calls))",
-                  "            or _cuda.is_current_stream_capturing()):",
-                  "        return None"]
-    else:
-        lines += ['    if _environ.get("TRITON_INTERPRET") != "1":', "        return None"]
-    for j, out in enumerate(outputs):
-        template = _template(out)
-        if template is None:
-            return None
-        lines.append(f"    o{j} = _empty_like({constant(template)})")
-    if compiled:
-        lines.append(f"    _s = _stream({current_device()})")
+    held: list = []  # scratch a compiled plan passes by address: held, so its memory stays the scratch's
+    steps, described = [], []
     for kernel, grid, params, extra, _ in launches:
         direct = _direct_launcher(kernel) if compiled else None
-        args = []
-        for position, p in enumerate((*params, *extra) if compiled else params):
-            args.append(argument(p))
-        if direct is not None and sum(a is not None and a.startswith("*") for a in args) != len(direct[1]):
-            return None
-        if any(a is None for a in args):
-            return None
+        descriptors = direct[1] if direct is not None else {}
         grid = (*grid, 1, 1)[:3]  # Triton's runner reads three entries; a shorter grid means 1 for the rest
-        grid_text = ", ".join(repr(g) if type(g) is int else constant(g) for g in grid)
         if direct is not None:
-            raw, _, _, cooperative, pdl = direct
-            lines.append(f"    {constant(raw)}({grid_text}, _s, {constant(kernel.function)}, {cooperative!r}, "
-                         f"{pdl!r}, None, None, {constant(kernel.packed_metadata)}, None, None, None, "
-                         f"{', '.join(args)})")
+            launcher, _, make, cooperative, pdl = direct
+            # CudaLauncher.__call__'s arguments: grid, stream (filled per call), function, cooperative, pdl,
+            # (global and profile scratch: none), packed metadata, (launch metadata, hooks: none), kernel's.
+            head = [*grid, None, kernel.function, cooperative, pdl, None, None, kernel.packed_metadata,
+                    None, None, None]
         elif compiled:
-            run, function, metadata = kernel.run, kernel.function, kernel.packed_metadata
-            lines.append(f"    {constant(run)}({grid_text}, _s, {constant(function)}, {constant(metadata)}, "
-                         f"None, None, None, {', '.join(args)})")
+            launcher = kernel.run  # CompiledKernel.run(grid..., stream, function, metadata, None x3, kernel's)
+            head = [*grid, None, kernel.function, kernel.packed_metadata, None, None, None]
         else:
-            lines.append(f"    {constant(kernel)}[({grid_text},)]({', '.join(args)}, **{constant(extra)})")
-    if pointers:
-        first_launch = lines.index("    _s = _stream(" + f"{current_device()})") + 1
-        lines[first_launch:first_launch] = [f"    _p{slot} = {slot}.data_ptr()" for slot in sorted(pointers)]
-    lines.append(f"    return {', '.join(names[len(inputs):])}")
-    exec(compile("\n".join(lines), f"<kdsl plan {rec.module.__name__}>", "exec"), ns)
-    replay = ns["replay"]
-    replay.source = "\n".join(lines)  # for tests and for reading
+            head = []
+        args, fills, splices, words = list(head), [], [], []
+        for position, p in enumerate((*params, *extra) if compiled else params):
+            at = len(head) + position
+            if isinstance(p, torch.Tensor):
+                if id(p) in scratch:
+                    held.append(p)
+                    args.append(p.data_ptr() if compiled else p)
+                    words.append(f"scratch@{p.data_ptr():#x}")
+                    continue
+                slot = slot_of(p)
+                if slot is None:
+                    return None
+                words.append(f"{names[slot]}.data_ptr()" if compiled else names[slot])
+                fills.append((at, slot))
+                args.append(None)
+                continue
+            base = getattr(p, "base", None)
+            if getattr(p, "block_shape", None) is not None and isinstance(base, torch.Tensor):
+                slot = slot_of(base)
+                if slot is None or not hasattr(p, "__dict__"):
+                    return None
+                if direct is not None:
+                    if position not in descriptors:
+                        return None
+                    # Triton's own expansion of the descriptor, kept per base address (a weight's is fixed).
+                    splices.append((at, _expander(p, descriptors[position], make), slot))
+                    words.append(f"*expand({names[slot]})")
+                else:
+                    splices.append((at, _rebaser(p), slot))
+                    words.append(f"rebase(descriptor, {names[slot]})")
+                args.append(None)
+                continue
+            if not (p is None or type(p) is bool or type(p) is int or isinstance(p, (float, str))
+                    or not hasattr(p, "data_ptr")):
+                return None  # holds memory the plan cannot follow
+            args.append(p)
+            words.append(repr(p))
+        if direct is not None and len(splices) != len(descriptors):
+            return None  # a descriptor the launcher expands was not passed as one
+        splices.reverse()  # spliced from the last, so the places of those before stay as recorded
+        if compiled:
+            steps.append((launcher, args, tuple(fills), tuple(splices)))
+            words[:0] = [*map(repr, grid), "stream", *map(repr, head[4:])]
+            by = "its C launcher" if direct is not None else "CompiledKernel.run"
+            described.append(f"{getattr(kernel, 'name', kernel)!r} by {by}({', '.join(words)})")
+        else:
+            steps.append((kernel, grid, args, tuple(fills), tuple(splices), extra))
+            described.append(f"{getattr(kernel, '__name__', kernel)}[{grid}]({', '.join(words)}, **{extra!r})")
+    how = f"compiled, device {current_device()}" if compiled else "interpreted"
+    description = "\n".join([
+        f"plan of {rec.module.__name__} ({how}): ({', '.join(names[:len(inputs)])}) -> "
+        f"({', '.join(names[len(inputs):])}), each output torch.empty_like of a template",
+        *(f"  {line}" for line in described)])
+    if compiled:
+        replay = _compiled_replay(steps, templates, tuple(held))
+    else:
+        replay = _interpreted_replay(tuple(steps), templates)
+    replay.describe = description.__str__  # what it launches, for reading (benchmarks/host_time.py)
+    return replay
+
+
+def _compiled_replay(steps: list, templates: tuple, held: tuple):
+    """A compiled plan's replay: steps are (launcher, argument list, pointer fills, descriptor splices), a
+    fill (place, slot) being where a call tensor's data_ptr() goes."""
+    from triton import knobs
+
+    steps = tuple((launcher, recorded, *_reads_and_copies(fills), splices)
+                  for launcher, recorded, fills, splices in steps)
+
+    chain_type, stream_of, device = type(_hook_chain()), _triton_stream(), current_device()
+    cuda, empty_like, count = torch.cuda, torch.empty_like, len(templates)
+    first, second = (*templates, None, None)[:2]
+
+    def replay(*inputs):
+        runtime = knobs.runtime
+        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        if ((enter is not None and (type(enter) is not chain_type or enter.calls))
+                or (leave is not None and (type(leave) is not chain_type or leave.calls))
+                or cuda.is_current_stream_capturing()):
+            return None
+        # An op returns one or two tensors: a call per template is cheaper than a loop's or map's.
+        if count == 1:
+            outputs = (empty_like(first),)
+        elif count == 2:
+            outputs = (empty_like(first), empty_like(second))
+        else:
+            outputs = tuple([empty_like(template) for template in templates])
+        tensors = inputs + outputs
+        stream = stream_of(device)
+        for launcher, recorded, reads, copies, splices in steps:
+            args = recorded.copy()
+            args[3] = stream
+            for at, slot in reads:
+                args[at] = tensors[slot].data_ptr()
+            if copies:
+                for at, source in copies:
+                    args[at] = args[source]
+            if splices:
+                for at, expand, slot in splices:
+                    args[at:at + 1] = expand(tensors[slot])
+            launcher(*args)
+        return outputs[0] if count == 1 else outputs
+    replay.held = held
+    return replay
+
+
+def _reads_and_copies(fills: list) -> tuple:
+    """A launch's pointer fills (place, slot) as the places where a call reads a pointer, (place, slot), and
+    those that repeat one read in the same launch, (place, place read): w4a16's qweight where perm is None.
+    Each launch reads its pointers once; two launches that take one tensor each read it, which costs less
+    than keeping it across launches would."""
+    first: dict = {}
+    reads, copies = [], []
+    for at, slot in fills:
+        if slot in first:
+            copies.append((at, first[slot]))
+        else:
+            first[slot] = at
+            reads.append((at, slot))
+    return tuple(reads), tuple(copies)
+
+
+def _interpreted_replay(steps: tuple, templates: tuple):
+    """An interpreted plan's replay: steps are (kernel, grid, argument list, tensor fills, descriptor
+    splices, keyword options), launched as kernel[grid](*arguments, **options)."""
+    environ, empty_like, single = os.environ, torch.empty_like, len(templates) == 1
+
+    def replay(*inputs):
+        if environ.get("TRITON_INTERPRET") != "1":
+            return None
+        outputs = tuple(map(empty_like, templates))
+        tensors = inputs + outputs
+        for kernel, grid, recorded, fills, splices, options in steps:
+            args = recorded.copy()
+            for at, slot in fills:
+                args[at] = tensors[slot]
+            for at, rebase, slot in splices:
+                args[at:at + 1] = rebase(tensors[slot])
+            kernel[grid](*args, **options)
+        return outputs[0] if single else outputs
     return replay
 
 
@@ -314,6 +394,11 @@ def _direct_launcher(compiled):
         return None
     return (cells["launcher"], dict(zip(indices, meta)), make, launcher.launch_cooperative_grid,
             launcher.launch_pdl)
+
+
+def _rebaser(proto):
+    """base -> (proto's descriptor over base,): one argument, spliced as an expander's are."""
+    return lambda base: (_rebase(proto, base),)
 
 
 def _expander(proto, meta, make, limit: int = 64):
