@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_g64__gemv_sm90 (w4a16_gemm/gemv: W4A16 GEMV on CUDA cores, one row per program row, weights kept in registers, split-K in-kernel)
 # scheme: w4a16.int4.g64
 # arch: sm_90 .. sm_90
-# digest: 79d32bb3be2183de (sha256 of this kernel's scheme, variant and templates)
+# digest: 31f276ef439901fa (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -505,13 +505,11 @@ def _gather_columns(x_ptr, perm_ptr, out_ptr, M, K, stride_xm, stride_om,
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + ks[None, :], values, mask=mask)
 
 
-def _in_prepared_order(x, perm):
-    """x [M, K] (unit column stride) with its columns in prepared K order: x itself without act-order.
-    Gathering x once, in its own launch, lets every tile serve act-order at plain g_idx's speed; a perm lookup
-    per element inside the GEMMs made their x loads wait on it (H200, M = 1-256: 1.4-28x the plain layer's
-    time, against 1.2-1.5x with this gather)."""
-    if perm is None:
-        return x
+def gather_columns(x, perm):
+    """x [M, K] (unit column stride) with its columns in prepared K order (act-order), for launch(x, None, ...).
+    Gathering x once, in its own launch, lets every tile serve act-order at plain g_idx's speed; launch()'s
+    perm lookup per element (HAS_PERM, which the AOT C ABI keeps) made the GEMMs' x loads wait on it (H200,
+    M = 1-256: 1.4-28x the plain layer's time, against 1.2-1.5x with this gather)."""
     M, K = x.shape
     out = torch.empty((M, K), dtype=x.dtype, device=x.device)
     block_m = 16 if M >= 16 else 1 << max(M - 1, 0).bit_length()
@@ -564,7 +562,6 @@ def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
     """x [M, K]; perm int32 [K] or None; qweight, zeros and scales as LAYOUT says, in prepared K order;
     groups int32 [K], the group of each prepared row; contiguous_groups: row k is in group k // GROUP_SIZE.
     y [M, N] in x's dtype. The tile's split is kept (no SM count): GEMV programs are light (H200 tune)."""
-    x, perm = _in_prepared_order(x, perm), None
     M, K = x.shape
     N = y.shape[1]
     bn, bk = tile["BLOCK_N"], tile["BLOCK_K"]

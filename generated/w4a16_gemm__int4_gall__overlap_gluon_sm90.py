@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_gall__overlap_gluon_sm90 (w4a16_gemm/overlap_gluon: W4A16 GEMM for Hopper (Gluon): TMA ring, block k+1 dequantized while block k's wgmma runs)
 # scheme: w4a16.int4.gall
 # arch: sm_90 .. sm_90
-# digest: fda5764913dd382d (sha256 of this kernel's scheme, variant and templates)
+# digest: c0f8b23c88f52d80 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -641,13 +641,11 @@ def _gather_columns(x_ptr, perm_ptr, out_ptr, M, K, stride_xm, stride_om,
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + ks[None, :], values, mask=mask)
 
 
-def _in_prepared_order(x, perm):
-    """x [M, K] (unit column stride) with its columns in prepared K order: x itself without act-order.
-    Gathering x once, in its own launch, lets every tile serve act-order at plain g_idx's speed; a perm lookup
-    per element inside the GEMMs made their x loads wait on it (H200, M = 1-256: 1.4-28x the plain layer's
-    time, against 1.2-1.5x with this gather)."""
-    if perm is None:
-        return x
+def gather_columns(x, perm):
+    """x [M, K] (unit column stride) with its columns in prepared K order (act-order), for launch(x, None, ...).
+    Gathering x once, in its own launch, lets every tile serve act-order at plain g_idx's speed; launch()'s
+    perm lookup per element (HAS_PERM, which the AOT C ABI keeps) made the GEMMs' x loads wait on it (H200,
+    M = 1-256: 1.4-28x the plain layer's time, against 1.2-1.5x with this gather)."""
     M, K = x.shape
     out = torch.empty((M, K), dtype=x.dtype, device=x.device)
     block_m = 16 if M >= 16 else 1 << max(M - 1, 0).bit_length()
@@ -713,7 +711,6 @@ def refusal(tile, call):
 def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
     """x [M, K] with 16-byte aligned rows; qweight in k_planes, scales the low halves of the (scale, zero)
     pairs, each K block in one group, no act-order (see refusal). y [M, N] in x's dtype."""
-    x, perm = _in_prepared_order(x, perm), None
     M, K = x.shape
     N = y.shape[1]
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]

@@ -326,14 +326,17 @@ def _w4a16_gemm_impl(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
                        prepared.contiguous_groups, w, dequant.tile_for(None))
         torch.mm(x2, w.t(), out=y.view(-1, n))
         return y
-    # act_order=False: each GEMM module's launch gathers act-order's x once (its _in_prepared_order), then runs
-    # the tile of plain g_idx; the in-kernel perm lookups that act_order facts select are the AOT path's.
+    # act_order=False: act-order's x is gathered once by the chosen module (gather_columns), then the tile of
+    # plain g_idx runs; the in-kernel perm lookups that act_order facts select are the AOT C ABI's.
     call = registry.Call(m=m, n=n, device_type=device.type, dtype=check.dtype_name(x2.dtype),
                          act_order=False, contiguous_groups=prepared.contiguous_groups,
                          align=check.alignment(x2, prepared.scales))
     tile = entry.tile_for(m, n, call)  # the plan key holds everything the call's facts are made of
-    with _plan.Recorder(entry.modules[tile["impl"]].load() if plan is None else None) as rec:
-        entry.launch(x2, perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
+    module = entry.modules[tile["impl"]].load()
+    with _plan.Recorder(module if plan is None else None) as rec:
+        if perm is not None:
+            x2 = module.gather_columns(x2, perm)
+        entry.launch(x2, None, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
                      prepared.contiguous_groups, y.view(-1, n), tile)
     _plan.store(key, rec, (x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups),
                 (y,))
