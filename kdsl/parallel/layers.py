@@ -20,8 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kdsl import ops
-from kdsl.nn.modules import FP8Linear
 from kdsl.nn.schemes import handler_for
 from kdsl.parallel import comm
 from kdsl.schema import GPTQ, BlockFP8
@@ -32,14 +30,6 @@ def _rank_world(group) -> tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call torch.distributed.init_process_group first")
     return dist.get_rank(group), dist.get_world_size(group)
-
-
-def _fp8_partial(local: FP8Linear, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """local(x) with the GEMM writing out_dtype (float32 partials): act_quant reads x in its own dtype, so x
-    is not converted (a float32 x would quantize to the same codes at twice the bytes)."""
-    a, a_s = ops.act_quant(x, group_size=local.scheme.act_group)
-    y = ops.fp8_gemm(a, a_s, local.weight, local.weight_scale_inv, out_dtype=out_dtype)
-    return y if local.bias is None else y + local.bias.to(y.dtype)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -175,11 +165,7 @@ class RowParallelLinear(nn.Module):
             elif self.in_slice is not None:
                 x = x[..., self.in_slice]
         x = x.contiguous()
-        reduce = self.reduce_dtype or x.dtype
-        if isinstance(self.local, FP8Linear) and reduce == torch.float32 and x.dtype != torch.float32:
-            y = _fp8_partial(self.local, x, torch.float32)  # float32 partials from the GEMM, x as it is
-        else:
-            y = self.local(x)
+        y = self.local.partial(x, self.reduce_dtype or x.dtype)  # FP8: float32 partials straight from the GEMM
         return self._reduce(y, x.dtype)
 
     def forward_quantized(self, q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -188,15 +174,19 @@ class RowParallelLinear(nn.Module):
         dtype forward() would have been given (the output's, and the reduction's unless reduce_dtype says
         otherwise). One fp8_gemm, then the all-reduce and the bias as forward() does."""
         local = self.local
-        if not isinstance(local, FP8Linear) or not self.input_is_parallel:
+        if not hasattr(local, "forward_quantized") or not self.input_is_parallel:
             raise TypeError("forward_quantized: needs an FP8 shard with input_is_parallel=True, this one holds "
                             f"{type(local).__name__} (input_is_parallel={self.input_is_parallel})")
-        reduce = self.reduce_dtype or dtype
-        y = ops.fp8_gemm(q, s, local.weight, local.weight_scale_inv,
-                         out_dtype=torch.float32 if reduce == torch.float32 else dtype)
-        if local.bias is not None:
-            y = y + local.bias.to(y.dtype)
-        return self._reduce(y, dtype)
+        return self._reduce(local.forward_quantized(q, s, self._partial_dtype(dtype)), dtype)
+
+    def forward_silu_mul(self, h: torch.Tensor) -> torch.Tensor:
+        """forward(silu(h[..., :I_r]) * h[..., I_r:]) with the input computed by the local module's fused kernel
+        (its SILU_MUL_OP: FP8 writes it quantized, so the GEMM needs no act_quant); input_is_parallel."""
+        return self._reduce(self.local.forward_silu_mul(h, self._partial_dtype(h.dtype)), h.dtype)
+
+    def _partial_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """What the GEMM writes where it can: float32 for a float32 reduction, else the activation dtype."""
+        return torch.float32 if (self.reduce_dtype or dtype) == torch.float32 else dtype
 
     def _reduce(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The partial y summed over the group in reduce_dtype (default: dtype), returned in dtype, plus the bias."""

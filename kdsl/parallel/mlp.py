@@ -25,10 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdsl import ops
-from kdsl.nn.modules import FP8Linear
 from kdsl.nn.schemes import handler_for
-from kdsl.runtime import registry
 from kdsl.parallel import comm
 from kdsl.parallel.layers import RowParallelLinear, _rank_world
 from kdsl.schema import GPTQ, BlockFP8
@@ -65,12 +62,7 @@ class ParallelMLP(nn.Module):
         if (self.up is not None or self.gate_slice != slice(0, local) or self.up_slice != slice(local, 2 * local)
                 or getattr(self.gate_up, "out_features", None) != 2 * local):
             return False
-        if isinstance(self.down.local, FP8Linear):
-            group = self.down.local.scheme.act_group
-            schemes = registry.scheme_fields("silu_mul_quant").values()
-            served = any(fields.get("act_group") == group for fields in schemes)
-            return served and local % group == 0
-        return bool(registry.served_schemes("silu_mul"))
+        return self.down.local.silu_mul_serves(local)
 
     # --- constructors ------------------------------------------------------------------------------------
 
@@ -142,12 +134,8 @@ class ParallelMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.gate_up(x)
-        if self.fused_act:
-            down = self.down
-            if isinstance(down.local, FP8Linear):  # h quantized in down's activation groups: down is one fp8_gemm
-                q, s = ops.silu_mul_quant(h, down.local.scheme.act_group)
-                return down.forward_quantized(q, s, h.dtype)
-            return down(ops.silu_mul(h))
+        if self.fused_act:  # FP8: h quantized in down's activation groups, so down is one fp8_gemm
+            return self.down.forward_silu_mul(h)
         if self.up is None:
             gate, up = h[..., self.gate_slice], h[..., self.up_slice]
         else:
@@ -162,5 +150,5 @@ class ParallelMLP(nn.Module):
     def _act_name(self) -> str:
         if not self.fused_act:
             return "torch silu, mul"
-        return "silu_mul_quant" if isinstance(self.down.local, FP8Linear) else "silu_mul"
+        return self.down.local.SILU_MUL_OP
 
