@@ -15,7 +15,7 @@ from kdsl.nn.modules import W4A16Linear
 from kdsl.nn.moe import W4A16Experts
 from kdsl.nn.schemes.base import (FLOATS, ColumnShard, GateUpShard, PACK, RowShard, Spec, act_dtype_of,
                                   cat_bias, check_rank, even, same_shape, tensor_of)
-from kdsl.nn.schemes.int4 import Int4Format, Int4Handler, int4_expert_specs, int4_experts_problem, stack_experts
+from kdsl.nn.schemes.int4 import Int4Format, Int4Handler, stack_experts
 from kdsl.schema.scheme import AWQ
 
 
@@ -76,15 +76,6 @@ class AWQFormat(Int4Format):
             qzeros = torch.full((t["scales"].shape[0], t["qweight"].shape[1]), AWQ_SYMMETRIC_ZEROS,
                                 dtype=torch.int32, device=t["qweight"].device)
         return W4A16Linear.from_awq(t["qweight"], qzeros, t["scales"].to(dtype), t.get("bias"), self.scheme)
-
-    experts = True  # per-expert qweight/qzeros/scales (Qwen3-MoE AWQ) into a fused experts module
-
-    def expert_specs(self, inter: int, hidden: int) -> dict[str, Spec]:
-        """One expert's tensors under <experts>.<e>.: gate and up [I, H] linears, down [H, I], as AWQ stores them."""
-        return int4_expert_specs(self, inter, hidden)
-
-    def experts_problem(self, inter: int, hidden: int) -> str | None:
-        return int4_experts_problem(self.scheme.group_size, inter, hidden)
 
     def build_experts(self, experts: list[dict[str, torch.Tensor]], act_dtype: torch.dtype | None = None) -> nn.Module:
         """W4A16Experts from each expert's tensors (symmetric checkpoints may leave qzeros out: every zero 8)."""

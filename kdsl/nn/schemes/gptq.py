@@ -29,7 +29,7 @@ from kdsl.nn.moe import W4A16Experts
 from kdsl.nn.schemes.base import (FLOATS, ColumnShard, CheckpointError, GateUpShard, LayerFormat, PACK, RowShard,
                                   ShardError, Spec, act_dtype_of, cat_bias, check_rank, even, same_shape, tensor_of,
                                   whole)
-from kdsl.nn.schemes.int4 import Int4Format, Int4Handler, int4_expert_specs, int4_experts_problem, stack_experts
+from kdsl.nn.schemes.int4 import Int4Format, Int4Handler, stack_experts
 from kdsl.ops.gptq_checkpoint import ZERO_OFFSET, default_g_idx, pack_rows, unpack_rows, unpack_zeros
 from kdsl.ops.w4a16 import prepare
 from kdsl.schema import GPTQ
@@ -140,15 +140,6 @@ class GPTQFormat(Int4Format):
         dtype = act_dtype_of(t["scales"], act_dtype)
         return W4A16Linear.from_gptq(t["qweight"], t["qzeros"], t["scales"].to(dtype), t.get("g_idx"),
                                      t.get("bias"), self.scheme)
-
-    experts = True  # per-expert qweight/qzeros/scales/g_idx (Qwen3-MoE GPTQ) into a fused experts module
-
-    def expert_specs(self, inter: int, hidden: int) -> dict[str, Spec]:
-        """One expert's tensors under <experts>.<e>.: gate and up [I, H] linears, down [H, I], as GPTQ stores them."""
-        return int4_expert_specs(self, inter, hidden)
-
-    def experts_problem(self, inter: int, hidden: int) -> str | None:
-        return int4_experts_problem(self.scheme.group_size, inter, hidden)
 
     def build_experts(self, experts: list[dict[str, torch.Tensor]], act_dtype: torch.dtype | None = None) -> nn.Module:
         """W4A16Experts from each expert's tensors: each projection's stacked over the experts (gate and up as one

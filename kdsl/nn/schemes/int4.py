@@ -11,10 +11,21 @@ from kdsl.schema import GPTQ
 
 
 class Int4Format(LayerFormat):
-    """GPTQ's and AWQ's checkpoint formats: scales in the model's dtype."""
+    """GPTQ's and AWQ's checkpoint formats: scales in the model's dtype; per-expert tensors (Qwen3-MoE) read into a
+    fused experts module (build_experts: the format's own)."""
+
+    experts = True
 
     def read_dtypes(self, act_dtype):
         return {} if act_dtype is None else {"scales": act_dtype}
+
+    def expert_specs(self, inter: int, hidden: int) -> dict[str, Spec]:
+        """One expert's tensors under <experts>.<e>.: gate and up [I, H] linears, down [H, I], as the format stores
+        them."""
+        return int4_expert_specs(self, inter, hidden)
+
+    def experts_problem(self, inter: int, hidden: int) -> str | None:
+        return int4_experts_problem(self.scheme.group_size, inter, hidden)
 
 
 class Int4Handler(SchemeHandler):
