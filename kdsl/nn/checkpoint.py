@@ -17,13 +17,9 @@ import torch
 from torch import nn
 
 from kdsl.nn.convert import _swap
-from kdsl.nn.schemes import CheckpointError, LayerFormat, checkpoint_formats
+from kdsl.nn.schemes import CheckpointError, LayerFormat, handler_for
 from kdsl.nn.schemes.base import ACT_DTYPES
 from kdsl.schema import read_hf_config
-
-# Each scheme unit's checkpoint formats (kdsl.nn.schemes): quantization_config source -> LayerFormat.
-FORMATS = checkpoint_formats()
-
 
 # --- reading the folder ----------------------------------------------------------------------------------
 
@@ -344,7 +340,7 @@ def load_quantized(model: nn.Module, path, device=None, *, dtype: torch.dtype | 
         raise TypeError(f"dtype: expected torch.float16 or torch.bfloat16, got {dtype}")
     hf = read_hf_config(config["quantization_config"])
     kdsl.scheme_from_hf(config["quantization_config"])  # refuses a scheme no generated kernel serves
-    fmt = FORMATS[hf.source](hf)
+    fmt = handler_for(hf.scheme).formats[hf.source](hf)  # the scheme unit's reader of this checkpoint format
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shards = _Shards(folder)
     plan = _plan(model, shards, fmt)

@@ -27,10 +27,4 @@ def handler_for(scheme) -> SchemeHandler:
     return handler
 
 
-def checkpoint_formats() -> dict[str, type[LayerFormat]]:
-    """Every handler's checkpoint formats: quantization_config source (kdsl.schema.HFQuantization.source) -> format."""
-    return {source: fmt for handler in HANDLERS.values() for source, fmt in handler.formats.items()}
-
-
-__all__ = ["HANDLERS", "handler_for", "checkpoint_formats", "SchemeHandler", "LayerFormat", "Spec",
-           "CheckpointError", "ShardError"]
+__all__ = ["HANDLERS", "handler_for", "SchemeHandler", "LayerFormat", "Spec", "CheckpointError", "ShardError"]
