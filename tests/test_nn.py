@@ -497,6 +497,22 @@ def test_quantize_of_a_single_linear_it_cannot_serve_returns_it_with_a_warning()
     assert isinstance(built, kdsl.nn.FP8Linear)
 
 
+def test_a_scheme_type_without_a_handler_is_refused_by_name_and_changes_nothing():
+    """quantize_ and ParallelMLP.from_float find a scheme's code by its type (kdsl.nn.schemes.handler_for): W4A16,
+    the prepared layout, is no checkpoint or float format of its own."""
+    from kdsl.nn.schemes import HANDLERS
+    from kdsl.parallel import ParallelMLP
+
+    assert list(HANDLERS) == [kdsl.BlockFP8, kdsl.GPTQ, kdsl.AWQ]
+    message = "scheme: expected kdsl.BlockFP8, kdsl.GPTQ or kdsl.AWQ, got W4A16"
+    model = nn.Sequential(nn.Linear(256, 256))
+    with pytest.raises(TypeError, match=message):
+        kdsl.quantize_(model, kdsl.schema.W4A16())
+    assert type(model[0]) is nn.Linear
+    with pytest.raises(TypeError, match=message):
+        ParallelMLP.from_float(nn.Linear(256, 512), nn.Linear(256, 512), nn.Linear(512, 256), kdsl.schema.W4A16())
+
+
 # --- which path runs, and inference only on every path --------------------------------------------------------
 
 PATHS = ["interpreter", "fallback", pytest.param("gpu", marks=pytest.mark.gpu)]

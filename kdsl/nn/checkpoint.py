@@ -1,8 +1,9 @@
 """Load a quantized checkpoint folder into a model: load_quantized, and from_pretrained for transformers users.
 
-What the config means comes from kdsl.schema.read_hf_config; here each format's tensors per quantized linear
-(names, shapes, dtypes), and how they become an FP8Linear or a W4A16Linear. Everything is checked from the
-safetensors headers before anything changes, then layers are read one at a time.
+What the config means comes from kdsl.schema.read_hf_config; each format's tensors per quantized linear (names,
+shapes, dtypes) and how they become an FP8Linear or a W4A16Linear are its scheme unit's (kdsl.nn.schemes: a
+LayerFormat); here the folder is read against them. Everything is checked from the safetensors headers before
+anything changes, then layers are read one at a time.
 """
 from __future__ import annotations
 
@@ -16,286 +17,10 @@ import torch
 from torch import nn
 
 from kdsl.nn.convert import _swap
-from kdsl.nn.modules import FP8Linear, W4A16Linear
-from kdsl.nn.moe import FP8Experts, W4A16Experts
-from kdsl.ops.gptq_checkpoint import unpack_rows
-from kdsl.ops.w4a16 import prepare
+from kdsl.nn.schemes import CheckpointError, LayerFormat, handler_for
+from kdsl.nn.schemes.base import ACT_DTYPES
 from kdsl.runtime.registry import require_served_scheme
-from kdsl.schema import HFQuantization, read_hf_config, scheme_from_hf
-from kdsl.schema.scheme import AWQ, BlockFP8
-
-HALVES = ("F16", "BF16")
-FLOATS = HALVES + ("F32",)
-ACT_DTYPES = (torch.float16, torch.bfloat16)
-
-
-class CheckpointError(ValueError):
-    """The checkpoint does not fit the model: names the tensor, the expected and the found shape or dtype."""
-
-
-@dataclass(frozen=True)
-class Spec:
-    shape: tuple[int, ...]
-    dtypes: tuple[str, ...]
-    required: bool = True
-
-
-# --- the formats -----------------------------------------------------------------------------------------
-
-class LayerFormat:
-    """One checkpoint format's quantized linear: marker is the role whose tensor marks a layer as quantized."""
-
-    marker = "weight"
-    tp = False  # load_quantized's tp_plan can cut these layers (kdsl.parallel)
-    experts = False  # reads per-expert tensors into transformers' fused experts modules (expert_specs, build_experts)
-
-    def __init__(self, hf: HFQuantization):
-        self.hf, self.scheme = hf, hf.scheme
-
-    def marks(self, dtype: str) -> bool:
-        return True
-
-    def specs(self, k: int, n: int) -> dict[str, Spec]:
-        raise NotImplementedError
-
-    def build(self, t: dict[str, torch.Tensor], act_dtype: torch.dtype | None) -> nn.Module:
-        raise NotImplementedError
-
-    def check_values(self, key: str, role: str, tensor: torch.Tensor, k: int, n: int) -> None:
-        """Checks on tensor values (read at build time): CheckpointError naming the tensor."""
-
-
-def _act_dtype(scales: torch.Tensor, act_dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype int4 layers compute in: the model's (or load_quantized's dtype=), else the scales'."""
-    if act_dtype in ACT_DTYPES:
-        return act_dtype
-    return scales.dtype if scales.dtype in ACT_DTYPES else torch.float16
-
-
-class DeepSeekFP8(LayerFormat):
-    """quant_method "fp8": weight e4m3 [N, K], weight_scale_inv per block (a multiplier, or its reciprocal
-    where the config says weight_scale_semantics "inverse")."""
-
-    def marks(self, dtype: str) -> bool:
-        return dtype == "F8_E4M3"  # float weights of the same name are unquantized layers
-
-    scale_role = "weight_scale_inv"
-
-    def specs(self, k, n):
-        bn, bk = self.scheme.weight_block
-        return {"weight": Spec((n, k), ("F8_E4M3",)),
-                self.scale_role: Spec((-(-n // bn), -(-k // bk)), FLOATS),
-                "bias": Spec((n,), FLOATS, False)}
-
-    @property
-    def tp(self):
-        return not self.hf.scale_inverse
-
-    def multiplier(self, scale: torch.Tensor) -> torch.Tensor:
-        """The stored scale as the dequantization multiplier, float32."""
-        if self.hf.scale_inverse:
-            return scale.float().reciprocal()  # 448 / amax -> amax / 448; NaN stays NaN, inf gives 0 (a zero block)
-        return scale.float()
-
-    def build(self, t, act_dtype):
-        return FP8Linear(t["weight"], self.multiplier(t[self.scale_role]), t.get("bias"), self.scheme)
-
-    experts = True  # reads DeepSeek-V3's per-expert tensors into transformers' fused experts modules
-
-    def expert_specs(self, inter: int, hidden: int) -> dict[str, Spec]:
-        """One expert's tensors under <experts>.<e>.: gate and up [I, H], down [H, I], each with its block scales."""
-        bn, bk = self.scheme.weight_block
-        specs = {}
-        for proj, (n, k) in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))):
-            specs[f"{proj}.weight"] = Spec((n, k), ("F8_E4M3",))
-            specs[f"{proj}.{self.scale_role}"] = Spec((-(-n // bn), -(-k // bk)), FLOATS)
-        return specs
-
-    def experts_problem(self, inter: int, hidden: int) -> str | None:
-        """Why a fused experts module of this intermediate and hidden size cannot be built (None: it can)."""
-        if inter % self.scheme.weight_block[0]:
-            return (f"expert intermediate size {inter} is not a multiple of the weight block's "
-                    f"{self.scheme.weight_block[0]} rows, so gate and up blocks cannot be stacked as w13")
-        return None
-
-    def build_experts(self, experts: list[dict[str, torch.Tensor]], act_dtype: torch.dtype | None = None) -> nn.Module:
-        """FP8Experts from each expert's tensors: gate then up rows stacked as w13, their block scales likewise."""
-        s = self.scale_role
-        w13 = torch.stack([torch.cat([t["gate_proj.weight"], t["up_proj.weight"]]) for t in experts])
-        w13_s = torch.stack([self.multiplier(torch.cat([t[f"gate_proj.{s}"], t[f"up_proj.{s}"]])) for t in experts])
-        w2 = torch.stack([t["down_proj.weight"] for t in experts])
-        w2_s = torch.stack([self.multiplier(t[f"down_proj.{s}"]) for t in experts])
-        return FP8Experts(w13, w13_s, w2, w2_s)
-
-
-class CompressedFP8Block(DeepSeekFP8):
-    """compressed-tensors "float-quantized" with FP8_BLOCK's arguments: weight e4m3, weight_scale per block
-    (a multiplier, often bf16); activations quantized per call, so no input_scale."""
-
-    scale_role = "weight_scale"
-    tp = False
-    experts = False
-
-
-class GPTQFormat(LayerFormat):
-    marker = "qweight"
-    tp = True
-
-    def specs(self, k, n):
-        groups = 1 if self.scheme.group_size == -1 else k // self.scheme.group_size
-        return {"qweight": Spec((k // 8, n), ("I32",)), "qzeros": Spec((groups, n // 8), ("I32",)),
-                "scales": Spec((groups, n), FLOATS), "g_idx": Spec((k,), ("I32",), False),
-                "bias": Spec((n,), FLOATS, False)}
-
-    def build(self, t, act_dtype):
-        dtype = _act_dtype(t["scales"], act_dtype)
-        return W4A16Linear.from_gptq(t["qweight"], t["qzeros"], t["scales"].to(dtype), t.get("g_idx"),
-                                     t.get("bias"), self.scheme)
-
-    experts = True  # per-expert qweight/qzeros/scales/g_idx (Qwen3-MoE GPTQ) into a fused experts module
-
-    def expert_specs(self, inter: int, hidden: int) -> dict[str, Spec]:
-        """One expert's tensors under <experts>.<e>.: gate and up [I, H] linears, down [H, I], as GPTQ stores them."""
-        return _int4_expert_specs(self, inter, hidden)
-
-    def experts_problem(self, inter: int, hidden: int) -> str | None:
-        return _int4_experts_problem(self.scheme.group_size, inter, hidden)
-
-    def build_experts(self, experts: list[dict[str, torch.Tensor]], act_dtype: torch.dtype | None = None) -> nn.Module:
-        """W4A16Experts from each expert's tensors: each projection's stacked over the experts (gate and up as one
-        w13, each half with its own g_idx), prepared on their device in the model's dtype."""
-        projections = _stack_experts(experts)
-        dtype = _act_dtype(projections["gate_proj"]["scales"], act_dtype)
-        return W4A16Experts.from_gptq(projections["gate_proj"], projections["up_proj"], projections["down_proj"],
-                                      self.scheme, dtype=dtype)
-
-
-AWQ_SYMMETRIC_ZEROS = -0x77777778  # 0x88888888 as int32: a zero of 8 in every nibble, whatever the order
-
-
-class AWQFormat(LayerFormat):
-    marker = "qweight"
-
-    @property
-    def tp(self):
-        return self.scheme.zero_point
-
-    def specs(self, k, n):
-        groups = k // self.scheme.group_size
-        # Symmetric AWQ (zero_point false) may store qzeros (all 8) or leave them out.
-        return {"qweight": Spec((k, n // 8), ("I32",)),
-                "qzeros": Spec((groups, n // 8), ("I32",), self.scheme.zero_point),
-                "scales": Spec((groups, n), FLOATS), "bias": Spec((n,), FLOATS, False)}
-
-    def build(self, t, act_dtype):
-        dtype = _act_dtype(t["scales"], act_dtype)
-        qzeros = t.get("qzeros")
-        if qzeros is None:
-            qzeros = torch.full((t["scales"].shape[0], t["qweight"].shape[1]), AWQ_SYMMETRIC_ZEROS,
-                                dtype=torch.int32, device=t["qweight"].device)
-        return W4A16Linear.from_awq(t["qweight"], qzeros, t["scales"].to(dtype), t.get("bias"), self.scheme)
-
-    experts = True  # per-expert qweight/qzeros/scales (Qwen3-MoE AWQ) into a fused experts module
-
-    def expert_specs(self, inter: int, hidden: int) -> dict[str, Spec]:
-        """One expert's tensors under <experts>.<e>.: gate and up [I, H] linears, down [H, I], as AWQ stores them."""
-        return _int4_expert_specs(self, inter, hidden)
-
-    def experts_problem(self, inter: int, hidden: int) -> str | None:
-        return _int4_experts_problem(self.scheme.group_size, inter, hidden)
-
-    def build_experts(self, experts: list[dict[str, torch.Tensor]], act_dtype: torch.dtype | None = None) -> nn.Module:
-        """W4A16Experts from each expert's tensors (symmetric checkpoints may leave qzeros out: every zero 8)."""
-        projections = _stack_experts(experts)
-        dtype = _act_dtype(projections["gate_proj"]["scales"], act_dtype)
-        return W4A16Experts.from_awq(projections["gate_proj"], projections["up_proj"], projections["down_proj"],
-                                     self.scheme, dtype=dtype)
-
-
-def _int4_expert_specs(fmt: LayerFormat, inter: int, hidden: int) -> dict[str, Spec]:
-    """The format's tensors of each of an expert's linears (K, N): gate and up (H, I), down (I, H); no bias."""
-    specs = {}
-    for proj, (k, n) in (("gate_proj", (hidden, inter)), ("up_proj", (hidden, inter)), ("down_proj", (inter, hidden))):
-        specs.update({f"{proj}.{role}": spec for role, spec in fmt.specs(k, n).items() if role != "bias"})
-    return specs
-
-
-def _int4_experts_problem(group_size: int, inter: int, hidden: int) -> str | None:
-    """An int4 fused experts module stacks gate and up along N (whole int32 words of 8 columns) and groups K."""
-    if inter % 8:
-        return f"expert intermediate size {inter} is not a multiple of 8, so gate and up words cannot be stacked as w13"
-    for what, k in (("hidden size", hidden), ("expert intermediate size", inter)):
-        if group_size != -1 and k % group_size:
-            return f"{what} {k} is not a multiple of group_size = {group_size}"
-    return None
-
-
-def _stack_experts(experts: list[dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
-    """{projection: {role: [E, ...]}} from each expert's {"<projection>.<role>": tensor}: every role all experts
-    store, stacked; a g_idx only some store is completed with k // group_size order for the others, any other
-    optional role only some store (symmetric AWQ's qzeros) is left out."""
-    stacked: dict[str, dict[str, torch.Tensor]] = {}
-    for key in sorted({key for t in experts for key in t}):
-        projection, _, role = key.rpartition(".")
-        present = [t.get(key) for t in experts]
-        if all(p is not None for p in present):
-            stacked.setdefault(projection, {})[role] = torch.stack(present)
-        elif role == "g_idx":
-            k = next(p for p in present if p is not None).shape[0]
-            scales = experts[0][f"{projection}.scales"]
-            default = torch.arange(k, dtype=torch.int32, device=scales.device) // (k // scales.shape[0])
-            stacked.setdefault(projection, {})[role] = torch.stack([default if p is None else p for p in present])
-    return stacked
-
-
-class CompressedPacked(LayerFormat):
-    """compressed-tensors "pack-quantized" int4: weight_packed int32 [N, K / 8] (value i of a row in bits
-    4 (i % 8) of word i // 8, stored as q + 8), weight_scale [N, G], weight_zero_point int32 [N / 8, G] packed
-    along N the same way when asymmetric, weight_shape [N, K], weight_g_idx [K] with actorder "group".
-    w[n, k] = (q - z) * s with q and z signed; symmetric means z = 0."""
-
-    marker = "weight_packed"
-
-    def specs(self, k, n):
-        groups = 1 if self.scheme.group_size == -1 else k // self.scheme.group_size
-        specs = {"weight_packed": Spec((n, k // 8), ("I32",)), "weight_scale": Spec((n, groups), FLOATS),
-                 "weight_shape": Spec((2,), ("I64", "I32"))}
-        if not self.scheme.sym:
-            specs["weight_zero_point"] = Spec((-(-n // 8), groups), ("I32",))
-        if self.hf.actorder:
-            specs["weight_g_idx"] = Spec((k,), ("I32", "I64"))
-        specs["bias"] = Spec((n,), FLOATS, False)
-        return specs
-
-    def check_values(self, key, role, tensor, k, n):
-        if role == "weight_shape" and tensor.tolist() != [n, k]:
-            raise CheckpointError(f"{key}: holds {tensor.tolist()}, but the model's layer is [{n}, {k}]")
-        if role == "weight_g_idx" and tensor.numel():
-            groups = k // self.scheme.group_size
-            low, high = int(tensor.min()), int(tensor.max())
-            if low < 0 or high >= groups:
-                raise CheckpointError(f"{key}: groups span [{low}, {high}], expected [0, {groups})")
-
-    def build(self, t, act_dtype):
-        n = t["weight_packed"].shape[0]
-        q = unpack_rows(t["weight_packed"].T.contiguous(), 4)  # [K, N], the stored q + 8
-        scales = t["weight_scale"].T.contiguous()  # [G, N]
-        if self.scheme.sym:
-            zeros = torch.full(scales.shape, 8, dtype=torch.int32, device=q.device)
-        else:
-            zeros = unpack_rows(t["weight_zero_point"], 4)[:n].T.contiguous()  # [G, N], the stored z + 8
-        g_idx = t.get("weight_g_idx")
-        prepared = prepare(q, zeros, scales.to(_act_dtype(scales, act_dtype)),
-                           None if g_idx is None else g_idx.to(torch.int32),
-                           bits=4, group_size=self.scheme.group_size, source="compressed-tensors")
-        bias = t.get("bias")
-        return W4A16Linear(prepared, None if bias is None else bias.to(prepared.dtype), self.scheme)
-
-
-FORMATS = {"fp8": DeepSeekFP8, "gptq": GPTQFormat, "awq": AWQFormat,
-           "compressed-tensors/float-quantized": CompressedFP8Block,
-           "compressed-tensors/pack-quantized": CompressedPacked}
-
+from kdsl.schema import read_hf_config, scheme_from_hf
 
 # --- reading the folder ----------------------------------------------------------------------------------
 
@@ -466,12 +191,7 @@ def _build_parallel(scheme, style: str, shards: _Shards, roles: dict[str, str], 
     t = {role: shards.load(key, device) if role in ("g_idx", "bias") else shards.lazy(key, device)
          for role, key in roles.items()}
     cls = ColumnParallelLinear if style == "column" else RowParallelLinear
-    bias = t.get("bias")
-    if isinstance(scheme, BlockFP8):
-        return cls.from_fp8(t["weight"], t["weight_scale_inv"], bias, group=group, scheme=scheme)
-    if isinstance(scheme, AWQ):
-        return cls.from_awq(t["qweight"], t["qzeros"], t["scales"], bias, group=group, scheme=scheme)
-    return cls.from_gptq(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), bias, group=group, scheme=scheme)
+    return cls.from_checkpoint(t, group=group, scheme=scheme)
 
 
 class _AsDtype:
@@ -545,10 +265,11 @@ def _parallel_mlps(model: nn.Module, plan: _Plan, tp_plan: dict[str, str] | None
     return found
 
 
-def _build_parallel_mlp(scheme, shards: _Shards, plan: _Plan, linears: dict[str, str], device, group,
+def _build_parallel_mlp(fmt: LayerFormat, shards: _Shards, plan: _Plan, linears: dict[str, str], device, group,
                         act_dtype: torch.dtype | None) -> nn.Module:
-    """A ParallelMLP from this rank's slices of gate, up and down (g_idx and biases are read whole); int4 scales
-    are converted to act_dtype (default: the checkpoint's) as they are read."""
+    """A ParallelMLP from this rank's slices of gate, up and down (g_idx and biases are read whole); tensors are
+    converted as they are read where the format says (fmt.read_dtypes: int4 scales to act_dtype, default the
+    checkpoint's; FP8 scales to float32)."""
     from kdsl.parallel import ParallelMLP
 
     tensors = {}
@@ -556,16 +277,11 @@ def _build_parallel_mlp(scheme, shards: _Shards, plan: _Plan, linears: dict[str,
         t = {}
         for name, key in plan.quantized[linear].items():
             t[name] = shards.load(key, device) if name in ("g_idx", "bias") else shards.lazy(key, device)
-        if "scales" in t and act_dtype is not None and t["scales"].dtype != act_dtype:
-            t["scales"] = _AsDtype(t["scales"], act_dtype)
-        if "weight_scale_inv" in t and t["weight_scale_inv"].dtype != torch.float32:  # FP8 multipliers in float32
-            t["weight_scale_inv"] = _AsDtype(t["weight_scale_inv"], torch.float32)
+        for name, dtype in fmt.read_dtypes(act_dtype).items():
+            if name in t and t[name].dtype != dtype:
+                t[name] = _AsDtype(t[name], dtype)
         tensors[role] = t
-    if isinstance(scheme, BlockFP8):
-        return ParallelMLP.from_fp8(**tensors, group=group, scheme=scheme)
-    if isinstance(scheme, AWQ):
-        return ParallelMLP.from_awq(**tensors, group=group, scheme=scheme)
-    return ParallelMLP.from_gptq(**tensors, group=group, scheme=scheme)
+    return ParallelMLP.from_checkpoint(**tensors, group=group, scheme=fmt.scheme)
 
 
 def _read_config(folder: Path) -> dict:
@@ -623,7 +339,7 @@ def load_quantized(model: nn.Module, path, device=None, *, dtype: torch.dtype | 
         raise TypeError(f"dtype: expected torch.float16 or torch.bfloat16, got {dtype}")
     hf = read_hf_config(config["quantization_config"])
     require_served_scheme(scheme_from_hf(config["quantization_config"]))
-    fmt = FORMATS[hf.source](hf)
+    fmt = handler_for(hf.scheme).formats[hf.source](hf)  # the scheme unit's reader of this checkpoint format
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shards = _Shards(folder)
     plan = _plan(model, shards, fmt)
@@ -638,7 +354,7 @@ def load_quantized(model: nn.Module, path, device=None, *, dtype: torch.dtype | 
         for name, linears in mlps.items():
             gate = model.get_submodule(linears["gate"])
             act_dtype = dtype or (gate.weight.dtype if gate.weight.dtype in ACT_DTYPES else None)
-            swapped.append((name, _swap(model, name, _build_parallel_mlp(fmt.scheme, shards, plan, linears, device,
+            swapped.append((name, _swap(model, name, _build_parallel_mlp(fmt, shards, plan, linears, device,
                                                                          group, act_dtype))))
         for name, roles in plan.quantized.items():
             if name in in_mlps:

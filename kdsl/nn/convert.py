@@ -10,37 +10,9 @@ from typing import Callable
 
 from torch import nn
 
-from kdsl.nn.modules import FP8Linear, W4A16Linear
-from kdsl.schema import GPTQ, BlockFP8
-from kdsl.schema.scheme import AWQ
+from kdsl.nn.schemes import handler_for
 
 FilterFn = Callable[[nn.Module, str], bool]
-
-
-def _unservable(scheme, linear: nn.Linear) -> str | None:
-    """Why the scheme's kernels cannot take this layer's shapes, or None where they can."""
-    k, n = linear.in_features, linear.out_features
-    if isinstance(scheme, BlockFP8):
-        if k % scheme.act_group:
-            return f"in_features = {k} is not a multiple of act_group = {scheme.act_group} (act_quant's groups along K)"
-        if n % 8:
-            return f"out_features = {n} is not a multiple of 8 (fp8_gemm's output rows)"
-        return None
-    group = k if scheme.group_size == -1 else scheme.group_size
-    if k % group:
-        return f"in_features = {k} is not a multiple of group_size = {group}"
-    if k % 8 or n % 8:
-        side = f"in_features = {k}" if k % 8 else f"out_features = {n}"
-        return f"{side} is not a multiple of 8 (int4 weights and zeros are packed 8 to an int32)"
-    return None
-
-
-def _builder(scheme) -> Callable[[nn.Linear], nn.Module]:
-    if isinstance(scheme, BlockFP8):
-        return lambda linear: FP8Linear.from_float(linear, scheme)
-    if isinstance(scheme, (GPTQ, AWQ)):
-        return lambda linear: W4A16Linear.from_float(linear, scheme)
-    raise TypeError(f"scheme: expected kdsl.BlockFP8, kdsl.GPTQ or kdsl.AWQ, got {type(scheme).__name__}")
 
 
 def _swap(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
@@ -93,13 +65,14 @@ def quantize_(model: nn.Module, scheme, filter_fn: FilterFn | None = None, *, st
     Returns model (the replacement itself when model is an nn.Linear), or with return_report=True the pair
     (model, QuantizeReport): what was replaced, what was skipped and why (as load_state_dict(strict=False)
     reports keys)."""
-    build = _builder(scheme)
+    handler = handler_for(scheme)  # a scheme type with no handler is refused here, before anything is looked at
     report = QuantizeReport(scheme.name)
     chosen = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
-        why = FILTERED_OUT if filter_fn is not None and not filter_fn(module, name) else _unservable(scheme, module)
+        why = FILTERED_OUT if filter_fn is not None and not filter_fn(module, name) else handler.unservable(
+            scheme, module.in_features, module.out_features)
         if why is None:
             chosen.append((name, module))
         else:
@@ -110,7 +83,7 @@ def quantize_(model: nn.Module, scheme, filter_fn: FilterFn | None = None, *, st
     if unservable and strict:
         raise ValueError(f"quantize_(strict=True): {len(unservable)} nn.Linear layer(s) cannot be quantized to "
                          f"{scheme.name}: {listed}; nothing was changed")
-    built = [(name, build(module)) for name, module in chosen]
+    built = [(name, handler.from_float(scheme, module)) for name, module in chosen]
     if unservable:  # after the builds: a scheme refused outright raises without this warning first
         warnings.warn(f"kdsl.quantize_: left {len(unservable)} nn.Linear layer(s) unquantized, their shapes do not "
                       f"fit {scheme.name}'s kernels: {listed} (strict=True raises instead; return_report=True "

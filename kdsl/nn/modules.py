@@ -104,7 +104,25 @@ class KeepsQuantizedDtypes(nn.Module):
 
 
 class _QuantizedLinear(KeepsQuantizedDtypes):
+    """What kdsl.parallel asks of a quantized linear it shards, so it holds no per-scheme branch: partial() (a
+    row shard's output before the reduce), and a gated MLP's SiLU * up fused into the module's input
+    (SILU_MUL_OP, silu_mul_serves, forward_silu_mul)."""
+
     FOLLOWS_CAST = ("bias",)
+    SILU_MUL_OP: str  # the kernel writing silu(gate) * up as this module takes its input
+
+    def partial(self, x: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
+        """self(x) as a tensor-parallel partial to be summed in reduce_dtype (the caller converts it)."""
+        return self(x)
+
+    def silu_mul_serves(self, features: int) -> bool:
+        """Whether SILU_MUL_OP can write this module's input of `features` columns from [..., 2 * features]."""
+        raise NotImplementedError
+
+    def forward_silu_mul(self, h: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """self(silu(h[..., :I]) * h[..., I:]) with SILU_MUL_OP computing the input; out_dtype: what the GEMM
+        writes where it can (a float32 partial), else the activation dtype."""
+        raise NotImplementedError
 
 
 class FP8Linear(_QuantizedLinear):
@@ -150,6 +168,31 @@ class FP8Linear(_QuantizedLinear):
         a, a_s = ops.act_quant(x, group_size=self.scheme.act_group)
         y = ops.fp8_gemm(a, a_s, self.weight, self.weight_scale_inv, out_dtype=out_dtype)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    SILU_MUL_OP = "silu_mul_quant"  # h quantized in the act_group this module's GEMM reads: no act_quant of its own
+
+    def forward_quantized(self, q: torch.Tensor, s: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The output for an input already quantized as act_quant writes it (q e4m3, s float32 per act_group):
+        one fp8_gemm writing out_dtype, then the bias."""
+        y = ops.fp8_gemm(q, s, self.weight, self.weight_scale_inv, out_dtype=out_dtype)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def partial(self, x: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
+        """A float32 reduction takes float32 partials straight from the GEMM's accumulator: act_quant reads x in its
+        own dtype, so x is not converted (a float32 x would quantize to the same codes at twice the bytes)."""
+        if reduce_dtype == torch.float32 and x.dtype != torch.float32:
+            a, a_s = ops.act_quant(x, group_size=self.scheme.act_group)
+            return self.forward_quantized(a, a_s, torch.float32)
+        return self(x)
+
+    def silu_mul_serves(self, features: int) -> bool:
+        group = self.scheme.act_group
+        served = any(fields.get("act_group") == group for fields in registry.scheme_fields(self.SILU_MUL_OP).values())
+        return served and features % group == 0
+
+    def forward_silu_mul(self, h: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        q, s = ops.silu_mul_quant(h, self.scheme.act_group)
+        return self.forward_quantized(q, s, out_dtype)
 
     def extra_repr(self) -> str:
         device = self.weight.device
@@ -228,6 +271,14 @@ class W4A16Linear(_QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = ops.w4a16_gemm(x, self.prepared)
         return y if self.bias is None else y + self.bias
+
+    SILU_MUL_OP = "silu_mul"  # h in the activation dtype, which the w4a16 kernels read
+
+    def silu_mul_serves(self, features: int) -> bool:
+        return bool(registry.served_schemes(self.SILU_MUL_OP))
+
+    def forward_silu_mul(self, h: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return self(ops.silu_mul(h).contiguous())  # the kernels write the activation dtype whatever out_dtype
 
     def extra_repr(self) -> str:
         scheme = self.scheme.name if self.scheme is not None else self._fields["source"]

@@ -9,8 +9,9 @@ stacks reduce; torch.float32: the partials leave the GEMM in float32, so only th
 from one rank, at twice the bytes), and the bias is added once, after the reduce. all_reduce="symm_mem" takes
 torch's symmetric-memory one-shot all-reduce for messages up to symm_mem_max_bytes (kdsl.parallel.comm).
 
-Build them from checkpoint tensors with the from_fp8 / from_gptq / from_awq constructors: they cut the
-rank's shard (kdsl.parallel.sharding) and wrap it. The process group defaults to the default group.
+Build them from checkpoint tensors with from_checkpoint (the scheme unit's shard rules, kdsl.nn.schemes, cut
+the rank's shard and it is wrapped) or its from_fp8 / from_gptq / from_awq shorthands. The process group
+defaults to the default group.
 Every forward is capturable in a CUDA graph (after one eager call: kernels compile, symm_mem sets up).
 """
 from __future__ import annotations
@@ -19,12 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kdsl import ops
-from kdsl.nn.modules import FP8Linear, W4A16Linear
-from kdsl.ops.gptq_checkpoint import ZERO_OFFSET, unpack_rows, unpack_zeros
-from kdsl.ops.w4a16 import prepare
+from kdsl.nn.schemes import handler_for
 from kdsl.parallel import comm
-from kdsl.parallel.sharding import shard_awq, shard_fp8, shard_gptq
 from kdsl.schema import GPTQ, BlockFP8
 from kdsl.schema.scheme import AWQ
 
@@ -33,14 +30,6 @@ def _rank_world(group) -> tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call torch.distributed.init_process_group first")
     return dist.get_rank(group), dist.get_world_size(group)
-
-
-def _fp8_partial(local: FP8Linear, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """local(x) with the GEMM writing out_dtype (float32 partials): act_quant reads x in its own dtype, so x
-    is not converted (a float32 x would quantize to the same codes at twice the bytes)."""
-    a, a_s = ops.act_quant(x, group_size=local.scheme.act_group)
-    y = ops.fp8_gemm(a, a_s, local.weight, local.weight_scale_inv, out_dtype=out_dtype)
-    return y if local.bias is None else y + local.bias.to(y.dtype)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -56,39 +45,38 @@ class ColumnParallelLinear(nn.Module):
         self.in_features = local.in_features
 
     @classmethod
+    def from_checkpoint(cls, tensors, *, scheme, group=None, gather_output=True,
+                        out_index=None) -> "ColumnParallelLinear":
+        """From a linear's checkpoint tensors ({name: tensor}, the names of the scheme's checkpoint format; a
+        lazily read tensor will do), cut for this rank by the scheme's shard rules (kdsl.nn.schemes)."""
+        handler = handler_for(scheme)
+        rank, world = _rank_world(group)
+        if out_index is not None and gather_output:
+            raise ValueError("out_index: the outputs are permuted across ranks; pass gather_output=False")
+        s = handler.column_shard(scheme, tensors, rank=rank, world_size=world, out_index=out_index)
+        return cls(s.local, out_features=s.out_features, group=group, gather_output=gather_output,
+                   out_slice=s.out_slice)
+
+    @classmethod
     def from_fp8(cls, weight, weight_scale_inv, bias=None, *, group=None, gather_output=True,
                  scheme: BlockFP8 | None = None) -> "ColumnParallelLinear":
-        scheme = scheme or BlockFP8()
-        rank, world = _rank_world(group)
-        s = shard_fp8(weight, weight_scale_inv, bias, rank=rank, world_size=world, dim="column",
-                      block=scheme.weight_block)
-        padded = s.out_slice != slice(0, s.weight.shape[0])
-        return cls(FP8Linear(s.weight, s.weight_scale_inv, s.bias, scheme), out_features=weight.shape[0],
-                   group=group, gather_output=gather_output, out_slice=s.out_slice if padded else None)
+        return cls.from_checkpoint({"weight": weight, "weight_scale_inv": weight_scale_inv, "bias": bias},
+                                   scheme=scheme or BlockFP8(), group=group, gather_output=gather_output)
 
     @classmethod
     def from_gptq(cls, qweight, qzeros, scales, g_idx=None, bias=None, *, group=None, gather_output=True,
                   scheme: GPTQ | None = None, out_index=None) -> "ColumnParallelLinear":
         """out_index: this rank's output columns (kdsl.parallel.gptq_row_index of the act-order layer that
         follows), so its sharded output feeds that RowParallelLinear(input_is_parallel=True); no gather."""
-        scheme = scheme or GPTQ()
-        rank, world = _rank_world(group)
-        if out_index is not None and gather_output:
-            raise ValueError("out_index: the outputs are permuted across ranks; pass gather_output=False")
-        s = shard_gptq(qweight, qzeros, scales, g_idx, bias, rank=rank, world_size=world, dim="column",
-                       group_size=scheme.group_size, bits=scheme.bits, out_index=out_index)
-        local = W4A16Linear.from_gptq(s.qweight, s.qzeros, s.scales, s.g_idx, s.bias, scheme)
-        return cls(local, out_features=qweight.shape[1], group=group, gather_output=gather_output)
+        return cls.from_checkpoint({"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx,
+                                    "bias": bias}, scheme=scheme or GPTQ(), group=group,
+                                   gather_output=gather_output, out_index=out_index)
 
     @classmethod
     def from_awq(cls, qweight, qzeros, scales, bias=None, *, group=None, gather_output=True,
                  scheme: AWQ | None = None) -> "ColumnParallelLinear":
-        scheme = scheme or AWQ()
-        rank, world = _rank_world(group)
-        s = shard_awq(qweight, qzeros, scales, bias, rank=rank, world_size=world, dim="column",
-                      group_size=scheme.group_size)
-        local = W4A16Linear.from_awq(s.qweight, s.qzeros, s.scales, s.bias, scheme)
-        return cls(local, out_features=qweight.shape[1] * 8, group=group, gather_output=gather_output)
+        return cls.from_checkpoint({"qweight": qweight, "qzeros": qzeros, "scales": scales, "bias": bias},
+                                   scheme=scheme or AWQ(), group=group, gather_output=gather_output)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.local(x)
@@ -132,51 +120,43 @@ class RowParallelLinear(nn.Module):
         self.register_buffer("bias", bias)
 
     @classmethod
+    def from_checkpoint(cls, tensors, *, scheme, group=None, input_is_parallel=False, reduce_dtype=None,
+                        all_reduce="nccl", symm_mem_max_bytes=comm.SYMM_MEM_MAX_BYTES) -> "RowParallelLinear":
+        """From a linear's checkpoint tensors ({name: tensor}, the names of the scheme's checkpoint format; a
+        lazily read tensor will do), cut for this rank by the scheme's shard rules (kdsl.nn.schemes)."""
+        handler = handler_for(scheme)
+        rank, world = _rank_world(group)
+        s = handler.row_shard(scheme, tensors, rank=rank, world_size=world)
+        return cls(s.local, in_features=s.in_features, in_index=s.in_index, bias=s.bias, group=group,
+                   input_is_parallel=input_is_parallel, reduce_dtype=reduce_dtype,
+                   all_reduce=all_reduce, symm_mem_max_bytes=symm_mem_max_bytes)
+
+    @classmethod
     def from_fp8(cls, weight, weight_scale_inv, bias=None, *, group=None, input_is_parallel=False,
                  scheme: BlockFP8 | None = None, reduce_dtype=None,
                  all_reduce="nccl", symm_mem_max_bytes=comm.SYMM_MEM_MAX_BYTES) -> "RowParallelLinear":
-        scheme = scheme or BlockFP8()
-        rank, world = _rank_world(group)
-        s = shard_fp8(weight, weight_scale_inv, None, rank=rank, world_size=world, dim="row",
-                      block=scheme.weight_block)
-        k = weight.shape[1] // world
-        return cls(FP8Linear(s.weight, s.weight_scale_inv, None, scheme), in_features=weight.shape[1],
-                   in_index=slice(rank * k, (rank + 1) * k), bias=bias, group=group,
-                   input_is_parallel=input_is_parallel, reduce_dtype=reduce_dtype,
-                   all_reduce=all_reduce, symm_mem_max_bytes=symm_mem_max_bytes)
+        return cls.from_checkpoint({"weight": weight, "weight_scale_inv": weight_scale_inv, "bias": bias},
+                                   scheme=scheme or BlockFP8(), group=group, input_is_parallel=input_is_parallel,
+                                   reduce_dtype=reduce_dtype, all_reduce=all_reduce,
+                                   symm_mem_max_bytes=symm_mem_max_bytes)
 
     @classmethod
     def from_gptq(cls, qweight, qzeros, scales, g_idx=None, bias=None, *, group=None, input_is_parallel=False,
                   scheme: GPTQ | None = None, reduce_dtype=None,
                   all_reduce="nccl", symm_mem_max_bytes=comm.SYMM_MEM_MAX_BYTES) -> "RowParallelLinear":
-        scheme = scheme or GPTQ()
-        rank, world = _rank_world(group)
-        s = shard_gptq(qweight, qzeros, scales, g_idx, None, rank=rank, world_size=world, dim="row",
-                       group_size=scheme.group_size, bits=scheme.bits)
-        # The scheme-neutral prepare (what gptq_prepare calls): a shard's groups need not be group_size rows
-        # each nor number K_r / group_size (a random g_idx, a group straddling two ranks).
-        prepared = prepare(unpack_rows(s.qweight.contiguous(), scheme.bits),
-                           unpack_zeros(s.qzeros, scheme.bits, ZERO_OFFSET[scheme.checkpoint_format]), s.scales,
-                           s.g_idx, bits=scheme.bits, group_size=scheme.group_size, source=scheme.checkpoint_format)
-        local = W4A16Linear(prepared, None, scheme)
-        return cls(local, in_features=qweight.shape[0] * 8, in_index=s.in_index,
-                   bias=None if bias is None else bias.to(scales.dtype), group=group,
-                   input_is_parallel=input_is_parallel, reduce_dtype=reduce_dtype,
-                   all_reduce=all_reduce, symm_mem_max_bytes=symm_mem_max_bytes)
+        return cls.from_checkpoint({"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx,
+                                    "bias": bias}, scheme=scheme or GPTQ(), group=group,
+                                   input_is_parallel=input_is_parallel, reduce_dtype=reduce_dtype,
+                                   all_reduce=all_reduce, symm_mem_max_bytes=symm_mem_max_bytes)
 
     @classmethod
     def from_awq(cls, qweight, qzeros, scales, bias=None, *, group=None, input_is_parallel=False,
                  scheme: AWQ | None = None, reduce_dtype=None,
                  all_reduce="nccl", symm_mem_max_bytes=comm.SYMM_MEM_MAX_BYTES) -> "RowParallelLinear":
-        scheme = scheme or AWQ()
-        rank, world = _rank_world(group)
-        s = shard_awq(qweight, qzeros, scales, None, rank=rank, world_size=world, dim="row",
-                      group_size=scheme.group_size)
-        local = W4A16Linear.from_awq(s.qweight, s.qzeros, s.scales, None, scheme)
-        return cls(local, in_features=qweight.shape[0], in_index=s.in_index,
-                   bias=None if bias is None else bias.to(scales.dtype), group=group,
-                   input_is_parallel=input_is_parallel, reduce_dtype=reduce_dtype,
-                   all_reduce=all_reduce, symm_mem_max_bytes=symm_mem_max_bytes)
+        return cls.from_checkpoint({"qweight": qweight, "qzeros": qzeros, "scales": scales, "bias": bias},
+                                   scheme=scheme or AWQ(), group=group, input_is_parallel=input_is_parallel,
+                                   reduce_dtype=reduce_dtype, all_reduce=all_reduce,
+                                   symm_mem_max_bytes=symm_mem_max_bytes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -185,11 +165,7 @@ class RowParallelLinear(nn.Module):
             elif self.in_slice is not None:
                 x = x[..., self.in_slice]
         x = x.contiguous()
-        reduce = self.reduce_dtype or x.dtype
-        if isinstance(self.local, FP8Linear) and reduce == torch.float32 and x.dtype != torch.float32:
-            y = _fp8_partial(self.local, x, torch.float32)  # float32 partials from the GEMM, x as it is
-        else:
-            y = self.local(x)
+        y = self.local.partial(x, self.reduce_dtype or x.dtype)  # FP8: float32 partials straight from the GEMM
         return self._reduce(y, x.dtype)
 
     def forward_quantized(self, q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -198,15 +174,19 @@ class RowParallelLinear(nn.Module):
         dtype forward() would have been given (the output's, and the reduction's unless reduce_dtype says
         otherwise). One fp8_gemm, then the all-reduce and the bias as forward() does."""
         local = self.local
-        if not isinstance(local, FP8Linear) or not self.input_is_parallel:
+        if not hasattr(local, "forward_quantized") or not self.input_is_parallel:
             raise TypeError("forward_quantized: needs an FP8 shard with input_is_parallel=True, this one holds "
                             f"{type(local).__name__} (input_is_parallel={self.input_is_parallel})")
-        reduce = self.reduce_dtype or dtype
-        y = ops.fp8_gemm(q, s, local.weight, local.weight_scale_inv,
-                         out_dtype=torch.float32 if reduce == torch.float32 else dtype)
-        if local.bias is not None:
-            y = y + local.bias.to(y.dtype)
-        return self._reduce(y, dtype)
+        return self._reduce(local.forward_quantized(q, s, self._partial_dtype(dtype)), dtype)
+
+    def forward_silu_mul(self, h: torch.Tensor) -> torch.Tensor:
+        """forward(silu(h[..., :I_r]) * h[..., I_r:]) with the input computed by the local module's fused kernel
+        (its SILU_MUL_OP: FP8 writes it quantized, so the GEMM needs no act_quant); input_is_parallel."""
+        return self._reduce(self.local.forward_silu_mul(h, self._partial_dtype(h.dtype)), h.dtype)
+
+    def _partial_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """What the GEMM writes where it can: float32 for a float32 reduction, else the activation dtype."""
+        return torch.float32 if (self.reduce_dtype or dtype) == torch.float32 else dtype
 
     def _reduce(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The partial y summed over the group in reduce_dtype (default: dtype), returned in dtype, plus the bias."""

@@ -13,7 +13,7 @@ compute h in fp32 and round it once. With gate and up as two GEMMs (their act-or
 fused_act = False, torch's silu and mul run instead.
 
 Constructors take the three linears' checkpoint tensors (mappings with their usual names) or float nn.Linear
-layers (quantized as kdsl.quantize_ does). The shard rules are kdsl.parallel.sharding's: FP8 needs
+layers (quantized as kdsl.quantize_ does). The shard rules are the scheme units' (kdsl.nn.schemes): FP8 needs
 I / T % 128 == 0 (down's row shard); GPTQ act-order sorts down's K by group and cuts gate and up to produce
 exactly those features in that order (gptq_row_index), so the chain needs no gather; AWQ cuts whole groups.
 """
@@ -25,68 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdsl import ops
-from kdsl.nn.modules import FP8Linear, W4A16Linear
-from kdsl.runtime import registry
+from kdsl.nn.schemes import handler_for
 from kdsl.parallel import comm
 from kdsl.parallel.layers import RowParallelLinear, _rank_world
-from kdsl.parallel.sharding import FP8Shard, gptq_row_index, shard_awq, shard_fp8, shard_gptq
 from kdsl.schema import GPTQ, BlockFP8
 from kdsl.schema.scheme import AWQ
 
 ROLES = ("gate", "up", "down")
-
-
-def _get(t: Mapping, role: str, name: str, optional: bool = False):
-    if not isinstance(t, Mapping):
-        raise TypeError(f"{role}: expected a mapping of checkpoint tensors (e.g. {{'{name}': ...}}), "
-                        f"got {type(t).__name__}")
-    if name not in t or t[name] is None:
-        if optional:
-            return None
-        raise KeyError(f"{role}: no {name!r} among {sorted(t)}")
-    return t[name]
-
-
-def _same_shape(role: str, name: str, tensor, expected: tuple[int, ...]) -> None:
-    if tuple(tensor.shape) != tuple(expected):
-        raise ValueError(f"{role}.{name}: expected shape {tuple(expected)} (from the other linears), "
-                         f"got {tuple(tensor.shape)}")
-
-
-def _stack_fp8(parts: list[FP8Shard], block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
-                                                              list[slice]]:
-    """The column shards of gate and up as one FP8 weight: each part but the last padded with zero rows to
-    whole scale blocks, so the next part's rows line up with its own scale rows; the slices of the real
-    outputs (no padding at all when I / T is a multiple of the block)."""
-    weights, scales, biases, slices, row = [], [], [], [], 0
-    for i, p in enumerate(parts):
-        w = p.weight
-        full = p.weight_scale_inv.shape[0] * block_n
-        if i < len(parts) - 1 and w.shape[0] != full:
-            w = torch.cat([w, w.new_zeros(full - w.shape[0], w.shape[1])])
-        slices.append(slice(row + p.pad_front, row + p.pad_front + p.out_features))
-        weights.append(w)
-        scales.append(p.weight_scale_inv)
-        biases.append(p.bias)
-        row += w.shape[0]
-    bias = None
-    if any(b is not None for b in biases):
-        dtype = next(b.dtype for b in biases if b is not None)
-        bias = torch.zeros(row, dtype=dtype, device=weights[0].device)
-        at = 0
-        for w, b in zip(weights, biases):
-            if b is not None:
-                bias[at:at + b.shape[0]] = b
-            at += w.shape[0]
-    return torch.cat(weights), torch.cat(scales), bias, slices
-
-
-def _cat_bias(biases: list, sizes: list[int]) -> torch.Tensor | None:
-    if all(b is None for b in biases):
-        return None
-    like = next(b for b in biases if b is not None)
-    return torch.cat([b if b is not None else like.new_zeros(n) for b, n in zip(biases, sizes)])
 
 
 class ParallelMLP(nn.Module):
@@ -117,35 +62,34 @@ class ParallelMLP(nn.Module):
         if (self.up is not None or self.gate_slice != slice(0, local) or self.up_slice != slice(local, 2 * local)
                 or getattr(self.gate_up, "out_features", None) != 2 * local):
             return False
-        if isinstance(self.down.local, FP8Linear):
-            group = self.down.local.scheme.act_group
-            schemes = registry.scheme_fields("silu_mul_quant").values()
-            served = any(fields.get("act_group") == group for fields in schemes)
-            return served and local % group == 0
-        return bool(registry.served_schemes("silu_mul"))
+        return self.down.local.silu_mul_serves(local)
 
     # --- constructors ------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_checkpoint(cls, gate: Mapping, up: Mapping, down: Mapping, *, scheme, group=None,
+                        reduce_dtype: torch.dtype | None = None, all_reduce: str = "nccl",
+                        symm_mem_max_bytes: int = comm.SYMM_MEM_MAX_BYTES) -> "ParallelMLP":
+        """gate, up, down: each linear's checkpoint tensors ({name: tensor}, the names of the scheme's checkpoint
+        format), cut by the scheme's shard rules (kdsl.nn.schemes): down as a row shard, gate and up as the
+        column shards producing exactly its input features."""
+        handler = handler_for(scheme)
+        rank, world = _rank_world(group)
+        down = handler.read(down, "down")
+        row = RowParallelLinear.from_checkpoint(down, scheme=scheme, group=group, input_is_parallel=True,
+                                                reduce_dtype=reduce_dtype, all_reduce=all_reduce,
+                                                symm_mem_max_bytes=symm_mem_max_bytes)
+        s = handler.gate_up_shard(scheme, gate, up, down, rank=rank, world_size=world)
+        return cls(s.local, row, gate_slice=s.gate_slice, up_slice=s.up_slice, up=s.up)
 
     @classmethod
     def from_fp8(cls, gate: Mapping, up: Mapping, down: Mapping, *, group=None, scheme: BlockFP8 | None = None,
                  reduce_dtype: torch.dtype | None = None, all_reduce: str = "nccl",
                  symm_mem_max_bytes: int = comm.SYMM_MEM_MAX_BYTES) -> "ParallelMLP":
         """gate, up, down: {"weight": float8_e4m3fn [N, K], "weight_scale_inv": float32 blocks, "bias": optional}."""
-        scheme = scheme or BlockFP8()
-        rank, world = _rank_world(group)
-        dw = _get(down, "down", "weight")
-        hidden, inter = dw.shape
-        row = RowParallelLinear.from_fp8(dw, _get(down, "down", "weight_scale_inv"), _get(down, "down", "bias", True),
-                                         group=group, input_is_parallel=True, scheme=scheme, reduce_dtype=reduce_dtype,
-                                         all_reduce=all_reduce, symm_mem_max_bytes=symm_mem_max_bytes)
-        parts = []
-        for role, t in (("gate", gate), ("up", up)):
-            w = _get(t, role, "weight")
-            _same_shape(role, "weight", w, (inter, hidden))
-            parts.append(shard_fp8(w, _get(t, role, "weight_scale_inv"), _get(t, role, "bias", True), rank=rank,
-                                   world_size=world, dim="column", block=scheme.weight_block, name=f"{role}.weight"))
-        weight, scale, bias, (gate_slice, up_slice) = _stack_fp8(parts, scheme.weight_block[0])
-        return cls(FP8Linear(weight, scale, bias, scheme), row, gate_slice=gate_slice, up_slice=up_slice)
+        return cls.from_checkpoint(gate, up, down, scheme=scheme or BlockFP8(), group=group,
+                                   reduce_dtype=reduce_dtype, all_reduce=all_reduce,
+                                   symm_mem_max_bytes=symm_mem_max_bytes)
 
     @classmethod
     def from_gptq(cls, gate: Mapping, up: Mapping, down: Mapping, *, group=None, scheme: GPTQ | None = None,
@@ -156,61 +100,18 @@ class ParallelMLP(nn.Module):
         Act-order: down's K is sorted by group and cut (shard_gptq), and gate's and up's columns are cut in
         that order (gptq_row_index), so gate_up's shard is down's input as it is. gate and up are one GEMM
         where their g_idx agree (they do in GPTQ checkpoints: both quantize the same input), else two."""
-        scheme = scheme or GPTQ()
-        rank, world = _rank_world(group)
-        dq = _get(down, "down", "qweight")
-        inter, hidden = dq.shape[0] * 8, dq.shape[1]
-        d_gidx = _get(down, "down", "g_idx", True)
-        row = RowParallelLinear.from_gptq(dq, _get(down, "down", "qzeros"), _get(down, "down", "scales"), d_gidx,
-                                          _get(down, "down", "bias", True), group=group, input_is_parallel=True,
-                                          scheme=scheme, reduce_dtype=reduce_dtype, all_reduce=all_reduce,
-                                          symm_mem_max_bytes=symm_mem_max_bytes)
-        index = gptq_row_index(d_gidx, inter, rank=rank, world_size=world, group_size=scheme.group_size)
-        size = inter // world
-        if torch.equal(index, torch.arange(rank * size, (rank + 1) * size, device=index.device)):
-            index = None  # down's rows are in order: gate and up cut as plain column shards
-        shards = []
-        for role, t in (("gate", gate), ("up", up)):
-            q = _get(t, role, "qweight")
-            _same_shape(role, "qweight", q, (hidden // 8, inter))
-            shards.append(shard_gptq(q, _get(t, role, "qzeros"), _get(t, role, "scales"), _get(t, role, "g_idx", True),
-                                     _get(t, role, "bias", True), rank=rank, world_size=world, dim="column",
-                                     group_size=scheme.group_size, bits=scheme.bits, out_index=index))
-        g, u = shards
-        if (g.g_idx is None) == (u.g_idx is None) and (g.g_idx is None or torch.equal(g.g_idx, u.g_idx)):
-            local = W4A16Linear.from_gptq(torch.cat([g.qweight, u.qweight], 1), torch.cat([g.qzeros, u.qzeros], 1),
-                                          torch.cat([g.scales, u.scales], 1), g.g_idx,
-                                          _cat_bias([g.bias, u.bias], [size, size]), scheme)
-            return cls(local, row, gate_slice=slice(0, size), up_slice=slice(size, 2 * size))
-        gate_local, up_local = (W4A16Linear.from_gptq(s.qweight, s.qzeros, s.scales, s.g_idx, s.bias, scheme)
-                                for s in shards)
-        return cls(gate_local, row, gate_slice=slice(0, size), up=up_local)
+        return cls.from_checkpoint(gate, up, down, scheme=scheme or GPTQ(), group=group,
+                                   reduce_dtype=reduce_dtype, all_reduce=all_reduce,
+                                   symm_mem_max_bytes=symm_mem_max_bytes)
 
     @classmethod
     def from_awq(cls, gate: Mapping, up: Mapping, down: Mapping, *, group=None, scheme: AWQ | None = None,
                  reduce_dtype: torch.dtype | None = None, all_reduce: str = "nccl",
                  symm_mem_max_bytes: int = comm.SYMM_MEM_MAX_BYTES) -> "ParallelMLP":
         """gate, up, down: AutoAWQ "gemm" {"qweight", "qzeros", "scales", "bias": optional}."""
-        scheme = scheme or AWQ()
-        rank, world = _rank_world(group)
-        dq = _get(down, "down", "qweight")
-        inter, hidden = dq.shape[0], dq.shape[1] * 8
-        row = RowParallelLinear.from_awq(dq, _get(down, "down", "qzeros"), _get(down, "down", "scales"),
-                                         _get(down, "down", "bias", True), group=group, input_is_parallel=True,
-                                         scheme=scheme, reduce_dtype=reduce_dtype, all_reduce=all_reduce,
-                                         symm_mem_max_bytes=symm_mem_max_bytes)
-        shards = []
-        for role, t in (("gate", gate), ("up", up)):
-            q = _get(t, role, "qweight")
-            _same_shape(role, "qweight", q, (hidden, inter // 8))
-            shards.append(shard_awq(q, _get(t, role, "qzeros"), _get(t, role, "scales"), _get(t, role, "bias", True),
-                                    rank=rank, world_size=world, dim="column", group_size=scheme.group_size))
-        g, u = shards
-        size = inter // world
-        local = W4A16Linear.from_awq(torch.cat([g.qweight, u.qweight], 1), torch.cat([g.qzeros, u.qzeros], 1),
-                                     torch.cat([g.scales, u.scales], 1), _cat_bias([g.bias, u.bias], [size, size]),
-                                     scheme)
-        return cls(local, row, gate_slice=slice(0, size), up_slice=slice(size, 2 * size))
+        return cls.from_checkpoint(gate, up, down, scheme=scheme or AWQ(), group=group,
+                                   reduce_dtype=reduce_dtype, all_reduce=all_reduce,
+                                   symm_mem_max_bytes=symm_mem_max_bytes)
 
     @classmethod
     def from_float(cls, gate: nn.Linear, up: nn.Linear, down: nn.Linear, scheme: BlockFP8 | GPTQ | AWQ, *,
@@ -219,45 +120,22 @@ class ParallelMLP(nn.Module):
         """Quantize three float nn.Linear layers as kdsl.quantize_ does (FP8Linear.from_float: weight_quant in
         the scheme's blocks; W4A16Linear.from_float: round-to-nearest int4, no act-order), whole, so every rank's
         shards are those of the one-GPU quantized MLP, then cut them."""
-        options = dict(group=group, reduce_dtype=reduce_dtype, all_reduce=all_reduce,
-                       symm_mem_max_bytes=symm_mem_max_bytes)
         linears = {"gate": gate, "up": up, "down": down}
         for role, linear in linears.items():
             if not isinstance(linear, nn.Linear):
                 raise TypeError(f"{role}: expected an nn.Linear, got {type(linear).__name__}")
-
-        def bias(linear, dtype=None):
-            return None if linear.bias is None else linear.bias.detach().to(dtype or linear.bias.dtype)
-
-        if isinstance(scheme, BlockFP8):
-            tensors = {}
-            for role, linear in linears.items():
-                q, s = ops.weight_quant(linear.weight.detach(), block_size=scheme.weight_block)
-                tensors[role] = {"weight": q, "weight_scale_inv": s, "bias": bias(linear)}
-            return cls.from_fp8(**tensors, scheme=scheme, **options)
-        if not isinstance(scheme, (GPTQ, AWQ)):
-            raise TypeError(f"scheme: expected kdsl.BlockFP8, kdsl.GPTQ or kdsl.AWQ, got {type(scheme).__name__}")
-        sym = getattr(scheme, "sym", False)  # as W4A16Linear.from_float: AWQ schemes get asymmetric RTN weights
-        tensors = {}
-        for role, linear in linears.items():
-            weight = linear.weight.detach()
-            dtype = weight.dtype if weight.dtype in (torch.float16, torch.bfloat16) else torch.float16
-            ck = ops.gptq_quantize(weight.to(dtype), bits=scheme.bits, group_size=scheme.group_size, sym=sym)
-            tensors[role] = {**{name: ck[name] for name in ("qweight", "qzeros", "scales")},
-                             "bias": bias(linear, dtype)}
-        gptq = GPTQ(bits=scheme.bits, group_size=scheme.group_size, sym=sym, checkpoint_format="gptq")
-        return cls.from_gptq(**tensors, scheme=gptq, **options)
+        handler = handler_for(scheme)
+        tensors = {role: handler.float_checkpoint(scheme, linear) for role, linear in linears.items()}
+        return cls.from_checkpoint(**tensors, scheme=handler.checkpoint_scheme(scheme), group=group,
+                                   reduce_dtype=reduce_dtype, all_reduce=all_reduce,
+                                   symm_mem_max_bytes=symm_mem_max_bytes)
 
     # --- forward -----------------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.gate_up(x)
-        if self.fused_act:
-            down = self.down
-            if isinstance(down.local, FP8Linear):  # h quantized in down's activation groups: down is one fp8_gemm
-                q, s = ops.silu_mul_quant(h, down.local.scheme.act_group)
-                return down.forward_quantized(q, s, h.dtype)
-            return down(ops.silu_mul(h))
+        if self.fused_act:  # FP8: h quantized in down's activation groups, so down is one fp8_gemm
+            return self.down.forward_silu_mul(h)
         if self.up is None:
             gate, up = h[..., self.gate_slice], h[..., self.up_slice]
         else:
@@ -272,5 +150,5 @@ class ParallelMLP(nn.Module):
     def _act_name(self) -> str:
         if not self.fused_act:
             return "torch silu, mul"
-        return "silu_mul_quant" if isinstance(self.down.local, FP8Linear) else "silu_mul"
+        return self.down.local.SILU_MUL_OP
 
