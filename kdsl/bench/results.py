@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kdsl.bench.shapes import Case
+from kdsl.bench.case import Case
 
 OK, WRONG, ERROR, UNAVAILABLE = "ok", "WRONG", "ERROR", "not available"
 FAILED = (WRONG, ERROR)  # statuses that make `kdsl bench` exit 1
