@@ -1,4 +1,5 @@
-"""kdsl's ops as torch.library custom ops (their specs in kdsl/ops/<family>.py, registered by kdsl/ops/library.py), and torch.compile over them.
+"""kdsl's ops as torch.library custom ops (their specs in kdsl/ops/<family>.py, registered by kdsl/ops/library.py),
+and torch.compile over them.
 
 - torch.library.opcheck on every op (schema, fake kernel against the real outputs' sizes, strides and
   dtypes, autograd registration, AOT dispatch with dynamic shapes), through Triton's interpreter and
