@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GROUP = 128  # block-FP8 group / block edge and the GPTQ group size used by the bench
+GROUP_MULTIPLE = (GROUP, f"the group size {GROUP}")  # a case module's MULTIPLES entry for a dim split in groups
 # Every dim a case may have, in the order labels and the JSON "shape" show them (each op's DIMS keep this order).
 DIM_ORDER = ("experts", "topk", "batch", "m", "n", "k", "hidden", "inter")
 

@@ -10,12 +10,12 @@ import math
 import torch
 
 from kdsl.bench import timing
-from kdsl.bench.case import GROUP, Case
+from kdsl.bench.case import GROUP, GROUP_MULTIPLE, Case
 from kdsl.bench.results import COPY
 
 DIMS = ("m", "k")
 HELP = "vs a device copy of the same bytes (bandwidth ceiling) and the torch expression"
-MULTIPLES = {"k": (GROUP, f"the group size {GROUP}")}
+MULTIPLES = {"k": GROUP_MULTIPLE}
 TOL = 5e-2  # dequantized q*s vs x: e4m3 keeps 3 mantissa bits
 # Scales must equal amax/448; Triton lowers fp32 '/' to div.full.f32 (up to 2 ulp off IEEE),
 # so a correct kernel may differ from torch by that much and no more.

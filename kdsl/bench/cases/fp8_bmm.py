@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from kdsl.bench import timing
-from kdsl.bench.case import GROUP, Case
+from kdsl.bench.case import GROUP, GROUP_MULTIPLE, Case
 from kdsl.schema import BlockFP8
 
 DIMS = ("batch", "m", "n", "k")  # batch: MLA's heads
@@ -25,7 +25,7 @@ vs bf16 torch.bmm on the dequantized weights and per-batch loops of torch._scale
 fraction of the roofline (bytes / measured copy rate, FLOPs / measured FP8 rate); CUDA
 graphs at every M, and up to M = 512 its calls cycle through copies of the weights so that
 each reads them cold"""
-MULTIPLES = {"k": (GROUP, f"the group size {GROUP}"), "n": (16, "16 (fp8_bmm's N)")}
+MULTIPLES = {"k": GROUP_MULTIPLE, "n": (16, "16 (fp8_bmm's N)")}
 GRAPH_EVERY_M = True
 
 

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 import torch
 
 from kdsl.bench import timing
-from kdsl.bench.case import GROUP, Case
+from kdsl.bench.case import GROUP_MULTIPLE, Case
 from kdsl.schema import BlockFP8
 
 DIMS = ("m", "n", "k")
 HELP = "vs torch._scaled_mm with DeepSeek block scales (cuBLAS) and bf16 torch.matmul"
-MULTIPLES = {"k": (GROUP, f"the group size {GROUP}")}
+MULTIPLES = {"k": GROUP_MULTIPLE}
 
 
 @dataclass

@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 
 from kdsl.bench import moe, timing
-from kdsl.bench.case import GROUP, Case
+from kdsl.bench.case import GROUP_MULTIPLE, Case
 
 DIMS = ("experts", "topk", "m", "n", "k")  # m: tokens, each routed to topk of the experts
 HELP = """\
 one MoE projection over the routed slots (contiguous layout padded to 128
 rows) vs a bf16 per-expert loop and torch._grouped_mm, and the roofline"""
-MULTIPLES = {"k": (GROUP, f"the group size {GROUP}")}
+MULTIPLES = {"k": GROUP_MULTIPLE}
 
 
 def setup(case: Case) -> timing.CaseSetup:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from kdsl.bench import timing
-from kdsl.bench.case import GROUP, Case
+from kdsl.bench.case import GROUP, GROUP_MULTIPLE, Case
 from kdsl.bench.results import COPY
 
 DIMS = ("n", "k")
 HELP = "vs a device copy of the same bytes and the torch expression (INT4 -> fp16)"
-MULTIPLES = {"k": (GROUP, f"the group size {GROUP}"), "n": (8, "8 (int4 packing of qzeros)")}
+MULTIPLES = {"k": GROUP_MULTIPLE, "n": (8, "8 (int4 packing of qzeros)")}
 
 
 def setup(case: Case) -> timing.CaseSetup:

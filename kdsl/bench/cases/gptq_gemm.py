@@ -15,14 +15,14 @@ from dataclasses import dataclass
 import torch
 
 from kdsl.bench import timing
-from kdsl.bench.case import GROUP, Case
+from kdsl.bench.case import GROUP, GROUP_MULTIPLE, Case
 from kdsl.schema import GPTQ, W4A16
 
 DIMS = ("m", "n", "k")
 HELP = """\
 vs fp16 torch.matmul (INT4, group size 128; also gptq_gemm[prepared]
 when kdsl.ops has gptq_prepare); CUDA graphs at every M"""
-MULTIPLES = {"k": (GROUP, f"the group size {GROUP}"), "n": (8, "8 (int4 packing of qzeros)")}
+MULTIPLES = {"k": GROUP_MULTIPLE, "n": (8, "8 (int4 packing of qzeros)")}
 GRAPH_EVERY_M = True
 
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 import torch
 
 from kdsl.bench import moe, timing
-from kdsl.bench.case import GROUP, Case
+from kdsl.bench.case import GROUP, GROUP_MULTIPLE, Case
 
 DIMS = ("experts", "topk", "m", "hidden", "inter")  # m: tokens, each routed to topk of the experts
 HELP = """\
 the MoE layer (T tokens, top-k of E experts) vs bf16 per-expert loops and torch._grouped_mm
 on the dequantized weights; the roofline counts the routed experts' bytes (decode) and
 the FLOPs (prefill)"""
-MULTIPLES = {"hidden": (GROUP, f"the group size {GROUP}"), "inter": (GROUP, f"the group size {GROUP}")}
+MULTIPLES = {"hidden": GROUP_MULTIPLE, "inter": GROUP_MULTIPLE}
 
 
 def setup(case: Case) -> timing.CaseSetup:

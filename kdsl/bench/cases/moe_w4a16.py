@@ -22,14 +22,14 @@ import dataclasses
 import torch
 
 from kdsl.bench import timing
-from kdsl.bench.case import GROUP, Case
+from kdsl.bench.case import GROUP, GROUP_MULTIPLE, Case
 from kdsl.bench.moe import DECODE_MAX_T, MOE_TOL, bf16_baselines, layer_copies, random_routing, routed_rows
 
 DIMS = ("experts", "topk", "m", "hidden", "inter")  # int4 experts (GPTQ, group 128)
 HELP = """\
 the MoE layer on int4 GPTQ experts (group 128; also with act-order, [desc_act]) vs
 moe_fp8's bf16 baselines; roofline: routed experts' int4 bytes (decode), bf16 FLOPs (prefill)"""
-MULTIPLES = {"hidden": (GROUP, f"the group size {GROUP}"), "inter": (GROUP, f"the group size {GROUP}")}
+MULTIPLES = {"hidden": GROUP_MULTIPLE, "inter": GROUP_MULTIPLE}
 
 SHIFTS = tuple(range(0, 32, 4))
 
