@@ -174,10 +174,10 @@ def hand_made_results() -> list[Result]:
     crashed = Result(Case("gptq_gemm", m=64, n=4096, k=4096), "gptq_gemm[prepared]", Timing(error="TypeError: x"),
                      {"fp16_matmul": Timing(eager_ms=0.04)}, status=ERROR, detail="TypeError: x", rel_err=math.nan)
     missing = Result(Case("act_quant", m=4096, k=7168), "act_quant", Timing(error="kdsl.ops has no act_quant"),
-                     status=UNAVAILABLE, detail="kdsl.ops has no act_quant")
+                     status=UNAVAILABLE, detail="kdsl.ops has no act_quant", memory_bound=True)
     quant = Result(Case("act_quant", m=16384, k=7168), "act_quant", Timing(eager_ms=0.2),
                    {"copy": Timing(eager_ms=0.1), "torch": Timing(eager_ms=1.0)}, bytes_moved=3 * 10**8,
-                   rel_err=0.03, tolerance=5e-2)
+                   rel_err=0.03, tolerance=5e-2, memory_bound=True)
     return [fast, no_cublas, wrong, crashed, missing, quant]
 
 
@@ -388,6 +388,8 @@ def test_run_case_checks_times_and_flags_on_cpu_stand_ins(cpu_bench):
     # int32 words (K/8 x N), qzeros (G x N/8), fp16 scales (G x N), fp16 output (N x K)
     assert gptq_deq.status == OK and gptq_deq.bytes_moved == 4 * 32 * 16 + 4 * 2 * 2 + 2 * 2 * 16 + 2 * 16 * 256
     assert set(gptq_deq.baselines) == {"copy", "torch"} and gptq_deq.ratio("copy") == 1.0
+    # rated in TB/s where the case module says MEMORY_BOUND
+    assert [r.memory_bound for r in (gemm, quant, dequant, gptq, gptq_deq)] == [False, True, True, False, True]
 
 
 def test_fp8_bmm_case_on_cpu_stand_ins(cpu_bench, monkeypatch):

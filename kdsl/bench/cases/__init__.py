@@ -9,6 +9,7 @@ A case module declares
     setup(case)    -> kdsl.bench.timing.CaseSetup: fresh inputs, kdsl's callables, the baselines, the checks
     GRAPH_EVERY_M  True where the op's bar is on CUDA-graph timing at every M (else up to timing.GRAPH_MAX_M);
                    optional
+    MEMORY_BOUND   True where the op is rated in TB/s against a copy of the same bytes (else TFLOP/s); optional
     TUNES          {op: kdsl.bench.timing.Tune} for the kernels `kdsl tune` tunes on this op's shapes; optional
 
 and imports what it shares with other ops from kdsl.bench.timing (timing loops, checks, inputs) and kdsl.bench.moe.
@@ -58,14 +59,17 @@ def run_case(case: Case, host_time: bool = True) -> list[Result]:
     """All results of one case: one per kdsl implementation, sharing the baseline timings. host_time=False
     skips the host-time batches (kdsl bench --no-host-time)."""
     torch.manual_seed(zlib.crc32(f"{case.op} {case.label()}".encode()))  # reproducible, never zeros
+    module = CASES[case.op]
+    memory_bound = getattr(module, "MEMORY_BOUND", False)
     try:
         with timing.full_fp32_matmul():
-            setup = CASES[case.op].setup(case)
+            setup = module.setup(case)
     except timing.OpUnavailable as exc:
-        return [Result(case, case.op, Timing(error=str(exc)), status=UNAVAILABLE, detail=str(exc))]
+        return [Result(case, case.op, Timing(error=str(exc)), status=UNAVAILABLE, detail=str(exc),
+                       memory_bound=memory_bound)]
     except Exception as exc:  # noqa: BLE001 - e.g. kdsl's quantizer rejecting the shape
         return [Result(case, case.op, Timing(error=timing.describe(exc)), status=ERROR,
-                       detail=f"setup: {timing.describe(exc)}")]
+                       detail=f"setup: {timing.describe(exc)}", memory_bound=memory_bound)]
 
     graph = graph_timed(case)
     host = setup.host_time and host_time
@@ -84,7 +88,7 @@ def run_case(case: Case, host_time: bool = True) -> list[Result]:
     results = []
     for impl, fn in setup.kdsl.items():
         result = Result(case, impl, Timing(), baselines, flops=setup.flops, bytes_moved=setup.bytes_moved,
-                        tolerance=setup.tolerance)
+                        tolerance=setup.tolerance, memory_bound=memory_bound)
         try:
             result.rel_err, why = timing.run_once(fn, setup.check)
         except Exception as exc:  # noqa: BLE001

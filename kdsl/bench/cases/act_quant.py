@@ -14,6 +14,7 @@ from kdsl.bench.case import GROUP, GROUP_MULTIPLE, Case
 from kdsl.bench.results import COPY
 
 DIMS = ("m", "k")
+MEMORY_BOUND = True
 HELP = "vs a device copy of the same bytes (bandwidth ceiling) and the torch expression"
 MULTIPLES = {"k": GROUP_MULTIPLE}
 TOL = 5e-2  # dequantized q*s vs x: e4m3 keeps 3 mantissa bits

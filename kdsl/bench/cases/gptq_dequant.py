@@ -9,6 +9,7 @@ from kdsl.bench.case import GROUP, GROUP_MULTIPLE, Case
 from kdsl.bench.results import COPY
 
 DIMS = ("n", "k")
+MEMORY_BOUND = True
 HELP = "vs a device copy of the same bytes and the torch expression (INT4 -> fp16)"
 MULTIPLES = {"k": GROUP_MULTIPLE, "n": (8, "8 (int4 packing of qzeros)")}
 

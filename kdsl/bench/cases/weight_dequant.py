@@ -9,6 +9,7 @@ from kdsl.bench.case import GROUP, Case
 from kdsl.bench.results import COPY
 
 DIMS = ("n", "k")
+MEMORY_BOUND = True
 HELP = "vs a device copy of the same bytes and the torch expression"
 
 
