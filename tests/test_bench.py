@@ -10,7 +10,7 @@ import torch
 
 from kdsl.bench import add_parser, cli, report
 from kdsl.bench.results import ERROR, OK, UNAVAILABLE, WRONG, Result, Timing
-from kdsl.bench.shapes import MOE_OPS, OPS, Case, ShapeFileError, load_shape_file, preset_cases, resolve_shapes
+from kdsl.bench.shapes import OPS, Case, ShapeFileError, load_shape_file, preset_cases, resolve_shapes
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -47,7 +47,9 @@ def test_deepseek_v3_preset_is_the_default_and_has_the_issue_shapes():
 
 def test_llama_preset_covers_every_op_with_valid_shapes():
     cases = preset_cases("llama")
-    assert {c.op for c in cases} == set(OPS) - {"fp8_bmm", *MOE_OPS}  # Llama has no MLA and no MoE
+    # Llama has no MLA and no MoE
+    assert {c.op for c in cases} == set(OPS) - {"fp8_bmm", "moe_fp8", "fp8_grouped_gemm", "fp8_grouped_gemm_masked",
+                                                "moe_w4a16"}
     assert (6144, 4096) in {(c.n, c.k) for c in cases if c.op == "fp8_gemm"}
     for c in cases:
         assert c.op == "weight_dequant" or c.k % 128 == 0
@@ -102,7 +104,7 @@ def test_bad_shape_file_names_file_and_key(tmp_path, doc, expected):
 def test_graph_timing_covers_small_m_and_every_gptq_gemm():
     """CUDA-graph timing where launch overhead could hide the kernel, and at every M for
     gptq_gemm, whose bar is stated on graph timing."""
-    from kdsl.bench.timing import graph_timed
+    from kdsl.bench.cases import graph_timed
     assert graph_timed(Case("fp8_gemm", m=128, n=2112, k=7168))
     assert not graph_timed(Case("fp8_gemm", m=512, n=2112, k=7168))
     assert graph_timed(Case("gptq_gemm", m=256, n=4096, k=4096))
@@ -172,10 +174,10 @@ def hand_made_results() -> list[Result]:
     crashed = Result(Case("gptq_gemm", m=64, n=4096, k=4096), "gptq_gemm[prepared]", Timing(error="TypeError: x"),
                      {"fp16_matmul": Timing(eager_ms=0.04)}, status=ERROR, detail="TypeError: x", rel_err=math.nan)
     missing = Result(Case("act_quant", m=4096, k=7168), "act_quant", Timing(error="kdsl.ops has no act_quant"),
-                     status=UNAVAILABLE, detail="kdsl.ops has no act_quant")
+                     status=UNAVAILABLE, detail="kdsl.ops has no act_quant", memory_bound=True)
     quant = Result(Case("act_quant", m=16384, k=7168), "act_quant", Timing(eager_ms=0.2),
                    {"copy": Timing(eager_ms=0.1), "torch": Timing(eager_ms=1.0)}, bytes_moved=3 * 10**8,
-                   rel_err=0.03, tolerance=5e-2)
+                   rel_err=0.03, tolerance=5e-2, memory_bound=True)
     return [fast, no_cublas, wrong, crashed, missing, quant]
 
 
@@ -257,7 +259,8 @@ def test_gptq_reference_unpacks_int4_along_k_and_n():
 
 
 def test_act_quant_check_flags_scales_that_are_not_amax_over_448():
-    from kdsl.bench.timing import check_act_quant, torch_act_quant
+    from kdsl.bench.cases.act_quant import check_act_quant
+    from kdsl.bench.timing import torch_act_quant
 
     x = torch.randn(4, 256, dtype=torch.bfloat16)
     q, s = torch_act_quant(x)
@@ -341,7 +344,7 @@ def fake_ops(wrong_dequant: bool):
 
 @pytest.fixture
 def cpu_bench(monkeypatch):
-    """Drive timing.run_case on CPU: fake timers, no CUDA sync, kdsl.ops replaced by `install`."""
+    """Drive kdsl.bench.cases.run_case on CPU: fake timers, no CUDA sync, kdsl.ops replaced by `install`."""
     import sys
 
     import triton.testing
@@ -367,7 +370,7 @@ def cpu_bench(monkeypatch):
 
 
 def test_run_case_checks_times_and_flags_on_cpu_stand_ins(cpu_bench):
-    from kdsl.bench.timing import run_case
+    from kdsl.bench.cases import run_case
 
     cpu_bench(fake_ops(wrong_dequant=True))
     (gemm,) = run_case(Case("fp8_gemm", m=3, n=200, k=256))
@@ -385,16 +388,19 @@ def test_run_case_checks_times_and_flags_on_cpu_stand_ins(cpu_bench):
     # int32 words (K/8 x N), qzeros (G x N/8), fp16 scales (G x N), fp16 output (N x K)
     assert gptq_deq.status == OK and gptq_deq.bytes_moved == 4 * 32 * 16 + 4 * 2 * 2 + 2 * 2 * 16 + 2 * 16 * 256
     assert set(gptq_deq.baselines) == {"copy", "torch"} and gptq_deq.ratio("copy") == 1.0
+    # rated in TB/s where the case module says MEMORY_BOUND
+    assert [r.memory_bound for r in (gemm, quant, dequant, gptq, gptq_deq)] == [False, True, True, False, True]
 
 
 def test_fp8_bmm_case_on_cpu_stand_ins(cpu_bench, monkeypatch):
     """fp8_bmm: three baselines checked against the fp32 reference where they compute the quantized product,
     a roofline from the (stand-in) machine ceilings, and graph-timed cases cycling through copies of the weights."""
     from kdsl.bench import timing
+    from kdsl.bench.cases import run_case
 
     cpu_bench(fake_ops(wrong_dequant=False))
     monkeypatch.setattr(timing, "machine_ceilings", lambda: (1e12, 1e15))  # 1 TB/s, 1 PFLOP/s
-    (small,) = timing.run_case(Case("fp8_bmm", batch=2, m=3, n=128, k=256))
+    (small,) = run_case(Case("fp8_bmm", batch=2, m=3, n=128, k=256))
     assert small.status == OK and small.rel_err < 1e-2
     assert set(small.baselines) == {"bf16_bmm", "cublas_blockwise_loop", "fp8_gemm_loop", "roofline"}
     assert small.baselines["fp8_gemm_loop"].rel_err < 1e-2
@@ -407,12 +413,12 @@ def test_fp8_bmm_case_on_cpu_stand_ins(cpu_bench, monkeypatch):
     assert small.ceiling_fraction() == pytest.approx(roofline_ms / (0.25 / copies))
     table = report.format_table([small])
     assert "of roofline" in table and "TB/s" in table and "vs fp8_gemm_loop" in table and "vs roofline" not in table
-    (large,) = timing.run_case(Case("fp8_bmm", batch=1, m=520, n=128, k=128))  # past COLD_MAX_M: one call each
+    (large,) = run_case(Case("fp8_bmm", batch=1, m=520, n=128, k=128))  # past COLD_MAX_M: one call each
     assert large.status == OK and large.kdsl.eager_ms == 0.25
 
 
 def test_host_time_is_measured_for_graph_timed_cases_unless_turned_off(cpu_bench):
-    from kdsl.bench.timing import run_case
+    from kdsl.bench.cases import run_case
 
     cpu_bench(fake_ops(wrong_dequant=False))
     (timed,) = run_case(Case("gptq_gemm", m=1, n=16, k=128))
@@ -423,7 +429,7 @@ def test_host_time_is_measured_for_graph_timed_cases_unless_turned_off(cpu_bench
 
 
 def test_gptq_prepared_row_appears_with_gptq_prepare(cpu_bench):
-    from kdsl.bench.timing import run_case
+    from kdsl.bench.cases import run_case
 
     ops = fake_ops(wrong_dequant=False)
     plain_gemm = ops.gptq_gemm
@@ -447,7 +453,7 @@ def test_gptq_prepared_row_appears_with_gptq_prepare(cpu_bench):
 def test_missing_ops_are_not_available_and_kdsl_errors_are_failures(cpu_bench):
     import types
 
-    from kdsl.bench.timing import run_case
+    from kdsl.bench.cases import run_case
 
     def broken(x, group_size=128):
         raise ValueError("x: expected bf16")

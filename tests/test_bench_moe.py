@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from kdsl.bench import report
-from kdsl.bench.cases import SETUPS
+from kdsl.bench.cases import OPS, op_dims, run_case
 from kdsl.bench.results import OK
-from kdsl.bench.shapes import MOE_OPS, Case, ShapeFileError, load_shape_file, preset_cases
+from kdsl.bench.shapes import Case, ShapeFileError, load_shape_file, preset_cases
+
+MOE_OPS = [op for op in OPS if "experts" in op_dims(op)]  # their cases route tokens to experts
 
 
 def test_deepseek_and_qwen_presets_hold_the_moe_shapes():
@@ -60,7 +62,7 @@ def test_moe_shape_file_errors(tmp_path, doc, message):
 
 @pytest.fixture
 def cpu_moe_bench(monkeypatch):
-    """timing.run_case on the CPU with kdsl's real ops (the interpreter), fake timers, two weight copies."""
+    """kdsl.bench.cases.run_case on the CPU with kdsl's real ops (the interpreter), fake timers, two weight copies."""
     import triton.testing
 
     from kdsl.bench import timing
@@ -80,7 +82,7 @@ def cpu_moe_bench(monkeypatch):
 
 def test_moe_case_on_the_cpu(cpu_moe_bench):
     case = Case("moe_fp8", m=3, experts=4, topk=2, hidden=256, inter=128)
-    results = cpu_moe_bench.run_case(case, host_time=False, setups=SETUPS)
+    results = run_case(case, host_time=False)
     assert [r.impl for r in results] == ["moe_fp8", "moe_fp8[check_ids=False]"]
     moe = results[0]
     assert moe.status == OK and moe.rel_err < 2e-2, moe.detail
@@ -97,8 +99,8 @@ def test_moe_case_on_the_cpu(cpu_moe_bench):
 
 
 def test_moe_prefill_case_and_grouped_mm_baseline(cpu_moe_bench):
-    (moe,) = cpu_moe_bench.run_case(Case("moe_fp8", m=130, experts=4, topk=2, hidden=128, inter=128), setups=SETUPS,
-                                    host_time=False)
+    (moe,) = run_case(Case("moe_fp8", m=130, experts=4, topk=2, hidden=128, inter=128),
+                        host_time=False)
     assert moe.status == OK and moe.rel_err < 2e-2, moe.detail
     assert moe.baselines["bf16_grouped_mm"].eager_ms == 0.25 and moe.baselines["bf16_loop"].eager_ms == 0.25
     assert moe.kdsl.eager_ms == 0.25  # prefill: one copy
@@ -106,7 +108,7 @@ def test_moe_prefill_case_and_grouped_mm_baseline(cpu_moe_bench):
 
 @pytest.mark.parametrize("op", ["fp8_grouped_gemm", "fp8_grouped_gemm_masked"])
 def test_grouped_cases_on_the_cpu(cpu_moe_bench, op):
-    (result,) = cpu_moe_bench.run_case(Case(op, m=5, n=192, k=256, experts=4, topk=2), host_time=False, setups=SETUPS)
+    (result,) = run_case(Case(op, m=5, n=192, k=256, experts=4, topk=2), host_time=False)
     assert result.status == OK and result.rel_err < 2e-2, result.detail
     assert result.flops == 2 * 5 * 2 * 192 * 256
     assert "bf16_loop" in result.baselines and "roofline" in result.baselines
@@ -124,7 +126,7 @@ def test_presets_hold_qwen3_moe_w4a16():
 @pytest.mark.parametrize("tokens", [3, 130], ids=["decode", "prefill"])
 def test_moe_w4a16_case_on_the_cpu(cpu_moe_bench, tokens):
     case = Case("moe_w4a16", m=tokens, experts=4, topk=2, hidden=256, inter=128)
-    results = cpu_moe_bench.run_case(case, host_time=False, setups=SETUPS)
+    results = run_case(case, host_time=False)
     decode = tokens <= 128
     assert [r.impl for r in results] == ["moe_w4a16", *(["moe_w4a16[check_ids=False]"] if decode else []),
                                          "moe_w4a16[desc_act]"]

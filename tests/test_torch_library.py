@@ -1,4 +1,5 @@
-"""kdsl's ops as torch.library custom ops (kdsl/ops/library.py), and torch.compile over them.
+"""kdsl's ops as torch.library custom ops (their specs in kdsl/ops/<family>.py, registered by kdsl/ops/library.py),
+and torch.compile over them.
 
 - torch.library.opcheck on every op (schema, fake kernel against the real outputs' sizes, strides and
   dtypes, autograd registration, AOT dispatch with dynamic shapes), through Triton's interpreter and
@@ -206,12 +207,17 @@ def test_paired_scales_and_zeros_may_come_as_copies(monkeypatch):
 
 
 def test_every_public_op_is_registered():
-    assert sorted(library.OPS) == sorted(library.SCHEMAS)
-    for name, schema in library.SCHEMAS.items():
+    assert sorted(library.OPS) == sorted(library.SPECS)
+    assert set(library.SPECS) >= {name for name, _, _ in SAMPLES}
+    for name, spec in library.SPECS.items():
         op = getattr(torch.ops.kdsl, name).default
-        assert str(op._schema) == f"kdsl::{name}{schema}"
+        assert str(op._schema) == f"kdsl::{name}{spec.schema}"
         assert torch.Tag.pt2_compliant_tag in op.tags
-    assert "ScalarType out_dtype" in library.SCHEMAS["fp8_gemm"]  # a torch.dtype argument
+        if hasattr(torch.Tag, "cudagraph_unsafe"):
+            assert (torch.Tag.cudagraph_unsafe in op.tags) == spec.host_syncing
+    assert "ScalarType out_dtype" in library.SPECS["fp8_gemm"].schema  # a torch.dtype argument
+    assert [n for n, spec in library.SPECS.items() if spec.host_syncing] == [
+        "awq_gemm", "awq_dequant", "gptq_gemm", "gptq_dequant"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -402,10 +402,11 @@ def test_gpu_compiled_reduce_overhead_large_m():
 def test_gpu_bench_prepared_row_takes_the_dequant_path(launched):
     """`kdsl bench --op gptq_gemm`'s gptq_gemm[prepared] row at M >= dequant_min_m times this path, checked."""
     from kdsl.bench import timing
+    from kdsl.bench.cases import gptq_gemm
     from kdsl.bench.shapes import Case
 
     with timing.full_fp32_matmul():
-        setup = timing.setup_gptq_gemm(Case("gptq_gemm", m=2048, n=4096, k=4096))
+        setup = gptq_gemm.setup(Case("gptq_gemm", m=2048, n=4096, k=4096))
     launched.clear()
     out = setup.kdsl["gptq_gemm[prepared]"]()
     assert len(launched) == 1 and launched[0].startswith("w4a16_dequant__int4_g128__blockwise_sm"), launched

@@ -11,33 +11,31 @@ from kdsl.bench.model import DECODE_M, PREFILL_M, parse_shape
 from kdsl.bench.model import MODES as MODEL_MODES
 from kdsl.bench.model import PRESETS as MODEL_PRESETS
 from kdsl.bench.model import VARIANTS as MODEL_VARIANTS
+from kdsl.bench.cases import CASES
 from kdsl.bench.shapes import OPS, PRESETS, ShapeFileError, resolve_shapes, select_ops
 from kdsl.bench import tp as tp_bench
+
+def _op_lines() -> str:
+    """Each op's HELP (kdsl/bench/cases/<op>.py) under its name."""
+    lines = []
+    for op, module in CASES.items():
+        text = module.HELP.splitlines()
+        if len(op) < 16:
+            lines.append(f"  {op:<16}{text.pop(0)}")
+        else:
+            lines.append(f"  {op}")
+        lines += [f"  {'':<16}{line}" for line in text]
+    return "\n".join(lines)
+
 
 DESCRIPTION = """\
 Time kdsl's kernels against their baselines on a CUDA GPU, in one process on the same inputs,
 and check every kdsl result against an fp32 reference on fresh random data.
 
-  fp8_gemm        vs torch._scaled_mm with DeepSeek block scales (cuBLAS) and bf16 torch.matmul
-  act_quant       vs a device copy of the same bytes (bandwidth ceiling) and the torch expression
-  weight_dequant  vs a device copy of the same bytes and the torch expression
-  gptq_gemm       vs fp16 torch.matmul (INT4, group size 128; also gptq_gemm[prepared]
-                  when kdsl.ops has gptq_prepare)
-  gptq_dequant    vs a device copy of the same bytes and the torch expression (INT4 -> fp16)
-  fp8_bmm         vs bf16 torch.bmm on the dequantized weights and per-batch loops of torch._scaled_mm
-                  (blockwise) and of kdsl's fp8_gemm; a is MLA's transposed [M, B, K] view; the
-                  fraction of the roofline (bytes / measured copy rate, FLOPs / measured FP8 rate)
-  moe_fp8         the MoE layer (T tokens, top-k of E experts) vs bf16 per-expert loops and torch._grouped_mm
-                  on the dequantized weights; the roofline counts the routed experts' bytes (decode) and
-                  the FLOPs (prefill)
-  fp8_grouped_gemm, fp8_grouped_gemm_masked   one MoE projection over the routed slots (contiguous
-                  layout padded to 128 rows; masked [E, T, K]) vs the same bf16 baselines and the roofline
-  moe_w4a16       the MoE layer on int4 GPTQ experts (group 128; also with act-order, [desc_act]) vs the
-                  same bf16 baselines; roofline: routed experts' int4 bytes (decode), bf16 FLOPs (prefill)
+""" + _op_lines() + """
 
 Times are medians of triton.testing.do_bench (L2 flushed), plus do_bench_cudagraph for M <= 128
-(gptq_gemm: every M, its bar is on graph timing; fp8_bmm: every M, and up to M = 512 its calls cycle
-through copies of the weights so that each reads them cold).
+(at every M where said above).
 Ratios are baseline time / kdsl time (> 1: kdsl faster). A result outside tolerance is marked
 WRONG and the command exits 1.
 
@@ -148,13 +146,13 @@ def run(args: argparse.Namespace) -> int:
     if refused is not None:
         return _fail(refused)
 
-    from kdsl.bench import timing  # torch + triton + GPU only from here on
-    from kdsl.bench.cases import SETUPS
+    from kdsl.bench import timing  # the GPU from here on
+    from kdsl.bench.cases import run_case
 
     results: list[Result] = []
     for i, case in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {case.op} {case.label()} ...", end="", file=sys.stderr, flush=True)
-        case_results = timing.run_case(case, host_time=args.host_time, setups=SETUPS)
+        case_results = run_case(case, host_time=args.host_time)
         print(" " + _progress(case_results), file=sys.stderr, flush=True)
         results += case_results
 

@@ -1,4 +1,6 @@
-"""`kdsl bench` cases of the MoE ops (GPU only): moe_fp8, fp8_grouped_gemm, fp8_grouped_gemm_masked.
+"""What the MoE ops' bench cases share (kdsl/bench/cases/moe_fp8.py, fp8_grouped_gemm.py,
+fp8_grouped_gemm_masked.py, moe_w4a16.py): a random layer and routing, the fp32 reference's pieces, the bf16
+baselines and the cold copies (GPU only).
 
 Inputs: a random layer of E experts (bf16 weights ~ N(0, 1/fan_in), quantized by torch in 128x128 blocks) and a
 random routing of T tokens (softmax over N(0, 1) logits, top-k). Every kdsl result is checked against an fp32
@@ -9,20 +11,16 @@ this torch has it) over the tokens sorted by expert, and as a per-expert loop ov
 found once, outside the timed call). Decode (T <= 128: CUDA graphs) is judged by bytes: the routed experts'
 weights and scales plus x and y, against the measured copy rate (the roofline row); prefill by TFLOP/s.
 Up to T = 128 each callable cycles through copies of the layer, so that every call finds its experts cold in L2.
-
-kdsl.bench.cases puts these setups beside timing's (timing does not import this module).
 """
 from __future__ import annotations
 
 import torch
 
 from kdsl.bench import timing
-from kdsl.bench.shapes import GROUP, Case
+from kdsl.bench.case import GROUP, Case
 
 DECODE_MAX_T = 128
 MOE_TOL = 2e-2  # bf16 output vs fp32 reference (the activations' e4m3 rounding is in both)
-
-
 
 
 def quantized_experts(experts: int, n: int, k: int, copies: int = 1) -> list[tuple[torch.Tensor, ...]]:
@@ -53,20 +51,20 @@ def routed_rows(topk_ids: torch.Tensor, experts: int) -> list[tuple[int, torch.T
     return found
 
 
-def _deq_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+def deq_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return q.float() * s.repeat_interleave(GROUP, -1)
 
 
-def _cold_copies(tokens: int, touched_bytes: int) -> int:
+def layer_copies(tokens: int, touched_bytes: int) -> int:
     return min(timing.MAX_COPIES, -(-timing.COLD_BYTES // max(1, touched_bytes))) if tokens <= DECODE_MAX_T else 1
 
 
-def _roofline_ms(bytes_moved: int, flops: int) -> float:
+def roofline_ms(bytes_moved: int, flops: int) -> float:
     copy_rate, fp8_rate = timing.machine_ceilings()
     return 1e3 * max(bytes_moved / copy_rate, flops / fp8_rate)
 
 
-def _grouped_mm():
+def grouped_mm_or_none():
     """torch._grouped_mm where this torch has it (bf16, sm_90+), else None."""
     fn = getattr(torch, "_grouped_mm", None)
     if fn is None or torch.cuda.get_device_capability() < (9, 0):
@@ -85,7 +83,7 @@ def _sorted_by_expert(topk_ids: torch.Tensor, experts: int) -> tuple[torch.Tenso
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# moe_fp8
+# the MoE layers
 
 def bf16_baselines(x, bf16_layers, routed, topk_weights, topk_ids, experts: int, inter: int) -> dict:
     """The MoE layer in bf16 on each copy of the weights (w13 [E, 2I, H], w2 [E, H, I]): a per-expert loop, and
@@ -102,7 +100,7 @@ def bf16_baselines(x, bf16_layers, routed, topk_weights, topk_ids, experts: int,
         return y.to(torch.bfloat16)
 
     baselines = {"bf16_loop": lambda: [bf16_loop(w13, w2) for w13, w2 in bf16_layers]}
-    grouped_mm = _grouped_mm()
+    grouped_mm = grouped_mm_or_none()
     if grouped_mm is not None:
         def bf16_grouped_mm(w13, w2):
             order, offsets = _sorted_by_expert(topk_ids, experts)
@@ -117,48 +115,8 @@ def bf16_baselines(x, bf16_layers, routed, topk_weights, topk_ids, experts: int,
     return baselines
 
 
-def setup_moe_fp8(case: Case):
-    moe = timing.kdsl_op("moe_fp8")
-    experts, topk, tokens, hidden, inter = case.experts, case.topk, case.m, case.hidden, case.inter
-    topk_weights, topk_ids = random_routing(tokens, experts, topk)
-    routed = routed_rows(topk_ids, experts)
-    expert_bytes = (3 * inter * hidden + 4 * (-(-2 * inter // GROUP) * (hidden // GROUP)
-                                             + -(-hidden // GROUP) * (inter // GROUP)))
-    copies = _cold_copies(tokens, len(routed) * expert_bytes)
-    up = quantized_experts(experts, 2 * inter, hidden, copies)
-    down = quantized_experts(experts, hidden, inter, copies)
-    layers = [(q13, s13, q2, s2) for (q13, s13, _), (q2, s2, _) in zip(up, down)]
-    bf16_layers = [(w13, w2) for (_, _, w13), (_, _, w2) in zip(up, down)]
-    x = torch.randn(tokens, hidden, device=timing.DEVICE, dtype=torch.bfloat16)
-
-    # fp32 reference, one routed expert at a time
-    xq, xs = timing.torch_act_quant(x)
-    x_deq = _deq_rows(xq, xs)
-    ref = torch.zeros(tokens, hidden, device=timing.DEVICE)
-    q13, s13, q2, s2 = layers[0]
-    for e, token, slot in routed:
-        gate_up = x_deq[token] @ timing.fp8_weight_reference(q13[e], s13[e]).T
-        h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        hq, hs = timing.torch_act_quant(h)
-        down_e = _deq_rows(hq, hs) @ timing.fp8_weight_reference(q2[e], s2[e]).T
-        ref.index_add_(0, token, topk_weights[token, slot, None] * down_e)
-
-    baselines = bf16_baselines(x, bf16_layers, routed, topk_weights, topk_ids, experts, inter)
-
-    flops = 6 * tokens * topk * hidden * inter
-    bytes_moved = len(routed) * expert_bytes + 2 * 2 * tokens * hidden + 8 * tokens * topk
-    kdsl = {"moe_fp8": lambda: [moe(x, *layer, topk_weights, topk_ids) for layer in layers]}
-    if tokens <= DECODE_MAX_T:  # eager decode without the ids check's host sync (captured graphs skip it anyway)
-        kdsl["moe_fp8[check_ids=False]"] = lambda: [moe(x, *layer, topk_weights, topk_ids, check_ids=False)
-                                                    for layer in layers]
-    return timing.CaseSetup(
-        kdsl=kdsl, check=lambda outs: timing.check_close(outs[-1], ref, MOE_TOL), baselines=baselines,
-        tolerance=MOE_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies,
-        roofline_ms=_roofline_ms(bytes_moved, flops))
-
-
 # ---------------------------------------------------------------------------------------------------------------
-# grouped GEMMs
+# the grouped GEMMs
 
 def contiguous_layout(topk_ids: torch.Tensor, experts: int, align: int = 128) -> torch.Tensor:
     """group_ids [M] of DeepGEMM's contiguous layout for this routing: each expert's slots, padded with -1 rows to a
@@ -170,78 +128,13 @@ def contiguous_layout(topk_ids: torch.Tensor, experts: int, align: int = 128) ->
     return torch.tensor(ids, dtype=torch.int32, device=topk_ids.device)
 
 
-def _grouped_common(case: Case):
+def grouped_common(case: Case):
     experts, topk, tokens, n, k = case.experts, case.topk, case.m, case.n, case.k
     _, topk_ids = random_routing(tokens, experts, topk)
     routed = routed_rows(topk_ids, experts)
     expert_bytes = n * k + 4 * (-(-n // GROUP)) * (k // GROUP)
-    copies = _cold_copies(tokens, len(routed) * expert_bytes)
+    copies = layer_copies(tokens, len(routed) * expert_bytes)
     weights = quantized_experts(experts, n, k, copies)
     flops = 2 * tokens * topk * n * k
     bytes_moved = len(routed) * expert_bytes + tokens * topk * (k + 4 * k // GROUP + 2 * n)
     return experts, topk, tokens, n, k, topk_ids, routed, weights, copies, flops, bytes_moved
-
-
-def setup_fp8_grouped_gemm(case: Case):
-    """Contiguous layout: the T * k slots sorted by expert, each group padded to 128 rows (-1 ids)."""
-    experts, topk, tokens, n, k, topk_ids, routed, weights, copies, flops, bytes_moved = _grouped_common(case)
-    grouped = timing.kdsl_op("fp8_grouped_gemm")
-    group_ids = contiguous_layout(topk_ids, experts)
-    x = torch.randn(group_ids.numel(), k, device=timing.DEVICE, dtype=torch.bfloat16)
-    a, a_s = timing.torch_act_quant(x)
-    defined = group_ids >= 0
-    b0, s0, _ = weights[0]
-    ref = torch.zeros(group_ids.numel(), n, device=timing.DEVICE)
-    rows_of = {e: (group_ids == e).nonzero().squeeze(1) for e, _, _ in routed}
-    for e, rows in rows_of.items():
-        ref[rows] = _deq_rows(a[rows], a_s[rows]) @ timing.fp8_weight_reference(b0[e], s0[e]).T
-
-    def check(outs):
-        return timing.check_close(outs[-1][defined], ref[defined], timing.GEMM_TOL)
-
-    baselines = {"bf16_loop": lambda: [[x[rows] @ w[e].T for e, rows in rows_of.items()] for _, _, w in weights]}
-    grouped_mm = _grouped_mm()
-    if grouped_mm is not None:
-        x_sorted = x[defined]  # the slots without padding, sorted by expert
-        offsets = torch.cumsum(torch.bincount(group_ids[defined].long(), minlength=experts), 0).to(torch.int32)
-        baselines["bf16_grouped_mm"] = lambda: [grouped_mm(x_sorted, w.transpose(1, 2), offs=offsets)
-                                                for _, _, w in weights]
-    return timing.CaseSetup(
-        kdsl={"fp8_grouped_gemm": lambda: [grouped(a, a_s, b, s, group_ids, check_ids=False) for b, s, _ in weights]},
-        check=check, baselines=baselines, tolerance=timing.GEMM_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies,
-        roofline_ms=_roofline_ms(bytes_moved, flops))
-
-
-def setup_fp8_grouped_gemm_masked(case: Case):
-    """Masked layout: a [E, max_m = T, K] (no expert gets more than T of the T tokens), masked_m on the device,
-    expected_m = ceil(T * k / E) as a serving stack would pass it."""
-    experts, topk, tokens, n, k, topk_ids, routed, weights, copies, flops, bytes_moved = _grouped_common(case)
-    masked = timing.kdsl_op("fp8_grouped_gemm_masked")
-    counts = torch.zeros(experts, dtype=torch.int32, device=timing.DEVICE)
-    for e, token, _ in routed:
-        counts[e] = token.numel()
-    x = torch.randn(experts, tokens, k, device=timing.DEVICE, dtype=torch.bfloat16)
-    a, a_s = timing.torch_act_quant(x.view(-1, k))
-    a, a_s = a.view(experts, tokens, k), a_s.view(experts, tokens, k // GROUP)
-    expected_m = max(1, -(-tokens * topk // experts))
-    b0, s0, _ = weights[0]
-    ref = {e: _deq_rows(a[e, :token.numel()], a_s[e, :token.numel()]) @ timing.fp8_weight_reference(b0[e], s0[e]).T
-           for e, token, _ in routed}
-
-    def check(outs):
-        out = outs[-1]
-        return timing.check_close(torch.cat([out[e, :r.shape[0]] for e, r in ref.items()]), torch.cat(list(ref.values())),
-                             timing.GEMM_TOL)
-
-    return timing.CaseSetup(
-        kdsl={"fp8_grouped_gemm_masked": lambda: [masked(a, a_s, b, s, counts, expected_m=expected_m)
-                                                  for b, s, _ in weights]},
-        check=check,
-        baselines={"bf16_loop": lambda: [[x[e, :token.numel()] @ w[e].T for e, token, _ in routed]
-                                         for _, _, w in weights]},
-        tolerance=timing.GEMM_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies,
-        roofline_ms=_roofline_ms(bytes_moved, flops))
-
-
-SETUPS = {"moe_fp8": setup_moe_fp8, "fp8_grouped_gemm": setup_fp8_grouped_gemm,
-          "fp8_grouped_gemm_masked": setup_fp8_grouped_gemm_masked}

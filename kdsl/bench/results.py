@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kdsl.bench.shapes import Case
+from kdsl.bench.case import Case
 
 OK, WRONG, ERROR, UNAVAILABLE = "ok", "WRONG", "ERROR", "not available"
 FAILED = (WRONG, ERROR)  # statuses that make `kdsl bench` exit 1
-MEMORY_BOUND_OPS = ("act_quant", "weight_dequant", "gptq_dequant")  # rated in TB/s against the copy baseline
 COPY = "copy"
 # A computed pseudo-baseline: the roofline time of the case (the larger of bytes / measured copy bandwidth and
 # FLOPs / measured FP8 rate), so its ratio is kdsl's fraction of the roofline.
@@ -40,10 +39,7 @@ class Result:
     tolerance: float | None = None
     detail: str | None = None  # why WRONG / ERROR / not available
     status: str = OK
-
-    @property
-    def memory_bound(self) -> bool:
-        return self.case.op in MEMORY_BOUND_OPS
+    memory_bound: bool = False  # rated in TB/s against the copy baseline (its case module's MEMORY_BOUND)
 
     def tflops(self, ms: float | None) -> float | None:
         return self.flops / (ms * 1e-3) / 1e12 if self.flops and ms else None

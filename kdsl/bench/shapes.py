@@ -13,56 +13,23 @@ A shape file is a JSON object whose keys are op names; each maps to a list of en
      "fp8_grouped_gemm":        [{"experts": 256, "topk": 8, "m": [512], "n": 512, "k": 7168}],
      "fp8_grouped_gemm_masked": [{"experts": 256, "topk": 8, "m": [16], "n": 7168, "k": 256}]}
 
-Entry keys per op are OP_DIMS[op]; "m" (tokens) may be an integer or a list of integers, the
-others are integers. K must be a multiple of 128 (the quantization group) except for
-weight_dequant, whose scale grid is ceil(N/128) x ceil(K/128); GPTQ N must be a multiple of 8, fp8_bmm's
-N of 16. The MoE ops route "m" tokens to "topk" of "experts" experts: moe_fp8 and moe_w4a16 are the layer (hidden
+Entry keys per op are its case module's DIMS (kdsl/bench/cases/<op>.py); "m" (tokens) may be an integer or a
+list of integers, the others are integers, multiples of what the case module's MULTIPLES says: K of 128 (the
+quantization group) except for weight_dequant, whose scale grid is ceil(N/128) x ceil(K/128); GPTQ N of 8,
+fp8_bmm's N of 16. The MoE ops route "m" tokens to "topk" of "experts" experts: moe_fp8 and moe_w4a16 are the layer (hidden
 size, expert intermediate size, both multiples of 128), the grouped GEMMs one of its projections (N, K), their rows
 those tokens' slots sorted by expert (contiguous: each group padded to 128 rows; masked: [E, m, K]).
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
-MOE_OPS = ("moe_fp8", "fp8_grouped_gemm", "fp8_grouped_gemm_masked", "moe_w4a16")
-OPS = ("fp8_gemm", "act_quant", "weight_dequant", "gptq_gemm", "gptq_dequant", "fp8_bmm", *MOE_OPS)
-OP_DIMS: dict[str, tuple[str, ...]] = {
-    "fp8_gemm": ("m", "n", "k"),
-    "act_quant": ("m", "k"),
-    "weight_dequant": ("n", "k"),
-    "gptq_gemm": ("m", "n", "k"),
-    "gptq_dequant": ("n", "k"),
-    "fp8_bmm": ("batch", "m", "n", "k"),  # batch: MLA's heads
-    # m: tokens, each routed to topk of the experts
-    "moe_fp8": ("experts", "topk", "m", "hidden", "inter"),
-    "moe_w4a16": ("experts", "topk", "m", "hidden", "inter"),  # int4 experts (GPTQ, group 128)
-    "fp8_grouped_gemm": ("experts", "topk", "m", "n", "k"),
-    "fp8_grouped_gemm_masked": ("experts", "topk", "m", "n", "k"),
-}
-GROUP = 128  # block-FP8 group / block edge and the GPTQ group size used by the bench
+from kdsl.bench.case import Case
+from kdsl.bench.cases import OPS, op_dims, op_multiples
 
-
-@dataclass(frozen=True)
-class Case:
-    """One op at one problem shape; dims an op does not have are None."""
-
-    op: str
-    m: int | None = None
-    n: int | None = None
-    k: int | None = None
-    batch: int | None = None
-    experts: int | None = None  # the MoE ops: experts per layer, experts per token, hidden and intermediate sizes
-    topk: int | None = None
-    hidden: int | None = None
-    inter: int | None = None
-
-    def dims(self) -> dict[str, int]:
-        return {d: getattr(self, d) for d in OP_DIMS[self.op]}
-
-    def label(self) -> str:
-        return " ".join(f"{d.upper()}={v}" for d, v in self.dims().items())
+__all__ = ["OPS", "Case", "ShapeFileError", "PRESETS", "preset_cases", "parse_shape_entries", "load_shape_file",
+           "resolve_shapes", "select_ops"]
 
 
 class ShapeFileError(ValueError):
@@ -145,13 +112,11 @@ def _positive_int(value: object, where: str) -> int:
     return value
 
 
-def _check_divisibility(op: str, n: int | None, k: int | None, where: str) -> None:
-    if k is not None and op != "weight_dequant" and k % GROUP:
-        raise ShapeFileError(f"{where}.k: {k} is not a multiple of the group size {GROUP}")
-    if op in ("gptq_gemm", "gptq_dequant") and n is not None and n % 8:
-        raise ShapeFileError(f"{where}.n: {n} is not a multiple of 8 (int4 packing of qzeros)")
-    if op == "fp8_bmm" and n % 16:
-        raise ShapeFileError(f"{where}.n: {n} is not a multiple of 16 (fp8_bmm's N)")
+def _check_multiples(op: str, dims: dict[str, int | None], where: str) -> None:
+    for dim, (multiple, why) in op_multiples(op).items():
+        value = dims.get(dim)
+        if value is not None and value % multiple:
+            raise ShapeFileError(f"{where}.{dim}: {value} is not a multiple of {why}")
 
 
 def parse_shape_entries(doc: object, source: str) -> list[Case]:
@@ -160,7 +125,7 @@ def parse_shape_entries(doc: object, source: str) -> list[Case]:
         raise ShapeFileError(f"{source}: expected a JSON object keyed by op name, got {type(doc).__name__}")
     cases: list[Case] = []
     for op, entries in doc.items():
-        if op not in OP_DIMS:
+        if op not in OPS:
             raise ShapeFileError(f"{source}: unknown op {op!r} (expected one of {', '.join(OPS)})")
         if not isinstance(entries, list):
             raise ShapeFileError(f"{source}: {op}: expected a list of entries, got {type(entries).__name__}")
@@ -168,7 +133,7 @@ def parse_shape_entries(doc: object, source: str) -> list[Case]:
             where = f"{source}: {op}[{i}]"
             if not isinstance(entry, dict):
                 raise ShapeFileError(f"{where}: expected an object, got {type(entry).__name__}")
-            wanted = OP_DIMS[op]
+            wanted = op_dims(op)
             unknown = sorted(set(entry) - set(wanted))
             if unknown:
                 raise ShapeFileError(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(wanted)})")
@@ -180,10 +145,7 @@ def parse_shape_entries(doc: object, source: str) -> list[Case]:
             batch = _positive_int(entry["batch"], f"{where}.batch") if "batch" in wanted else None
             moe = {d: _positive_int(entry[d], f"{where}.{d}") for d in ("experts", "topk", "hidden", "inter")
                    if d in wanted}
-            _check_divisibility(op, n, k, where)
-            for d in ("hidden", "inter"):
-                if d in moe and moe[d] % GROUP:
-                    raise ShapeFileError(f"{where}.{d}: {moe[d]} is not a multiple of the group size {GROUP}")
+            _check_multiples(op, {"n": n, "k": k, **moe}, where)
             if "topk" in moe and moe["topk"] > moe["experts"]:
                 raise ShapeFileError(f"{where}.topk: {moe['topk']} is more than the {moe['experts']} experts")
             if "m" not in wanted:

@@ -1,7 +1,9 @@
 """The tensor API. Every op checks its arguments, then launches the kernel the registry picks.
 
-Each is also a PyTorch custom op, torch.ops.kdsl.<name> (kdsl.ops.library), which torch.compile traces
-as one node; the functions here switch to it while compiling and skip the dispatcher otherwise."""
+Each is also a PyTorch custom op, torch.ops.kdsl.<name>, which torch.compile traces as one node; the functions
+here switch to it while compiling and skip the dispatcher otherwise. An op's custom-op spec (kdsl.ops.spec.OpSpec:
+schema, implementation, fake kernel) sits beside its public function in its family module, in SPECS;
+kdsl.ops.library registers every declared spec."""
 from kdsl.ops.activation import silu_mul, silu_mul_quant
 from kdsl.ops.awq import awq_dequant, awq_gemm, awq_prepare
 from kdsl.ops.block_fp8 import act_quant, fp8_bmm, fp8_gemm, fp8_linear, weight_dequant, weight_quant

@@ -17,6 +17,7 @@ import torch
 from kdsl.ops import _checks as check
 from kdsl.ops import _plan, fallback
 from kdsl.ops.block_fp8 import FLOAT_INPUTS, FP8, _scheme
+from kdsl.ops.spec import OpSpec
 from kdsl.runtime import registry
 
 _PLANS = _plan.PLANS
@@ -133,3 +134,21 @@ def _silu_mul_quant_impl(gate_up: torch.Tensor, group_size: int) -> tuple[torch.
         entry.launch(rows, q.view(-1, q.shape[-1]), s.view(-1, s.shape[-1]), entry.tile_for(rows.shape[0]))
     _plan.store(key, rec, (gate_up,), (q, s))
     return q, s
+
+
+# --- torch.ops.kdsl.* (kdsl.ops.spec): the gated MLP's activation
+
+def _silu_mul_fake(gate_up):
+    return _silu_mul_outputs(gate_up)[1]
+
+
+def _silu_mul_quant_fake(gate_up, group_size):
+    _, q, s = _silu_mul_quant_outputs(gate_up, group_size)
+    return q, s
+
+
+SPECS = (
+    OpSpec("silu_mul", "(Tensor gate_up) -> Tensor", _silu_mul_impl, _silu_mul_fake),
+    OpSpec("silu_mul_quant", "(Tensor gate_up, int group_size) -> (Tensor, Tensor)", _silu_mul_quant_impl,
+           _silu_mul_quant_fake),
+)

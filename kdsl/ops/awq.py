@@ -14,6 +14,7 @@ from kdsl.naming import awq_scheme_name, w4a16_scheme_name
 from kdsl.ops import _checks as check
 from kdsl.ops.gptq_checkpoint import ACTIVATIONS
 from kdsl.ops.w4a16 import PREPARED_OP, W4A16Prepared, _w4a16_gemm_impl, prepare
+from kdsl.ops.spec import OpSpec
 from kdsl.runtime import registry
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column (within 8) held by nibble i
@@ -112,3 +113,13 @@ def _awq_dequant_impl(qweight, qzeros, scales, group_size: int) -> torch.Tensor:
     zeros = unpack_columns(qzeros).float().repeat_interleave(group_size, 0)
     w = (q - zeros) * scales.float().repeat_interleave(group_size, 0)
     return w.T.to(scales.dtype).contiguous()
+
+
+# torch.ops.kdsl.* (kdsl.ops.spec). Both wait on the GPU (host_syncing): awq_gemm prepares its weights on every call,
+# awq_dequant unpacks the nibble order with torch ops that copy from the host.
+SPECS = (
+    OpSpec("awq_gemm", "(Tensor x, Tensor qweight, Tensor qzeros, Tensor scales, int group_size) -> Tensor",
+           _awq_gemm_impl, _awq_gemm_outputs, host_syncing=True),
+    OpSpec("awq_dequant", "(Tensor qweight, Tensor qzeros, Tensor scales, int group_size) -> Tensor",
+           _awq_dequant_impl, _awq_dequant_outputs, host_syncing=True),
+)

@@ -9,6 +9,7 @@ import torch
 
 from kdsl.ops import _checks as check
 from kdsl.ops import _plan, fallback
+from kdsl.ops.spec import OpSpec
 from kdsl.runtime import registry
 
 _PLANS = _plan.PLANS
@@ -44,7 +45,7 @@ def act_quant(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, tor
     elements' codes are NaN (inf / inf) and the finite ones 0, so every dequantized value of that
     group (code * s) is NaN, and so is every fp8_gemm output that reads it.
     """
-    # Under torch.compile Dynamo must see one opaque op, torch.ops.kdsl.act_quant (kdsl.ops.library),
+    # Under torch.compile Dynamo must see one opaque op, torch.ops.kdsl.act_quant (kdsl.ops.spec),
     # whose fake kernel gives the outputs' shapes, so no Python of ours (%, tile choice by M) is traced.
     # Eagerly the implementation is called directly: the dispatcher costs host microseconds per call,
     # and eager decode is launch-bound (the host, not the GPU, sets the pace).
@@ -447,7 +448,7 @@ def fp8_bmm(
     and returned; else a new contiguous tensor. NaN codes in a or b give NaN outputs, as fp8_gemm's.
     """
     if torch.compiler.is_compiling():  # see act_quant
-        # The custom op is functional (kdsl.ops.library): it returns a new tensor, copied into out here.
+        # The custom op is functional (kdsl.ops.spec): it returns a new tensor, copied into out here.
         c = torch.ops.kdsl.fp8_bmm(a, a_s, b, b_s, out_dtype)
         if out is None:
             return c
@@ -582,7 +583,7 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def _pair(name: str, block) -> tuple:
-    """block as (n, k), unchecked beyond being two things (the op checks them: kdsl.ops.library)."""
+    """block as (n, k), unchecked beyond being two things (the op checks them: its spec's fake kernel and implementation)."""
     if not (isinstance(block, (tuple, list)) and len(block) == 2):
         raise ValueError(f"{name}: expected (n, k), got {block!r}")
     return block[0], block[1]
@@ -591,3 +592,51 @@ def _pair(name: str, block) -> tuple:
 def _block(name: str, block) -> tuple[int, int]:
     block = _pair(name, block)
     return check.positive_power_of_two(f"{name}[0]", block[0]), check.positive_power_of_two(f"{name}[1]", block[1])
+
+
+# --- torch.ops.kdsl.* (kdsl.ops.spec): the fake kernels make the checks and empty outputs the implementations make
+
+def _act_quant_fake(x, group_size):
+    _, q, s = _act_quant_outputs(x, group_size)
+    return q, s
+
+
+def _weight_quant_fake(w, block_n, block_k):
+    _, q, s = _weight_quant_outputs(w, block_n, block_k)
+    return q, s
+
+
+def _weight_dequant_fake(q, s, block_n, block_k, out_dtype):
+    return _weight_dequant_outputs(q, s, block_n, block_k, out_dtype)[1]
+
+
+def _fp8_gemm_fake(a, a_s, b, b_s, out_dtype):
+    return _fp8_gemm_outputs(a, a_s, b, b_s, out_dtype, symbolic=True)[-1]
+
+
+def _fp8_bmm_op(a, a_s, b, b_s, out_dtype):
+    """fp8_bmm's implementation without `out` (not part of the op: see kdsl.ops.spec)."""
+    return _fp8_bmm_impl(a, a_s, b, b_s, out_dtype)
+
+
+def _fp8_bmm_fake(a, a_s, b, b_s, out_dtype):
+    return _fp8_bmm_outputs(a, a_s, b, b_s, out_dtype, symbolic=True)[-1]
+
+
+def _fp8_linear_fake(x, w, w_s, bias, out_dtype):
+    return _fp8_linear_outputs(x, w, w_s, bias, out_dtype, symbolic=True)[-1]
+
+
+SPECS = (
+    OpSpec("act_quant", "(Tensor x, int group_size) -> (Tensor, Tensor)", _act_quant_impl, _act_quant_fake),
+    OpSpec("weight_quant", "(Tensor w, int block_n, int block_k) -> (Tensor, Tensor)", _weight_quant_impl,
+           _weight_quant_fake),
+    OpSpec("weight_dequant", "(Tensor q, Tensor s, int block_n, int block_k, ScalarType out_dtype) -> Tensor",
+           _weight_dequant_impl, _weight_dequant_fake),
+    OpSpec("fp8_gemm", "(Tensor a, Tensor a_s, Tensor b, Tensor b_s, ScalarType out_dtype) -> Tensor",
+           _fp8_gemm_impl, _fp8_gemm_fake),
+    OpSpec("fp8_bmm", "(Tensor a, Tensor a_s, Tensor b, Tensor b_s, ScalarType out_dtype) -> Tensor",
+           _fp8_bmm_op, _fp8_bmm_fake),
+    OpSpec("fp8_linear", "(Tensor x, Tensor w, Tensor w_s, Tensor? bias, ScalarType? out_dtype) -> Tensor",
+           _fp8_linear_impl, _fp8_linear_fake),
+)

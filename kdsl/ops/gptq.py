@@ -17,6 +17,7 @@ from kdsl.ops.gptq_checkpoint import (
     unpack_zeros,
 )
 from kdsl.ops.w4a16 import W4A16Prepared, prepare, w4a16_gemm
+from kdsl.ops.spec import OpSpec
 from kdsl.runtime import registry
 
 
@@ -173,3 +174,26 @@ def _served_scheme(op: str, bits: int, group_size: int, checkpoint_format: str) 
     registry.require_scheme(op, scheme, f"bits = {bits}, group_size = {group_size}, "
                                         f"checkpoint_format = {checkpoint_format!r}")
     return scheme
+
+
+# --- torch.ops.kdsl.* (kdsl.ops.spec). The fake kernels leave out the range check of g_idx's values (it reads
+# data); reading them is also why both ops wait on the GPU (host_syncing).
+
+def _gptq_gemm_fake(x, qweight, qzeros, scales, g_idx, bits, group_size, checkpoint_format):
+    return _gptq_gemm_outputs(x, qweight, qzeros, scales, g_idx, bits, group_size, checkpoint_format,
+                              values=False)[1]
+
+
+def _gptq_dequant_fake(qweight, qzeros, scales, g_idx, bits, group_size, checkpoint_format):
+    return _gptq_dequant_outputs(qweight, qzeros, scales, g_idx, bits, group_size, checkpoint_format,
+                                 values=False)[1]
+
+
+SPECS = (
+    OpSpec("gptq_gemm", "(Tensor x, Tensor qweight, Tensor qzeros, Tensor scales, Tensor? g_idx, int bits, "
+                        "int group_size, str checkpoint_format) -> Tensor",
+           _gptq_gemm_impl, _gptq_gemm_fake, host_syncing=True),
+    OpSpec("gptq_dequant", "(Tensor qweight, Tensor qzeros, Tensor scales, Tensor? g_idx, int bits, int group_size, "
+                           "str checkpoint_format) -> Tensor",
+           _gptq_dequant_impl, _gptq_dequant_fake, host_syncing=True),
+)

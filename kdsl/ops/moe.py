@@ -24,6 +24,7 @@ import torch
 from kdsl.ops import _checks as check
 from kdsl.ops import fallback
 from kdsl.ops.block_fp8 import FP8, _gemm_scheme, _interpreter_lost_nan, _matching, _refuse_unserved
+from kdsl.ops.spec import OpSpec
 from kdsl.runtime import registry
 
 MOE_INPUTS = (torch.bfloat16, torch.float16)
@@ -341,3 +342,31 @@ def _moe_lost_nan(x, w13, w2, topk_ids, y) -> None:
     whole = routed.any(dim=1) & ~torch.isfinite(x).all(dim=1) | (bad_up[ids] & routed).any(dim=1)
     y[whole] = float("nan")
     y.masked_fill_((bad_down[ids] & routed[..., None]).any(dim=1), float("nan"))  # [T, H]
+
+
+# --- torch.ops.kdsl.* (kdsl.ops.spec). check_ids reads ids on the host unless a CUDA graph is being captured, so
+# the ops stay capturable (not host_syncing): captured calls skip the check.
+
+def _fp8_grouped_gemm_fake(a, a_s, b, b_s, group_ids, out_dtype, check_ids):
+    return _fp8_grouped_gemm_outputs(a, a_s, b, b_s, group_ids, out_dtype, symbolic=True)[-1]
+
+
+def _fp8_grouped_gemm_masked_fake(a, a_s, b, b_s, masked_m, out_dtype, expected_m):
+    return _fp8_grouped_gemm_masked_outputs(a, a_s, b, b_s, masked_m, out_dtype, symbolic=True)[-1]
+
+
+def _moe_fp8_fake(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, check_ids):
+    return _moe_fp8_outputs(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, symbolic=True)[-1]
+
+
+SPECS = (
+    OpSpec("fp8_grouped_gemm", "(Tensor a, Tensor a_s, Tensor b, Tensor b_s, Tensor group_ids, "
+                               "ScalarType out_dtype, bool check_ids) -> Tensor",
+           _fp8_grouped_gemm_impl, _fp8_grouped_gemm_fake),
+    OpSpec("fp8_grouped_gemm_masked", "(Tensor a, Tensor a_s, Tensor b, Tensor b_s, Tensor masked_m, "
+                                      "ScalarType out_dtype, int? expected_m) -> Tensor",
+           _fp8_grouped_gemm_masked_impl, _fp8_grouped_gemm_masked_fake),
+    OpSpec("moe_fp8", "(Tensor x, Tensor w13, Tensor w13_s, Tensor w2, Tensor w2_s, Tensor topk_weights, "
+                      "Tensor topk_ids, bool check_ids) -> Tensor",
+           _moe_fp8_impl, _moe_fp8_fake),
+)

@@ -18,6 +18,7 @@ from kdsl.naming import w4a16_scheme_name
 from kdsl.ops import _checks as check
 from kdsl.ops import _plan, fallback
 from kdsl.ops.gptq_checkpoint import ACTIVATIONS, default_g_idx, pack_rows, unpack_rows, unpack_zeros
+from kdsl.ops.spec import OpSpec
 from kdsl.packing import PLANE_ROWS, PLANE_TILE_K, PLANE_TILE_N
 from kdsl.runtime import registry
 
@@ -158,7 +159,7 @@ def w4a16_gemm(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
     w [N, K] (w4a16_dequant's kernel) and cuBLAS multiplies; below it, the W4A16 GEMM kernels run."""
     _check_prepared(prepared)
     if torch.compiler.is_compiling():  # one opaque op for Dynamo; see kdsl.ops.block_fp8.act_quant
-        # A Python object cannot cross the op boundary: its tensors and fields do (kdsl.ops.library).
+        # A Python object cannot cross the op boundary: its tensors and fields do (SPECS below).
         return torch.ops.kdsl.w4a16_gemm(x, *prepared_args(prepared))
     return _w4a16_gemm_impl(x, prepared)
 
@@ -341,3 +342,53 @@ def _w4a16_gemm_impl(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
     _plan.store(key, rec, (x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups),
                 (y,))
     return y
+
+
+# --- torch.ops.kdsl.* (kdsl.ops.spec). W4A16Prepared crosses the boundary as its tensors and plain fields
+# (prepared_args); the implementations rebuild it (_prepared). layout_weights "" means the layout has no "weights".
+
+def _w4a16_gemm_op(x, *fields):
+    return _w4a16_gemm_impl(x, _prepared(*fields))
+
+
+def _w4a16_dequant_op(*fields):
+    return _w4a16_dequant_impl(_prepared(*fields))
+
+
+def _prepared(qweight, zeros, scales, groups, perm, scheme, source, bits, group_size, layout_zeros,
+              layout_weights, k, n, contiguous_groups, zero_bias):
+    """The W4A16Prepared the implementations take, from the op's arguments."""
+    if layout_zeros == "paired" and not _paired(scales, zeros):
+        # The "paired" kernels read each (scale, zero) through scales' pointer: the two must be the views of one
+        # [G, N, 2] tensor that prepare() made. An op's result may depend only on its inputs' values, not on how
+        # they alias (torch.compile or opcheck may pass copies), so copies are paired again here.
+        pairs = torch.stack((scales, zeros), dim=-1)
+        scales, zeros = pairs[..., 0], pairs[..., 1]
+    return prepared_from_args(qweight, zeros, scales, groups, perm, scheme, source, bits, group_size,
+                              layout_zeros, layout_weights, k, n, contiguous_groups, zero_bias)
+
+
+def _paired(scales: torch.Tensor, zeros: torch.Tensor) -> bool:
+    return (scales.dim() == 2 and scales.stride(1) == 2 and zeros.stride() == scales.stride()
+            and zeros.data_ptr() == scales.data_ptr() + scales.element_size())
+
+
+def _w4a16_gemm_fake(x, *fields):
+    return _w4a16_gemm_outputs(x, prepared_from_args(*fields))
+
+
+def _w4a16_dequant_fake(*fields):
+    return _w4a16_dequant_outputs(prepared_from_args(*fields))
+
+
+SPECS = (
+    OpSpec("w4a16_gemm", "(Tensor x, Tensor qweight, Tensor zeros, Tensor scales, Tensor groups, Tensor? perm, "
+                         "str scheme, str source, int bits, int group_size, str layout_zeros, str layout_weights, "
+                         "int k, int n, bool contiguous_groups, int zero_bias) -> Tensor",
+           _w4a16_gemm_op, _w4a16_gemm_fake),
+    # The same fields without x: the prepared weights as w [N, K].
+    OpSpec("w4a16_dequant", "(Tensor qweight, Tensor zeros, Tensor scales, Tensor groups, Tensor? perm, str scheme, "
+                            "str source, int bits, int group_size, str layout_zeros, str layout_weights, int k, "
+                            "int n, bool contiguous_groups, int zero_bias) -> Tensor",
+           _w4a16_dequant_op, _w4a16_dequant_fake),
+)

@@ -34,6 +34,7 @@ from kdsl.ops import fallback
 from kdsl.ops.awq import unpack_columns
 from kdsl.ops.gptq_checkpoint import ACTIVATIONS, ZERO_OFFSET, default_g_idx, pack_rows, scheme_args, unpack_rows
 from kdsl.ops.moe import _capturing, _check_ids, _refuse_ids, tokens_per_expert
+from kdsl.ops.spec import OpSpec
 from kdsl.runtime import registry
 
 OP = "moe_w4a16"
@@ -370,3 +371,31 @@ def _dequant(p: W4A16ExpertsPrepared, e: int) -> torch.Tensor:
 
 
 __all__ = ["W4A16ExpertsPrepared", "gptq_moe_prepare", "awq_moe_prepare", "moe_w4a16"]
+
+
+# --- torch.ops.kdsl.moe_w4a16 (kdsl.ops.spec): the two W4A16ExpertsPrepared cross as their tensors and the fields
+# they share (prepared_args)
+
+def _experts(w13_qweight, w13_zeros, w13_scales, w13_perm, w2_qweight, w2_zeros, w2_scales, w2_perm, *shared):
+    """(w13, w2) as kdsl.ops.moe_w4a16 takes them, from the op's arguments."""
+    return (prepared_from_args(w13_qweight, w13_zeros, w13_scales, w13_perm, *shared),
+            prepared_from_args(w2_qweight, w2_zeros, w2_scales, w2_perm, *shared))
+
+
+def _moe_w4a16_op(x, *args):
+    *fields, topk_weights, topk_ids, check_ids = args
+    return _moe_w4a16_impl(x, *_experts(*fields), topk_weights, topk_ids, check_ids)
+
+
+def _moe_w4a16_fake(x, *args):
+    *fields, topk_weights, topk_ids, check_ids = args
+    return _moe_w4a16_outputs(x, *_experts(*fields), topk_weights, topk_ids)
+
+
+SPECS = (
+    OpSpec("moe_w4a16", "(Tensor x, Tensor w13_qweight, Tensor w13_zeros, Tensor w13_scales, Tensor? w13_perm, "
+                        "Tensor w2_qweight, Tensor w2_zeros, Tensor w2_scales, Tensor? w2_perm, str scheme, "
+                        "str source, int bits, int group_size, str layout_zeros, str layout_weights, int zero_bias, "
+                        "Tensor topk_weights, Tensor topk_ids, bool check_ids) -> Tensor",
+           _moe_w4a16_op, _moe_w4a16_fake),
+)

@@ -1,8 +1,8 @@
 """Time a bucket's candidate tiles on its shapes and pick the winner.
 
-Torch-free: what runs a candidate is a `Problem` (one shape's inputs bound to the generated
-kernel, built by kdsl.tune.problems on the GPU) and what times it is a `Timer`, both passed
-in, so CPU tests drive the whole search with stand-ins.
+What runs a candidate is a `Problem` (one shape's inputs bound to the generated kernel, built on the
+GPU by the op's bench case, kdsl/bench/cases/<op>.py, through kdsl.tune.problems) and what times it
+is a `Timer`, both passed in, so CPU tests drive the whole search with stand-ins.
 
 Per shape, every surviving candidate is run once and checked against the fp32 reference
 (poisoned output first, the bench's tolerance), then timed. A candidate that is wrong or
@@ -19,16 +19,17 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kdsl.bench.shapes import Case
+from kdsl.bench.case import Case
+from kdsl.bench.cases import TUNE_SHAPE_OPS, TUNES
+from kdsl.bench.timing import Problem
 from kdsl.codegen.render import tile_params
 from kdsl.schema import Tile
 from kdsl.tune.space import Bucket
 
-# Shapes of a bench preset: gptq_gemm's serve both GPTQ GEMMs.
-SHAPE_OPS = {"fp8_gemm": "fp8_gemm", "gptq_gemm": "gptq_gemm", "w4a16_gemm": "gptq_gemm", "fp8_bmm": "fp8_bmm"}
+# What the bench's case modules tune (their TUNES), and the bench op whose preset shapes each is tuned on
+# (gptq_gemm's serve both GPTQ GEMMs).
+SHAPE_OPS = TUNE_SHAPE_OPS
 TUNABLE_OPS = tuple(SHAPE_OPS)
-
-Check = tuple[float, "str | None"]  # (relative error, why it is wrong or None)
 
 
 @dataclass(frozen=True)
@@ -40,16 +41,6 @@ class Shape:
 
     def label(self) -> str:
         return (f"B={self.batch} " if self.batch is not None else "") + f"M={self.m} N={self.n} K={self.k}"
-
-
-@dataclass
-class Problem:
-    """One shape's inputs bound to a kernel. launch(params) runs it (timed); check(params) poisons
-    the output, runs once, waits, and compares with the reference; close() frees the inputs."""
-
-    launch: Callable[[dict], object]
-    check: Callable[[dict], Check]
-    close: Callable[[], None] = lambda: None
 
 
 ProblemFactory = Callable[[Shape], Problem]
@@ -74,9 +65,9 @@ def graph_timer(fn: Callable[[], object], m: int) -> float:
     return float(do_bench_cudagraph(fn, return_mode="median"))
 
 
-# Ops timed by CUDA graphs at every M, as kdsl bench times them: fp8_bmm's B = 16 calls run in 5-25 us at
-# M = 512-4096, under an eager launch's host time.
-GRAPH_TIMED_OPS = frozenset({"fp8_bmm"})
+# Ops timed by CUDA graphs at every M, as kdsl bench times them (their Tune says so: fp8_bmm's B = 16 calls run
+# in 5-25 us at M = 512-4096, under an eager launch's host time).
+GRAPH_TIMED_OPS = frozenset(op for op, tune in TUNES.items() if tune.graph_every_m)
 
 
 def timer_for(op: str) -> Timer:

@@ -1,7 +1,7 @@
 """What `kdsl tune` tunes: the kernel the registry picks on this GPU, and the variant behind it.
 
-The registry picks the generated kernel for the op, the bench's scheme (block FP8 128x128 /
-GPTQ INT4 group 128) and this GPU's arch (or KDSL_ARCH); its tiles are written back to the
+The registry picks the generated kernel for the op, the bench's scheme (its case module's Tune:
+block FP8 128x128 / GPTQ INT4 group 128) and this GPU's arch (or KDSL_ARCH); its tiles are written back to the
 definition variant with the same op, impl and arch range in the --defs folder. The tiles of
 a variant serve every scheme of its file, so candidates are validated against all of them.
 """
@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kdsl.schema import GPTQ, W4A16, BlockFP8, LoadedDefinition, Variant
-
-# The scheme each op is timed with: the bench's.
-TUNE_SCHEMES = {"fp8_gemm": BlockFP8(), "gptq_gemm": GPTQ(), "w4a16_gemm": W4A16(), "fp8_bmm": BlockFP8()}
+from kdsl.bench.cases import TUNES
+from kdsl.schema import LoadedDefinition, Variant
 
 
 class TargetError(LookupError):
@@ -53,7 +51,7 @@ def select_target(op: str, definitions: list[LoadedDefinition], arch: str | int 
     """The registry's pick for op on this GPU (arch None) and its variant; raises NoKernelError or TargetError."""
     from kdsl.runtime import registry
 
-    scheme = TUNE_SCHEMES[op].name
+    scheme = TUNES[op].scheme.name  # the scheme the op is timed with: its bench case's
     entry = registry.select(op, scheme, arch=arch)
     loaded, index = find_variant(definitions, op, entry.impl, scheme, entry.min_arch, entry.max_arch)
     return Target(entry, loaded, index)

@@ -1,4 +1,4 @@
-"""`kdsl bench` case of the W4A16 MoE layer (GPU only): moe_w4a16, Qwen3-30B-A3B's int4 experts.
+"""moe_w4a16: the W4A16 MoE layer (GPU only), Qwen3-30B-A3B's int4 experts.
 
 Inputs: a random layer of E experts in GPTQ's int4 format (group 128, asymmetric: random integer weights, zeros
 and scales, built on the device), prepared once by kdsl.ops.gptq_moe_prepare, bf16 activations and a random routing
@@ -14,8 +14,6 @@ weights, as a per-expert loop over the routed experts (their rows found once, ou
 int4 weights, scales and zeros plus x and y, against the measured copy rate; prefill by FLOPs against the bf16
 tensor-core rate, taken as half the measured FP8 rate. Up to T = 128 each callable cycles through copies of the
 layer, so that every call finds its experts cold in L2.
-
-kdsl.bench.cases puts this setup beside timing's and kdsl.bench.moe's (timing does not import this module).
 """
 from __future__ import annotations
 
@@ -24,9 +22,14 @@ import dataclasses
 import torch
 
 from kdsl.bench import timing
-from kdsl.bench.moe import (DECODE_MAX_T, MOE_TOL, _cold_copies, bf16_baselines, random_routing,
-                            routed_rows)
-from kdsl.bench.shapes import GROUP, Case
+from kdsl.bench.case import GROUP, GROUP_MULTIPLE, Case
+from kdsl.bench.moe import DECODE_MAX_T, MOE_TOL, bf16_baselines, layer_copies, random_routing, routed_rows
+
+DIMS = ("experts", "topk", "m", "hidden", "inter")  # int4 experts (GPTQ, group 128)
+HELP = """\
+the MoE layer on int4 GPTQ experts (group 128; also with act-order, [desc_act]) vs
+moe_fp8's bf16 baselines; roofline: routed experts' int4 bytes (decode), bf16 FLOPs (prefill)"""
+MULTIPLES = {"hidden": GROUP_MULTIPLE, "inter": GROUP_MULTIPLE}
 
 SHIFTS = tuple(range(0, 32, 4))
 
@@ -87,7 +90,7 @@ def _copy(prepared):
                                             if getattr(prepared, name) is not None})
 
 
-def setup_moe_w4a16(case: Case):
+def setup(case: Case) -> timing.CaseSetup:
     moe = timing.kdsl_op("moe_w4a16")
     prepare = timing.kdsl_op("gptq_moe_prepare")
     experts, topk, tokens, hidden, inter = case.experts, case.topk, case.m, case.hidden, case.inter
@@ -100,7 +103,7 @@ def setup_moe_w4a16(case: Case):
     w2 = prepare(down["qweight"], down["qzeros"], down["scales"], None, group_size=GROUP)
     # bytes an expert's weights occupy: int4 words, and a 2-byte scale and zero per group and column
     expert_bytes = 3 * hidden * inter // 2 + 2 * 2 * (hidden // GROUP * 2 * inter + inter // GROUP * hidden)
-    copies = _cold_copies(tokens, len(routed) * expert_bytes)
+    copies = layer_copies(tokens, len(routed) * expert_bytes)
     layers = [(w13, w2)] + [(_copy(w13), _copy(w2)) for _ in range(copies - 1)]
     act_order = [(_act_order(a, _within_groups(experts, 2, hidden)), _act_order(b, _within_groups(experts, 1, inter)))
                  for a, b in layers]
@@ -139,5 +142,3 @@ def setup_moe_w4a16(case: Case):
         tolerance=MOE_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies,
         roofline_ms=1e3 * max(bytes_moved / copy_rate, flops / (fp8_rate / 2)))
 
-
-SETUPS = {"moe_w4a16": setup_moe_w4a16}

@@ -1,0 +1,60 @@
+"""moe_fp8: the block-FP8 MoE layer, T tokens each routed to top-k of E experts (hidden H, intermediate I).
+
+Rows: moe_fp8, and at decode moe_fp8[check_ids=False] (eager decode without the ids check's host sync; captured
+graphs skip it anyway). Baselines: bf16 per-expert loops and torch._grouped_mm on the dequantized weights; the
+roofline counts the routed experts' bytes (decode) and the FLOPs (prefill). Inputs and baselines:
+kdsl.bench.moe.
+"""
+from __future__ import annotations
+
+import torch
+
+from kdsl.bench import moe, timing
+from kdsl.bench.case import GROUP, GROUP_MULTIPLE, Case
+
+DIMS = ("experts", "topk", "m", "hidden", "inter")  # m: tokens, each routed to topk of the experts
+HELP = """\
+the MoE layer (T tokens, top-k of E experts) vs bf16 per-expert loops and torch._grouped_mm
+on the dequantized weights; the roofline counts the routed experts' bytes (decode) and
+the FLOPs (prefill)"""
+MULTIPLES = {"hidden": GROUP_MULTIPLE, "inter": GROUP_MULTIPLE}
+
+
+def setup(case: Case) -> timing.CaseSetup:
+    layer = timing.kdsl_op("moe_fp8")
+    experts, topk, tokens, hidden, inter = case.experts, case.topk, case.m, case.hidden, case.inter
+    topk_weights, topk_ids = moe.random_routing(tokens, experts, topk)
+    routed = moe.routed_rows(topk_ids, experts)
+    expert_bytes = (3 * inter * hidden + 4 * (-(-2 * inter // GROUP) * (hidden // GROUP)
+                                             + -(-hidden // GROUP) * (inter // GROUP)))
+    copies = moe.layer_copies(tokens, len(routed) * expert_bytes)
+    up = moe.quantized_experts(experts, 2 * inter, hidden, copies)
+    down = moe.quantized_experts(experts, hidden, inter, copies)
+    layers = [(q13, s13, q2, s2) for (q13, s13, _), (q2, s2, _) in zip(up, down)]
+    bf16_layers = [(w13, w2) for (_, _, w13), (_, _, w2) in zip(up, down)]
+    x = torch.randn(tokens, hidden, device=timing.DEVICE, dtype=torch.bfloat16)
+
+    # fp32 reference, one routed expert at a time
+    xq, xs = timing.torch_act_quant(x)
+    x_deq = moe.deq_rows(xq, xs)
+    ref = torch.zeros(tokens, hidden, device=timing.DEVICE)
+    q13, s13, q2, s2 = layers[0]
+    for e, token, slot in routed:
+        gate_up = x_deq[token] @ timing.fp8_weight_reference(q13[e], s13[e]).T
+        h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        hq, hs = timing.torch_act_quant(h)
+        down_e = moe.deq_rows(hq, hs) @ timing.fp8_weight_reference(q2[e], s2[e]).T
+        ref.index_add_(0, token, topk_weights[token, slot, None] * down_e)
+
+    baselines = moe.bf16_baselines(x, bf16_layers, routed, topk_weights, topk_ids, experts, inter)
+
+    flops = 6 * tokens * topk * hidden * inter
+    bytes_moved = len(routed) * expert_bytes + 2 * 2 * tokens * hidden + 8 * tokens * topk
+    kdsl = {"moe_fp8": lambda: [layer(x, *weights, topk_weights, topk_ids) for weights in layers]}
+    if tokens <= moe.DECODE_MAX_T:  # eager decode without the ids check's host sync (captured graphs skip it anyway)
+        kdsl["moe_fp8[check_ids=False]"] = lambda: [layer(x, *weights, topk_weights, topk_ids, check_ids=False)
+                                                    for weights in layers]
+    return timing.CaseSetup(
+        kdsl=kdsl, check=lambda outs: timing.check_close(outs[-1], ref, moe.MOE_TOL), baselines=baselines,
+        tolerance=moe.MOE_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies,
+        roofline_ms=moe.roofline_ms(bytes_moved, flops))
