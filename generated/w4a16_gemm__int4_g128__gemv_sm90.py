@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_g128__gemv_sm90 (w4a16_gemm/gemv: W4A16 GEMV on CUDA cores, one row per program row, weights kept in registers, split-K in-kernel)
 # scheme: w4a16.int4.g128
 # arch: sm_90 .. sm_90
-# digest: 9ada06d8f09482dc (sha256 of this kernel's scheme, variant and templates)
+# digest: 9af46065bb8a0d2f (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -505,13 +505,13 @@ def _gather_columns(x_ptr, perm_ptr, out_ptr, M, K, stride_xm, stride_om,
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + ks[None, :], values, mask=mask)
 
 
-def gather_columns(x, perm):
-    """x [M, K] (unit column stride) with its columns in prepared K order (act-order), for launch(x, None, ...).
+def gather_columns(x, perm, out):
+    """out [M, K] = x [M, K] (unit column strides) with its columns in prepared K order (act-order), for
+    launch(out, None, ...); out is the caller's, so a launch plan can allocate it as it allocates the outputs.
     Gathering x once, in its own launch, lets every tile serve act-order at plain g_idx's speed; launch()'s
     perm lookup per element (HAS_PERM, which the AOT C ABI keeps) made the GEMMs' x loads wait on it (H200,
     M = 1-256: 1.4-28x the plain layer's time, against 1.2-1.5x with this gather)."""
     M, K = x.shape
-    out = torch.empty((M, K), dtype=x.dtype, device=x.device)
     block_m = 16 if M >= 16 else 1 << max(M - 1, 0).bit_length()
     block_k = max(128, 4096 // block_m)  # 4096 elements a program
     _launch(_gather_columns, (_cdiv(M, block_m), _cdiv(K, block_k), 1),

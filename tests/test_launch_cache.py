@@ -257,6 +257,23 @@ def test_prepared_w4a16_plan_matches_the_ordinary_path():
     assert torch.equal(kdsl.ops.w4a16_gemm(x, rebuilt), y0) and len(plans("w4a16_gemm")) == 1
 
 
+def test_act_order_w4a16_plan_allocates_the_gathered_x_and_matches_the_ordinary_path():
+    """Act-order gathers x into a buffer the plan allocates like an output: the plan is kept, returns y alone, and
+    a later call with other values gathers them (not the recorded call's)."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(128, 256, generator=g, dtype=torch.float16)
+    g_idx = (torch.randperm(256, generator=g) // 128).to(torch.int32)  # desc_act: groups through a permutation
+    ck = gptq_quantize(w)
+    prepared = gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], g_idx)
+    assert prepared.perm is not None
+    xs = [torch.randn(2, 256, generator=g, dtype=torch.float16) for _ in range(3)]
+    expected = [no_plan(lambda x=x: kdsl.ops.w4a16_gemm(x, prepared)) for x in xs]
+    for x, y0 in zip(xs, expected):
+        y = kdsl.ops.w4a16_gemm(x, prepared)
+        assert isinstance(y, torch.Tensor) and torch.equal(y, y0)
+    assert len(plans("w4a16_gemm")) == 1 and plans("w4a16_gemm")[0]
+
+
 def strided(t: torch.Tensor) -> torch.Tensor:
     """t's values with a row stride one element longer (unit stride along K kept)."""
     wide = t.new_zeros(t.shape[0], t.shape[1] + 16)

@@ -299,7 +299,7 @@ def _w4a16_gemm_impl(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
     if plan:
         y = plan(x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups)
         if y is not None:
-            return y
+            return y if prepared.perm is None else y[0]  # act-order's plans also allocate the gathered x
     y = _w4a16_gemm_outputs(x, prepared)
     device = y.device
     k, n = prepared.k, prepared.n
@@ -334,13 +334,15 @@ def _w4a16_gemm_impl(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
                          align=check.alignment(x2, prepared.scales))
     tile = entry.tile_for(m, n, call)  # the plan key holds everything the call's facts are made of
     module = entry.modules[tile["impl"]].load()
+    # Act-order: x's columns gathered into a buffer of the call's own, which the plan allocates like an output.
+    gathered = None if perm is None else torch.empty((m, k), dtype=x2.dtype, device=device)
     with _plan.Recorder(module if plan is None else None) as rec:
         if perm is not None:
-            x2 = module.gather_columns(x2, perm)
+            x2 = module.gather_columns(x2, perm, gathered)
         entry.launch(x2, None, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
                      prepared.contiguous_groups, y.view(-1, n), tile)
     _plan.store(key, rec, (x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups),
-                (y,))
+                (y,) if gathered is None else (y, gathered))
     return y
 
 
