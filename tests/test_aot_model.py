@@ -140,6 +140,15 @@ def test_shape_file_needs_its_sizes_and_act_quant_for_each_fp8_gemm(tmp_path):
     assert any(line.startswith("weight_dequant: not exported yet") for line in needs.found)
 
 
+def test_a_preset_with_ops_aot_does_not_export_leaves_them_out_by_name():
+    """The deepseek-v3 preset holds the MoE ops, which kdsl/aot/abi.py does not describe: each is named as left
+    out, and the ops it does describe are planned (this raised KeyError: 'moe_fp8')."""
+    needs = from_shapes("deepseek-v3")
+    for op in ("moe_fp8", "fp8_grouped_gemm", "fp8_grouped_gemm_masked", "moe_w4a16", "weight_dequant"):
+        assert any(line.startswith(f"{op}: not exported yet") for line in needs.found), needs.found
+    assert {"fp8_gemm", "act_quant", "w4a16_gemm", "fp8_bmm"} <= set(needs.problems)
+
+
 @pytest.mark.parametrize("change, message", [
     ("no config", "config.json: missing"),
     ("no quantization_config", "config.json: no quantization_config object"),
