@@ -220,21 +220,41 @@ class W4A16Linear(_QuantizedLinear):
         self.in_features, self.out_features = prepared.k, prepared.n
         self._fields = {name: getattr(prepared, name) for name in (
             "scheme", "source", "bits", "group_size", "layout", "dtype", "k", "n", "contiguous_groups", "zero_bias")}
-        for name in ("qweight", "zeros", "scales", "groups", "perm"):
-            self.register_buffer(name, getattr(prepared, name))
+        self.register_buffer("qweight", prepared.qweight)
+        if prepared.layout["zeros"] == "paired":
+            # One buffer of (scale, zero) pairs [G, N, 2], the views taken from it when used: the zeros view starts
+            # 2 bytes in, and torch.compile's CUDA graphs copy an input that is not 16-byte aligned before every
+            # replay; .to() would also turn the two views into two unrelated contiguous tensors.
+            self.register_buffer("pairs", torch.stack((prepared.scales, prepared.zeros), dim=-1))
+        else:
+            self.register_buffer("zeros", prepared.zeros)
+            self.register_buffer("scales", prepared.scales)
+        self.register_buffer("groups", prepared.groups)
+        self.register_buffer("perm", prepared.perm)
         self.register_buffer("bias", bias)
+
+    def _weights(self) -> tuple:
+        buffers = self._buffers
+        zeros = buffers["pairs"] if "pairs" in buffers else buffers["zeros"]
+        return buffers["qweight"], zeros, buffers.get("scales"), buffers["groups"], buffers["perm"]
+
+    def _prepare(self, tensors: tuple) -> W4A16Prepared:
+        qweight, zeros, scales, groups, perm = tensors
+        if scales is None:  # the paired layout: zeros holds the pairs
+            scales, zeros = zeros[..., 0], zeros[..., 1]
+        return W4A16Prepared(qweight=qweight, zeros=zeros, scales=scales, groups=groups, perm=perm, **self._fields)
 
     @property
     def prepared(self) -> W4A16Prepared:
         """The weights as kdsl.ops.w4a16_gemm takes them (the module's buffers, wherever .to() moved them).
-        Built again only when a buffer was replaced: building it took 13 us of host time per call."""
-        buffers = self._buffers
-        tensors = (buffers["qweight"], buffers["zeros"], buffers["scales"], buffers["groups"], buffers["perm"])
+        Built again only when a buffer was replaced: building it took 13 us of host time per call. Under
+        torch.compile it is built in the traced code, so the pairs' views are taken inside the graph."""
+        tensors = self._weights()
+        if torch.compiler.is_compiling():
+            return self._prepare(tensors)
         cached = self.__dict__.get("_prepared_cache")
         if cached is None or any(a is not b for a, b in zip(cached[0], tensors)):
-            qweight, zeros, scales, groups, perm = tensors
-            cached = (tensors, W4A16Prepared(qweight=qweight, zeros=zeros, scales=scales, groups=groups, perm=perm,
-                                             **self._fields))
+            cached = (tensors, self._prepare(tensors))
             self.__dict__["_prepared_cache"] = cached
         return cached[1]
 
