@@ -3,7 +3,7 @@
 # kernel: w4a16_dequant__int4_gall__blockwise_sm80 (w4a16_dequant/blockwise: prepared int4 weights to w [N, K] (prepared K order) for torch.matmul, one tile per program)
 # scheme: w4a16.int4.gall
 # arch: sm_80 and up
-# digest: 9f243ba1efa809b6 (sha256 of this kernel's scheme, variant and templates)
+# digest: 636083a6d2a0d3e7 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -11,8 +11,9 @@ import os
 
 # Prepared int4 weights -> w [N, K] in the activation dtype, K in prepared (group-sorted) order, K contiguous:
 # x.index_select(1, perm) @ w.T (x @ w.T without act-order) is then nn.Linear's product, which cuBLAS runs on
-# its fast path. w4a16_gemm takes this path from its variant's dequant_min_m rows up. Memory-bound: each
-# program reads one tile's words (half a byte per weight) and writes the tile (two bytes per weight).
+# its fast path. Or, with act-order's perm, w [K, N] with K in the checkpoint's order: x @ w needs no gather of x.
+# w4a16_gemm takes this path from its variant's dequant_min_m rows up. Memory-bound: each program reads one
+# tile's words (half a byte per weight) and writes the tile (two bytes per weight).
 
 BITS = tl.constexpr(4)
 PACK = tl.constexpr(8)  # values per int32
@@ -143,13 +144,14 @@ def _launch(kernel, grid: tuple, params: tuple, options: dict) -> None:
 
 @triton.jit
 def w4a16_dequant__int4_gall__blockwise_sm80(
-    qw_ptr, z_ptr, s_ptr, g_ptr, w_ptr,
+    qw_ptr, z_ptr, s_ptr, g_ptr, w_ptr, perm_ptr,
     N, K,
     stride_qwk, stride_zg, stride_sg, stride_wn,
-    UNIFORM_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_PERM: tl.constexpr, UNIFORM_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     MAGIC_BITS: tl.constexpr, MAGIC_BIAS: tl.constexpr, FP32_MATH: tl.constexpr,
 ):
     """w[N, K] = (q - zero) * scale of prepared row k's group, one [BLOCK_N, BLOCK_K] tile per program.
+    HAS_PERM: w is [K, N] (row stride stride_wn) and prepared row k is stored as its row perm[k].
 
     UNIFORM_GROUP: the tile lies in one group (contiguous groups of a multiple of BLOCK_K rows), so one row of
     scales and zeros serves it; otherwise each row's group comes from g_ptr (the prepared rows' groups).
@@ -175,7 +177,11 @@ def w4a16_dequant__int4_gall__blockwise_sm80(
         scale, zero = _load_group_rows(z_ptr, s_ptr, group, cols[None, :], stride_zg, stride_sg)
     zero = _biased_zero(zero, cols, dtype, MAGIC_BIAS, FP32_MATH)
     w = tl.trans(_dequant_q(q, scale, zero, dtype, MAGIC_BITS, MAGIC_BIAS, FP32_MATH))
-    out_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    if HAS_PERM:  # whole rows of N scattered: the stores stay contiguous along N
+        rows = tl.load(perm_ptr + offs_k, mask=offs_k < K, other=0).to(tl.int64)
+        out_ptrs = w_ptr + rows[None, :] * stride_wn + offs_n[:, None]
+    else:
+        out_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     tl.store(out_ptrs, w, mask=(offs_n < N)[:, None] & (offs_k < K)[None, :])
 
 
@@ -191,18 +197,19 @@ def _cdiv(n: int, d: int) -> int:
     return -(-n // d)
 
 
-def launch(qweight, zeros, scales, groups, contiguous_groups, w, tile):
+def launch(qweight, zeros, scales, groups, contiguous_groups, w, tile, perm=None):
     """qweight, zeros and scales as LAYOUT says, in prepared K order; groups int32 [K], the group of each
     prepared row; contiguous_groups: row k is in group k // GROUP_SIZE. w [N, K] (unit stride along K) in
-    scales' dtype, written whole."""
-    N, K = w.shape
+    scales' dtype, written whole; with perm (int32 [K], act-order), w [K, N] (unit stride along N), prepared
+    row k written as row perm[k]."""
+    N, K = w.shape if perm is None else w.shape[::-1]
     bn, bk = tile["BLOCK_N"], tile["BLOCK_K"]
     magic_bits, magic_bias = MAGIC[w.dtype]
     _launch(w4a16_dequant__int4_gall__blockwise_sm80, (_cdiv(K, bk), _cdiv(N, bn), 1), (
-        qweight, zeros, scales, groups, w,
+        qweight, zeros, scales, groups, w, qweight if perm is None else perm,
         N, K, qweight.stride(0), zeros.stride(0), scales.stride(0), w.stride(0),
     ), dict(
-        UNIFORM_GROUP=contiguous_groups and GROUP_SIZE.value % bk == 0, BLOCK_N=bn, BLOCK_K=bk,
+        HAS_PERM=perm is not None, UNIFORM_GROUP=contiguous_groups and GROUP_SIZE.value % bk == 0, BLOCK_N=bn, BLOCK_K=bk,
         MAGIC_BITS=magic_bits, MAGIC_BIAS=magic_bias, FP32_MATH=w.device.type == "cpu",
         num_warps=tile["num_warps"],
     ))

@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_g32__gemv_sm80 (w4a16_gemm/gemv: W4A16 GEMV on CUDA cores, one row per program row, weights kept in registers, split-K in-kernel)
 # scheme: w4a16.int4.g32
 # arch: sm_80 and up
-# digest: 6d4b120d6ac58c4a (sha256 of this kernel's scheme, variant and templates)
+# digest: 3445720fa3d0e443 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -465,15 +465,16 @@ def _cdiv(n: int, d: int) -> int:
 
 
 @triton.jit
-def _gather_columns(x_ptr, perm_ptr, out_ptr, M, K, stride_xm, stride_om,
-                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[m, k] = x[m, perm[k]] for a BLOCK_M x BLOCK_K block: perm is read once per block of columns."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+def _gather_columns(x_ptr, perm_ptr, out_ptr, K, stride_xm, stride_om,
+                    K_POW2: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[m, k] = x[m, perm[k]] for BLOCK_K columns k of row m. The whole row is loaded (coalesced) and
+    permuted in the program (tl.gather): a gather from global memory reads one sector per element."""
+    row = tl.program_id(0).to(tl.int64)
+    every_k = tl.arange(0, K_POW2)
+    x = tl.load(x_ptr + row * stride_xm + every_k, mask=every_k < K, other=0)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     cols = tl.load(perm_ptr + ks, mask=ks < K, other=0)
-    mask = (rows[:, None] < M) & (ks < K)[None, :]
-    values = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + ks[None, :], values, mask=mask)
+    tl.store(out_ptr + row * stride_om + ks, tl.gather(x, cols, 0), mask=ks < K)
 
 
 def gather_columns(x, perm, out):
@@ -481,12 +482,18 @@ def gather_columns(x, perm, out):
     launch(out, None, ...); out is the caller's, so a launch plan can allocate it as it allocates the outputs.
     Gathering x once, in its own launch, lets every tile serve act-order at plain g_idx's speed; launch()'s
     perm lookup per element (HAS_PERM, which the AOT C ABI keeps) made the GEMMs' x loads wait on it (H200,
-    M = 1-256: 1.4-28x the plain layer's time, against 1.2-1.5x with this gather)."""
+    M = 1-256: 1.4-28x the plain layer's time, against 1.2-1.5x with a gather)."""
     M, K = x.shape
-    block_m = 16 if M >= 16 else 1 << max(M - 1, 0).bit_length()
-    block_k = max(128, 4096 // block_m)  # 4096 elements a program
-    _launch(_gather_columns, (_cdiv(M, block_m), _cdiv(K, block_k), 1),
-            (x, perm, out, M, K, x.stride(0), out.stride(0)), dict(BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4))
+    k_pow2 = 1 << max(K - 1, 0).bit_length()
+    # Each program reads its whole row and permutes it through shared memory, so a row's columns are split over
+    # several programs only where rows alone leave the SMs idle (H200, K = 14336: M = 256 took 14 us in blocks
+    # of 1024 columns).
+    block_k = k_pow2
+    while block_k > 1024 and M * (k_pow2 // block_k) < 256:
+        block_k //= 2
+    _launch(_gather_columns, (M, _cdiv(K, block_k), 1),
+            (x, perm, out, K, x.stride(0), out.stride(0)),
+            dict(K_POW2=k_pow2, BLOCK_K=block_k, num_warps=8 if k_pow2 >= 8192 else 4))
     return out
 
 

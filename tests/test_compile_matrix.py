@@ -322,8 +322,9 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
     # vectorize by them.
     ("w4a16_dequant", "blockwise"): KernelSignature(
         args={"qw_ptr": "*i32", "z_ptr": "*{out}", "s_ptr": "*{out}", "g_ptr": "*i32", "w_ptr": "*{out}",
-              "N": I32, "K": I32, "stride_qwk": I32, "stride_zg": I32, "stride_sg": I32, "stride_wn": I32},
-        constexprs={"UNIFORM_GROUP": lambda tile: tile["out"] == "fp16", "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K",
+              "perm_ptr": "*i32", "N": I32, "K": I32, "stride_qwk": I32, "stride_zg": I32, "stride_sg": I32,
+              "stride_wn": I32},
+        constexprs={"HAS_PERM": lambda tile: False, "UNIFORM_GROUP": lambda tile: tile["out"] == "fp16", "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K",
                     "MAGIC_BITS": lambda tile: 0x6400 if tile["out"] == "fp16" else 0x4300,
                     "MAGIC_BIAS": lambda tile: 1024 if tile["out"] == "fp16" else 128,
                     "FP32_MATH": lambda tile: False},

@@ -16,6 +16,7 @@ import torch
 import kdsl
 import reference_gptq as ref
 from kdsl.naming import gptq_scheme_name, w4a16_scheme_name
+from kdsl.runtime import registry
 
 pytestmark = pytest.mark.gpu
 
@@ -174,6 +175,29 @@ def test_prepared_gemm_shapes(checkpoints, shape, m):
 def test_prepared_act_order_and_groups(checkpoints, group_size, g_idx, fmt, m):
     ck = checkpoints(4096, 4096, group_size=group_size, fmt=fmt, g_idx=g_idx)
     _check_prepared(ck, m, group_size=group_size, fmt=fmt)
+
+
+@pytest.mark.parametrize("m", [8, 64, 1024])
+@pytest.mark.parametrize("shape", [(14336, 4096), (4096, 14336)], ids=_shape_id)
+def test_prepared_act_order_long_k_and_prefill(checkpoints, shape, m):
+    """Act-order's one gather of x (whole rows permuted in shared memory; K = 14336 pads to 16384), and from
+    dequant_min_m rows the dequantized weights written back in the checkpoint's K order instead of a gather."""
+    _check_prepared(checkpoints(*shape, g_idx="perm"), m)
+
+
+def test_a_tile_that_refuses_act_order_refuses_a_permutation(checkpoints):
+    """The Gluon TMA tile cannot follow perm: launched with one anyway it raises, never an unpermuted product."""
+    ck = checkpoints(4096, 4096, g_idx="perm")
+    prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"], bits=4, group_size=128)
+    entry = registry.dispatch("w4a16_gemm", prepared.scheme, torch.device("cuda"))
+    tiles = [b.params for b in entry.tiles if b.params["impl"] == "overlap_gluon"]
+    if not tiles:
+        pytest.skip(f"{entry.name} has no overlap_gluon tile on this GPU")
+    x = _x(64, 4096)
+    y = torch.empty(64, 4096, dtype=x.dtype, device="cuda")
+    with pytest.raises(ValueError, match="perm: w4a16_gemm/overlap_gluon takes no act-order permutation"):
+        entry.launch(x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
+                     prepared.contiguous_groups, y, tiles[0])
 
 
 @pytest.mark.parametrize("m", [1, 16, 64, 256])

@@ -154,9 +154,16 @@ def test_gemm_above_the_threshold_dequantizes_then_multiplies(group_size, g_idx,
     assert ref.rel_fro_error(y, _ref_gemm(x, ck, group_size)) < TOL
     arch = 90 if weights_layout == "k_planes" else 80
     assert launched == [f"w4a16_dequant__{prepared.scheme.split('.', 1)[1].replace('.', '_')}__blockwise_sm{arch}"]
-    # the same product as the op's own dequant then torch.matmul, bit for bit
-    xs = x.reshape(-1, 256) if prepared.perm is None else x.reshape(-1, 256).index_select(1, prepared.perm)
-    assert torch.equal(y.reshape(-1, 80), torch.mm(xs, ops.w4a16_dequant(prepared).t()))
+    # the same product as the op's own dequant then torch.matmul, bit for bit; with act-order, on w's columns put
+    # back in the checkpoint's order (x is not gathered), w [K, N] row-major as the op writes it
+    w = ops.w4a16_dequant(prepared)
+    if prepared.perm is None:
+        expected = torch.mm(x.reshape(-1, 256), w.t())
+    else:
+        w_checkpoint_order = torch.empty_like(w)
+        w_checkpoint_order[:, prepared.perm.long()] = w
+        expected = torch.mm(x.reshape(-1, 256), w_checkpoint_order.t().contiguous())
+    assert torch.equal(y.reshape(-1, 80), expected)
 
 
 def test_gemm_below_the_threshold_and_without_a_dequantizer_runs_the_gemm(weights_layout, launched, monkeypatch):

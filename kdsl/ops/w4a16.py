@@ -317,15 +317,19 @@ def _w4a16_gemm_impl(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
     m = x2.shape[0]
     dequant = _dequant_kernel(entry, m, n, device)
     if dequant is not None:
-        if perm is not None:  # act-order: x's columns in prepared K order, once (torch's gather is the faster
-            x2 = x2.index_select(1, perm)  # at prefill sizes: H200, 2048 x 4096: 25 us against 41 for Triton's)
         # Prefill: the GEMM is compute-bound, and cuBLAS's fp16/bf16 GEMM on the weights dequantized into a scratch
         # w (the caching allocator's: capturable in a CUDA graph) beats the W4A16 kernels; the dequant reads
         # K * N / 2 bytes and writes K * N * 2. No launch plan: only this path's signatures reach here (M >= min_m).
-        w = torch.empty((n, k), dtype=x2.dtype, device=device)
-        dequant.launch(prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
-                       prepared.contiguous_groups, w, dequant.tile_for(None))
-        torch.mm(x2, w.t(), out=y.view(-1, n))
+        if perm is None:
+            w = torch.empty((n, k), dtype=x2.dtype, device=device)
+            dequant.launch(prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
+                           prepared.contiguous_groups, w, dequant.tile_for(None))
+            torch.mm(x2, w.t(), out=y.view(-1, n))
+        else:  # act-order: w's rows go back to the checkpoint's K order as they are written, so x is not gathered
+            w = torch.empty((k, n), dtype=x2.dtype, device=device)
+            dequant.launch(prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
+                           prepared.contiguous_groups, w, dequant.tile_for(None), perm)
+            torch.mm(x2, w, out=y.view(-1, n))
         return y
     # act_order=False: act-order's x is gathered once by the chosen module (gather_columns), then the tile of
     # plain g_idx runs; the in-kernel perm lookups that act_order facts select are the AOT C ABI's.
