@@ -3,7 +3,7 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__deferred_gluon_sm90 (fp8_gemm/deferred_gluon: Gluon, TMA ring: block k's wgmma overlaps block k-1's rescale; one warpgroup per 64 rows; GPU only)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: 2af04a6daf756aaf (sha256 of this kernel's scheme, variant and templates)
+# digest: e705f2cc9022d20a (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl

@@ -3,7 +3,7 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_gemm/tma_persistent: TMA tensor descriptors, optionally a persistent grid over SMs, wgmma through Triton, split K in-kernel)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: 064f0b9b18d1d0a7 (sha256 of this kernel's scheme, variant and templates)
+# digest: 2d6f5a210189ba4e (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -250,7 +250,7 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90(
 # Tiles per M bucket, from the definition: (largest M served or None for the rest,
 # smallest N served or None, launch parameters); the first that serves (M, N) is used.
 TILES = (
-    (16, None, {'impl': 'tma_persistent', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'num_warps': 4, 'num_stages': 6, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': True, 'warp_specialize': False, 'split_fill': None, 'split_min_steps': None}),
+    (16, None, {'impl': 'tma_persistent', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 5, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': True, 'warp_specialize': False, 'split_fill': None, 'split_min_steps': None}),
     (64, 16384, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'split_fill': None, 'split_min_steps': None}),
     (64, 4096, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 6, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'split_fill': None, 'split_min_steps': None}),
     (64, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': True, 'warp_specialize': False, 'split_fill': None, 'split_min_steps': None}),
