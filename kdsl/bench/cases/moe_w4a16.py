@@ -7,8 +7,8 @@ routed expert at a time on the dequantized weights.
 
 Rows: `moe_w4a16`; at decode `moe_w4a16[check_ids=False]` (no host sync for the ids check); and
 `moe_w4a16[desc_act]`: the same layer with act-order, every expert's K permuted inside each group (each of gate and
-up its own permutation) and the stored rows moved with it, so the product is the same and the kernels gather x's
-and h's columns through the permutations. Baselines, in the same run on the same routing: bf16 on the dequantized
+up its own permutation) and the stored rows moved with it, so the product is the same and the layer gathers x's
+and h's rows through the permutations (once per sorted row). Baselines, in the same run on the same routing: bf16 on the dequantized
 weights, as a per-expert loop over the routed experts (their rows found once, outside the timed call) and as
 `torch._grouped_mm` where this torch has it. Decode (T <= 128: CUDA graphs) is judged by bytes, the routed experts'
 int4 weights, scales and zeros plus x and y, against the measured copy rate; prefill by FLOPs against the bf16
