@@ -11,6 +11,7 @@ import torch
 
 from kdsl.bench import moe, timing
 from kdsl.bench.case import GROUP, GROUP_MULTIPLE, Case
+from kdsl.schema import BlockFP8
 
 DIMS = ("experts", "topk", "m", "hidden", "inter")  # m: tokens, each routed to topk of the experts
 HELP = """\
@@ -18,6 +19,21 @@ the MoE layer (T tokens, top-k of E experts) vs bf16 per-expert loops and torch.
 on the dequantized weights; the roofline counts the routed experts' bytes (decode) and
 the FLOPs (prefill)"""
 MULTIPLES = {"hidden": GROUP_MULTIPLE, "inter": GROUP_MULTIPLE}
+
+
+def _reference(x, layer, routed, topk_weights, inter: int) -> torch.Tensor:
+    """fp32 y [T, H], one routed expert at a time, with the kernels' 1x128 activation quantization."""
+    xq, xs = timing.torch_act_quant(x)
+    x_deq = moe.deq_rows(xq, xs)
+    ref = torch.zeros(x.shape, device=x.device)
+    q13, s13, q2, s2 = layer
+    for e, token, slot in routed:
+        gate_up = x_deq[token] @ timing.fp8_weight_reference(q13[e], s13[e]).T
+        h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        hq, hs = timing.torch_act_quant(h)
+        down_e = moe.deq_rows(hq, hs) @ timing.fp8_weight_reference(q2[e], s2[e]).T
+        ref.index_add_(0, token, topk_weights[token, slot, None] * down_e)
+    return ref
 
 
 def setup(case: Case) -> timing.CaseSetup:
@@ -34,17 +50,7 @@ def setup(case: Case) -> timing.CaseSetup:
     bf16_layers = [(w13, w2) for (_, _, w13), (_, _, w2) in zip(up, down)]
     x = torch.randn(tokens, hidden, device=timing.DEVICE, dtype=torch.bfloat16)
 
-    # fp32 reference, one routed expert at a time
-    xq, xs = timing.torch_act_quant(x)
-    x_deq = moe.deq_rows(xq, xs)
-    ref = torch.zeros(tokens, hidden, device=timing.DEVICE)
-    q13, s13, q2, s2 = layers[0]
-    for e, token, slot in routed:
-        gate_up = x_deq[token] @ timing.fp8_weight_reference(q13[e], s13[e]).T
-        h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        hq, hs = timing.torch_act_quant(h)
-        down_e = moe.deq_rows(hq, hs) @ timing.fp8_weight_reference(q2[e], s2[e]).T
-        ref.index_add_(0, token, topk_weights[token, slot, None] * down_e)
+    ref = _reference(x, layers[0], routed, topk_weights, inter)
 
     baselines = moe.bf16_baselines(x, bf16_layers, routed, topk_weights, topk_ids, experts, inter)
 
@@ -58,3 +64,21 @@ def setup(case: Case) -> timing.CaseSetup:
         kdsl=kdsl, check=lambda outs: timing.check_close(outs[-1], ref, moe.MOE_TOL), baselines=baselines,
         tolerance=moe.MOE_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies,
         roofline_ms=moe.roofline_ms(bytes_moved, flops))
+
+
+def tune_problem(entry, shape) -> timing.Problem:
+    """The sorted kernel on a random block-FP8 layer at a tune Shape (T tokens routed to topk of E experts,
+    H = shape.k, I = shape.n), checked against the fp32 per-expert reference; the ids are not checked."""
+    experts, topk, tokens, hidden, inter = shape.experts, shape.topk, shape.m, shape.k, shape.n
+    topk_weights, topk_ids = moe.random_routing(tokens, experts, topk)
+    (q13, s13, _), = moe.quantized_experts(experts, 2 * inter, hidden)
+    (q2, s2, _), = moe.quantized_experts(experts, hidden, inter)
+    x = torch.randn(tokens, hidden, device=timing.DEVICE, dtype=torch.bfloat16)
+    ref = _reference(x, (q13, s13, q2, s2), moe.routed_rows(topk_ids, experts), topk_weights, inter)
+    y = torch.empty_like(x)
+    return timing.kernel_problem(y, ref, moe.MOE_TOL, lambda p: entry.launch(
+        x, q13, s13, q2, s2, topk_weights, topk_ids, y, None, p))
+
+
+# Tiles per bucket of tokens per routed expert, on the preset's moe_fp8 layers (kdsl.tune.search.shapes_for_bucket).
+TUNES = {"moe_fp8": timing.Tune(BlockFP8(), tune_problem)}

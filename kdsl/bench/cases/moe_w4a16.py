@@ -24,6 +24,7 @@ import torch
 from kdsl.bench import timing
 from kdsl.bench.case import GROUP, GROUP_MULTIPLE, Case
 from kdsl.bench.moe import DECODE_MAX_T, MOE_TOL, bf16_baselines, layer_copies, random_routing, routed_rows
+from kdsl.schema import W4A16
 
 DIMS = ("experts", "topk", "m", "hidden", "inter")  # int4 experts (GPTQ, group 128)
 HELP = """\
@@ -90,6 +91,16 @@ def _copy(prepared):
                                             if getattr(prepared, name) is not None})
 
 
+def _reference(x, routed, topk_weights, dense13, dense2, inter: int) -> torch.Tensor:
+    """fp32 y [T, H], one routed expert at a time; dense13(e), dense2(e): expert e's fp32 [H, 2I], [I, H]."""
+    ref = torch.zeros(x.shape, device=x.device)
+    for e, token, slot in routed:
+        gu = x[token].float() @ dense13(e)
+        h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        ref.index_add_(0, token, topk_weights[token, slot, None] * (h @ dense2(e)))
+    return ref
+
+
 def setup(case: Case) -> timing.CaseSetup:
     moe = timing.kdsl_op("moe_w4a16")
     prepare = timing.kdsl_op("gptq_moe_prepare")
@@ -110,19 +121,13 @@ def setup(case: Case) -> timing.CaseSetup:
     x = torch.randn(tokens, hidden, device=timing.DEVICE, dtype=torch.bfloat16)
 
     # fp32 reference and the bf16 weights of the baselines ([E, N, K], nn.Linear's layout), one expert at a time
-    ref = torch.zeros(tokens, hidden, device=timing.DEVICE)
+    dense13 = lambda e: _dense(q13[e], zeros13[e], gate_up["scales"][e])  # noqa: E731
+    dense2 = lambda e: _dense(q2[e], zeros2[e], down["scales"][e])  # noqa: E731
+    ref = _reference(x, routed, topk_weights, dense13, dense2, inter)
     w13_bf16 = torch.empty(experts, 2 * inter, hidden, device=timing.DEVICE, dtype=torch.bfloat16)
     w2_bf16 = torch.empty(experts, hidden, inter, device=timing.DEVICE, dtype=torch.bfloat16)
-    routed_experts = {e: (token, slot) for e, token, slot in routed}
     for e in range(experts):
-        dense13 = _dense(q13[e], zeros13[e], gate_up["scales"][e])
-        dense2 = _dense(q2[e], zeros2[e], down["scales"][e])
-        w13_bf16[e], w2_bf16[e] = dense13.T.to(torch.bfloat16), dense2.T.to(torch.bfloat16)
-        if e in routed_experts:
-            token, slot = routed_experts[e]
-            gu = x[token].float() @ dense13
-            h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-            ref.index_add_(0, token, topk_weights[token, slot, None] * (h @ dense2))
+        w13_bf16[e], w2_bf16[e] = dense13(e).T.to(torch.bfloat16), dense2(e).T.to(torch.bfloat16)
     del q13, q2, zeros13, zeros2
     bf16_layers = [(w13_bf16, w2_bf16)] + [(w13_bf16.clone(), w2_bf16.clone()) for _ in range(copies - 1)]
 
@@ -142,3 +147,31 @@ def setup(case: Case) -> timing.CaseSetup:
         tolerance=MOE_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies,
         roofline_ms=1e3 * max(bytes_moved / copy_rate, flops / (fp8_rate / 2)))
 
+
+
+def tune_problem(entry, shape) -> timing.Problem:
+    """The sorted kernel (entry: moe_w4a16's, on the scheme of W4A16() below) on a random GPTQ layer at a tune Shape
+    (T tokens routed to topk of E experts, H = shape.k, I = shape.n), prepared for the layout the entry reads,
+    checked against the fp32 per-expert reference; the ids are not checked (no host sync in the timed launch)."""
+    from kdsl.ops import gptq_moe_prepare
+
+    experts, topk, tokens, hidden, inter = shape.experts, shape.topk, shape.m, shape.k, shape.n
+    topk_weights, topk_ids = random_routing(tokens, experts, topk)
+    gate_up, zeros13, q13 = gptq_layer(experts, hidden, 2 * inter)
+    down, zeros2, q2 = gptq_layer(experts, inter, hidden)
+    w13 = gptq_moe_prepare(gate_up["qweight"], gate_up["qzeros"], gate_up["scales"], None, group_size=GROUP)
+    w2 = gptq_moe_prepare(down["qweight"], down["qzeros"], down["scales"], None, group_size=GROUP)
+    if w13.layout != entry.layout:
+        raise RuntimeError(f"gptq_moe_prepare wrote layout {w13.layout}, but {entry.name} reads {entry.layout}")
+    x = torch.randn(tokens, hidden, device=timing.DEVICE, dtype=torch.bfloat16)
+    ref = _reference(x, routed_rows(topk_ids, experts), topk_weights,
+                     lambda e: _dense(q13[e], zeros13[e], gate_up["scales"][e]),
+                     lambda e: _dense(q2[e], zeros2[e], down["scales"][e]), inter)
+    y = torch.empty_like(x)
+    return timing.kernel_problem(y, ref, MOE_TOL, lambda p: entry.launch(
+        x, w13.qweight, w13.zeros, w13.scales, w13.perm, w2.qweight, w2.zeros, w2.scales, w2.perm,
+        topk_weights, topk_ids, y, None, p))
+
+
+# Tiles per bucket of tokens per routed expert, on the preset's moe_w4a16 layers (kdsl.tune.search.shapes_for_bucket).
+TUNES = {"moe_w4a16": timing.Tune(W4A16(), tune_problem)}
