@@ -23,7 +23,7 @@ from kdsl.bench.case import Case
 from kdsl.bench.cases import TUNE_SHAPE_OPS, TUNES
 from kdsl.bench.timing import Problem
 from kdsl.codegen.render import tile_params
-from kdsl.ops.moe import tokens_per_expert
+from kdsl.ops.moe import most_tokens, tokens_per_expert
 from kdsl.schema import Tile
 from kdsl.tune.space import Bucket
 
@@ -120,14 +120,9 @@ def _moe_shapes(cases: Sequence[Case], bucket: Bucket) -> list[Shape]:
                          and bucket.holds(tokens_per_expert(c.m * topk, experts))})
         if not tokens:
             want = bucket.m_max if bucket.m_max is not None else max(2 * bucket.lo, 1)
-            tokens = [_tokens_for(want, experts, topk)]
+            tokens = [most_tokens(want, experts, topk)]
         shapes += [Shape(t, inter, hidden, experts=experts, topk=topk) for t in tokens]
     return shapes
-
-
-def _tokens_for(per_expert: int, experts: int, topk: int) -> int:
-    """The most tokens T whose tokens per routed expert are per_expert (topk <= experts)."""
-    return max(1, per_expert * experts // topk)
 
 
 def describe(exc: BaseException) -> str:
