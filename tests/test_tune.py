@@ -1008,3 +1008,23 @@ def test_real_search_on_a_tiny_space_writes_a_valid_definition(op, defs_copy, tm
     reloaded = target.select_target(op, load_definitions(defs_copy))  # the written file validates
     assert reloaded.variant.tiles[0] in tiles
     assert list(reloaded.variant.tiles[len(tuned):]) == list(chosen.variant.tiles[len(tuned):])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("op", MOE_OPS)
+def test_real_moe_search_on_a_tiny_layer_writes_a_valid_definition(op, defs_copy, tmp_path, capsys):
+    """A MoE layer's first bucket on a small layer (E = 8, top-2, H = 256, I = 128, T = 4: one token per routed
+    expert at most 8 routed experts): both candidates check against the fp32 reference and the file stays valid."""
+    chosen = target.select_target(op, load_definitions(defs_copy))
+    first = space.buckets(chosen.variant)[0]
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps({op: [{"experts": 8, "topk": 2, "m": [4], "hidden": 256, "inter": 128}]}))
+    status = tune_cli.run(parse("--op", op, "--defs", str(defs_copy), "--shapes", str(shapes),
+                                "--bucket", str(first.m_max), "--max-candidates", "2", "--write"))
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert "0 dropped" in captured.out, captured.out
+    assert "shape 1/1 E=8 TOPK=2 T=4 H=256 I=128 candidate 2/2" in captured.err
+    reloaded = target.select_target(op, load_definitions(defs_copy))
+    assert reloaded.variant.tiles[0] in space.candidates(chosen.variant, first, chosen.loaded.definition.schemes, 2)
