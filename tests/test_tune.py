@@ -481,6 +481,38 @@ def test_fp8_bmm_is_timed_by_graphs_at_every_m_and_writes_an_output_per_weight_c
     assert shape.label() == "B=3 M=4 N=64 K=256"
 
 
+@pytest.mark.parametrize("op", MOE_OPS)
+def test_moe_problems_read_cold_layer_copies_at_decode(interpreted, definitions, op):
+    """At decode the MoE problems take turns over copies of the layer (each launch its own weights and output), as
+    kdsl bench's calls do, so a graph of launches reads the routed experts from DRAM; prefill keeps one."""
+    from kdsl.runtime import registry
+    from kdsl.tune import problems
+
+    chosen = target.select_target(op, definitions, arch=registry.INTERPRETER_ARCH)
+    seen = []
+
+    class Spy:
+        layout, name = chosen.entry.layout, chosen.entry.name
+
+        def launch(self, x, w13, *args):
+            y = args[-3]
+            seen.append((w13.data_ptr(), y.data_ptr()))
+            chosen.entry.launch(x, w13, *args)
+
+    tile = tile_params(space.buckets(chosen.variant)[0].tile, find_impl(op, "sorted"))
+    problem = problems.problem_factory(op, Spy())(Shape(4, 128, 256, experts=4, topk=2))
+    err, why = problem.check(tile)
+    assert why is None and err < 2e-2
+    for _ in range(2):
+        problem.launch(tile)
+    assert len({w for w, _ in seen}) == 3 and len({y for _, y in seen}) == 3
+    seen.clear()
+    prefill = problems.problem_factory(op, Spy())(Shape(129, 128, 256, experts=4, topk=2))
+    prefill.launch(tile)
+    prefill.launch(tile)
+    assert len(set(seen)) == 1
+
+
 # ---- write-back ----
 
 def _variant_line_range(text: str, index: int) -> tuple[int, int]:

@@ -21,6 +21,12 @@ the FLOPs (prefill)"""
 MULTIPLES = {"hidden": GROUP_MULTIPLE, "inter": GROUP_MULTIPLE}
 
 
+def _expert_bytes(hidden: int, inter: int) -> int:
+    """Bytes an expert's weights occupy: e4m3 gate, up and down, and their fp32 128x128 block scales."""
+    return (3 * inter * hidden + 4 * (-(-2 * inter // GROUP) * (hidden // GROUP)
+                                      + -(-hidden // GROUP) * (inter // GROUP)))
+
+
 def _reference(x, layer, routed, topk_weights, inter: int) -> torch.Tensor:
     """fp32 y [T, H], one routed expert at a time, with the kernels' 1x128 activation quantization."""
     xq, xs = timing.torch_act_quant(x)
@@ -41,8 +47,7 @@ def setup(case: Case) -> timing.CaseSetup:
     experts, topk, tokens, hidden, inter = case.experts, case.topk, case.m, case.hidden, case.inter
     topk_weights, topk_ids = moe.random_routing(tokens, experts, topk)
     routed = moe.routed_rows(topk_ids, experts)
-    expert_bytes = (3 * inter * hidden + 4 * (-(-2 * inter // GROUP) * (hidden // GROUP)
-                                             + -(-hidden // GROUP) * (inter // GROUP)))
+    expert_bytes = _expert_bytes(hidden, inter)
     copies = moe.layer_copies(tokens, len(routed) * expert_bytes)
     up = moe.quantized_experts(experts, 2 * inter, hidden, copies)
     down = moe.quantized_experts(experts, hidden, inter, copies)
@@ -68,16 +73,21 @@ def setup(case: Case) -> timing.CaseSetup:
 
 def tune_problem(entry, shape) -> timing.Problem:
     """The sorted kernel on a random block-FP8 layer at a tune Shape (T tokens routed to topk of E experts,
-    H = shape.k, I = shape.n), checked against the fp32 per-expert reference; the ids are not checked."""
+    H = shape.k, I = shape.n), checked against the fp32 per-expert reference; the ids are not checked. At decode
+    (T <= 128) launches take turns over copies of the layer, as the bench's calls do, so the routed experts are
+    read cold from DRAM."""
     experts, topk, tokens, hidden, inter = shape.experts, shape.topk, shape.m, shape.k, shape.n
     topk_weights, topk_ids = moe.random_routing(tokens, experts, topk)
-    (q13, s13, _), = moe.quantized_experts(experts, 2 * inter, hidden)
-    (q2, s2, _), = moe.quantized_experts(experts, hidden, inter)
+    routed = moe.routed_rows(topk_ids, experts)
+    copies = moe.layer_copies(tokens, len(routed) * _expert_bytes(hidden, inter))
+    up = moe.quantized_experts(experts, 2 * inter, hidden, copies)
+    down = moe.quantized_experts(experts, hidden, inter, copies)
+    layers = [(q13, s13, q2, s2) for (q13, s13, _), (q2, s2, _) in zip(up, down)]
     x = torch.randn(tokens, hidden, device=timing.DEVICE, dtype=torch.bfloat16)
-    ref = _reference(x, (q13, s13, q2, s2), moe.routed_rows(topk_ids, experts), topk_weights, inter)
-    y = torch.empty_like(x)
-    return timing.kernel_problem(y, ref, moe.MOE_TOL, lambda p: entry.launch(
-        x, q13, s13, q2, s2, topk_weights, topk_ids, y, None, p))
+    ref = _reference(x, layers[0], routed, topk_weights, inter)
+    return timing.cycling_problem(
+        [torch.empty_like(x) for _ in range(copies)], ref, moe.MOE_TOL,
+        lambda i, y, params: entry.launch(x, *layers[i], topk_weights, topk_ids, y, None, params))
 
 
 # Tiles per bucket of tokens per routed expert, on the preset's moe_fp8 layers (kdsl.tune.search.shapes_for_bucket).

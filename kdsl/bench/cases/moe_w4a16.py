@@ -91,6 +91,11 @@ def _copy(prepared):
                                             if getattr(prepared, name) is not None})
 
 
+def _expert_bytes(hidden: int, inter: int) -> int:
+    """Bytes an expert's weights occupy: int4 words, and a 2-byte scale and zero per group and column."""
+    return 3 * hidden * inter // 2 + 2 * 2 * (hidden // GROUP * 2 * inter + inter // GROUP * hidden)
+
+
 def _reference(x, routed, topk_weights, dense13, dense2, inter: int) -> torch.Tensor:
     """fp32 y [T, H], one routed expert at a time; dense13(e), dense2(e): expert e's fp32 [H, 2I], [I, H]."""
     ref = torch.zeros(x.shape, device=x.device)
@@ -112,8 +117,7 @@ def setup(case: Case) -> timing.CaseSetup:
     down, zeros2, q2 = gptq_layer(experts, inter, hidden)
     w13 = prepare(gate_up["qweight"], gate_up["qzeros"], gate_up["scales"], None, group_size=GROUP)
     w2 = prepare(down["qweight"], down["qzeros"], down["scales"], None, group_size=GROUP)
-    # bytes an expert's weights occupy: int4 words, and a 2-byte scale and zero per group and column
-    expert_bytes = 3 * hidden * inter // 2 + 2 * 2 * (hidden // GROUP * 2 * inter + inter // GROUP * hidden)
+    expert_bytes = _expert_bytes(hidden, inter)
     copies = layer_copies(tokens, len(routed) * expert_bytes)
     layers = [(w13, w2)] + [(_copy(w13), _copy(w2)) for _ in range(copies - 1)]
     act_order = [(_act_order(a, _within_groups(experts, 2, hidden)), _act_order(b, _within_groups(experts, 1, inter)))
@@ -152,7 +156,9 @@ def setup(case: Case) -> timing.CaseSetup:
 def tune_problem(entry, shape) -> timing.Problem:
     """The sorted kernel (entry: moe_w4a16's, on the scheme of W4A16() below) on a random GPTQ layer at a tune Shape
     (T tokens routed to topk of E experts, H = shape.k, I = shape.n), prepared for the layout the entry reads,
-    checked against the fp32 per-expert reference; the ids are not checked (no host sync in the timed launch)."""
+    checked against the fp32 per-expert reference; the ids are not checked (no host sync in the timed launch).
+    At decode (T <= 128) launches take turns over copies of the layer, as the bench's calls do, so the routed
+    experts are read cold from DRAM."""
     from kdsl.ops import gptq_moe_prepare
 
     experts, topk, tokens, hidden, inter = shape.experts, shape.topk, shape.m, shape.k, shape.n
@@ -164,13 +170,18 @@ def tune_problem(entry, shape) -> timing.Problem:
     if w13.layout != entry.layout:
         raise RuntimeError(f"gptq_moe_prepare wrote layout {w13.layout}, but {entry.name} reads {entry.layout}")
     x = torch.randn(tokens, hidden, device=timing.DEVICE, dtype=torch.bfloat16)
-    ref = _reference(x, routed_rows(topk_ids, experts), topk_weights,
-                     lambda e: _dense(q13[e], zeros13[e], gate_up["scales"][e]),
+    routed = routed_rows(topk_ids, experts)
+    ref = _reference(x, routed, topk_weights, lambda e: _dense(q13[e], zeros13[e], gate_up["scales"][e]),
                      lambda e: _dense(q2[e], zeros2[e], down["scales"][e]), inter)
-    y = torch.empty_like(x)
-    return timing.kernel_problem(y, ref, MOE_TOL, lambda p: entry.launch(
-        x, w13.qweight, w13.zeros, w13.scales, w13.perm, w2.qweight, w2.zeros, w2.scales, w2.perm,
-        topk_weights, topk_ids, y, None, p))
+    copies = layer_copies(tokens, len(routed) * _expert_bytes(hidden, inter))
+    layers = [(w13, w2)] + [(_copy(w13), _copy(w2)) for _ in range(copies - 1)]
+
+    def run(i, y, params):
+        a, b = layers[i]
+        entry.launch(x, a.qweight, a.zeros, a.scales, a.perm, b.qweight, b.zeros, b.scales, b.perm,
+                     topk_weights, topk_ids, y, None, params)
+
+    return timing.cycling_problem([torch.empty_like(x) for _ in range(copies)], ref, MOE_TOL, run)
 
 
 # Tiles per bucket of tokens per routed expert, on the preset's moe_w4a16 layers (kdsl.tune.search.shapes_for_bucket).
