@@ -544,8 +544,10 @@ def test_gpu_qwen3_moe_matches_reference(tokens, g_idx):
 
 
 @pytest.mark.gpu
-def test_gpu_captures_in_a_cuda_graph_and_replays_any_routing():
-    w13, w2, dense13, dense2 = _gpu_layer(32, 1024, 256, dtype=torch.float16)
+@pytest.mark.parametrize("g_idx", ["none", "perm"])  # act-order: the gathered rows' buffers are captured too
+def test_gpu_captures_in_a_cuda_graph_and_replays_any_routing(g_idx):
+    w13, w2, dense13, dense2 = _gpu_layer(32, 1024, 256, g_idx=g_idx, dtype=torch.float16)
+    assert (w13.perm is None) == (g_idx == "none")
     x = torch.randn(16, 1024, device="cuda").half()
     topk_weights, topk_ids = routing(16, 32, 4, device="cuda")
     kdsl.ops.moe_w4a16(x, w13, w2, topk_weights, topk_ids)  # compile outside the capture
