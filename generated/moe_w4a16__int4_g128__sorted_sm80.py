@@ -3,19 +3,22 @@
 # kernel: moe_w4a16__int4_g128__sorted_sm80 (moe_w4a16/sorted: tokens sorted by expert on the device, int4 gate-up GEMM (+ silu * up), int4 down GEMM, weighted combine)
 # scheme: w4a16.int4.g128
 # arch: sm_80 and up
-# digest: fad5ed4f73e32e70 (sha256 of this kernel's scheme, variant and templates)
+# digest: 54a9ac020aa8bf18 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
 
 # A W4A16 MoE layer's experts on prepared int4 weights (kdsl.ops.gptq_moe_prepare / awq_moe_prepare), tokens
-# sorted by expert on the device: routing, gate-up GEMM (+ silu * up), down GEMM, combine. Four launches, no
-# host sync: every grid is sized on the host for the worst routing and programs past the rows in use return.
+# sorted by expert on the device: routing, gate-up GEMM (+ silu * up), down GEMM, combine. Four launches (six
+# with act-order), no host sync: every grid is sized on the host for the worst routing and programs past the rows
+# in use return.
 #
 # Stacked experts, per projection: qweight int32 [E, K / PACK, N] (each expert as the prepared layout below),
 # zeros and scales [E, G, N] (zeros as the layout says), perm int32 [E, S, K] or none: with act-order each
-# expert's K is sorted by group once, at prepare time, and the GEMMs gather x's columns through its permutation
-# (S = 2 for gate-up, whose gate and up halves were quantized as two linears with their own g_idx).
+# expert's K is sorted by group once, at prepare time (S = 2 for gate-up, whose gate and up halves were quantized
+# as two linears with their own g_idx). A call then gathers each sorted row's activation once through its
+# expert's permutation (the gather kernel below: x before gate-up, h before down), so the GEMMs read their rows
+# contiguously, as without act-order.
 
 BITS = tl.constexpr(4)
 PACK = tl.constexpr(8)  # values per int32
@@ -418,22 +421,54 @@ def _mma(acc, x, w, FP32_MATH: tl.constexpr):
         return tl.dot(x, w, acc)
 
 
+# --- act-order: each sorted row's activation gathered once through its expert's permutation ---------------------
+
+@triton.jit
+def moe_w4a16__int4_g128__sorted_sm80_gather(
+    src_ptr, perm_ptr, dst_ptr, rows_ptr, block_expert_ptr, meta_ptr,
+    K, topk, stride_sm, stride_pe, stride_ps, stride_ds, stride_dm,
+    SEGMENTS: tl.constexpr, BY_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, K_PAD: tl.constexpr,
+):
+    """One program per sorted row p of a routed expert e: dst[s, p, k] = src[r, perm[e, s, k]] for each segment s,
+    where r is p's token (BY_TOKEN: src is x) or p itself (src is h, already in sorted order). The row is loaded
+    whole and contiguously (K padded to K_PAD, a power of two) and permuted in registers, so every load and store
+    is coalesced, unlike a per-element gather inside the GEMMs' K loop. Padding rows and rows past the ones in use
+    are not written (the GEMMs re-read their block's first row instead)."""
+    row = tl.program_id(0)
+    if row < tl.load(meta_ptr):
+        assignment = tl.load(rows_ptr + row)
+        if assignment >= 0:
+            expert = tl.load(block_expert_ptr + row // BLOCK_M).to(tl.int64)
+            if BY_TOKEN:
+                src_row = (assignment // topk).to(tl.int64)
+            else:
+                src_row = row.to(tl.int64)
+            ks = tl.arange(0, K_PAD)
+            k_ok = ks < K
+            values = tl.load(src_ptr + src_row * stride_sm + ks, mask=k_ok, other=0.0)
+            for segment in tl.static_range(SEGMENTS):
+                perm = tl.load(perm_ptr + expert * stride_pe + segment * stride_ps + ks, mask=k_ok, other=0)
+                tl.store(dst_ptr + segment * stride_ds + row.to(tl.int64) * stride_dm + ks,
+                         tl.gather(values, perm, 0), mask=k_ok)
+
+
 # --- gate and up projections over the sorted rows, h = silu(gate) * up in the epilogue ----------------------------
 
 @triton.jit
 def moe_w4a16__int4_g128__sorted_sm80(
-    x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, h_ptr, rows_ptr, block_expert_ptr, meta_ptr,
+    x_ptr, qw_ptr, z_ptr, s_ptr, h_ptr, rows_ptr, block_expert_ptr, meta_ptr,
     N, K, topk, max_blocks,
-    stride_xm, stride_pe, stride_pup, stride_qwe, stride_qwk, stride_ze, stride_zg, stride_se, stride_sg, stride_hm,
-    HAS_PERM: tl.constexpr, UNIFORM_GROUP: tl.constexpr,
+    stride_xm, stride_xup, stride_qwe, stride_qwk, stride_ze, stride_zg, stride_se, stride_sg, stride_hm,
+    GATHERED: tl.constexpr, UP_APART: tl.constexpr, UNIFORM_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, N_MAJOR: tl.constexpr,
     MAGIC_BITS: tl.constexpr, MAGIC_BIAS: tl.constexpr, FP32_MATH: tl.constexpr, ASM_DEQUANT: tl.constexpr,
 ):
     """h [rows, N] for BLOCK_M sorted rows (one expert's) and BLOCK_N columns of the intermediate size N = I: the
     program computes columns offs_n of the gate rows [0, N) and of the up rows [N, 2N) of w13 against the same rows
     of x (each row reads token rows[p] // topk; padding rows read token 0 and are not written), then silu(gate) *
-    up in fp32, stored in h's dtype (x's). HAS_PERM: the gate half gathers x's columns through the expert's first
-    permutation, the up half through the one stride_pup further (0: the same)."""
+    up in fp32, stored in h's dtype (x's). GATHERED (act-order): x holds the sorted rows themselves, already in the
+    expert's K order (the gather kernel's output): row p for the gate half and, UP_APART (gate and up have their
+    own permutations), row p stride_xup further for the up half; padding rows re-read their block's first row."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _tile_coords(tl.program_id(0), max_blocks, num_pid_n, GROUP_M, N_MAJOR)
     if pid_m * BLOCK_M < tl.load(meta_ptr):
@@ -443,11 +478,13 @@ def moe_w4a16__int4_g128__sorted_sm80(
         cols = offs_n % N  # columns past N wrap onto valid ones: loads stay in bounds, the store drops them
         assignment = tl.load(rows_ptr + offs_m)
         live = assignment >= 0
-        tokens = (tl.maximum(assignment, 0) // topk).to(tl.int64)
+        if GATHERED:
+            x_rows = tl.where(live, offs_m, pid_m * BLOCK_M).to(tl.int64)
+        else:
+            x_rows = (tl.maximum(assignment, 0) // topk).to(tl.int64)
         qw_ptr += expert * stride_qwe
         z_ptr += expert * stride_ze
         s_ptr += expert * stride_se
-        perm_ptr += expert * stride_pe
         dtype: tl.constexpr = x_ptr.dtype.element_ty
 
         gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -458,9 +495,9 @@ def moe_w4a16__int4_g128__sorted_sm80(
                                   BLOCK_K, UNIFORM_GROUP, MAGIC_BITS, MAGIC_BIAS, FP32_MATH, ASM_DEQUANT)
             w_up = _weight_tile(qw_ptr, z_ptr, s_ptr, k_block, cols + N, K, stride_qwk, stride_zg, stride_sg, dtype,
                                 BLOCK_K, UNIFORM_GROUP, MAGIC_BITS, MAGIC_BIAS, FP32_MATH, ASM_DEQUANT)
-            x_gate = _load_x(x_ptr, perm_ptr, tokens, offs_k, K, stride_xm, HAS_PERM)
-            if HAS_PERM:
-                x_up = _load_x(x_ptr, perm_ptr + stride_pup, tokens, offs_k, K, stride_xm, HAS_PERM)
+            x_gate = _load_x(x_ptr, x_ptr, x_rows, offs_k, K, stride_xm, False)
+            if UP_APART:
+                x_up = _load_x(x_ptr + stride_xup, x_ptr, x_rows, offs_k, K, stride_xm, False)
             else:
                 x_up = x_gate
             gate = _mma(gate, x_gate, w_gate, FP32_MATH)
@@ -474,15 +511,15 @@ def moe_w4a16__int4_g128__sorted_sm80(
 
 @triton.jit
 def moe_w4a16__int4_g128__sorted_sm80_down(
-    h_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, out_ptr, rows_ptr, block_expert_ptr, meta_ptr,
+    h_ptr, qw_ptr, z_ptr, s_ptr, out_ptr, rows_ptr, block_expert_ptr, meta_ptr,
     N, K, max_blocks,
-    stride_hm, stride_pe, stride_qwe, stride_qwk, stride_ze, stride_zg, stride_se, stride_sg, stride_om,
-    HAS_PERM: tl.constexpr, UNIFORM_GROUP: tl.constexpr,
+    stride_hm, stride_qwe, stride_qwk, stride_ze, stride_zg, stride_se, stride_sg, stride_om,
+    UNIFORM_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, N_MAJOR: tl.constexpr,
     MAGIC_BITS: tl.constexpr, MAGIC_BIAS: tl.constexpr, FP32_MATH: tl.constexpr, ASM_DEQUANT: tl.constexpr,
 ):
     """out[rows[p]] = h[p] @ w2[e] for the BLOCK_M sorted rows p of one expert e (N = H, K = I), in out's dtype;
-    HAS_PERM: h's columns gathered through the expert's permutation."""
+    with act-order h comes already in the expert's K order (the gather kernel's output)."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _tile_coords(tl.program_id(0), max_blocks, num_pid_n, GROUP_M, N_MAJOR)
     if pid_m * BLOCK_M < tl.load(meta_ptr):
@@ -497,7 +534,6 @@ def moe_w4a16__int4_g128__sorted_sm80_down(
         qw_ptr += expert * stride_qwe
         z_ptr += expert * stride_ze
         s_ptr += expert * stride_se
-        perm_ptr += expert * stride_pe
         dtype: tl.constexpr = h_ptr.dtype.element_ty
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -505,7 +541,7 @@ def moe_w4a16__int4_g128__sorted_sm80_down(
             offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
             w = _weight_tile(qw_ptr, z_ptr, s_ptr, k_block, cols, K, stride_qwk, stride_zg, stride_sg, dtype,
                              BLOCK_K, UNIFORM_GROUP, MAGIC_BITS, MAGIC_BIAS, FP32_MATH, ASM_DEQUANT)
-            h = _load_x(h_ptr, perm_ptr, rows_h, offs_k, K, stride_hm, HAS_PERM)
+            h = _load_x(h_ptr, h_ptr, rows_h, offs_k, K, stride_hm, False)
             acc = _mma(acc, h, w, FP32_MATH)
         out_ptrs = out_ptr + assignment.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(assignment >= 0)[:, None] & (offs_n[None, :] < N))
@@ -526,12 +562,22 @@ def _cdiv(n: int, d: int) -> int:
     return -(-n // d)
 
 
-def _perm_args(perm, qweight):
-    """(pointer, expert stride, stride to the up half's permutation) of perm [E, S, K], or of nothing (qweight stands
-    in for the pointer, never read)."""
-    if perm is None:
-        return qweight, 0, 0
-    return perm, perm.stride(0), perm.stride(1) if perm.shape[1] > 1 else 0
+def _gather_warps(k_pad: int) -> int:
+    return max(1, min(8, k_pad // 256))  # about 8 elements a thread for rows up to 2048, 16-32 above
+
+
+def _gather(src, perm, rows, block_expert, meta, topk: int, block_m: int, by_token: bool):
+    """[S, max_rows, K] (S = perm's segments): each sorted row's activation in its expert's K order, one gather
+    kernel launch over all max_rows rows (those past the rows used return)."""
+    segments, k = perm.shape[1], perm.shape[2]
+    dst = torch.empty((segments, rows.shape[0], k), dtype=src.dtype, device=src.device)
+    k_pad = 1 << (k - 1).bit_length()
+    moe_w4a16__int4_g128__sorted_sm80_gather[(rows.shape[0],)](
+        src, perm, dst, rows, block_expert, meta, k, topk, src.stride(0), perm.stride(0), perm.stride(1),
+        dst.stride(0), dst.stride(1),
+        SEGMENTS=segments, BY_TOKEN=by_token, BLOCK_M=block_m, K_PAD=k_pad, num_warps=_gather_warps(k_pad),
+    )
+    return dst
 
 
 def launch(x, w13_qweight, w13_zeros, w13_scales, w13_perm, w2_qweight, w2_zeros, w2_scales, w2_perm,
@@ -559,20 +605,22 @@ def launch(x, w13_qweight, w13_zeros, w13_scales, w13_perm, w2_qweight, w2_zeros
                 num_warps=tile["num_warps"], num_stages=tile["num_stages"])
 
     h = torch.empty((max_rows, inter), dtype=x.dtype, device=device)
-    perm, stride_pe, stride_pup = _perm_args(w13_perm, w13_qweight)
+    if w13_perm is not None:  # act-order: x's sorted rows gathered once ([S, max_rows, H]), read contiguously
+        x = _gather(x, w13_perm, rows, block_expert, meta, topk, block_m, by_token=True)
+    up_apart = w13_perm is not None and w13_perm.shape[1] > 1
     moe_w4a16__int4_g128__sorted_sm80[(max_blocks * _cdiv(inter, block_n),)](
-        x, perm, w13_qweight, w13_zeros, w13_scales, h, rows, block_expert, meta, inter, H, topk, max_blocks,
-        x.stride(0), stride_pe, stride_pup, w13_qweight.stride(0), w13_qweight.stride(1), w13_zeros.stride(0),
+        x, w13_qweight, w13_zeros, w13_scales, h, rows, block_expert, meta, inter, H, topk, max_blocks,
+        x.stride(-2), x.stride(0) if up_apart else 0, w13_qweight.stride(0), w13_qweight.stride(1), w13_zeros.stride(0),
         w13_zeros.stride(1), w13_scales.stride(0), w13_scales.stride(1), h.stride(0),
-        HAS_PERM=w13_perm is not None, **gemm,
+        GATHERED=w13_perm is not None, UP_APART=up_apart, **gemm,
     )
 
     out = torch.empty((T * topk, H), dtype=y.dtype, device=device)
-    perm, stride_pe, _ = _perm_args(w2_perm, w2_qweight)
+    if w2_perm is not None:  # act-order: h gathered once into the down expert's K order
+        h = _gather(h, w2_perm, rows, block_expert, meta, topk, block_m, by_token=False)[0]
     moe_w4a16__int4_g128__sorted_sm80_down[(max_blocks * _cdiv(H, block_n),)](
-        h, perm, w2_qweight, w2_zeros, w2_scales, out, rows, block_expert, meta, H, inter, max_blocks,
-        h.stride(0), stride_pe, w2_qweight.stride(0), w2_qweight.stride(1), w2_zeros.stride(0), w2_zeros.stride(1),
-        w2_scales.stride(0), w2_scales.stride(1), out.stride(0),
-        HAS_PERM=w2_perm is not None, **gemm,
+        h, w2_qweight, w2_zeros, w2_scales, out, rows, block_expert, meta, H, inter, max_blocks,
+        h.stride(0), w2_qweight.stride(0), w2_qweight.stride(1), w2_zeros.stride(0), w2_zeros.stride(1),
+        w2_scales.stride(0), w2_scales.stride(1), out.stride(0), **gemm,
     )
     _combine(out, topk_weights, topk_ids, y, E)

@@ -146,24 +146,83 @@ def _list(args: argparse.Namespace) -> int:
               f"from {entry.origin}")
         previous = None
         for bucket in entry.tiles:
-            p = bucket.params
             bound = f"M <= {bucket.m_max}" if bucket.m_max is not None else "M rest"
             if bucket.n_min is not None:
                 bound += f", N >= {bucket.n_min}"
             if (bucket.m_max, bucket.n_min) == previous:
                 bound = "else"  # the alternative, where the tile before refuses the call
             previous = (bucket.m_max, bucket.n_min)
-            # The implementation's options that are set (switches by name), after the common geometry.
-            common = ("impl", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "num_warps", "num_stages")
-            extras = "".join(f" {k}" if v is True else f" {k}={v}" for k, v in p.items()
-                             if k not in common and v not in (None, False))
-            print(f"    {bound:>20}: {p['impl']} {p['BLOCK_M']}x{p['BLOCK_N']}x{p['BLOCK_K']} warps={p['num_warps']} "
-                  f"stages={p['num_stages']} group_m={p['GROUP_M']} split_k={p['SPLIT_K']}{extras}")
+            print(f"    {bound:>20}: {_tile_text(bucket.params)}")
         if entry.dequant:
             bound = f"M >= {entry.dequant['min_m']}"
             print(f"    {bound:>20}: {entry.dequant['op']} then torch.matmul (cuBLAS), where one serves (dequant_min_m)")
     print(f"{len(kernels)} kernel(s)", file=sys.stderr)
     return 0
+
+
+def _tile_text(p: dict) -> str:
+    """A tile's launch parameters in one line: the common geometry, then the implementation's options that are set
+    (switches by name)."""
+    common = ("impl", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "num_warps", "num_stages")
+    extras = "".join(f" {k}" if v is True else f" {k}={v}" for k, v in p.items()
+                     if k not in common and v not in (None, False))
+    return (f"{p['impl']} {p['BLOCK_M']}x{p['BLOCK_N']}x{p['BLOCK_K']} warps={p['num_warps']} "
+            f"stages={p['num_stages']} group_m={p['GROUP_M']} split_k={p['SPLIT_K']}{extras}")
+
+
+# The MoE layers pick their tile by tokens per routed expert (kdsl.ops.moe.tokens_per_expert), which
+# `explain --tokens T --experts E --topk K` works out from the routing.
+MOE_LAYER_OPS = ("moe_fp8", "moe_w4a16")
+
+
+def _moe_routing(args: argparse.Namespace) -> tuple[int, int, int] | None:
+    """(T, E, k) from --tokens/--experts/--topk, or None when none is given; UsageError for a partial or
+    conflicting set."""
+    given = {"--tokens": args.tokens, "--experts": args.experts, "--topk": args.topk}
+    if all(v is None for v in given.values()):
+        return None
+    if args.op not in MOE_LAYER_OPS:
+        raise UsageError(f"--tokens, --experts and --topk describe a MoE layer's routing ({', '.join(MOE_LAYER_OPS)}), "
+                         f"not {args.op}; pass --m")
+    missing = [name for name, value in given.items() if value is None]
+    if missing:
+        raise UsageError(f"{' and '.join(missing)}: needed with {', '.join(n for n in given if n not in missing)} "
+                         "(M is tokens per routed expert, from T, E and k)")
+    if args.m is not None:
+        raise UsageError("--m and --tokens both set M: pass one (the MoE layers' M is tokens per routed expert)")
+    if args.topk > args.experts:
+        raise UsageError(f"--topk {args.topk} is more than the {args.experts} experts")
+    return args.tokens, args.experts, args.topk
+
+
+def _moe_tiles(entry, tokens: int, experts: int, topk: int, n: int | None) -> str:
+    """How a MoE layer's call at T tokens picks its tile, and which T each of the entry's tiles serves at this
+    routing's E and top-k."""
+    from kdsl.ops.moe import most_tokens, tokens_per_expert
+
+    assignments = tokens * topk
+    m = tokens_per_expert(assignments, experts)
+    lines = [f"MoE routing: T = {tokens} tokens, top-{topk} of E = {experts} experts: M = tokens per routed expert "
+             f"= ceil(T * k / min(T * k, E)) = ceil({assignments} / {min(assignments, experts)}) = {m}",
+             f"  {entry.name}'s tiles by T at E = {experts}, top-{topk}" + ("" if n is None else f", N = H = {n}")
+             + ":"]
+    chosen = entry.bucket_index(m, n)
+    below, previous = 0, None  # the M and T the tiles before serve
+    for index, bucket in enumerate(entry.tiles):
+        if not bucket.serves(bucket.m_max if bucket.m_max is not None else below + 1, n) \
+                or (bucket.m_max, bucket.n_min) == previous:
+            continue  # a tile for other N, or a run-time alternative to the tile before
+        previous = (bucket.m_max, bucket.n_min)
+        low = most_tokens(below, experts, topk) if below else 0
+        if bucket.m_max is None:
+            span, rows = f"T > {low}", f"M > {below}"
+        else:
+            high = most_tokens(bucket.m_max, experts, topk)
+            span, rows = (f"T <= {high}" if not low else f"{low} < T <= {high}"), f"M <= {bucket.m_max}"
+            below = bucket.m_max
+        mark = f"   <- T = {tokens}" if index == chosen else ""
+        lines.append(f"    {span:>18} ({rows:>7}): {_tile_text(bucket.params)}{mark}")
+    return "\n".join(lines)
 
 
 def _explain(args: argparse.Namespace) -> int:
@@ -173,10 +232,18 @@ def _explain(args: argparse.Namespace) -> int:
     schemes = sorted({e.scheme for e in _kernels(args.op)})
     if args.scheme is not None and args.scheme not in schemes:
         raise UsageError(f"unknown scheme {args.scheme!r} for op {args.op}; known schemes: {', '.join(schemes)}")
+    routing = _moe_routing(args)
+    m = args.m
+    if routing is not None:
+        from kdsl.ops.moe import tokens_per_expert
+
+        m = tokens_per_expert(routing[0] * routing[2], routing[1])
     try:
         arch_number = device_arch() if args.arch is None else args.arch
-        print(explain(args.op, args.scheme, arch=arch_number, m=args.m, n=args.n, batch=args.batch))
-        select(args.op, args.scheme, arch=arch_number)
+        print(explain(args.op, args.scheme, arch=arch_number, m=m, n=args.n, batch=args.batch))
+        entry = select(args.op, args.scheme, arch=arch_number)
+        if routing is not None:
+            print(_moe_tiles(entry, *routing, args.n))
     except NoKernelError:
         return 1  # the trace above says why
     except ManifestError:
@@ -366,6 +433,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="output columns of the problem, for definitions that tile by N too")
     why.add_argument("--batch", type=int_at_least(1), default=1,
                      help="batches of a batched op (fp8_bmm), for tiles that serve few batches (default: 1)")
+    why.add_argument("--tokens", type=int_at_least(1), metavar="T",
+                     help="the MoE layers (moe_fp8, moe_w4a16): tokens of the call; with --experts and --topk sets M to "
+                          "the tokens per routed expert, ceil(T * k / min(T * k, E)), and shows which T each tile "
+                          "serves (--n: the hidden size H)")
+    why.add_argument("--experts", type=int_at_least(1), metavar="E", help="the MoE layers: experts per layer")
+    why.add_argument("--topk", type=int_at_least(1), metavar="K", help="the MoE layers: experts per token")
     why.set_defaults(func=_explain)
 
     demo = commands.add_parser("demo", help="run the generated kernels on a small example",

@@ -109,6 +109,50 @@ def test_explain_batch_shows_the_tile_for_that_many_batches(capsys):
     assert code == 2 and "argument --batch: must be >= 1" in err
 
 
+@pytest.mark.parametrize("op, scheme, experts, ranges", [
+    ("moe_w4a16", "w4a16.int4.g128", 128, ["T <= 128", "128 < T <= 512", "512 < T <= 1024", "T > 1024"]),
+    ("moe_fp8", None, 256, ["T <= 128", "128 < T <= 1024", "1024 < T <= 4096", "T > 4096"]),
+])
+def test_explain_moe_routing_shows_tokens_per_expert_and_the_tile_per_t(capsys, op, scheme, experts, ranges):
+    """--tokens/--experts/--topk: M is the tokens per routed expert, the tile is the one the op launches for that
+    routing (entry.tile_for(M, H)), and each of the entry's tiles is shown with the token counts it serves."""
+    from kdsl.cli import _tile_text
+    from kdsl.ops.moe import tokens_per_expert
+
+    entry = registry.select(op, scheme, arch="sm_90")
+    scheme_args = ("--scheme", scheme) if scheme else ()
+    bounds = [1, 128, 129, 512, 513, 1024, 1025, 4096, 4097]
+    for tokens in bounds:
+        code, out, err = run(capsys, "explain", op, "--arch", "sm_90", *scheme_args, "--tokens", str(tokens),
+                             "--experts", str(experts), "--topk", "8", "--n", "2048")
+        assert code == 0, err
+        m = tokens_per_expert(tokens * 8, experts)
+        assert out.splitlines()[0].endswith(f"m={m} n=2048")
+        assert f"M = tokens per routed expert = ceil(T * k / min(T * k, E)) = ceil({tokens * 8} / " \
+               f"{min(tokens * 8, experts)}) = {m}" in out
+        table = out[out.index("tiles by T"):].splitlines()[1:]
+        assert [line.split("(")[0].strip() for line in table] == ranges
+        marked = [line for line in table if line.endswith(f"<- T = {tokens}")]
+        assert len(marked) == 1 and _tile_text(entry.tile_for(m, 2048)) in marked[0]
+        # The marked range holds T.
+        span = marked[0].split("(")[0].strip()
+        low = int(span.split(" < ")[0]) if " < " in span else 0
+        high = int(span.split("<= ")[1]) if "<=" in span else None
+        assert low < tokens and (high is None or tokens <= high)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("fp8_gemm", "--tokens", "4", "--experts", "8", "--topk", "2"), "describe a MoE layer's routing"),
+    (("moe_fp8", "--tokens", "4", "--experts", "8"), "--topk: needed with --tokens, --experts"),
+    (("moe_fp8", "--tokens", "4", "--experts", "8", "--topk", "2", "--m", "3"), "--m and --tokens both set M"),
+    (("moe_fp8", "--tokens", "4", "--experts", "8", "--topk", "9"), "--topk 9 is more than the 8 experts"),
+    (("moe_fp8", "--tokens", "0", "--experts", "8", "--topk", "2"), "argument --tokens: must be >= 1"),
+])
+def test_explain_moe_routing_usage_errors(capsys, args, message):
+    code, out, err = run(capsys, "explain", *args, "--arch", "sm_90")
+    assert code == 2 and out == "" and message in err
+
+
 def test_explain_without_an_arch_to_select_for(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     code, _, err = run(capsys, "explain", "fp8_gemm")

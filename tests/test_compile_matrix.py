@@ -97,12 +97,12 @@ W4A16_ARGS = {"x_ptr": "*{out}", "perm_ptr": "*i32", "qw_ptr": "*i32", "z_ptr": 
               "stride_xm": I32, "stride_qwk": I32, "stride_zg": I32, "stride_sg": I32, "stride_ym": I32}
 
 # The W4A16 MoE GEMMs' weight, routing and integer arguments, and their constexprs ("{out}" is the activation dtype).
-MOE_W4A16_WEIGHTS = {"perm_ptr": "*i32", "qw_ptr": "*i32", "z_ptr": "*{out}", "s_ptr": "*{out}", "rows_ptr": "*i32",
+MOE_W4A16_WEIGHTS = {"qw_ptr": "*i32", "z_ptr": "*{out}", "s_ptr": "*{out}", "rows_ptr": "*i32",
                      "block_expert_ptr": "*i32", "meta_ptr": "*i32", "N": I32, "K": I32, "max_blocks": I32,
-                     "stride_pe": I32, "stride_qwe": I32, "stride_qwk": I32, "stride_ze": I32, "stride_zg": I32,
+                     "stride_qwe": I32, "stride_qwk": I32, "stride_ze": I32, "stride_zg": I32,
                      "stride_se": I32, "stride_sg": I32}
 MOE_W4A16_CONSTEXPRS = {
-    **GEMM_BLOCKS, "HAS_PERM": lambda tile: True, "UNIFORM_GROUP": lambda tile: tile["BLOCK_M"] > 16,
+    **GEMM_BLOCKS, "UNIFORM_GROUP": lambda tile: tile["BLOCK_M"] > 16,
     "MAGIC_BITS": lambda tile: 0x6400 if tile["out"] == "fp16" else 0x4300,
     "MAGIC_BIAS": lambda tile: 1024 if tile["out"] == "fp16" else 128,
     "FP32_MATH": lambda tile: False, "ASM_DEQUANT": lambda tile: tile["BLOCK_M"] >= 64}
@@ -299,13 +299,13 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
         out_types=("bf16", "fp16"),
     ),
     # The W4A16 MoE layer (kernel_defs/moe_w4a16.toml): its gate-up GEMM ("{out}" is x's dtype, h's and the scales');
-    # routing, down GEMM and combine are in BESIDE. Act-order's gather of x is compiled in (HAS_PERM); the decode tile
-    # compiles the per-row group lookup (group_size < block_k), the others one group per K tile and, from 64 rows, the
-    # PTX unpack, as launch() picks them.
+    # routing, act-order's gather, down GEMM and combine are in BESIDE. Act-order's gathered rows are compiled in
+    # (GATHERED, gate and up apart); the decode tile compiles the per-row group lookup (group_size < block_k), the
+    # others one group per K tile and, from 64 rows, the PTX unpack, as launch() picks them.
     ("moe_w4a16", "sorted"): KernelSignature(
         args={**MOE_W4A16_WEIGHTS, "x_ptr": "*{out}", "h_ptr": "*{out}", "topk": I32, "stride_xm": I32,
-              "stride_pup": I32, "stride_hm": I32},
-        constexprs=MOE_W4A16_CONSTEXPRS,
+              "stride_xup": I32, "stride_hm": I32},
+        constexprs={**MOE_W4A16_CONSTEXPRS, "GATHERED": lambda tile: True, "UP_APART": lambda tile: True},
         options=("num_warps", "num_stages"),
         out_types=("fp16", "bf16"),
     ),
@@ -371,6 +371,15 @@ BESIDE: dict[tuple[str, str], dict[str, KernelSignature]] = {
     },
     ("moe_w4a16", "sorted"): {
         "align": MOE_ALIGN,
+        # Act-order: x's rows through gate's and up's permutations at DeepSeek-V3's H = 7168 (padded to 8192).
+        "gather": KernelSignature(
+            args={"src_ptr": "*{out}", "perm_ptr": "*i32", "dst_ptr": "*{out}", **MOE_INDEX, "block_expert_ptr": "*i32",
+                  "K": I32, "topk": I32, "stride_sm": I32, "stride_pe": I32, "stride_ps": I32, "stride_ds": I32,
+                  "stride_dm": I32},
+            constexprs={"SEGMENTS": lambda tile: 2, "BY_TOKEN": lambda tile: True, "BLOCK_M": "BLOCK_M",
+                        "K_PAD": lambda tile: 8192},
+            options=(), fixed={"num_warps": 8}, out_types=("bf16", "fp16"),
+            aligned_ints=("K", "stride_sm", "stride_pe", "stride_ps", "stride_ds", "stride_dm")),
         "down": KernelSignature(
             args={**MOE_W4A16_WEIGHTS, "h_ptr": "*{out}", "out_ptr": "*{out}", "stride_hm": I32, "stride_om": I32},
             constexprs=MOE_W4A16_CONSTEXPRS, options=("num_warps", "num_stages"), out_types=("fp16", "bf16")),
@@ -751,6 +760,19 @@ def test_moe_w4a16_gemms_use_tensor_cores(job, compiled):
     out = job.out.replace("fp", "f")
     mma = rf"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.{out}\.{out}\.f32|wgmma\.mma_async\S*\.f32\.{out}\.{out}"
     assert re.search(mma, ptx), f"no {job.out} tensor-core MMA in the PTX"
+
+
+@pytest.mark.parametrize("job", [Job(MOE_W4A16[80].name, 80, 0, kernel="gather"),
+                                 Job(MOE_W4A16[90].name, 90, last(MOE_W4A16[90]), "fp16", kernel="gather")],
+                         ids=["sm80-bf16", "sm90-fp16"])
+def test_moe_w4a16_act_order_gather_is_coalesced(job, compiled):
+    """Act-order's gather reads x's row and writes the permuted rows 16 bytes a thread (the whole row, contiguous)
+    and permutes in registers through shared memory (tl.gather), with no per-element global load of x."""
+    ptx = ptx_of(compiled, job)
+    assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx), "x's row is not loaded 16 bytes at a time"
+    assert re.search(r"st\.global(\.\w+)*\.v4\.b32", ptx), "the gathered rows are not stored 16 bytes at a time"
+    assert re.search(r"ld\.shared", ptx), "no shared-memory permutation"
+    assert not re.search(r"ld\.global(\.\w+)*\.b16", ptx), "x read one element at a time"
 
 
 @pytest.mark.parametrize("job", [

@@ -175,6 +175,76 @@ def test_hopper_tiles(monkeypatch, launched):
     expect_kernel(launched, MOE + "_sm90")
 
 
+def test_act_order_one_permutation_for_gate_and_up_and_k_not_a_power_of_two():
+    """One g_idx for all of w13 (S = 1: gate and up read one gathered copy of x), H = 384 (the gather pads K to
+    512 and masks the rest), prefill-sized routing (the 128-row tile)."""
+    hidden, inter, experts = 384, 128, 3
+    qw, qz, s, g, dense13 = gptq_experts(experts, hidden, 2 * inter, 1, g_idx="perm")
+    qw2, qz2, s2, g2, dense2 = gptq_experts(experts, inter, hidden, 1, g_idx="perm")
+    w13 = kdsl.ops.gptq_moe_prepare(qw, qz, s, g[:, 0])
+    w2 = kdsl.ops.gptq_moe_prepare(qw2, qz2, s2, g2[:, 0])
+    assert w13.perm.shape == (experts, 1, hidden) and w2.perm is None  # one group over I: nothing to sort
+    check_layer(w13, w2, dense13, dense2, tokens=3, topk=2)
+    check_layer(w13, w2, dense13, dense2, tokens=140, topk=2)
+
+
+def _sorted_module():
+    return registry.select("moe_w4a16", "w4a16.int4.g128", arch="sm_89").load()
+
+
+@pytest.mark.skipif(not interpreting(), reason="calls the generated module's gather kernel on CPU tensors")
+@pytest.mark.parametrize("segments, k", [(2, 256), (1, 200)], ids=["gate-up-2-perms", "k-200-padded"])
+def test_gather_writes_each_sorted_row_in_its_experts_order(segments, k):
+    """The act-order gather kernel, on its own: every sorted row of a routed expert is x[token] (or the sorted row
+    of h) through that expert's permutation, bit for bit; padding rows are left alone."""
+    module = _sorted_module()
+    tokens, experts, topk, block_m = 5, 3, 2, 16
+    _, topk_ids = routing(tokens, experts, topk, 0.5)
+    x = torch.randn(tokens, k).half()
+    perm = torch.stack([torch.stack([torch.randperm(k) for _ in range(segments)]) for _ in range(experts)])
+    perm = perm.to(torch.int32)
+    rows, block_expert, meta, max_rows, _ = module._route(topk_ids, experts, block_m, None)
+    gathered = module._gather(x, perm, rows, block_expert, meta, topk, block_m, by_token=True)
+    assert gathered.shape == (segments, max_rows, k)
+    h = torch.randn(max_rows, k).half()
+    gathered_h = module._gather(h, perm, rows, block_expert, meta, topk, block_m, by_token=False)
+    live = 0
+    for p in range(int(meta[0])):
+        assignment = int(rows[p])
+        if assignment < 0:
+            continue
+        live += 1
+        e = int(block_expert[p // block_m])
+        assert e == int(topk_ids.flatten()[assignment])
+        for s in range(segments):
+            assert torch.equal(gathered[s, p], x[assignment // topk, perm[e, s].long()])
+            assert torch.equal(gathered_h[s, p], h[p, perm[e, s].long()])
+    assert live == tokens * topk
+
+
+def test_act_order_gathers_once_and_the_gemms_read_rows_contiguously(monkeypatch):
+    """With act-order the GEMMs take the gathered rows (GATHERED) and no permutation; the gather runs once before
+    each GEMM whose projection has one (x with both of gate and up's permutations, h with down's)."""
+    if not interpreting():
+        pytest.skip("watches the generated module's kernel launches")
+    module = _sorted_module()
+    seen = []
+    gather = module._gather
+
+    def watched(src, perm, *args, by_token):
+        seen.append((tuple(perm.shape), by_token))
+        return gather(src, perm, *args, by_token=by_token)
+
+    monkeypatch.setattr(module, "_gather", watched)
+    w13, w2, dense13, dense2 = gptq_layer(2, 256, 256, g_idx="perm")
+    check_layer(w13, w2, dense13, dense2, tokens=3, topk=2)
+    assert seen == [((2, 2, 256), True), ((2, 1, 256), False)]
+    seen.clear()
+    w13, w2, dense13, dense2 = gptq_layer(2, 256, 128)
+    check_layer(w13, w2, dense13, dense2, tokens=3, topk=2)
+    assert seen == []
+
+
 def test_ragged_routing_repeated_ids_and_strided_inputs():
     """Experts never routed to, a token naming one expert twice (each slot counts), x and the routing as views."""
     w13, w2, dense13, dense2 = gptq_layer(6, 256, 128)
@@ -474,8 +544,10 @@ def test_gpu_qwen3_moe_matches_reference(tokens, g_idx):
 
 
 @pytest.mark.gpu
-def test_gpu_captures_in_a_cuda_graph_and_replays_any_routing():
-    w13, w2, dense13, dense2 = _gpu_layer(32, 1024, 256, dtype=torch.float16)
+@pytest.mark.parametrize("g_idx", ["none", "perm"])  # act-order: the gathered rows' buffers are captured too
+def test_gpu_captures_in_a_cuda_graph_and_replays_any_routing(g_idx):
+    w13, w2, dense13, dense2 = _gpu_layer(32, 1024, 256, g_idx=g_idx, dtype=torch.float16)
+    assert (w13.perm is None) == (g_idx == "none")
     x = torch.randn(16, 1024, device="cuda").half()
     topk_weights, topk_ids = routing(16, 32, 4, device="cuda")
     kdsl.ops.moe_w4a16(x, w13, w2, topk_weights, topk_ids)  # compile outside the capture

@@ -30,6 +30,7 @@ from kdsl.tune import search, space, target, write
 from kdsl.tune.search import Problem, Shape
 
 TUNABLE = search.TUNABLE_OPS
+MOE_OPS = ("moe_fp8", "moe_w4a16")
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +223,36 @@ def test_shapes_come_from_the_preset_m_values_in_the_bucket():
     assert {s.m for s in search.shapes_for_bucket("gptq_gemm", cases, space.Bucket(3, 8192, None, Tile()))} == {16384}
 
 
+def test_moe_layers_are_tuned_per_bucket_of_tokens_per_expert(definitions):
+    """The MoE layers' buckets count tokens per routed expert, ceil(T k / min(T k, E)): a bucket is tuned on the
+    preset's layers at the token counts T that fall in it, or at the most T that give its m_max per expert."""
+    assert set(MOE_OPS) <= set(TUNABLE)
+    cases = preset_cases("qwen3-moe")  # moe_w4a16: E = 128, top-8, H = 2048, I = 768 at T = 1 ... 4096
+    chosen = target.select_target("moe_w4a16", definitions, arch="sm_90")
+    assert chosen.entry.name == "moe_w4a16__int4_g128__sorted_sm90"
+    by_bucket = {b.name(): search.shapes_for_bucket("moe_w4a16", cases, b) for b in space.buckets(chosen.variant)}
+    assert {name: [s.m for s in shapes] for name, shapes in by_bucket.items()} == {
+        "8": [1, 16, 64, 128], "32": [512], "64": [1024], "rest": [4096]}
+    for bucket in space.buckets(chosen.variant):
+        for shape in by_bucket[bucket.name()]:
+            assert (shape.experts, shape.topk, shape.k, shape.n) == (128, 8, 2048, 768)
+            assert bucket.holds(shape.bucket_m)
+            # The registry picks this bucket's tile for the shape, as the op would.
+            assert chosen.entry.tile_for(shape.bucket_m, shape.k) == chosen.entry.tiles[bucket.index].params
+    assert by_bucket["64"][0].label() == "E=128 TOPK=8 T=1024 H=2048 I=768"
+    assert by_bucket["64"][0].bucket_m == 64 and Shape(64, 1, 1).bucket_m == 64
+    # moe_fp8 on DeepSeek-V3 (E = 256, top-8, H = 7168; I = 2048 and the TP-8 slice 256): both layers per bucket.
+    fp8 = target.select_target("moe_fp8", definitions, arch="sm_90")
+    decode = search.shapes_for_bucket("moe_fp8", preset_cases("deepseek-v3"), space.buckets(fp8.variant)[0])
+    assert {(s.n, s.m) for s in decode} == {(inter, t) for inter in (2048, 256) for t in (1, 16, 64, 128)}
+    # Candidates vary moe_fp8's fused activation where the block allows it (fuse_act needs block_n = 128).
+    rest = space.buckets(fp8.variant)[-1]
+    tiles = space.candidates(fp8.variant, rest, fp8.loaded.definition.schemes, 10_000)
+    impl = find_impl("moe_fp8", "sorted")
+    assert {space.knob_value(t, impl, "fuse_act") for t in tiles} == {False, True}
+    assert all(t.block_n == 128 for t in tiles if space.knob_value(t, impl, "fuse_act"))
+
+
 def _variant_tiled_by_n():
     from kdsl.schema import Variant
     return Variant(op="w4a16_gemm", impl="planes_mma", min_arch="sm_90", max_arch="sm_90",
@@ -407,7 +438,9 @@ def test_problems_launch_the_generated_kernel_and_check_it(interpreted, definiti
     chosen = target.select_target(op, definitions, arch=registry.INTERPRETER_ARCH)
     bucket = space.buckets(chosen.variant)[0]
     tiles = space.candidates(chosen.variant, bucket, chosen.loaded.definition.schemes, max_candidates=2)
-    shape = Shape(bucket.m_max, 64, 256)
+    # The MoE layers: 4 tokens routed to 2 of 4 experts (2 tokens per routed expert, inside the first bucket).
+    shape = Shape(4, 128, 256, experts=4, topk=2) if op in MOE_OPS else Shape(bucket.m_max, 64, 256)
+    assert bucket.holds(shape.bucket_m)
     impl = find_impl(chosen.variant.op, chosen.variant.impl)
     result = search.search_bucket(bucket, tiles, [shape], problems.problem_factory(op, chosen.entry),
                                   timer=lambda fn, m: (fn(), 1.0)[1], impl=impl)
@@ -448,6 +481,38 @@ def test_fp8_bmm_is_timed_by_graphs_at_every_m_and_writes_an_output_per_weight_c
     assert shape.label() == "B=3 M=4 N=64 K=256"
 
 
+@pytest.mark.parametrize("op", MOE_OPS)
+def test_moe_problems_read_cold_layer_copies_at_decode(interpreted, definitions, op):
+    """At decode the MoE problems take turns over copies of the layer (each launch its own weights and output), as
+    kdsl bench's calls do, so a graph of launches reads the routed experts from DRAM; prefill keeps one."""
+    from kdsl.runtime import registry
+    from kdsl.tune import problems
+
+    chosen = target.select_target(op, definitions, arch=registry.INTERPRETER_ARCH)
+    seen = []
+
+    class Spy:
+        layout, name = chosen.entry.layout, chosen.entry.name
+
+        def launch(self, x, w13, *args):
+            y = args[-3]
+            seen.append((w13.data_ptr(), y.data_ptr()))
+            chosen.entry.launch(x, w13, *args)
+
+    tile = tile_params(space.buckets(chosen.variant)[0].tile, find_impl(op, "sorted"))
+    problem = problems.problem_factory(op, Spy())(Shape(4, 128, 256, experts=4, topk=2))
+    err, why = problem.check(tile)
+    assert why is None and err < 2e-2
+    for _ in range(2):
+        problem.launch(tile)
+    assert len({w for w, _ in seen}) == 3 and len({y for _, y in seen}) == 3
+    seen.clear()
+    prefill = problems.problem_factory(op, Spy())(Shape(129, 128, 256, experts=4, topk=2))
+    prefill.launch(tile)
+    prefill.launch(tile)
+    assert len(set(seen)) == 1
+
+
 # ---- write-back ----
 
 def _variant_line_range(text: str, index: int) -> tuple[int, int]:
@@ -475,7 +540,8 @@ NOTE = write.note("NVIDIA H200", "2025-01-01")
 
 @pytest.mark.parametrize("op,impl,min_arch", [
     ("fp8_gemm", "tma_persistent", "sm_90"), ("fp8_gemm", "portable", "sm_89"), ("gptq_gemm", "splitk", "sm_80"),
-    ("w4a16_gemm", "planes_mma", "sm_90"), ("w4a16_gemm", "mma", "sm_80")])
+    ("w4a16_gemm", "planes_mma", "sm_90"), ("w4a16_gemm", "mma", "sm_80"), ("moe_fp8", "sorted", "sm_90"),
+    ("moe_w4a16", "sorted", "sm_80")])
 def test_write_back_changes_only_the_variants_tiles(defs_copy, op, impl, min_arch):
     loaded, index, variant = variant_of(defs_copy, op, impl, min_arch)
     path = loaded.path
@@ -893,6 +959,33 @@ def test_command_tunes_each_tile_of_a_bucket_tiled_by_n(cpu_tune, defs_copy, cap
     assert list(written[:wide.index]) == list(variant.tiles[:wide.index])
 
 
+@pytest.mark.parametrize("op, file", [("moe_w4a16", "moe_w4a16.toml"), ("moe_fp8", "moe_fp8.toml")])
+def test_command_tunes_a_moe_bucket_and_writes_it_back(cpu_tune, defs_copy, capsys, op, file):
+    """`kdsl tune --op moe_w4a16 --shapes qwen3-moe --bucket 32 --write` on stand-ins: the bucket's candidates run
+    on the preset's layer at T = 512 (32 tokens per routed expert) and the faster one replaces the bucket's tile in
+    its definition, every other variant of the file (moe_fp8.toml: the grouped GEMMs') untouched."""
+    loaded, index, variant = variant_of(defs_copy, op, "sorted", "sm_90")
+    assert loaded.path.name == file
+    bucket = next(b for b in space.buckets(variant) if b.m_max == 32)
+    fast = space.candidates(variant, bucket, loaded.definition.schemes, max_candidates=4)[3]
+    cpu_tune.fast = lambda p: p == tile_params(fast, find_impl(op, "sorted"))
+    old = loaded.path.read_text()
+    args = ("--op", op, "--defs", str(defs_copy), "--shapes", "qwen3-moe", "--bucket", "32", "--max-candidates", "4")
+    assert tune_cli.run(parse(*args, "--write")) == 0
+    captured = capsys.readouterr()
+    shapes = search.shapes_for_bucket(op, preset_cases("qwen3-moe"), bucket)
+    assert f"kdsl tune: bucket M <= 32: 4 candidates on {len(shapes)} shapes" in captured.err
+    assert f"shape 1/{len(shapes)} E=128 TOPK=8 T={shapes[0].m} H=2048 I=768 candidate 4/4" in captured.err
+    assert "winner is 2.000x the current tile's speed" in captured.out
+    written = variant_of(defs_copy, op, "sorted", "sm_90")[2].tiles
+    assert written[bucket.index] == fast
+    assert [t for i, t in enumerate(written) if i != bucket.index] == \
+        [t for i, t in enumerate(variant.tiles) if i != bucket.index]
+    before, after = tomllib.loads(old), tomllib.loads(loaded.path.read_text())
+    assert [v for j, v in enumerate(after["variants"]) if j != index] == \
+        [v for j, v in enumerate(before["variants"]) if j != index]
+
+
 def test_command_refuses_unknown_buckets(cpu_tune, defs_copy, capsys):
     variant = variant_of(defs_copy, "w4a16_gemm", "planes_mma", "sm_90")[2]
     names = ", ".join(dict.fromkeys(b.name() for b in space.buckets(variant)))  # one name per M bucket
@@ -947,3 +1040,23 @@ def test_real_search_on_a_tiny_space_writes_a_valid_definition(op, defs_copy, tm
     reloaded = target.select_target(op, load_definitions(defs_copy))  # the written file validates
     assert reloaded.variant.tiles[0] in tiles
     assert list(reloaded.variant.tiles[len(tuned):]) == list(chosen.variant.tiles[len(tuned):])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("op", MOE_OPS)
+def test_real_moe_search_on_a_tiny_layer_writes_a_valid_definition(op, defs_copy, tmp_path, capsys):
+    """A MoE layer's first bucket on a small layer (E = 8, top-2, H = 256, I = 128, T = 4: one token per routed
+    expert at most 8 routed experts): both candidates check against the fp32 reference and the file stays valid."""
+    chosen = target.select_target(op, load_definitions(defs_copy))
+    first = space.buckets(chosen.variant)[0]
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps({op: [{"experts": 8, "topk": 2, "m": [4], "hidden": 256, "inter": 128}]}))
+    status = tune_cli.run(parse("--op", op, "--defs", str(defs_copy), "--shapes", str(shapes),
+                                "--bucket", str(first.m_max), "--max-candidates", "2", "--write"))
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert "0 dropped" in captured.out, captured.out
+    assert "shape 1/1 E=8 TOPK=2 T=4 H=256 I=128 candidate 2/2" in captured.err
+    reloaded = target.select_target(op, load_definitions(defs_copy))
+    assert reloaded.variant.tiles[0] in space.candidates(chosen.variant, first, chosen.loaded.definition.schemes, 2)

@@ -278,6 +278,28 @@ class Tune:
     graph_every_m: bool = False
 
 
+def cycling_problem(outs: list[torch.Tensor], ref: torch.Tensor, tolerance: float,
+                    run: Callable[[int, torch.Tensor, dict], None]) -> Problem:
+    """The Problem of a kernel whose launches take turns over len(outs) copies of its weights, each writing its own
+    output: run(i, outs[i], params) launches copy i. A CUDA graph of launches then reads the weights cold from DRAM
+    and writes every output back, as the bench's calls do (one reused output buffer would stay in L2)."""
+    turn = [0]
+
+    def launch(params: dict) -> torch.Tensor:
+        i = turn[0] % len(outs)
+        turn[0] += 1
+        run(i, outs[i], params)
+        return outs[i]
+
+    def check(params: dict) -> Check:
+        outs[turn[0] % len(outs)].fill_(float("nan"))  # a kernel that writes nothing must not pass on an earlier result
+        out = launch(params)
+        torch.cuda.synchronize()
+        return check_close(out, ref, tolerance)
+
+    return Problem(launch=launch, check=check)
+
+
 def kernel_problem(out: torch.Tensor, ref: torch.Tensor, tolerance: float, run: Callable[[dict], None]) -> Problem:
     """The Problem of a kernel that writes out: run(params) launches it."""
     def launch(params: dict) -> torch.Tensor:

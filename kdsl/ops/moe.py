@@ -63,6 +63,12 @@ def tokens_per_expert(assignments: int, experts: int) -> int:
     return max(1, -(-assignments // max(1, min(assignments, experts))))
 
 
+def most_tokens(per_expert: int, experts: int, topk: int) -> int:
+    """The most tokens T whose tokens per routed expert, tokens_per_expert(T * topk, experts), are at most
+    per_expert (and, for topk <= experts, exactly per_expert): T * topk <= per_expert * E."""
+    return max(1, per_expert * experts // topk)
+
+
 def _positive_int_or_none(name: str, value) -> int | None:
     if value is None:
         return None

@@ -10,8 +10,9 @@ variant declares (`layout` in kernel_defs/moe_w4a16.toml, the w4a16 layouts of k
 and group size only (scheme w4a16.int4.gNNN), so the kernels serve every checkpoint format alike.
 
 Act-order (a permuted g_idx) is resolved at prepare time, per expert: each expert's K is sorted by group, so its
-groups become contiguous, and the permutation is kept (perm [E, S, K]); the kernels gather the activation's
-columns through it (x's for gate-up, h's for down), reading weights, scales and zeros as without act-order.
+groups become contiguous, and the permutation is kept (perm [E, S, K]); each call gathers every sorted row's
+activation through it once (x for gate-up, h for down), so the GEMMs read weights, scales, zeros and activations
+as without act-order.
 Permutations differ from expert to expert, and within w13 between its gate and up halves (two linears of the
 checkpoint, each with its own g_idx): g_idx [E, S, K] gives S column segments of N their own groups, so the
 gate-up projection prepares with S = 2 (torch.stack((gate_g_idx, up_g_idx), 1)). Once sorted, every group must

@@ -27,7 +27,10 @@ For each M bucket of the variant (or those named by --bucket), and inside one ti
               current tile first, at most --max-candidates in all; block_m = 1 GEMV candidates
               only in an m_max = 1 bucket of w4a16_gemm
   shapes      every (N, K) of the --shapes preset for the op in the tile's N range, at the
-              preset's M values that fall in the bucket (or at the bucket's m_max if none does)
+              preset's M values that fall in the bucket (or at the bucket's m_max if none does);
+              the MoE layers (moe_fp8, moe_w4a16), whose M is tokens per routed expert: every
+              layer (E, top-k, H, I) of the preset at its token counts T that fall in the bucket
+              (or at the most T that give the bucket's m_max tokens per expert)
   timing      the generated module's launch with each candidate tile; median of
               triton.testing.do_bench_cudagraph for M <= 128 (fp8_bmm: every M, as its bench
               times it), do_bench otherwise. Each candidate

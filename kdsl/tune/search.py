@@ -23,6 +23,7 @@ from kdsl.bench.case import Case
 from kdsl.bench.cases import TUNE_SHAPE_OPS, TUNES
 from kdsl.bench.timing import Problem
 from kdsl.codegen.render import tile_params
+from kdsl.ops.moe import most_tokens, tokens_per_expert
 from kdsl.schema import Tile
 from kdsl.tune.space import Bucket
 
@@ -34,12 +35,23 @@ TUNABLE_OPS = tuple(SHAPE_OPS)
 
 @dataclass(frozen=True)
 class Shape:
-    m: int
-    n: int
-    k: int
+    m: int  # the MoE layers: T, tokens
+    n: int  # the MoE layers: I, the experts' intermediate size
+    k: int  # the MoE layers: H, the hidden size
     batch: int | None = None  # fp8_bmm's B (MLA's heads); None for the 2-D GEMMs
+    experts: int | None = None  # the MoE layers: E experts, each token routed to topk of them; None elsewhere
+    topk: int | None = None
+
+    @property
+    def bucket_m(self) -> int:
+        """The M that picks the shape's tile: M, or for the MoE layers the tokens per routed expert."""
+        if self.experts is None:
+            return self.m
+        return tokens_per_expert(self.m * self.topk, self.experts)
 
     def label(self) -> str:
+        if self.experts is not None:
+            return f"E={self.experts} TOPK={self.topk} T={self.m} H={self.k} I={self.n}"
         return (f"B={self.batch} " if self.batch is not None else "") + f"M={self.m} N={self.n} K={self.k}"
 
 
@@ -81,6 +93,8 @@ def shapes_for_bucket(op: str, cases: Sequence[Case], bucket: Bucket) -> list[Sh
     fp8_bmm's shapes carry the preset's batch (B, N, K) with them, those of the batches the bucket's tile
     serves (batch_max, and above the batch_max of a tile before it); none: the preset's (N, K) at that bound."""
     mine = [c for c in cases if c.op == SHAPE_OPS[op]]
+    if any(c.experts is not None for c in mine):
+        return _moe_shapes(mine, bucket)
     in_n = [c for c in mine if bucket.holds_n(c.n)]
     triples = list(dict.fromkeys((c.n, c.k, c.batch) for c in in_n if bucket.holds_batch(c.batch)))
     if in_n and not triples:  # no preset batch in the bucket's range: its bound
@@ -93,6 +107,22 @@ def shapes_for_bucket(op: str, cases: Sequence[Case], bucket: Bucket) -> list[Sh
     if not ms:
         ms = [bucket.m_max if bucket.m_max is not None else max(2 * bucket.lo, 1)]
     return [Shape(m, n, k, batch) for m in ms for n, k, batch in triples]
+
+
+def _moe_shapes(cases: Sequence[Case], bucket: Bucket) -> list[Shape]:
+    """The MoE layers' shapes for a bucket of tokens per routed expert: every layer (E, k, H, I) of the preset at
+    the preset's token counts T whose tokens per expert fall in the bucket; none: at the most T that give the
+    bucket's m_max tokens per expert (the last bucket: twice the previous m_max). The tile is picked by H as its N."""
+    layers = list(dict.fromkeys((c.experts, c.topk, c.hidden, c.inter) for c in cases if bucket.holds_n(c.hidden)))
+    shapes = []
+    for experts, topk, hidden, inter in layers:
+        tokens = sorted({c.m for c in cases if (c.experts, c.topk, c.hidden, c.inter) == (experts, topk, hidden, inter)
+                         and bucket.holds(tokens_per_expert(c.m * topk, experts))})
+        if not tokens:
+            want = bucket.m_max if bucket.m_max is not None else max(2 * bucket.lo, 1)
+            tokens = [most_tokens(want, experts, topk)]
+        shapes += [Shape(t, inter, hidden, experts=experts, topk=topk) for t in tokens]
+    return shapes
 
 
 def describe(exc: BaseException) -> str:

@@ -58,15 +58,18 @@ GRIDS: dict[str, dict[str, tuple]] = {
            "num_warps": (4, 8)},
     # fp8_bmm's sm_90 kernel (its options only): programs per SM, the flattened pipeline, programmatic
     # dependent launch and its weight prefetch, the epilogue's stores.
+    # moe_fp8's sorted kernel: the activation in the gate-up GEMM's epilogue or in a kernel of its own (fuse_act).
     DECODE: {"block_n": (32, 64, 128), "block_k": (64, 128, 256), "split_k": (1, 2, 4, 8),
              "num_warps": (4,), "num_stages": (3, 4, 5), "programs_per_sm": (4, 8), "flatten": (False, True),
-             "pdl": (False, True), "prefetch_weights": (False, True)},
+             "pdl": (False, True), "prefetch_weights": (False, True), "fuse_act": (False, True)},
     MID: {"block_n": (64, 128, 256), "block_k": (64, 128), "split_k": (1, 2, 4),
           "num_warps": (4, 8), "num_stages": (3, 4), "flatten": (False, True),
-          "pdl": (False, True), "prefetch_weights": (False, True), "epilogue": ("tma", "pointer")},
+          "pdl": (False, True), "prefetch_weights": (False, True), "epilogue": ("tma", "pointer"),
+          "fuse_act": (False, True)},
     PREFILL: {"block_m": (64, 128, 256), "block_n": (64, 128, 256), "block_k": (64, 128), "split_k": (1, 2),
               "num_warps": (4, 8), "num_stages": (3, 4, 5), "persistent": (False, True),
-              "edge_tiles": (False, True), "pdl": (False, True), "epilogue": ("tma", "pointer")},
+              "edge_tiles": (False, True), "pdl": (False, True), "epilogue": ("tma", "pointer"),
+              "fuse_act": (False, True)},
 }
 
 

@@ -11,6 +11,7 @@ import torch
 
 from kdsl.bench import moe, timing
 from kdsl.bench.case import GROUP, GROUP_MULTIPLE, Case
+from kdsl.schema import BlockFP8
 
 DIMS = ("experts", "topk", "m", "hidden", "inter")  # m: tokens, each routed to topk of the experts
 HELP = """\
@@ -20,13 +21,33 @@ the FLOPs (prefill)"""
 MULTIPLES = {"hidden": GROUP_MULTIPLE, "inter": GROUP_MULTIPLE}
 
 
+def _expert_bytes(hidden: int, inter: int) -> int:
+    """Bytes an expert's weights occupy: e4m3 gate, up and down, and their fp32 128x128 block scales."""
+    return (3 * inter * hidden + 4 * (-(-2 * inter // GROUP) * (hidden // GROUP)
+                                      + -(-hidden // GROUP) * (inter // GROUP)))
+
+
+def _reference(x, layer, routed, topk_weights, inter: int) -> torch.Tensor:
+    """fp32 y [T, H], one routed expert at a time, with the kernels' 1x128 activation quantization."""
+    xq, xs = timing.torch_act_quant(x)
+    x_deq = moe.deq_rows(xq, xs)
+    ref = torch.zeros(x.shape, device=x.device)
+    q13, s13, q2, s2 = layer
+    for e, token, slot in routed:
+        gate_up = x_deq[token] @ timing.fp8_weight_reference(q13[e], s13[e]).T
+        h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        hq, hs = timing.torch_act_quant(h)
+        down_e = moe.deq_rows(hq, hs) @ timing.fp8_weight_reference(q2[e], s2[e]).T
+        ref.index_add_(0, token, topk_weights[token, slot, None] * down_e)
+    return ref
+
+
 def setup(case: Case) -> timing.CaseSetup:
     layer = timing.kdsl_op("moe_fp8")
     experts, topk, tokens, hidden, inter = case.experts, case.topk, case.m, case.hidden, case.inter
     topk_weights, topk_ids = moe.random_routing(tokens, experts, topk)
     routed = moe.routed_rows(topk_ids, experts)
-    expert_bytes = (3 * inter * hidden + 4 * (-(-2 * inter // GROUP) * (hidden // GROUP)
-                                             + -(-hidden // GROUP) * (inter // GROUP)))
+    expert_bytes = _expert_bytes(hidden, inter)
     copies = moe.layer_copies(tokens, len(routed) * expert_bytes)
     up = moe.quantized_experts(experts, 2 * inter, hidden, copies)
     down = moe.quantized_experts(experts, hidden, inter, copies)
@@ -34,17 +55,7 @@ def setup(case: Case) -> timing.CaseSetup:
     bf16_layers = [(w13, w2) for (_, _, w13), (_, _, w2) in zip(up, down)]
     x = torch.randn(tokens, hidden, device=timing.DEVICE, dtype=torch.bfloat16)
 
-    # fp32 reference, one routed expert at a time
-    xq, xs = timing.torch_act_quant(x)
-    x_deq = moe.deq_rows(xq, xs)
-    ref = torch.zeros(tokens, hidden, device=timing.DEVICE)
-    q13, s13, q2, s2 = layers[0]
-    for e, token, slot in routed:
-        gate_up = x_deq[token] @ timing.fp8_weight_reference(q13[e], s13[e]).T
-        h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        hq, hs = timing.torch_act_quant(h)
-        down_e = moe.deq_rows(hq, hs) @ timing.fp8_weight_reference(q2[e], s2[e]).T
-        ref.index_add_(0, token, topk_weights[token, slot, None] * down_e)
+    ref = _reference(x, layers[0], routed, topk_weights, inter)
 
     baselines = moe.bf16_baselines(x, bf16_layers, routed, topk_weights, topk_ids, experts, inter)
 
@@ -58,3 +69,26 @@ def setup(case: Case) -> timing.CaseSetup:
         kdsl=kdsl, check=lambda outs: timing.check_close(outs[-1], ref, moe.MOE_TOL), baselines=baselines,
         tolerance=moe.MOE_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies,
         roofline_ms=moe.roofline_ms(bytes_moved, flops))
+
+
+def tune_problem(entry, shape) -> timing.Problem:
+    """The sorted kernel on a random block-FP8 layer at a tune Shape (T tokens routed to topk of E experts,
+    H = shape.k, I = shape.n), checked against the fp32 per-expert reference; the ids are not checked. At decode
+    (T <= 128) launches take turns over copies of the layer, as the bench's calls do, so the routed experts are
+    read cold from DRAM."""
+    experts, topk, tokens, hidden, inter = shape.experts, shape.topk, shape.m, shape.k, shape.n
+    topk_weights, topk_ids = moe.random_routing(tokens, experts, topk)
+    routed = moe.routed_rows(topk_ids, experts)
+    copies = moe.layer_copies(tokens, len(routed) * _expert_bytes(hidden, inter))
+    up = moe.quantized_experts(experts, 2 * inter, hidden, copies)
+    down = moe.quantized_experts(experts, hidden, inter, copies)
+    layers = [(q13, s13, q2, s2) for (q13, s13, _), (q2, s2, _) in zip(up, down)]
+    x = torch.randn(tokens, hidden, device=timing.DEVICE, dtype=torch.bfloat16)
+    ref = _reference(x, layers[0], routed, topk_weights, inter)
+    return timing.cycling_problem(
+        [torch.empty_like(x) for _ in range(copies)], ref, moe.MOE_TOL,
+        lambda i, y, params: entry.launch(x, *layers[i], topk_weights, topk_ids, y, None, params))
+
+
+# Tiles per bucket of tokens per routed expert, on the preset's moe_fp8 layers (kdsl.tune.search.shapes_for_bucket).
+TUNES = {"moe_fp8": timing.Tune(BlockFP8(), tune_problem)}

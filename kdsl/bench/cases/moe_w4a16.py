@@ -7,8 +7,8 @@ routed expert at a time on the dequantized weights.
 
 Rows: `moe_w4a16`; at decode `moe_w4a16[check_ids=False]` (no host sync for the ids check); and
 `moe_w4a16[desc_act]`: the same layer with act-order, every expert's K permuted inside each group (each of gate and
-up its own permutation) and the stored rows moved with it, so the product is the same and the kernels gather x's
-and h's columns through the permutations. Baselines, in the same run on the same routing: bf16 on the dequantized
+up its own permutation) and the stored rows moved with it, so the product is the same and the layer gathers x's
+and h's rows through the permutations (once per sorted row). Baselines, in the same run on the same routing: bf16 on the dequantized
 weights, as a per-expert loop over the routed experts (their rows found once, outside the timed call) and as
 `torch._grouped_mm` where this torch has it. Decode (T <= 128: CUDA graphs) is judged by bytes, the routed experts'
 int4 weights, scales and zeros plus x and y, against the measured copy rate; prefill by FLOPs against the bf16
@@ -24,6 +24,7 @@ import torch
 from kdsl.bench import timing
 from kdsl.bench.case import GROUP, GROUP_MULTIPLE, Case
 from kdsl.bench.moe import DECODE_MAX_T, MOE_TOL, bf16_baselines, layer_copies, random_routing, routed_rows
+from kdsl.schema import W4A16
 
 DIMS = ("experts", "topk", "m", "hidden", "inter")  # int4 experts (GPTQ, group 128)
 HELP = """\
@@ -90,6 +91,21 @@ def _copy(prepared):
                                             if getattr(prepared, name) is not None})
 
 
+def _expert_bytes(hidden: int, inter: int) -> int:
+    """Bytes an expert's weights occupy: int4 words, and a 2-byte scale and zero per group and column."""
+    return 3 * hidden * inter // 2 + 2 * 2 * (hidden // GROUP * 2 * inter + inter // GROUP * hidden)
+
+
+def _reference(x, routed, topk_weights, dense13, dense2, inter: int) -> torch.Tensor:
+    """fp32 y [T, H], one routed expert at a time; dense13(e), dense2(e): expert e's fp32 [H, 2I], [I, H]."""
+    ref = torch.zeros(x.shape, device=x.device)
+    for e, token, slot in routed:
+        gu = x[token].float() @ dense13(e)
+        h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        ref.index_add_(0, token, topk_weights[token, slot, None] * (h @ dense2(e)))
+    return ref
+
+
 def setup(case: Case) -> timing.CaseSetup:
     moe = timing.kdsl_op("moe_w4a16")
     prepare = timing.kdsl_op("gptq_moe_prepare")
@@ -101,8 +117,7 @@ def setup(case: Case) -> timing.CaseSetup:
     down, zeros2, q2 = gptq_layer(experts, inter, hidden)
     w13 = prepare(gate_up["qweight"], gate_up["qzeros"], gate_up["scales"], None, group_size=GROUP)
     w2 = prepare(down["qweight"], down["qzeros"], down["scales"], None, group_size=GROUP)
-    # bytes an expert's weights occupy: int4 words, and a 2-byte scale and zero per group and column
-    expert_bytes = 3 * hidden * inter // 2 + 2 * 2 * (hidden // GROUP * 2 * inter + inter // GROUP * hidden)
+    expert_bytes = _expert_bytes(hidden, inter)
     copies = layer_copies(tokens, len(routed) * expert_bytes)
     layers = [(w13, w2)] + [(_copy(w13), _copy(w2)) for _ in range(copies - 1)]
     act_order = [(_act_order(a, _within_groups(experts, 2, hidden)), _act_order(b, _within_groups(experts, 1, inter)))
@@ -110,19 +125,13 @@ def setup(case: Case) -> timing.CaseSetup:
     x = torch.randn(tokens, hidden, device=timing.DEVICE, dtype=torch.bfloat16)
 
     # fp32 reference and the bf16 weights of the baselines ([E, N, K], nn.Linear's layout), one expert at a time
-    ref = torch.zeros(tokens, hidden, device=timing.DEVICE)
+    dense13 = lambda e: _dense(q13[e], zeros13[e], gate_up["scales"][e])  # noqa: E731
+    dense2 = lambda e: _dense(q2[e], zeros2[e], down["scales"][e])  # noqa: E731
+    ref = _reference(x, routed, topk_weights, dense13, dense2, inter)
     w13_bf16 = torch.empty(experts, 2 * inter, hidden, device=timing.DEVICE, dtype=torch.bfloat16)
     w2_bf16 = torch.empty(experts, hidden, inter, device=timing.DEVICE, dtype=torch.bfloat16)
-    routed_experts = {e: (token, slot) for e, token, slot in routed}
     for e in range(experts):
-        dense13 = _dense(q13[e], zeros13[e], gate_up["scales"][e])
-        dense2 = _dense(q2[e], zeros2[e], down["scales"][e])
-        w13_bf16[e], w2_bf16[e] = dense13.T.to(torch.bfloat16), dense2.T.to(torch.bfloat16)
-        if e in routed_experts:
-            token, slot = routed_experts[e]
-            gu = x[token].float() @ dense13
-            h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-            ref.index_add_(0, token, topk_weights[token, slot, None] * (h @ dense2))
+        w13_bf16[e], w2_bf16[e] = dense13(e).T.to(torch.bfloat16), dense2(e).T.to(torch.bfloat16)
     del q13, q2, zeros13, zeros2
     bf16_layers = [(w13_bf16, w2_bf16)] + [(w13_bf16.clone(), w2_bf16.clone()) for _ in range(copies - 1)]
 
@@ -142,3 +151,38 @@ def setup(case: Case) -> timing.CaseSetup:
         tolerance=MOE_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies,
         roofline_ms=1e3 * max(bytes_moved / copy_rate, flops / (fp8_rate / 2)))
 
+
+
+def tune_problem(entry, shape) -> timing.Problem:
+    """The sorted kernel (entry: moe_w4a16's, on the scheme of W4A16() below) on a random GPTQ layer at a tune Shape
+    (T tokens routed to topk of E experts, H = shape.k, I = shape.n), prepared for the layout the entry reads,
+    checked against the fp32 per-expert reference; the ids are not checked (no host sync in the timed launch).
+    At decode (T <= 128) launches take turns over copies of the layer, as the bench's calls do, so the routed
+    experts are read cold from DRAM."""
+    from kdsl.ops import gptq_moe_prepare
+
+    experts, topk, tokens, hidden, inter = shape.experts, shape.topk, shape.m, shape.k, shape.n
+    topk_weights, topk_ids = random_routing(tokens, experts, topk)
+    gate_up, zeros13, q13 = gptq_layer(experts, hidden, 2 * inter)
+    down, zeros2, q2 = gptq_layer(experts, inter, hidden)
+    w13 = gptq_moe_prepare(gate_up["qweight"], gate_up["qzeros"], gate_up["scales"], None, group_size=GROUP)
+    w2 = gptq_moe_prepare(down["qweight"], down["qzeros"], down["scales"], None, group_size=GROUP)
+    if w13.layout != entry.layout:
+        raise RuntimeError(f"gptq_moe_prepare wrote layout {w13.layout}, but {entry.name} reads {entry.layout}")
+    x = torch.randn(tokens, hidden, device=timing.DEVICE, dtype=torch.bfloat16)
+    routed = routed_rows(topk_ids, experts)
+    ref = _reference(x, routed, topk_weights, lambda e: _dense(q13[e], zeros13[e], gate_up["scales"][e]),
+                     lambda e: _dense(q2[e], zeros2[e], down["scales"][e]), inter)
+    copies = layer_copies(tokens, len(routed) * _expert_bytes(hidden, inter))
+    layers = [(w13, w2)] + [(_copy(w13), _copy(w2)) for _ in range(copies - 1)]
+
+    def run(i, y, params):
+        a, b = layers[i]
+        entry.launch(x, a.qweight, a.zeros, a.scales, a.perm, b.qweight, b.zeros, b.scales, b.perm,
+                     topk_weights, topk_ids, y, None, params)
+
+    return timing.cycling_problem([torch.empty_like(x) for _ in range(copies)], ref, MOE_TOL, run)
+
+
+# Tiles per bucket of tokens per routed expert, on the preset's moe_w4a16 layers (kdsl.tune.search.shapes_for_bucket).
+TUNES = {"moe_w4a16": timing.Tune(W4A16(), tune_problem)}
