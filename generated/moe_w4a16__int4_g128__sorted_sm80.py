@@ -3,7 +3,7 @@
 # kernel: moe_w4a16__int4_g128__sorted_sm80 (moe_w4a16/sorted: tokens sorted by expert on the device, int4 gate-up GEMM (+ silu * up), int4 down GEMM, weighted combine)
 # scheme: w4a16.int4.g128
 # arch: sm_80 and up
-# digest: fad5ed4f73e32e70 (sha256 of this kernel's scheme, variant and templates)
+# digest: b202437f504c96c7 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl

@@ -3,7 +3,7 @@
 # kernel: moe_w4a16__int4_g32__sorted_sm90 (moe_w4a16/sorted: tokens sorted by expert on the device, int4 gate-up GEMM (+ silu * up), int4 down GEMM, weighted combine)
 # scheme: w4a16.int4.g32
 # arch: sm_90 .. sm_90
-# digest: 321916af222181ec (sha256 of this kernel's scheme, variant and templates)
+# digest: 997876055022b535 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl

@@ -3,7 +3,7 @@
 # kernel: moe_w4a16__int4_g64__sorted_sm80 (moe_w4a16/sorted: tokens sorted by expert on the device, int4 gate-up GEMM (+ silu * up), int4 down GEMM, weighted combine)
 # scheme: w4a16.int4.g64
 # arch: sm_80 and up
-# digest: de094bc612686b99 (sha256 of this kernel's scheme, variant and templates)
+# digest: 564c54f569884783 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl

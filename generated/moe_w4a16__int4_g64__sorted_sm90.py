@@ -3,7 +3,7 @@
 # kernel: moe_w4a16__int4_g64__sorted_sm90 (moe_w4a16/sorted: tokens sorted by expert on the device, int4 gate-up GEMM (+ silu * up), int4 down GEMM, weighted combine)
 # scheme: w4a16.int4.g64
 # arch: sm_90 .. sm_90
-# digest: f0e2a7592842a71c (sha256 of this kernel's scheme, variant and templates)
+# digest: ca90062894dc4ff6 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl

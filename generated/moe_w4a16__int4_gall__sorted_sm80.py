@@ -3,7 +3,7 @@
 # kernel: moe_w4a16__int4_gall__sorted_sm80 (moe_w4a16/sorted: tokens sorted by expert on the device, int4 gate-up GEMM (+ silu * up), int4 down GEMM, weighted combine)
 # scheme: w4a16.int4.gall
 # arch: sm_80 and up
-# digest: 5f3e7dbafef541e3 (sha256 of this kernel's scheme, variant and templates)
+# digest: c56b145723e0101d (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl

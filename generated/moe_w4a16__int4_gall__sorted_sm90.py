@@ -3,7 +3,7 @@
 # kernel: moe_w4a16__int4_gall__sorted_sm90 (moe_w4a16/sorted: tokens sorted by expert on the device, int4 gate-up GEMM (+ silu * up), int4 down GEMM, weighted combine)
 # scheme: w4a16.int4.gall
 # arch: sm_90 .. sm_90
-# digest: 9f787737b6374a4c (sha256 of this kernel's scheme, variant and templates)
+# digest: 8f3a35491a208868 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl

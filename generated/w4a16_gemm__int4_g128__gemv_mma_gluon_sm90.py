@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_g128__gemv_mma_gluon_sm90 (w4a16_gemm/gemv_mma_gluon: W4A16 GEMV for M <= 8 on mma.sync (Gluon): 16 columns per program, its warps splitting K)
 # scheme: w4a16.int4.g128
 # arch: sm_90 .. sm_90
-# digest: 205500faf70c0f0c (sha256 of this kernel's scheme, variant and templates)
+# digest: 5d8bf44d3e0dc9e8 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -169,7 +169,6 @@ import functools
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait,
 )
@@ -178,6 +177,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
 _GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
               torch.float32: gl.float32, torch.int32: gl.int32}
 

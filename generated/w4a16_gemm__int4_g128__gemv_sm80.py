@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_g128__gemv_sm80 (w4a16_gemm/gemv: W4A16 GEMV on CUDA cores, one row per program row, weights kept in registers, split-K in-kernel)
 # scheme: w4a16.int4.g128
 # arch: sm_80 and up
-# digest: 7d10e257c13fed79 (sha256 of this kernel's scheme, variant and templates)
+# digest: f527978096119acb (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl

@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_g32__gemv_sm90 (w4a16_gemm/gemv: W4A16 GEMV on CUDA cores, one row per program row, weights kept in registers, split-K in-kernel)
 # scheme: w4a16.int4.g32
 # arch: sm_90 .. sm_90
-# digest: 4ec9c20f260742ba (sha256 of this kernel's scheme, variant and templates)
+# digest: 77ecfd816683d6e6 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl

@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_g32__overlap_gluon_sm90 (w4a16_gemm/overlap_gluon: W4A16 GEMM for Hopper (Gluon): TMA ring, block k+1 dequantized while block k's wgmma runs)
 # scheme: w4a16.int4.g32
 # arch: sm_90 .. sm_90
-# digest: de0303c90a759b3f (sha256 of this kernel's scheme, variant and templates)
+# digest: 61c0f0d25fe48333 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -269,7 +269,6 @@ import functools
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait,
 )
@@ -278,6 +277,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
 _GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
               torch.float32: gl.float32, torch.int32: gl.int32}
 

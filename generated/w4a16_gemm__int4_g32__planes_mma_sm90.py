@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_g32__planes_mma_sm90 (w4a16_gemm/planes_mma: W4A16 MMA on k_planes words, y^T = w^T x^T with the weights as the register operand, split-K in-kernel)
 # scheme: w4a16.int4.g32
 # arch: sm_90 .. sm_90
-# digest: 9073918f83d41745 (sha256 of this kernel's scheme, variant and templates)
+# digest: 006103ed9248413d (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl

@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_g64__gemv_sm80 (w4a16_gemm/gemv: W4A16 GEMV on CUDA cores, one row per program row, weights kept in registers, split-K in-kernel)
 # scheme: w4a16.int4.g64
 # arch: sm_80 and up
-# digest: e1a18a36b5a904be (sha256 of this kernel's scheme, variant and templates)
+# digest: 385362699ddecd69 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl

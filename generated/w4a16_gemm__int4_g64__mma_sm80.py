@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_g64__mma_sm80 (w4a16_gemm/mma: W4A16 MMA on checkpoint-order words: tl.dot on tiles dequantized in registers, split-K in-kernel)
 # scheme: w4a16.int4.g64
 # arch: sm_80 and up
-# digest: e1c0e8cdad1f5e8f (sha256 of this kernel's scheme, variant and templates)
+# digest: 91080627afbb1397 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl

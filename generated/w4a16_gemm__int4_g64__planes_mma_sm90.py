@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_g64__planes_mma_sm90 (w4a16_gemm/planes_mma: W4A16 MMA on k_planes words, y^T = w^T x^T with the weights as the register operand, split-K in-kernel)
 # scheme: w4a16.int4.g64
 # arch: sm_90 .. sm_90
-# digest: b2432dfe55919aa1 (sha256 of this kernel's scheme, variant and templates)
+# digest: 9489ff2f8c768081 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl

@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_gall__mma_sm80 (w4a16_gemm/mma: W4A16 MMA on checkpoint-order words: tl.dot on tiles dequantized in registers, split-K in-kernel)
 # scheme: w4a16.int4.gall
 # arch: sm_80 and up
-# digest: 8250b591704e56e9 (sha256 of this kernel's scheme, variant and templates)
+# digest: acc69142c1fd1c86 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl

@@ -3,7 +3,7 @@
 # kernel: w4a16_gemm__int4_gall__planes_mma_sm90 (w4a16_gemm/planes_mma: W4A16 MMA on k_planes words, y^T = w^T x^T with the weights as the register operand, split-K in-kernel)
 # scheme: w4a16.int4.gall
 # arch: sm_90 .. sm_90
-# digest: 55515e1e3dec83f9 (sha256 of this kernel's scheme, variant and templates)
+# digest: f2e4ba78eddb2a0f (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl

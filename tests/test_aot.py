@@ -24,6 +24,9 @@ from kdsl.aot import runtime as aot_runtime
 from kdsl.aot.export import export
 from kdsl.aot.plan import int_key, plan
 from kdsl.cli import main
+from kdsl.kernels import host
+from kdsl.kernels.base import Generated, Launch
+from kdsl.runtime import launcher
 
 CC = shutil.which("cc") or shutil.which("gcc")
 needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler (cc or gcc) on PATH")
@@ -411,16 +414,38 @@ class Fake:
 
 
 def _recording_module(entry, path=None, kernel=None):
-    """A generated module imported apart (the entry's own, or `path`), its kernel (`kernel`, else the module's
-    name) replaced by a recorder of launches; the SM count and split-K scratch faked (132 SMs, as the C probe's
-    driver says; scratch at recognizable addresses)."""
+    """A generated module imported apart (the entry's own, or `path`), and `calls`: module.launch(*args) appends
+    (grid, params, options) of each launch it makes, launching nothing; the SM count and split-K scratch faked
+    (132 SMs, as the C probe's driver says; scratch at recognizable addresses). Where the implementation's unit
+    describes its launches (kdsl.kernels.base.KernelImpl.launch), those are the calls; else the module's own
+    launch() runs with its kernel (`kernel`, else the module's name) replaced by a recorder."""
     path = Path(path or entry.module_path)
     spec = importlib.util.spec_from_file_location(f"aot_record_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    module._INTERPRETING = True  # _launch calls kernel[grid](...) directly
     calls = []
+
+    def scratch(*args):
+        *_, tiles, split, elems = args
+        return (Fake((tiles * split * elems,), (1,), torch.float32, 0x7000000),
+                Fake((tiles,), (1,), torch.int32, 0x7100000))
+
+    unit = next(m.unit for m in entry.modules.values() if m.path.name == path.name)
+    if unit.launch is not None:
+        generated = Generated(module, path.stem)
+
+        def launch(*args):
+            saved = host.sm_count, host.splitk_scratch
+            host.sm_count, host.splitk_scratch = (lambda device: 132), scratch
+            try:
+                described = unit.launch(generated, *args)
+                for one in [described] if isinstance(described, Launch) else described:
+                    calls.append((tuple(one.grid) + (1,) * (3 - len(one.grid)), one.params, one.constexprs))
+            finally:
+                host.sm_count, host.splitk_scratch = saved
+        return types.SimpleNamespace(launch=launch), calls
+    module._INTERPRETING = True  # _launch calls kernel[grid](...) directly
 
     class Recorder:
         arg_names = ()
@@ -433,9 +458,7 @@ def _recording_module(entry, path=None, kernel=None):
     if hasattr(module, "_sm_count"):
         module._sm_count = lambda device: 132
     if hasattr(module, "_splitk_scratch"):
-        module._splitk_scratch = lambda device, tiles, split, elems: (
-            Fake((tiles * split * elems,), (1,), torch.float32, 0x7000000),
-            Fake((tiles,), (1,), torch.int32, 0x7100000))
+        module._splitk_scratch = scratch
     return module, calls
 
 
@@ -769,71 +792,75 @@ def test_argument_key_is_tritons_specialization():
         assert aot_runtime.argument_key(t) == (native[0], native[1])
 
 
-def test_load_wraps_the_exported_kernels_and_unload_restores_them(exported, manifest, monkeypatch):
+def test_load_serves_exported_launches_through_the_launcher(exported, manifest, monkeypatch):
+    """kdsl.aot.load makes the launcher ask the export first (a backend; no module is patched): a launch the
+    export covers runs its cubin (driver faked here), one it does not goes to the JIT; unload() stops it."""
     entry = kdsl.registry.select("act_quant", arch=90)
     module = entry.load()
     original = getattr(module, entry.name)
     library = kdsl.aot.load(exported[0])
     try:
-        wrapped = getattr(module, entry.name)
-        assert isinstance(wrapped, aot_runtime.AotKernel) and wrapped.jit is original
-        assert wrapped.arg_names == original.arg_names
-        # A launch the export covers runs its cubin (driver faked here); one it does not goes to the JIT.
+        assert getattr(module, entry.name) is original and aot_runtime._serve in launcher._BACKENDS
         launches, jitted = [], []
 
         class Driver:
             def launch(self, function, grid, threads, shared, stream, arguments):
                 launches.append((function, grid, threads, [a.value for a in arguments]))
 
-        class Jit:
+        class Jit:  # the module's kernel, as the launcher sees it (by its name)
+            __name__ = entry.name
             arg_names = original.arg_names
 
             def __getitem__(self, grid):
                 return lambda *params, **options: jitted.append((grid, params, options))
         library.driver = Driver()
         library.function = lambda spec, device=None: spec["name"]
-        wrapped.jit = Jit()
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
+        monkeypatch.setattr(launcher, "_INTERPRETING", True)  # the JIT call, not the compiled-kernel cache
         x = torch.empty((32, 256), dtype=torch.bfloat16)
         q = torch.empty((32, 256), dtype=torch.float8_e4m3fn)
         s = torch.empty((32, 2), dtype=torch.float32)
         tile = entry.tile_for(32)
         options = dict(BLOCK_M=tile["BLOCK_M"], ROUND_FIRST=False, num_warps=tile["num_warps"])
         before = aot_runtime.stats()
-        wrapped[(4, 2)](x, q, s, 32, 256, 256, **options)
+        kernel = Jit()
+        launcher.run(Launch(kernel, (4, 2), (x, q, s, 32, 256, 256), options))
         [(name, grid, threads, arguments)] = launches
         spec = next(sp for sp in manifest["specializations"] if sp["name"] == name)
         assert [(p["type"], p["claim"]) for p in spec["params"]] == [
             ("*bf16", "D"), ("*fp8e4nv", "D"), ("*fp32", "D"), ("i32", "D"), ("i32", "D"), ("i32", "D")]
         assert grid == (4, 2, 1) and threads == 32 * tile["num_warps"]
         assert arguments == [x.data_ptr(), q.data_ptr(), s.data_ptr(), 32, 256, 256] + [0] * spec["hidden"]
-        wrapped[(4, 2)](x, q, s, 1, 256, 256, **options)  # M = 1 compiled in: not passed
+        launcher.run(Launch(kernel, (4, 2), (x, q, s, 1, 256, 256), options))  # M = 1 compiled in: not passed
         assert launches[-1][3] == [x.data_ptr(), q.data_ptr(), s.data_ptr(), 256, 256] + [0] * spec["hidden"]
-        wrapped[(4, 2)](x, q, s, 32, 256, 256, **{**options, "BLOCK_M": 64})  # never exported
+        launcher.run(Launch(kernel, (4, 2), (x, q, s, 32, 256, 256), {**options, "BLOCK_M": 64}))  # never exported
         assert len(jitted) == 1 and len(launches) == 2
         after = aot_runtime.stats()
         assert (after["aot"] - before["aot"], after["jit"] - before["jit"]) == (2, 1)
     finally:
         kdsl.aot.unload()
-    assert getattr(module, entry.name) is original
+    assert aot_runtime._serve not in launcher._BACKENDS and getattr(module, entry.name) is original
 
 
-def test_kdsl_aot_env_wraps_modules_as_the_registry_imports_them(exported):
-    """KDSL_AOT=DIR in a fresh process: the first generated module imported loads DIR and its exported kernel is
-    wrapped (kdsl.aot adds its hook to the runtime when kdsl is imported; the runtime imports nothing of it)."""
+def test_kdsl_aot_env_loads_the_export_as_the_registry_imports_a_module(exported):
+    """KDSL_AOT=DIR in a fresh process: the first generated module imported loads DIR, and the launcher asks it
+    about every launch (kdsl.aot adds its hook to the runtime when kdsl is imported; the runtime imports nothing
+    of it); the module itself is left as it is."""
     script = """
 import kdsl
 from kdsl.aot import runtime
+from kdsl.runtime import launcher
 entry = kdsl.registry.select("act_quant", arch=90)
 module = entry.load()
-print(type(getattr(module, entry.name)).__name__, runtime.loaded().folder)
+print(isinstance(getattr(module, entry.name), runtime.AotKernel), runtime._serve in launcher._BACKENDS,
+      runtime.loaded().folder)
 """
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "KDSL_AOT": str(exported[0]),
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["AotKernel", str(exported[0])]
+    assert done.stdout.split() == ["False", "True", str(exported[0])]
 
 
 def test_a_folder_without_a_manifest_is_named(tmp_path):

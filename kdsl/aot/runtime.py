@@ -1,17 +1,17 @@
 """Launch exported cubins from Python: `kdsl.aot.load(DIR)` or KDSL_AOT=DIR.
 
 DIR is a folder written by `python -m kdsl aot` (its aot_manifest.json and cubins/; the C library need not be
-built). Each generated module's @triton.jit kernel that DIR exports is wrapped: a launch whose specialization
-(the constexprs and launch options the module passes, and Triton's rules for the arguments: integers equal
+built). While DIR is loaded it is a backend of kdsl.runtime.launcher (_serve): a launch of a kernel DIR exports
+whose specialization (the constexprs and launch options the launch passes, and Triton's rules for the arguments: integers equal
 to 1 or divisible by 16, pointers 16-byte aligned, 32- or 64-bit integers; a host TMA descriptor's element type
 and block, and for Gluon's its NVMMA layout) was exported runs its cubin through the CUDA driver, compiling
 nothing; any other launch goes to Triton's JIT as before (counted in stats()). A descriptor argument is passed
 as the C launcher (kdsl__launch) passes it: a CUtensorMap encoded with cuTensorMapEncodeTiled from the
 descriptor's base, shape and strides and the compiled kernel's box, swizzle and element type (the manifest's
 per-spec `tma`), then its shape as int32s and strides as int64s, as many as the export read from the PTX.
-The wrapping happens where the registry imports a generated module: importing this module adds its hook to
-kdsl.runtime.manifest (kdsl's package imports it), so kdsl.ops and the templates are unchanged and the runtime
-never imports kdsl.aot.
+KDSL_AOT=DIR is loaded where the registry imports the first generated module: importing this module adds its
+hook to kdsl.runtime.manifest (kdsl's package imports it), so the runtime never imports kdsl.aot. No module is
+patched, except those whose template still holds its launch: their kernels are wrapped (AotKernel) as before.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from kdsl.aot.emit import AOT_FORMAT
 from kdsl.aot.plan import int_key, pointer_key
-from kdsl.runtime import manifest, registry
+from kdsl.runtime import launcher, manifest, registry
 
 AOT_ENV = "KDSL_AOT"
 
@@ -39,6 +39,7 @@ _DESCRIPTORS: dict = {}  # host TMA descriptor class -> True for Gluon's (names 
 _GLUON_LAYOUTS: dict = {}  # (block, element) -> the default NVMMA shared layout the exporter compiled with
 _library = None  # the loaded AotLibrary
 _patched: dict = {}  # (module name, attribute) -> (module, original kernel)
+_wrappers: dict = {}  # JIT kernel launched through kdsl.runtime.launcher -> its AotKernel, or None (not exported)
 _stats = {"aot": 0, "jit": 0}
 
 
@@ -228,6 +229,14 @@ class AotKernel:
         return spec, tuple(passed), spec["hidden"], spec["num_warps"] * 32, spec["shared"]
 
     def run(self, grid, params, options):
+        """kernel[grid](*params, **options) of a module that launches its kernels itself (a stand-in for them)."""
+        if self.serve(grid, params, options):
+            return None
+        return self.jit[grid](*params, **options)
+
+    def serve(self, grid, params, options) -> bool:
+        """Launch the exported cubin of this specialization: True; False where the export has none (counted:
+        the launch goes to Triton's JIT)."""
         keys = tuple(map(_argument_key, params))
         fast_key = (tuple(options.items()), keys)
         try:
@@ -238,14 +247,14 @@ class AotKernel:
             prepared = None
         if prepared is None:
             _stats["jit"] += 1
-            return self.jit[grid](*params, **options)
+            return False
         _stats["aot"] += 1
         spec, passed, hidden, threads, shared = prepared
         if callable(grid):
             grid = grid(options)
         grid = tuple(grid) + (1,) * (3 - len(grid))
         if min(grid) <= 0:
-            return None
+            return True
         device = next(getattr(p, "base", p).device for p in params if hasattr(getattr(p, "base", p), "data_ptr"))
         function = self.library.function(spec, device)
         driver = self.library.driver
@@ -260,7 +269,22 @@ class AotKernel:
                 arguments += driver.descriptor(how, param.base.data_ptr(), tuple(param.shape), tuple(param.strides))
         arguments += [ctypes.c_uint64(0)] * hidden
         driver.launch(function, grid, threads, shared, _stream(device), arguments)
-        return None
+        return True
+
+
+_NOT_EXPORTED = None
+
+
+def _serve(launch) -> bool:
+    """kdsl.runtime.launcher's backend while an export is loaded: run the launch from its cubin where the export
+    has the kernel's specialization (True), else leave it to Triton's JIT (False)."""
+    kernel = launch.kernel
+    try:
+        wrapper = _wrappers[kernel]
+    except KeyError:
+        table = _library.tables.get(getattr(kernel, "__name__", None))
+        wrapper = _wrappers[kernel] = _NOT_EXPORTED if table is None else AotKernel(kernel, table, _library)
+    return wrapper is not _NOT_EXPORTED and wrapper.serve(launch.grid, launch.params, launch.constexprs)
 
 
 _PTR, _INT, _DESC = "ptr", "int", "desc"
@@ -316,8 +340,8 @@ def _argument_key(arg):
 def _patch(module) -> None:
     """Wrap the module's kernels that the loaded export serves."""
     library = _library
-    if library is None:
-        return
+    if library is None or not hasattr(module, "launch"):
+        return  # a module whose unit launches it goes through kdsl.runtime.launcher (_serve)
     for kernel, table in library.tables.items():
         original = module.__dict__.get(kernel)
         if original is None or isinstance(original, AotKernel):
@@ -339,6 +363,8 @@ def load(folder) -> AotLibrary:
             _POINTER_TYPES[dtype] = "*" + element
     _DESCRIPTORS.update(_descriptor_classes())
     _library = library
+    _wrappers.clear()
+    launcher.add_backend(_serve)
     _forget_launch_plans()
     for module in manifest.loaded_modules():
         _patch(module)
@@ -370,6 +396,8 @@ def unload() -> None:
     for (_, kernel), (module, original) in list(_patched.items()):
         setattr(module, kernel, original)
     _patched.clear()
+    launcher.remove_backend(_serve)
+    _wrappers.clear()
     _library = None
     _forget_launch_plans()
 
