@@ -3,7 +3,7 @@
 # kernel: moe_w4a16__int4_gall__sorted_sm80 (moe_w4a16/sorted: tokens sorted by expert on the device, int4 gate-up GEMM (+ silu * up), int4 down GEMM, weighted combine)
 # scheme: w4a16.int4.gall
 # arch: sm_80 and up
-# digest: c56b145723e0101d (sha256 of this kernel's scheme, variant and templates)
+# digest: ec7d59c566a01c1d (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -268,12 +268,6 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr, N_MAJOR: 
     return pid_m, pid_n
 
 
-# Launch shapes of the routing and combine kernels: a few microseconds each at decode.
-ALIGN_CHUNK = 1024  # assignments per step of the routing program
-ALIGN_BLOCKS = 16  # M blocks per step when the routing program names each block's expert
-COMBINE_COLS = 512  # hidden columns per program of the combine
-
-
 # --- routing: the (token, slot) assignments sorted by expert, each expert's run padded to BLOCK_M rows ------------
 
 @triton.jit
@@ -346,47 +340,6 @@ def moe_w4a16__int4_gall__sorted_sm80_combine(
         down = tl.load(out_ptr + (token * topk + j) * stride_om + cols, mask=cols < tl.where(routed, N, 0), other=0.0)
         acc += tl.where(routed, weight, 0.0) * down.to(tl.float32)
     tl.store(y_ptr + token * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=col_ok)
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-def routing_rows(assignments: int, num_experts: int, block_m: int) -> int:
-    """Sorted rows to allocate: at most min(assignments, E) experts are routed to, each run padded by up to
-    block_m - 1 rows; a multiple of block_m. The grids cover these; programs past the rows used return."""
-    bound = assignments + min(assignments, num_experts) * (block_m - 1)
-    return _cdiv(bound, block_m) * block_m
-
-
-def _route(topk_ids, num_experts: int, block_m: int, on_routed):
-    """Launch the routing kernel: (rows [max_rows], block_expert [max_blocks], meta, max_rows, max_blocks), all on
-    topk_ids' device and sized on the host for the worst routing. on_routed: None, or called with the count of ids
-    outside [0, E) (a one-element int32 tensor) before anything else is launched."""
-    assignments = topk_ids.shape[0] * topk_ids.shape[1]
-    max_rows = routing_rows(assignments, num_experts, block_m)
-    max_blocks = max_rows // block_m
-    index = torch.empty(max_rows + max_blocks + 2 + num_experts, dtype=torch.int32, device=topk_ids.device)
-    rows, block_expert, meta = index[:max_rows], index[max_rows:max_rows + max_blocks], index[max_rows + max_blocks:]
-    moe_w4a16__int4_gall__sorted_sm80_align[(1,)](
-        topk_ids, rows, block_expert, meta, assignments, topk_ids.shape[1], num_experts, max_rows, max_blocks,
-        topk_ids.stride(0), topk_ids.stride(1),
-        BLOCK_M=block_m, EXPERTS_PAD=_next_power_of_two(num_experts + 1), CHUNK=ALIGN_CHUNK,
-        CHUNK_BLOCKS=ALIGN_BLOCKS, num_warps=4,
-    )
-    if on_routed is not None:
-        on_routed(meta[1:2])
-    return rows, block_expert, meta, max_rows, max_blocks
-
-
-def _combine(out, topk_weights, topk_ids, y, num_experts: int) -> None:
-    """y [T, H] = each token's routed rows of out [T * k, H], weighted and summed in fp32 (the combine kernel)."""
-    tokens, hidden = y.shape
-    moe_w4a16__int4_gall__sorted_sm80_combine[(tokens, _cdiv(hidden, COMBINE_COLS))](
-        out, topk_weights, topk_ids, y, hidden, topk_ids.shape[1], num_experts, out.stride(0),
-        topk_weights.stride(0), topk_weights.stride(1), topk_ids.stride(0), topk_ids.stride(1), y.stride(0),
-        BLOCK_N=COMBINE_COLS, num_warps=4,
-    )
 
 
 # --- int4 weight tiles and the MMA ---------------------------------------------------------------------------------
@@ -509,70 +462,3 @@ def moe_w4a16__int4_gall__sorted_sm80_down(
             acc = _mma(acc, h, w, FP32_MATH)
         out_ptrs = out_ptr + assignment.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(assignment >= 0)[:, None] & (offs_n[None, :] < N))
-
-
-# Tiles per M bucket, from the definition: (largest M served or None for the rest,
-# smallest N served or None, launch parameters); the first that serves (M, N) is used.
-TILES = (
-    (8, None, {'impl': 'sorted', 'BLOCK_M': 16, 'BLOCK_N': 32, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'tile_order': 'm_major'}),
-    (32, None, {'impl': 'sorted', 'BLOCK_M': 32, 'BLOCK_N': 64, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'tile_order': 'm_major'}),
-    (64, None, {'impl': 'sorted', 'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'tile_order': 'm_major'}),
-    (None, None, {'impl': 'sorted', 'BLOCK_M': 128, 'BLOCK_N': 64, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 8, 'num_stages': 3, 'tile_order': 'm_major'}),
-)
-
-
-def _cdiv(n: int, d: int) -> int:
-    # Host code's ceil division: triton.cdiv is a constexpr function, about 3 us a call on the host.
-    return -(-n // d)
-
-
-def _perm_args(perm, qweight):
-    """(pointer, expert stride, stride to the up half's permutation) of perm [E, S, K], or of nothing (qweight stands
-    in for the pointer, never read)."""
-    if perm is None:
-        return qweight, 0, 0
-    return perm, perm.stride(0), perm.stride(1) if perm.shape[1] > 1 else 0
-
-
-def launch(x, w13_qweight, w13_zeros, w13_scales, w13_perm, w2_qweight, w2_zeros, w2_scales, w2_perm,
-           topk_weights, topk_ids, y, on_routed, tile):
-    """x [T, H] fp16/bf16 (unit stride along H); w13 (K = H, N = 2I: gate columns, then up columns) and w2 (K = I,
-    N = H) as qweight int32 [E, K / PACK, N], zeros, scales [E, G, N] (LAYOUT), perm int32 [E, S, K] or None (S = 2
-    for w13's gate and up halves, or 1; 1 for w2), unit stride along N; topk_weights fp32 [T, k], topk_ids int32
-    [T, k]; y [T, H] in x's dtype (contiguous). T, k >= 1.
-
-    on_routed(outside): None, or called with a one-element int32 tensor, the number of ids outside [0, E), after the
-    routing kernel and before the GEMMs are launched (the op's check of topk_ids; it may raise)."""
-    T, H = x.shape
-    E, inter = w13_qweight.shape[0], w13_qweight.shape[2] // 2
-    topk = topk_ids.shape[1]
-    block_m, block_n, block_k = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
-    device = x.device
-    cpu = device.type == "cpu"
-    rows, block_expert, meta, max_rows, max_blocks = _route(topk_ids, E, block_m, on_routed)
-
-    magic_bits, magic_bias = MAGIC[x.dtype]
-    uniform = GROUP_SIZE.value % block_k == 0  # every K tile inside one group
-    gemm = dict(UNIFORM_GROUP=uniform, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=tile["GROUP_M"],
-                N_MAJOR=tile["tile_order"] == "n_major", MAGIC_BITS=magic_bits, MAGIC_BIAS=magic_bias,
-                FP32_MATH=cpu, ASM_DEQUANT=not cpu and uniform and block_m >= 64,  # as w4a16_gemm/mma
-                num_warps=tile["num_warps"], num_stages=tile["num_stages"])
-
-    h = torch.empty((max_rows, inter), dtype=x.dtype, device=device)
-    perm, stride_pe, stride_pup = _perm_args(w13_perm, w13_qweight)
-    moe_w4a16__int4_gall__sorted_sm80[(max_blocks * _cdiv(inter, block_n),)](
-        x, perm, w13_qweight, w13_zeros, w13_scales, h, rows, block_expert, meta, inter, H, topk, max_blocks,
-        x.stride(0), stride_pe, stride_pup, w13_qweight.stride(0), w13_qweight.stride(1), w13_zeros.stride(0),
-        w13_zeros.stride(1), w13_scales.stride(0), w13_scales.stride(1), h.stride(0),
-        HAS_PERM=w13_perm is not None, **gemm,
-    )
-
-    out = torch.empty((T * topk, H), dtype=y.dtype, device=device)
-    perm, stride_pe, _ = _perm_args(w2_perm, w2_qweight)
-    moe_w4a16__int4_gall__sorted_sm80_down[(max_blocks * _cdiv(H, block_n),)](
-        h, perm, w2_qweight, w2_zeros, w2_scales, out, rows, block_expert, meta, H, inter, max_blocks,
-        h.stride(0), stride_pe, w2_qweight.stride(0), w2_qweight.stride(1), w2_zeros.stride(0), w2_zeros.stride(1),
-        w2_scales.stride(0), w2_scales.stride(1), out.stride(0),
-        HAS_PERM=w2_perm is not None, **gemm,
-    )
-    _combine(out, topk_weights, topk_ids, y, E)

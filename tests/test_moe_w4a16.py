@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 import torch._dynamo.testing
-from conftest import interpreting
+from conftest import interpreting, wrap_launch
 from reference import rel_fro_error
 from reference_moe import moe_dense_ref, routing
 
@@ -159,9 +159,8 @@ def test_awq_experts_match_reference(zeros, launched):
 def test_larger_tiles(tokens, experts, topk, monkeypatch):
     calls = []
     entry = registry.select("moe_w4a16", "w4a16.int4.g128", arch="sm_89")
-    module = entry.load()
-    original = module.launch
-    monkeypatch.setattr(module, "launch", lambda *args: calls.append(args[-1]["BLOCK_M"]) or original(*args))
+    wrap_launch(monkeypatch, entry.modules[entry.impl],
+                lambda original: lambda *args: calls.append(args[-1]["BLOCK_M"]) or original(*args))
     w13, w2, dense13, dense2 = gptq_layer(experts, 256, 128, dtype=torch.bfloat16)
     check_layer(w13, w2, dense13, dense2, tokens, topk)
     want = {40: 32, 70: 64, 140: 128}[tokens]
