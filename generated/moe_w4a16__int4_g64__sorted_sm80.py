@@ -3,7 +3,7 @@
 # kernel: moe_w4a16__int4_g64__sorted_sm80 (moe_w4a16/sorted: tokens sorted by expert on the device, int4 gate-up GEMM (+ silu * up), int4 down GEMM, weighted combine)
 # scheme: w4a16.int4.g64
 # arch: sm_80 and up
-# digest: 8470f8ef6985e7fa (sha256 of this kernel's scheme, variant and templates)
+# digest: 4c1052450344d0e8 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -80,11 +80,8 @@ def _load_x(x_ptr, perm_ptr, rows, offs_k, K, stride_xm, HAS_PERM: tl.constexpr)
     return tl.load(x_ptr + rows[:, None] * stride_xm + x_cols[None, :], mask=k_ok[None, :], other=0.0)
 
 
-
-# Bit patterns whose low mantissa bits take q directly, and the value they stand for.
-MAGIC = {torch.float16: (0x6400, 1024), torch.bfloat16: (0x4300, 128)}
+# The prepared layout, for the implementations' launches (kdsl/kernels/w4a16) to read.
 LAYOUT = {'zeros': 'biased', 'weights': 'checkpoint'}
-
 
 
 # One int32 of PACK=8 K-rows of one column -> its 8 weights, two per 32-bit register:

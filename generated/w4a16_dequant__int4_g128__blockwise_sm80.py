@@ -3,11 +3,10 @@
 # kernel: w4a16_dequant__int4_g128__blockwise_sm80 (w4a16_dequant/blockwise: prepared int4 weights to w [N, K] (prepared K order) for torch.matmul, one tile per program)
 # scheme: w4a16.int4.g128
 # arch: sm_80 and up
-# digest: 96c9ea7537db02f2 (sha256 of this kernel's scheme, variant and templates)
+# digest: 8a89dde596ec90c6 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
-import os
 
 # Prepared int4 weights -> w [N, K] in the activation dtype, K in prepared (group-sorted) order, K contiguous:
 # x.index_select(1, perm) @ w.T (x @ w.T without act-order) is then nn.Linear's product, which cuBLAS runs on
@@ -77,68 +76,8 @@ def _load_x(x_ptr, perm_ptr, rows, offs_k, K, stride_xm, HAS_PERM: tl.constexpr)
     return tl.load(x_ptr + rows[:, None] * stride_xm + x_cols[None, :], mask=k_ok[None, :], other=0.0)
 
 
-
-# Bit patterns whose low mantissa bits take q directly, and the value they stand for.
-MAGIC = {torch.float16: (0x6400, 1024), torch.bfloat16: (0x4300, 128)}
+# The prepared layout, for the implementations' launches (kdsl/kernels/w4a16) to read.
 LAYOUT = {'zeros': 'biased', 'weights': 'checkpoint'}
-
-
-
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-# Triton's JIT call works out the kernel's specialization from every argument on each launch: about
-# 20 us of host time per call on the lent H100's host, which a short eager launch waits for. _launch keys
-# the kernel that call returns on everything that specialization reads, and launches it directly next time.
-_COMPILED: dict = {}
-_COMPILED_LIMIT = 1024  # keys hold exact sizes: a server's many prefill lengths must not grow it forever
-# While kdsl.ops records a launch plan (kdsl/ops/_plan.py), a list that _launch appends each launch to:
-# (kernel or compiled kernel, grid, params, options or the constexpr values, compiled?).
-_RECORDING: list | None = None
-
-
-def _specialization(arg):
-    """What Triton can specialize a kernel on, of one argument: a superset of its rules (exact integers,
-    dtypes, 16-byte alignment of every base, descriptors' sizes and blocks), so equal keys share a kernel."""
-    if type(arg) is int or type(arg) is bool:
-        return arg
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    block_shape = getattr(arg, "block_shape", None)
-    if block_shape is None:
-        return arg
-    # A TMA descriptor; a Gluon one's shared layout is a function of its block and dtype.
-    return _specialization(arg.base), tuple(arg.shape), tuple(arg.strides), tuple(block_shape), arg.padding
-
-
-def _launch(kernel, grid: tuple, params: tuple, options: dict) -> None:
-    """kernel[grid](*params, **options): params are the kernel's leading arguments in signature order,
-    options the keyword rest (constexprs and launch options such as num_warps); grid has three entries."""
-    if _INTERPRETING:
-        kernel[grid](*params, **options)
-        if _RECORDING is not None:
-            _RECORDING.append((kernel, grid, params, options, False))
-        return
-    key = (kernel, torch.cuda.current_device(), *options.items(), *map(_specialization, params))
-    cached = _COMPILED.get(key)
-    if cached is not None:
-        compiled, keyword_params = cached
-        compiled[grid](*params, *keyword_params)
-        if _RECORDING is not None:
-            _RECORDING.append((compiled, grid, params, keyword_params, True))
-        return
-    compiled = kernel[grid](*params, **options)
-    # A kernel kdsl.ops watches while recording (kdsl/ops/_plan.py) records its own JIT launches.
-    recording = _RECORDING is not None and not getattr(kernel, "_kdsl_watched", False)
-    if compiled is None:
-        if recording:
-            _RECORDING.append(None)  # nothing to replay: the plan is not kept
-        return
-    if len(_COMPILED) >= _COMPILED_LIMIT:
-        _COMPILED.clear()
-    # The compiled kernel takes every signature argument positionally, constexprs included.
-    keyword_params = tuple(options[name] for name in kernel.arg_names[len(params):])
-    _COMPILED[key] = compiled, keyword_params
-    if recording:
-        _RECORDING.append((compiled, grid, params, keyword_params, True))
 
 
 @triton.jit
@@ -177,32 +116,3 @@ def w4a16_dequant__int4_g128__blockwise_sm80(
     w = tl.trans(_dequant_q(q, scale, zero, dtype, MAGIC_BITS, MAGIC_BIAS, FP32_MATH))
     out_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     tl.store(out_ptrs, w, mask=(offs_n < N)[:, None] & (offs_k < K)[None, :])
-
-
-# Tiles per M bucket, from the definition: (largest M served or None for the rest,
-# smallest N served or None, launch parameters); the first that serves (M, N) is used.
-TILES = (
-    (None, None, {'impl': 'blockwise', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 8, 'num_stages': 3}),
-)
-
-
-def _cdiv(n: int, d: int) -> int:
-    # Host code's ceil division: triton.cdiv is a constexpr function, about 3 us a call on the host.
-    return -(-n // d)
-
-
-def launch(qweight, zeros, scales, groups, contiguous_groups, w, tile):
-    """qweight, zeros and scales as LAYOUT says, in prepared K order; groups int32 [K], the group of each
-    prepared row; contiguous_groups: row k is in group k // GROUP_SIZE. w [N, K] (unit stride along K) in
-    scales' dtype, written whole."""
-    N, K = w.shape
-    bn, bk = tile["BLOCK_N"], tile["BLOCK_K"]
-    magic_bits, magic_bias = MAGIC[w.dtype]
-    _launch(w4a16_dequant__int4_g128__blockwise_sm80, (_cdiv(K, bk), _cdiv(N, bn), 1), (
-        qweight, zeros, scales, groups, w,
-        N, K, qweight.stride(0), zeros.stride(0), scales.stride(0), w.stride(0),
-    ), dict(
-        UNIFORM_GROUP=contiguous_groups and GROUP_SIZE.value % bk == 0, BLOCK_N=bn, BLOCK_K=bk,
-        MAGIC_BITS=magic_bits, MAGIC_BIAS=magic_bias, FP32_MATH=w.device.type == "cpu",
-        num_warps=tile["num_warps"],
-    ))

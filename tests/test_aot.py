@@ -413,12 +413,11 @@ class Fake:
                     dtype, self._address)
 
 
-def _recording_module(entry, path=None, kernel=None):
+def _recording_module(entry, path=None):
     """A generated module imported apart (the entry's own, or `path`), and `calls`: module.launch(*args) appends
-    (grid, params, options) of each launch it makes, launching nothing; the SM count and split-K scratch faked
-    (132 SMs, as the C probe's driver says; scratch at recognizable addresses). Where the implementation's unit
-    describes its launches (kdsl.kernels.base.KernelImpl.launch), those are the calls; else the module's own
-    launch() runs with its kernel (`kernel`, else the module's name) replaced by a recorder."""
+    (grid, params, options) of each launch its implementation's unit describes (kdsl.kernels.base.KernelImpl.launch),
+    launching nothing; the SM count and split-K scratch faked (132 SMs, as the C probe's driver says; scratch at
+    recognizable addresses)."""
     path = Path(path or entry.module_path)
     spec = importlib.util.spec_from_file_location(f"aot_record_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
@@ -426,40 +425,23 @@ def _recording_module(entry, path=None, kernel=None):
     spec.loader.exec_module(module)
     calls = []
 
-    def scratch(*args):
-        *_, tiles, split, elems = args
+    def scratch(kernel, device, tiles, split, elems):
         return (Fake((tiles * split * elems,), (1,), torch.float32, 0x7000000),
                 Fake((tiles,), (1,), torch.int32, 0x7100000))
 
     unit = next(m.unit for m in entry.modules.values() if m.path.name == path.name)
-    if unit.launch is not None:
-        generated = Generated(module, path.stem)
+    generated = Generated(module, path.stem)
 
-        def launch(*args):
-            saved = host.sm_count, host.splitk_scratch
-            host.sm_count, host.splitk_scratch = (lambda device: 132), scratch
-            try:
-                described = unit.launch(generated, *args)
-                for one in [described] if isinstance(described, Launch) else described:
-                    calls.append((tuple(one.grid) + (1,) * (3 - len(one.grid)), one.params, one.constexprs))
-            finally:
-                host.sm_count, host.splitk_scratch = saved
-        return types.SimpleNamespace(launch=launch), calls
-    module._INTERPRETING = True  # _launch calls kernel[grid](...) directly
-
-    class Recorder:
-        arg_names = ()
-
-        def __getitem__(self, grid):
-            def record(*params, **options):
-                calls.append((tuple(grid) + (1,) * (3 - len(grid)), params, options))
-            return record
-    setattr(module, kernel or path.stem, Recorder())
-    if hasattr(module, "_sm_count"):
-        module._sm_count = lambda device: 132
-    if hasattr(module, "_splitk_scratch"):
-        module._splitk_scratch = scratch
-    return module, calls
+    def launch(*args):
+        saved = host.sm_count, host.splitk_scratch
+        host.sm_count, host.splitk_scratch = (lambda device: 132), scratch
+        try:
+            described = unit.launch(generated, *args)
+            for one in [described] if isinstance(described, Launch) else described:
+                calls.append((tuple(one.grid) + (1,) * (3 - len(one.grid)), one.params, one.constexprs))
+        finally:
+            host.sm_count, host.splitk_scratch = saved
+    return types.SimpleNamespace(launch=launch), calls
 
 
 DT = {"bf16": torch.bfloat16, "f32": torch.float32, "f16": torch.float16}
@@ -1117,32 +1099,8 @@ def test_w4a16_gluon_kernels_are_exported_and_every_call_has_a_cubin(exported_w4
 
 
 def _w4a16_recorders(entry, impls):
-    """Each exported implementation's module imported apart, its kernel a recorder, the SM count and the
-    split-K scratch faked (132 SMs, as the C probe's driver says; scratch at recognizable addresses)."""
-    recorders = {}
-    for impl in impls:
-        path = entry.modules[impl].path
-        spec = importlib.util.spec_from_file_location(f"aot_record_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        module._INTERPRETING = True
-        calls = []
-
-        class Recorder:
-            arg_names = ()
-
-            def __getitem__(self, grid, calls=calls):
-                grid = tuple(grid) + (1,) * (3 - len(grid))  # overlap_gluon's launch() gives two
-                return lambda *params, **options: calls.append((grid, params, options))
-
-        setattr(module, path.stem, Recorder())
-        module._sm_count = lambda device: 132
-        module._splitk_scratch = lambda device, tiles, split, elems: (
-            Fake((tiles * split * elems,), (1,), torch.float32, 0x7000000),
-            Fake((tiles,), (1,), torch.int32, 0x7100000))
-        recorders[impl] = module, calls
-    return recorders
+    """Each exported implementation's module imported apart, recording its launches (_recording_module)."""
+    return {impl: _recording_module(entry, entry.modules[impl].path) for impl in impls}
 
 
 def _w4a16_cases(arch):
@@ -1234,14 +1192,14 @@ def test_w4a16_dispatcher_matches_the_registry_and_the_generated_launch(exported
                 s["bucket"] == bucket and s["constexprs"]["SPLIT_K"] == wanted and
                 {**s["constexprs"], **s["options"]} == options for s in specs), (call, answer)
             fell_back += 1
-            original = module.split_for
-            module.split_for = lambda *a, chosen=numbers[1]: chosen
+            original = host.split_for
+            host.split_for = lambda *a, chosen=numbers[1]: chosen
             try:
                 calls.clear()
                 module.launch(*args)
                 [(grid, params, options)] = calls
             finally:
-                module.split_for = original
+                host.split_for = original
         spec, exact = _expected_spec(specs, entry, bucket, dtype, _keys(params), options)
         assert name == spec["name"], (call, answer)
         assert tuple(numbers[:3]) == grid, call
@@ -1483,17 +1441,14 @@ class _FakeCuda:
 
 
 def _served_from_cubins(folder, manifest, entry, launches, monkeypatch):
-    """Launch each recorded (kernel, grid, params, options) through the loaded export's AotKernel, the driver
+    """Serve each recorded (kernel, grid, params, options) from the loaded export (an AotKernel), the driver
     faked: every one must run its exported specialization (exactly the JIT's), each descriptor encoded as
     Triton's launcher encodes it, and the kernel parameters laid out as kdsl__launch lays them out."""
     TensorDescriptor = _descriptor_types()
     specs = manifest["specializations"]
     library = kdsl.aot.load(folder)
-    jitted = []
+    jitted = []  # the launches the export declined (kdsl.runtime.launcher then takes them to Triton's JIT)
 
-    class Jit:
-        def __getitem__(self, grid):
-            return lambda *params, **options: jitted.append((grid, params, options))
     try:
         fake = _FakeCuda()
         library.driver = aot_runtime._Driver(cuda=fake)
@@ -1503,7 +1458,7 @@ def _served_from_cubins(folder, manifest, entry, launches, monkeypatch):
         before = aot_runtime.stats()
         for kernel, grid, params, options, bucket, dtype in launches:
             if kernel not in kernels:
-                kernels[kernel] = aot_runtime.AotKernel(Jit(), library.tables[kernel], library)
+                kernels[kernel] = aot_runtime.AotKernel(None, library.tables[kernel], library)
             spec, exact = _expected_spec(specs, entry, bucket, dtype, _keys(params), options)
             assert exact, (kernel, options)
             # The parameters kdsl__launch passes: compiled-in ones dropped, each descriptor its CUtensorMap then
@@ -1527,7 +1482,8 @@ def _served_from_cubins(folder, manifest, entry, launches, monkeypatch):
             expected += [0] * spec["hidden"]
             fake.layout = layout
             library.driver.maps.clear()  # each launch encodes its maps (the cache is checked below)
-            kernels[kernel][grid](*params, **options)
+            if not kernels[kernel].serve(grid, params, options):
+                jitted.append((grid, params, options))
             assert not jitted, (kernel, options)
             name, got_grid, threads, shared, got = fake.launches[-1]
             assert name == spec["name"] and got_grid == grid and threads == 32 * spec["num_warps"]
@@ -1536,7 +1492,7 @@ def _served_from_cubins(folder, manifest, entry, launches, monkeypatch):
             assert got == expected, spec["name"]
         # A repeated launch reuses its CUtensorMaps: nothing encoded again.
         encoded = len(fake.encodes)
-        kernels[kernel][grid](*params, **options)
+        assert kernels[kernel].serve(grid, params, options)
         assert len(fake.encodes) == encoded and fake.launches[-1][4] == got
         after = aot_runtime.stats()
         assert (after["aot"] - before["aot"], after["jit"] - before["jit"]) == (len(launches) + 1, 0)
@@ -1546,7 +1502,8 @@ def _served_from_cubins(folder, manifest, entry, launches, monkeypatch):
         Descriptor = type(desc)
         for changed in (Descriptor(desc.base, desc.shape, desc.strides, [2 * b for b in desc.block_shape]),
                         Descriptor(desc.base, desc.shape, desc.strides, desc.block_shape, padding="nan")):
-            kernels[kernel][grid](*params[:index], changed, *params[index + 1:], **options)
+            if not kernels[kernel].serve(grid, (*params[:index], changed, *params[index + 1:]), options):
+                jitted.append(changed)
         assert len(jitted) == 2 and aot_runtime.stats()["jit"] - after["jit"] == 2
     finally:
         kdsl.aot.unload()
@@ -1663,7 +1620,7 @@ def test_gluon_descriptor_launch_is_encoded_as_tritons(monkeypatch):
                                  gl.NVMMASharedLayout.get_default_for([64, 64], gl.float16))
     fake.layout = [128, 4, 4, 8, 8, 8, 4, 8, 8]
     before = aot_runtime.stats()["aot"]
-    kernel[(5,)](desc, y, 1, 17, num_warps=4)
+    assert kernel.serve((5,), (desc, y, 1, 17), dict(num_warps=4))
     assert aot_runtime.stats()["aot"] == before + 1
     encode, expanded = _triton_descriptor(desc, tma)
     assert fake.encodes == [encode]

@@ -111,8 +111,6 @@ def manifest_entry(kernel: PlannedKernel) -> dict:
         "modules": [{
             "impl": module.impl.impl,
             "module": f"{module.name}.py",
-            # the units whose host code is still in their template: the module's launch function
-            **({"function": "launch"} if module.impl.launch is None else {}),
             "digest": module_digest(kernel, module),
         } for module in kernel.modules],
         "source": kernel.source,

@@ -1,7 +1,8 @@
 """Launch plans: what one call signature of an op launches, recorded on its first call and replayed after.
 
 An op's host time is mostly Python: argument checks, the scheme and kernel lookup, the tile choice, the
-implementation's launch (grid, split, descriptors: its unit under kdsl/kernels) and Triton's launch wrappers. All of it is a
+implementation's launch (grid, split, descriptors: its unit under kdsl/kernels) and Triton's launch
+wrappers. All of it is a
 function of the call's signature, so a plan keyed on that signature can skip it:
 
   key: the op, each tensor argument's type, shape, strides, dtype, device, data_ptr() % 16 and requires_grad
@@ -19,11 +20,9 @@ function of the call's signature, so a plan keyed on that signature can skip it:
        descriptors. plan.describe() says what a plan launches, in words.
 
 A miss runs the op's ordinary path, which raises the same errors as ever, and records the launches
-kdsl.runtime.launcher makes (a module whose template still holds its launch records those of its _launch,
-common/launch_cache.py.j2, and on the GPU those of the kernels it launches itself, watched under their global
-names while it records). The plan is
+kdsl.runtime.launcher makes. The plan is
 kept only where replaying it is the same launch: on the GPU, Triton's launch hook counted as many launches
-as were recorded (none went around both); every tensor a launch reads is one of the call's tensors, a view
+as were recorded (none went around the launcher); every tensor a launch reads is one of the call's tensors, a view
 starting at one of them (same dtype under the interpreter), or the persistent split-K scratch; no
 two of the call's tensors start at one address; no CUDA graph is being captured. Otherwise the key maps to
 NO_PLAN and every call takes the ordinary path.
@@ -66,84 +65,32 @@ class Recorder:
         self.launches: list | None = None
         self.count = 0
         self.chain = None
-        self.watched: dict = {}
         self.interpreting = launcher.interpreting()
-        # The modules whose template still holds their launch (and the launch cache) record through their
-        # _RECORDING; kernels they launch themselves, kernel[grid](...), through a stand-in (_Watched).
-        self.legacy = module is not None and hasattr(module, "_RECORDING")
 
     def __enter__(self) -> "Recorder":
-        if not RECORD or self.module is None or (self.legacy and self.module._RECORDING is not None):
+        if not RECORD or self.module is None:
             return self
-        if self.legacy:
-            self.interpreting = self.module._INTERPRETING
         if not self.interpreting:
             self.chain = _hook_chain()
             if self.chain is None:
                 return self  # this Triton cannot count launches: no plan
         self.launches = launcher.begin_recording()
         if self.launches is None:
+            self.chain = None
             return self  # a recording is open already (an op called inside another's): that one records
         if self.chain is not None:
             self.chain.add(self._counted)
-        if self.legacy:
-            self.module._RECORDING = self.launches
-            if not self.interpreting:
-                # Only the launched kernels, named after the module (the @jit helpers they call are looked up by
-                # name when a kernel compiles).
-                prefix = self.module.__name__.rpartition(".")[2]
-                self.watched = {name: value for name, value in vars(self.module).items()
-                                if name.startswith(prefix) and hasattr(value, "arg_names")
-                                and hasattr(value, "__getitem__")}
-                for name, kernel in self.watched.items():
-                    setattr(self.module, name, _Watched(kernel, self.launches))
         return self
 
     def _counted(self, *_) -> None:
         self.count += 1
 
     def __exit__(self, *_) -> bool:
-        for name, kernel in self.watched.items():
-            setattr(self.module, name, kernel)
         if self.launches is not None:
             launcher.end_recording()
-            if self.legacy:
-                self.module._RECORDING = None
         if self.chain is not None:
             self.chain.remove(self._counted)
         return False
-
-
-class _Watched:
-    """A module's kernel while a plan is recorded: kernel[grid](...) launches it and records the launch as
-    _launch does. Equal to the kernel (and hashes alike), so _launch's cache finds the kernel's entries."""
-
-    _kdsl_watched = True
-
-    def __init__(self, kernel, launches: list):
-        self.kernel, self.launches = kernel, launches
-
-    def __getattr__(self, name):
-        return getattr(self.kernel, name)
-
-    def __hash__(self) -> int:
-        return hash(self.kernel)
-
-    def __eq__(self, other) -> bool:
-        return other is self or other is self.kernel or (type(other) is _Watched and other.kernel is self.kernel)
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
-        def watched(*args, **options):
-            compiled = launch(*args, **options)
-            try:  # the compiled kernel takes every signature argument positionally, constexprs included
-                extra = tuple(options[name] for name in self.kernel.arg_names[len(args):])
-            except KeyError:  # a default left out: not replayed
-                compiled = None
-            self.launches.append(None if compiled is None or callable(grid) else (compiled, grid, args, extra, True))
-            return compiled
-        return watched
 
 
 def store(key, rec: Recorder, inputs: tuple, outputs: tuple) -> None:
@@ -201,7 +148,7 @@ def _build(rec: Recorder, inputs: tuple, outputs: tuple):
     if any(launch[4] is not compiled for launch in launches):
         return None
     if compiled and rec.count != len(launches):
-        return None  # a launch went around _launch: replaying the recorded ones would miss it
+        return None  # a launch went around the launcher: replaying the recorded ones would miss it
     by_ptr = {}
     for slot, t in enumerate((*inputs, *outputs)):
         if t is None:
@@ -216,8 +163,7 @@ def _build(rec: Recorder, inputs: tuple, outputs: tuple):
         its pointer only (the interpreter also its dtype), so the same call tensor of a later call serves."""
         slot, t = by_ptr.get(p.data_ptr(), (None, None))
         return slot if t is not None and (compiled or p.dtype == t.dtype) else None
-    scratch = {id(t) for pairs in (host.SPLITK_SCRATCH, getattr(rec.module, "_SPLITK_SCRATCH", {}))
-               for pair in pairs.values() for t in pair}
+    scratch = {id(t) for pair in host.SPLITK_SCRATCH.values() for t in pair}
 
     templates = tuple(_template(out) for out in outputs)
     if any(template is None for template in templates):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kdsl.kernels.w4a16.common import gather_columns
 from kdsl.naming import w4a16_scheme_name
 from kdsl.ops import _checks as check
 from kdsl.ops import _plan, fallback
@@ -327,18 +328,19 @@ def _w4a16_gemm_impl(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
                        prepared.contiguous_groups, w, dequant.tile_for(None))
         torch.mm(x2, w.t(), out=y.view(-1, n))
         return y
-    # act_order=False: act-order's x is gathered once by the chosen module (gather_columns), then the tile of
-    # plain g_idx runs; the in-kernel perm lookups that act_order facts select are the AOT C ABI's.
+    # act_order=False: act-order's x is gathered once by the chosen module's gather kernel (gather_columns), then
+    # the tile of plain g_idx runs; the in-kernel perm lookups that act_order facts select are the AOT C ABI's.
     call = registry.Call(m=m, n=n, device_type=device.type, dtype=check.dtype_name(x2.dtype),
                          act_order=False, contiguous_groups=prepared.contiguous_groups,
                          align=check.alignment(x2, prepared.scales))
     tile = entry.tile_for(m, n, call)  # the plan key holds everything the call's facts are made of
-    module = entry.modules[tile["impl"]].load()
+    kernel_module = entry.modules[tile["impl"]]
     # Act-order: x's columns gathered into a buffer of the call's own, which the plan allocates like an output.
     gathered = None if perm is None else torch.empty((m, k), dtype=x2.dtype, device=device)
-    with _plan.Recorder(module if plan is None else None) as rec:
+    with _plan.Recorder(kernel_module.load() if plan is None else None) as rec:
         if perm is not None:
-            x2 = module.gather_columns(x2, perm, gathered)
+            kernel_module.run(gather_columns, x2, perm, gathered)
+            x2 = gathered
         entry.launch(x2, None, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
                      prepared.contiguous_groups, y.view(-1, n), tile)
     _plan.store(key, rec, (x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups),

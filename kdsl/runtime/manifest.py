@@ -92,7 +92,6 @@ class KernelModule:
 
     impl: str
     path: Path
-    function: str | None  # a module function that launches it itself (manifests before the units owned launches)
     unit: KernelImpl | None  # None: the manifest names an implementation this kdsl does not have
     import_name: str
 
@@ -116,8 +115,9 @@ class KernelModule:
         """launch(*args, tile): the call's launches, as the unit describes them, run by kdsl.runtime.launcher."""
         bound = _LAUNCHES.get(self.path)
         if bound is None:
-            if self.unit is None or self.unit.launch is None:
-                return getattr(self.load(), self.function)
+            if self.unit is None:
+                raise ManifestError(f"{self.path}: implementation {self.impl!r} is not one this kdsl has: "
+                                    "run `python -m kdsl generate`")
             generated, describe, run_all = self.generated(), self.unit.launch, launcher.run_all
 
             def bound(*args):
@@ -136,8 +136,6 @@ class KernelModule:
         refusal = None if self.unit is None else self.unit.refusal
         if refusal is None:
             return None
-        if isinstance(refusal, str):  # a function its generated module carries (the units not yet moved)
-            return getattr(self.load(), refusal)
         generated = self.generated()
         return lambda params, call: refusal(generated, params, call)
 
@@ -208,10 +206,6 @@ class KernelEntry:
         return self.modules[self.impl].path
 
     @property
-    def function(self) -> str:
-        return self.modules[self.impl].function
-
-    @property
     def launch(self):
         """launch(*args, tile): the launch function of the module serving `tile`."""
         if len(self.modules) == 1:
@@ -231,21 +225,16 @@ class KernelEntry:
 _MODULES: dict[Path, ModuleType] = {}
 _LAUNCHES: dict = {}  # module path -> its unit's launch function, bound to the loaded module once
 _GENERATED: dict = {}  # module path -> the loaded module as its unit reads it (kdsl.kernels.base.Generated)
-# Called with (KernelModule, module) after a generated module is imported. A package that launches kernels
-# another way (kdsl.aot: exported cubins) adds itself here when it is imported; the runtime imports none of them.
+# Called with (KernelModule, module) after a generated module is imported. A package that must act then
+# (kdsl.aot: KDSL_AOT=DIR is loaded with the first module) adds itself when it is imported; the runtime imports none.
 _MODULE_HOOKS: list = []
 
 
 def add_module_hook(hook) -> None:
     """Call hook(kernel_module, module) after each generated module is imported from now on (a hook added
-    twice runs once); loaded_modules() gives those imported before."""
+    twice runs once)."""
     if hook not in _MODULE_HOOKS:
         _MODULE_HOOKS.append(hook)
-
-
-def loaded_modules() -> list[ModuleType]:
-    """The generated modules imported so far."""
-    return list(_MODULES.values())
 
 
 def _import_file(module_name: str, path: Path) -> ModuleType:
@@ -283,8 +272,7 @@ def load_manifest(folder: Path | None = None, origin: str = SHIPPED) -> tuple[Ke
         package = "kdsl_generated" if origin == SHIPPED else (
             "kdsl_user_" + hashlib.sha256(origin.encode()).hexdigest()[:12])
         modules = {
-            m["impl"]: KernelModule(impl=m["impl"], path=folder / m["module"], function=m.get("function"),
-                                    unit=find_impl(raw["op"], m["impl"]),
+            m["impl"]: KernelModule(impl=m["impl"], path=folder / m["module"], unit=find_impl(raw["op"], m["impl"]),
                                     import_name=f"{package}.{m['module'].removesuffix('.py')}")
             for m in raw["modules"]
         }

@@ -28,7 +28,7 @@ For each M bucket of the variant (or those named by --bucket), and inside one ti
               only in an m_max = 1 bucket of w4a16_gemm
   shapes      every (N, K) of the --shapes preset for the op in the tile's N range, at the
               preset's M values that fall in the bucket (or at the bucket's m_max if none does)
-  timing      the generated module's launch with each candidate tile; median of
+  timing      the implementation's launch with each candidate tile; median of
               triton.testing.do_bench_cudagraph for M <= 128 (fp8_bmm: every M, as its bench
               times it), do_bench otherwise. Each candidate
               is checked once per shape against the fp32 reference (the bench's tolerance);

@@ -42,9 +42,9 @@ def launch(generated, x, b, b_s, bias, c, tile):
     bm, bn = tile["BLOCK_M"], tile["BLOCK_N"]
     tiles = cdiv(M, bm) * cdiv(N, bn)
     kernel = generated.kernel
-    split_k, workspace, counters = split_with_scratch(
-        kernel, c, tile, K // generated.module.ACT_GROUP.value, tiles, None if INTERPRETING else host.sm_count(x.device),
-        bm * bn)
+    sms = None if INTERPRETING else host.sm_count(x.device)
+    split_k, workspace, counters = split_with_scratch(kernel, c, tile, K // generated.module.ACT_GROUP.value, tiles,
+                                                      sms, bm * bn)
     return Launch(kernel, (tiles * split_k, 1, 1), (
         x, b, c, b_s, c if bias is None else bias, workspace, counters,
         M, N, K, x.stride(0), b.stride(0), c.stride(0), b_s.stride(0),
