@@ -12,7 +12,7 @@ from types import ModuleType
 
 import kdsl.schema  # noqa: F401  (before kdsl.kernels: the schema's definitions import the units, theirs first)
 from kdsl.kernels import find_impl
-from kdsl.kernels.base import Generated, KernelImpl
+from kdsl.kernels.base import Generated, KernelImpl, Launch
 from kdsl.runtime import launcher
 
 GENERATED_ENV = "KDSL_GENERATED"  # replaces the shipped kernels' folder
@@ -118,10 +118,16 @@ class KernelModule:
             if self.unit is None:
                 raise ManifestError(f"{self.path}: implementation {self.impl!r} is not one this kdsl has: "
                                     "run `python -m kdsl generate`")
-            generated, describe, run_all = self.generated(), self.unit.launch, launcher.run_all
+            generated, describe, run = self.generated(), self.unit.launch, launcher.run
 
             def bound(*args):
-                run_all(describe(generated, *args))
+                # launcher.run_all, inlined: this is every eager launch's path
+                described = describe(generated, *args)
+                if type(described) is Launch:
+                    run(described)
+                else:
+                    for launch in described:
+                        run(launch)
             _LAUNCHES[self.path] = bound
         return bound
 
