@@ -3,7 +3,7 @@
 # kernel: fp8_bmm__e4m3_w128x128_a128_f32__portable_sm90 (fp8_bmm/portable: batched, strided pointer loads, fp32 accumulation with per-step scales)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: 9ce0e3912e813bc6 (sha256 of this kernel's scheme, variant and templates)
+# digest: f003b339aa60ee18 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -90,41 +90,3 @@ def fp8_bmm__e4m3_w128x128_a128_f32__portable_sm90(
     _fp8_block_tile(a_ptr, b_ptr, as_ptr, bs_ptr, c_ptr, pid_m, pid_n, M, N, K,
                     stride_am, stride_bn, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk,
                     BLOCK_M, BLOCK_N, BLOCK_K)
-
-
-# Tiles per M bucket, from the definition: (largest M served or None for the rest,
-# smallest N served or None, launch parameters); the first that serves (M, N) is used.
-TILES = (
-    (16, 256, {'impl': 'portable', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 4, 'tile_order': 'm_major'}),
-    (16, None, {'impl': 'portable', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 4, 'tile_order': 'm_major'}),
-    (64, None, {'impl': 'portable', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'tile_order': 'm_major'}),
-    (128, 256, {'impl': 'portable', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'tile_order': 'm_major'}),
-    (128, None, {'impl': 'portable', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'tile_order': 'm_major'}),
-    (512, 256, {'impl': 'portable', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'tile_order': 'm_major'}),
-    (512, None, {'impl': 'portable', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'tile_order': 'm_major'}),
-    (None, None, {'impl': 'portable', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'tile_order': 'm_major'}),
-)
-
-
-def _cdiv(n: int, d: int) -> int:
-    # Host code's ceil division: triton.cdiv is a constexpr function, about 3 us a call on the host.
-    return -(-n // d)
-
-
-def launch(a, a_s, b, b_s, c, tile):
-    """a [B, M, K] fp8, a_s [B, M, K // ACT_GROUP], b [B, N, K] fp8, b_s [B, cdiv(N, W_BLOCK_N), K // W_BLOCK_K],
-    c [B, M, N]: any strides, passed as they are (no copies).
-
-    Unit stride along K for a and b, and along N for c, is the caller's to guarantee; B, M >= 1.
-    """
-    B, M, K = a.shape
-    N = b.shape[1]
-    grid = (_cdiv(M, tile["BLOCK_M"]) * _cdiv(N, tile["BLOCK_N"]), 1, B)
-    fp8_bmm__e4m3_w128x128_a128_f32__portable_sm90[grid](
-        a, b, c, a_s, b_s, M, N, K,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        a_s.stride(0), a_s.stride(1), a_s.stride(2), b_s.stride(0), b_s.stride(1), b_s.stride(2),
-        BLOCK_M=tile["BLOCK_M"], BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
-        GROUP_M=tile["GROUP_M"], N_MAJOR=tile["tile_order"] == "n_major",
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"],
-    )

@@ -3,76 +3,17 @@
 # kernel: fp8_bmm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_bmm/tma_persistent: batched, 3-D TMA descriptors (transposed activations without a copy), persistent grid over (batch, m-tile, n-tile), wgmma through Triton; refuses strides TMA cannot take)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: f100c9f6443eeafd (sha256 of this kernel's scheme, variant and templates)
+# digest: f664ddd3bce3cc66 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
-import os
 
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 ACT_GROUP = tl.constexpr(128)
 W_BLOCK_N = tl.constexpr(128)
 W_BLOCK_K = tl.constexpr(128)
 L2_LINE = tl.constexpr(128)  # bytes
-
-
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-# Triton's JIT call works out the kernel's specialization from every argument on each launch: about
-# 20 us of host time per call on the lent H100's host, which a short eager launch waits for. _launch keys
-# the kernel that call returns on everything that specialization reads, and launches it directly next time.
-_COMPILED: dict = {}
-_COMPILED_LIMIT = 1024  # keys hold exact sizes: a server's many prefill lengths must not grow it forever
-# While kdsl.ops records a launch plan (kdsl/ops/_plan.py), a list that _launch appends each launch to:
-# (kernel or compiled kernel, grid, params, options or the constexpr values, compiled?).
-_RECORDING: list | None = None
-
-
-def _specialization(arg):
-    """What Triton can specialize a kernel on, of one argument: a superset of its rules (exact integers,
-    dtypes, 16-byte alignment of every base, descriptors' sizes and blocks), so equal keys share a kernel."""
-    if type(arg) is int or type(arg) is bool:
-        return arg
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    block_shape = getattr(arg, "block_shape", None)
-    if block_shape is None:
-        return arg
-    # A TMA descriptor; a Gluon one's shared layout is a function of its block and dtype.
-    return _specialization(arg.base), tuple(arg.shape), tuple(arg.strides), tuple(block_shape), arg.padding
-
-
-def _launch(kernel, grid: tuple, params: tuple, options: dict) -> None:
-    """kernel[grid](*params, **options): params are the kernel's leading arguments in signature order,
-    options the keyword rest (constexprs and launch options such as num_warps); grid has three entries."""
-    if _INTERPRETING:
-        kernel[grid](*params, **options)
-        if _RECORDING is not None:
-            _RECORDING.append((kernel, grid, params, options, False))
-        return
-    key = (kernel, torch.cuda.current_device(), *options.items(), *map(_specialization, params))
-    cached = _COMPILED.get(key)
-    if cached is not None:
-        compiled, keyword_params = cached
-        compiled[grid](*params, *keyword_params)
-        if _RECORDING is not None:
-            _RECORDING.append((compiled, grid, params, keyword_params, True))
-        return
-    compiled = kernel[grid](*params, **options)
-    # A kernel kdsl.ops watches while recording (kdsl/ops/_plan.py) records its own JIT launches.
-    recording = _RECORDING is not None and not getattr(kernel, "_kdsl_watched", False)
-    if compiled is None:
-        if recording:
-            _RECORDING.append(None)  # nothing to replay: the plan is not kept
-        return
-    if len(_COMPILED) >= _COMPILED_LIMIT:
-        _COMPILED.clear()
-    # The compiled kernel takes every signature argument positionally, constexprs included.
-    keyword_params = tuple(options[name] for name in kernel.arg_names[len(params):])
-    _COMPILED[key] = compiled, keyword_params
-    if recording:
-        _RECORDING.append((compiled, grid, params, keyword_params, True))
 
 
 @triton.jit
@@ -196,121 +137,3 @@ def fp8_bmm__e4m3_w128x128_a128_f32__tma_persistent_sm90(
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
         else:
             c_desc.store([batch, off_m, off_n], acc.to(c_desc.dtype).reshape(1, BLOCK_M, BLOCK_N))
-
-
-# Tiles per M bucket, from the definition: (largest M served or None for the rest,
-# smallest N served or None, launch parameters); the first that serves (M, N) is used.
-TILES = (
-    (16, 256, {'impl': 'tma_persistent', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 4, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': True, 'flatten': True, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': True, 'batch_max': 16, 'epilogue': 'tma'}),
-    (16, 256, {'impl': 'tma_persistent', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 2, 'persistent': True, 'programs_per_sm': 8, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': True, 'flatten': False, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': False, 'batch_max': None, 'epilogue': 'tma'}),
-    (16, None, {'impl': 'tma_persistent', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 4, 'persistent': True, 'programs_per_sm': 8, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': True, 'flatten': True, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': True, 'batch_max': None, 'epilogue': 'pointer'}),
-    (64, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 4, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': True, 'batch_max': 16, 'epilogue': 'pointer'}),
-    (64, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': True, 'batch_max': None, 'epilogue': 'pointer'}),
-    (128, 256, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 2, 'persistent': False, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': False, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': True, 'batch_max': 16, 'epilogue': 'tma'}),
-    (128, 256, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': False, 'prefetch_weights': False, 'batch_max': None, 'epilogue': 'tma'}),
-    (128, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': False, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': True, 'batch_max': 16, 'epilogue': 'pointer'}),
-    (128, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': False, 'batch_max': None, 'epilogue': 'pointer'}),
-    (512, 256, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': False, 'prefetch_weights': False, 'batch_max': None, 'epilogue': 'tma'}),
-    (512, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': True, 'prefetch_weights': False, 'batch_max': None, 'epilogue': 'pointer'}),
-    (None, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'persistent': True, 'programs_per_sm': 2, 'tile_order': 'm_major', 'batch_inner': False, 'swap_ab': False, 'flatten': True, 'warp_specialize': False, 'pdl': False, 'prefetch_weights': False, 'batch_max': None, 'epilogue': 'tma'}),
-)
-
-
-def _cdiv(n: int, d: int) -> int:
-    # Host code's ceil division: triton.cdiv is a constexpr function, about 3 us a call on the host.
-    return -(-n // d)
-
-
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device) -> int:
-    if device.type != "cuda":
-        return 4  # Triton's CPU interpreter: a few programs still exercise the loops
-    if device.index not in _SM_COUNT:
-        _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device.index]
-
-
-# Programs per SM the K split plans for (and a persistent grid launches), unless a tile's
-# split_fill says how many of its programs fit on an SM at once (1 for a tile that takes a whole SM).
-SPLIT_FILL = 2
-# What a program costs beyond its K steps (launch, pipeline fill, split-K store), in K steps.
-# From an H200 table of every split on the bench shapes: it keeps a tile from splitting into
-# programs of a few steps each, or into a partial extra wave.
-PROGRAM_COST_STEPS = 6
-
-
-def split_for(tile: dict, k_steps: int, tiles: int, sms: int | None) -> int:
-    """The K split a tile launches with: at most the tile's SPLIT_K, and each split at least the tile's
-    split_min_steps K steps (one if unset). With an SM count, the split whose programs finish soonest,
-    counted in waves of split_fill programs per SM times each program's K steps plus its fixed cost;
-    no split once the tiles alone fill a wave (sms None, the interpreter: the largest split allowed)."""
-    cap = max(1, min(tile["SPLIT_K"], k_steps // (tile["split_min_steps"] or 1)))
-    if sms is None:
-        return cap
-    slots = (tile["split_fill"] or SPLIT_FILL) * sms
-    if tiles >= slots:
-        return 1
-
-    def finish(split: int) -> int:
-        waves = -(-tiles * split // slots)
-        return waves * (-(-k_steps // split) + PROGRAM_COST_STEPS)
-
-    return min(range(1, cap + 1), key=lambda split: (finish(split), split))
-
-
-def refusal(tile, call):
-    """Why the TMA kernel cannot serve `call` (a kdsl.runtime Call), None where it can; the definition's
-    alternative tile (fp8_bmm/portable's kernel with the same blocks) then serves it. A tile for few batches
-    (batch_max) passes larger calls to the tile after it."""
-    if tile["batch_max"] is not None and call.batch > tile["batch_max"]:
-        return f"the tile serves up to batch_max = {tile['batch_max']} batches, the call has {call.batch}"
-    if call.align < 16:
-        return ("TMA needs every base and stepped stride of a, b and out a non-zero multiple of 16 bytes"
-                + (" (one is 0: a broadcast view)" if call.align == 0 else ""))
-    return None
-
-
-def _tma_strides(t):
-    """t's [batch, row] strides as a TMA descriptor takes them: a dimension of size 1 is never stepped, so its
-    stride may be anything; give it one that is a multiple of 16 bytes."""
-    size = t.element_size()
-    row = _cdiv(t.shape[2] * size, 16) * 16 // size
-    return [t.stride(dim) if t.shape[dim] > 1 else row for dim in (0, 1)] + [1]
-
-
-def _programs(device, tiles: int, tile: dict) -> int:
-    """Persistent: programs_per_sm programs per SM loop over the tiles; else one program per tile."""
-    return min(tiles, _sm_count(device) * tile["programs_per_sm"]) if tile["persistent"] else tiles
-
-
-def launch(a, a_s, b, b_s, c, tile):
-    """a [B, M, K] fp8, a_s [B, M, K // ACT_GROUP], b [B, N, K] fp8, b_s [B, cdiv(N, W_BLOCK_N), K // W_BLOCK_K],
-    c [B, M, N]: any strides, passed as they are (no copies).
-
-    Unit stride along K for a and b, and along N for c, is the caller's to guarantee; B, M >= 1; every other
-    stride and base a multiple of 16 bytes (see refusal).
-    """
-    B, M, K = a.shape
-    N = b.shape[1]
-    bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
-    a_strides, b_strides, c_strides = _tma_strides(a), _tma_strides(b), _tma_strides(c)
-    a_desc = TensorDescriptor(a, [B, M, K], a_strides, [1, bm, bk])
-    b_desc = TensorDescriptor(b, [B, N, K], b_strides, [1, bn, bk])
-    c_desc = TensorDescriptor(c, [B, M, N], c_strides, [1, bm, bn])
-    tiles = B * _cdiv(M, bm) * _cdiv(N, bn)
-    programs = _programs(a.device, tiles, tile)
-    # Triton's interpreter has no grid dependency control: there the kernel launches as an ordinary one.
-    pdl = tile["pdl"] and not _INTERPRETING
-    _launch(fp8_bmm__e4m3_w128x128_a128_f32__tma_persistent_sm90, (programs, 1, 1), (
-        a_desc, b_desc, c_desc, a_s, b_s, b, c, B, M, N, K,
-        a_s.stride(0), a_s.stride(1), a_s.stride(2), b_s.stride(0), b_s.stride(1), b_s.stride(2),
-        b.stride(0), b.stride(1), c.stride(0), c.stride(1), programs,
-    ), dict(
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tile["GROUP_M"], N_MAJOR=tile["tile_order"] == "n_major",
-        BATCH_INNER=tile["batch_inner"], SWAP_AB=tile["swap_ab"], FLATTEN=tile["flatten"],
-        WARP_SPECIALIZE=tile["warp_specialize"], PDL=pdl, PREFETCH_WEIGHTS=tile["prefetch_weights"],
-        POINTER_STORE=tile["epilogue"] == "pointer", num_warps=tile["num_warps"], num_stages=tile["num_stages"],
-        **({"launch_pdl": True} if pdl else {}),
-    ))

@@ -3,11 +3,10 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__deferred_gluon_sm90 (fp8_gemm/deferred_gluon: Gluon, TMA ring: block k's wgmma overlaps block k-1's rescale; one warpgroup per 64 rows; GPU only)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: e705f2cc9022d20a (sha256 of this kernel's scheme, variant and templates)
+# digest: d7dc3cf26ee07478 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
-import os
 
 # Each K block's product must be scaled before it joins the fp32 accumulator, so a Triton kernel waits
 # for every wgmma (wait 0) and the tensor cores idle while the rescale runs. Gluon, Triton's lower-level
@@ -15,63 +14,6 @@ import os
 ACT_GROUP = tl.constexpr(128)
 W_BLOCK_N = tl.constexpr(128)
 W_BLOCK_K = tl.constexpr(128)
-
-
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-# Triton's JIT call works out the kernel's specialization from every argument on each launch: about
-# 20 us of host time per call on the lent H100's host, which a short eager launch waits for. _launch keys
-# the kernel that call returns on everything that specialization reads, and launches it directly next time.
-_COMPILED: dict = {}
-_COMPILED_LIMIT = 1024  # keys hold exact sizes: a server's many prefill lengths must not grow it forever
-# While kdsl.ops records a launch plan (kdsl/ops/_plan.py), a list that _launch appends each launch to:
-# (kernel or compiled kernel, grid, params, options or the constexpr values, compiled?).
-_RECORDING: list | None = None
-
-
-def _specialization(arg):
-    """What Triton can specialize a kernel on, of one argument: a superset of its rules (exact integers,
-    dtypes, 16-byte alignment of every base, descriptors' sizes and blocks), so equal keys share a kernel."""
-    if type(arg) is int or type(arg) is bool:
-        return arg
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    block_shape = getattr(arg, "block_shape", None)
-    if block_shape is None:
-        return arg
-    # A TMA descriptor; a Gluon one's shared layout is a function of its block and dtype.
-    return _specialization(arg.base), tuple(arg.shape), tuple(arg.strides), tuple(block_shape), arg.padding
-
-
-def _launch(kernel, grid: tuple, params: tuple, options: dict) -> None:
-    """kernel[grid](*params, **options): params are the kernel's leading arguments in signature order,
-    options the keyword rest (constexprs and launch options such as num_warps); grid has three entries."""
-    if _INTERPRETING:
-        kernel[grid](*params, **options)
-        if _RECORDING is not None:
-            _RECORDING.append((kernel, grid, params, options, False))
-        return
-    key = (kernel, torch.cuda.current_device(), *options.items(), *map(_specialization, params))
-    cached = _COMPILED.get(key)
-    if cached is not None:
-        compiled, keyword_params = cached
-        compiled[grid](*params, *keyword_params)
-        if _RECORDING is not None:
-            _RECORDING.append((compiled, grid, params, keyword_params, True))
-        return
-    compiled = kernel[grid](*params, **options)
-    # A kernel kdsl.ops watches while recording (kdsl/ops/_plan.py) records its own JIT launches.
-    recording = _RECORDING is not None and not getattr(kernel, "_kdsl_watched", False)
-    if compiled is None:
-        if recording:
-            _RECORDING.append(None)  # nothing to replay: the plan is not kept
-        return
-    if len(_COMPILED) >= _COMPILED_LIMIT:
-        _COMPILED.clear()
-    # The compiled kernel takes every signature argument positionally, constexprs included.
-    keyword_params = tuple(options[name] for name in kernel.arg_names[len(params):])
-    _COMPILED[key] = compiled, keyword_params
-    if recording:
-        _RECORDING.append((compiled, grid, params, keyword_params, True))
 
 
 @triton.jit
@@ -93,11 +35,8 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr, N_MAJOR: 
     return pid_m, pid_n
 
 
-import functools
-
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait,
 )
@@ -106,19 +45,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-_GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
-              torch.float32: gl.float32, torch.int32: gl.int32}
-
-
-@functools.lru_cache(maxsize=None)
-def _shared_layout(block: tuple, dtype: torch.dtype):
-    # A pure function of its arguments, and a noticeable part of a launch's host time.
-    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
-
-
-def _gluon_descriptor(t, block):
-    """A TMA descriptor over the 2-D tensor t (unit stride along its rows), loading `block` at a time."""
-    return GluonTensorDescriptor(t, list(t.shape), [t.stride(0), 1], list(block), _shared_layout(block, t.dtype))
 
 
 @gluon.jit
@@ -313,112 +239,3 @@ def fp8_gemm__e4m3_w128x128_a128_f32__deferred_gluon_sm90(
     tma.store_wait(pendings=0)
     for slot in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(slot))
-
-
-# Tiles per M bucket, from the definition: (largest M served or None for the rest,
-# smallest N served or None, launch parameters); the first that serves (M, N) is used.
-TILES = (
-    (64, 16384, {'impl': 'deferred_gluon', 'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'split_fill': None, 'edge_tiles': False}),
-    (64, 4096, {'impl': 'deferred_gluon', 'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 6, 'persistent': False, 'split_fill': None, 'edge_tiles': False}),
-    (128, 16384, {'impl': 'deferred_gluon', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 4, 'persistent': True, 'split_fill': None, 'edge_tiles': False}),
-    (128, 4096, {'impl': 'deferred_gluon', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 6, 'persistent': False, 'split_fill': 1, 'edge_tiles': False}),
-    (512, None, {'impl': 'deferred_gluon', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'split_fill': None, 'edge_tiles': False}),
-    (None, None, {'impl': 'deferred_gluon', 'BLOCK_M': 128, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 16, 'SPLIT_K': 1, 'num_warps': 8, 'num_stages': 4, 'persistent': True, 'split_fill': 1, 'edge_tiles': True}),
-)
-
-
-def _cdiv(n: int, d: int) -> int:
-    # Host code's ceil division: triton.cdiv is a constexpr function, about 3 us a call on the host.
-    return -(-n // d)
-
-
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device) -> int:
-    if device.type != "cuda":
-        return 4  # Triton's CPU interpreter: a few programs still exercise the loops
-    if device.index not in _SM_COUNT:
-        _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device.index]
-
-
-# Programs per SM the K split plans for (and a persistent grid launches), unless a tile's
-# split_fill says how many of its programs fit on an SM at once (1 for a tile that takes a whole SM).
-SPLIT_FILL = 2
-# What a program costs beyond its K steps (launch, pipeline fill, split-K store), in K steps.
-# From an H200 table of every split on the bench shapes: it keeps a tile from splitting into
-# programs of a few steps each, or into a partial extra wave.
-PROGRAM_COST_STEPS = 6
-
-
-def split_for(tile: dict, k_steps: int, tiles: int, sms: int | None) -> int:
-    """The K split a tile launches with: at most the tile's SPLIT_K, and each split at least the tile's
-    split_min_steps K steps (one if unset). With an SM count, the split whose programs finish soonest,
-    counted in waves of split_fill programs per SM times each program's K steps plus its fixed cost;
-    no split once the tiles alone fill a wave (sms None, the interpreter: the largest split allowed)."""
-    cap = max(1, min(tile["SPLIT_K"], k_steps // (tile["split_min_steps"] or 1)))
-    if sms is None:
-        return cap
-    slots = (tile["split_fill"] or SPLIT_FILL) * sms
-    if tiles >= slots:
-        return 1
-
-    def finish(split: int) -> int:
-        waves = -(-tiles * split // slots)
-        return waves * (-(-k_steps // split) + PROGRAM_COST_STEPS)
-
-    return min(range(1, cap + 1), key=lambda split: (finish(split), split))
-
-
-def _programs_for(sms: int, tiles: int, tile: dict) -> int:
-    """Persistent tiles: as many programs as fit on the SMs at once (split_fill per SM, after common/sm_fill)
-    loop over the tiles; else one program per tile."""
-    return min(tiles, sms * (tile["split_fill"] or SPLIT_FILL)) if tile["persistent"] else tiles
-
-
-def refusal(tile, call):
-    """Why this kernel should not serve `call` (a kdsl.runtime Call), None where it should; the definition's
-    next tile serving M and N (fp8_gemm/tma_persistent's Triton kernel with the same blocks) then runs instead."""
-    if call.device_type != "cuda":
-        return "a Gluon kernel, which runs on the GPU only (Gluon has no interpreter)"
-    return None
-
-
-def _edge_tiles(M: int, N: int, tile: dict, sms: int) -> tuple[int, int, int]:
-    """(EDGE_N, edge_first, programs) of a deferred launch. EDGE_N > 0 (an edge_tiles tile) where N's partial
-    last column fits, as BLOCK_M x EDGE_N tiles, into the round of whole tiles that programs edge_first on
-    skip: the grid then takes the whole tiles' rounds, not one more for the edge."""
-    bm, bn = tile["BLOCK_M"], tile["BLOCK_N"]
-    rows = _cdiv(M, bm)
-    edge = N % bn
-    slots = sms * (tile["split_fill"] or SPLIT_FILL)
-    if tile["edge_tiles"] and edge and N > edge:
-        edge_n = max(16, 1 << (edge - 1).bit_length())  # 16: a TMA row of bf16 is at least 32 bytes
-        # Edge tiles per spare round, by width. On the H100 a half-width one takes about 0.9 of a whole tile's
-        # time (from the kernel's total: 3 whole + 2 edge tiles ran 134 us where 5 rounds ran 139-141), so those
-        # programs end late, but before an added round would.
-        per_program = bn // edge_n
-        whole = rows * (N // bn)
-        programs = min(slots, whole + _cdiv(rows, per_program))
-        first = whole % programs
-        if first and rows <= per_program * (programs - first):
-            return edge_n, first, programs
-    return 0, 0, _programs_for(sms, rows * _cdiv(N, bn), tile)
-
-
-def launch(a, a_s, b, b_s, c, tile):
-    """a [M, K] fp8, a_s [M, K // ACT_GROUP], b [N, K] fp8, b_s [cdiv(N, W_BLOCK_N), K // W_BLOCK_K], c [M, N], on
-    the GPU; TMA needs 16-byte aligned bases and row strides, and the caller guarantees unit inner strides."""
-    M, K = a.shape
-    N = b.shape[0]
-    bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
-    edge_n, edge_first, programs = _edge_tiles(M, N, tile, _sm_count(a.device))
-    b_desc, c_desc = _gluon_descriptor(b, (bn, bk)), _gluon_descriptor(c, (bm, bn))
-    # Without an edge the kernel never reads the edge descriptors; the whole tile's stand in for them.
-    edge_b_desc, edge_c_desc = ((_gluon_descriptor(b, (edge_n, bk)), _gluon_descriptor(c, (bm, edge_n))) if edge_n
-                                else (b_desc, c_desc))
-    _launch(fp8_gemm__e4m3_w128x128_a128_f32__deferred_gluon_sm90, (programs, 1, 1), (
-        _gluon_descriptor(a, (bm, bk)), b_desc, c_desc, edge_b_desc, edge_c_desc, a_s, b_s,
-        M, N, K, a_s.stride(0), b_s.stride(0), programs, edge_first,
-    ), dict(GROUP_M=tile["GROUP_M"], NUM_STAGES=tile["num_stages"], EDGE_N=edge_n, num_warps=tile["num_warps"]))

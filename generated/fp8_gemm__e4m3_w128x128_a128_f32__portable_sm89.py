@@ -3,7 +3,7 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__portable_sm89 (fp8_gemm/portable: pointer loads, grouped tile order, fp32 accumulation with per-step scales)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 4f9a0d7f5a8bc2b2 (sha256 of this kernel's scheme, variant and templates)
+# digest: a1035f37a7d23d4d (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -80,34 +80,3 @@ def fp8_gemm__e4m3_w128x128_a128_f32__portable_sm89(
 
     _fp8_block_tile(a_ptr, b_ptr, as_ptr, bs_ptr, c_ptr, pid_m, pid_n, M, N, K,
                     stride_am, stride_bn, stride_cm, stride_asm, 1, stride_bsn, 1, BLOCK_M, BLOCK_N, BLOCK_K)
-
-
-# Tiles per M bucket, from the definition: (largest M served or None for the rest,
-# smallest N served or None, launch parameters); the first that serves (M, N) is used.
-TILES = (
-    (16, None, {'impl': 'portable', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 4, 'tile_order': 'm_major'}),
-    (128, None, {'impl': 'portable', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'tile_order': 'm_major'}),
-    (None, None, {'impl': 'portable', 'BLOCK_M': 128, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 8, 'num_stages': 3, 'tile_order': 'm_major'}),
-)
-
-
-def _cdiv(n: int, d: int) -> int:
-    # Host code's ceil division: triton.cdiv is a constexpr function, about 3 us a call on the host.
-    return -(-n // d)
-
-
-def launch(a, a_s, b, b_s, c, tile):
-    """a [M, K] fp8, a_s [M, K // ACT_GROUP], b [N, K] fp8, b_s [cdiv(N, W_BLOCK_N), K // W_BLOCK_K], c [M, N].
-
-    Unit stride along K (and N for c) is the caller's to guarantee; M >= 1.
-    """
-    M, K = a.shape
-    N = b.shape[0]
-    grid = (_cdiv(M, tile["BLOCK_M"]) * _cdiv(N, tile["BLOCK_N"]),)
-    fp8_gemm__e4m3_w128x128_a128_f32__portable_sm89[grid](
-        a, b, c, a_s, b_s, M, N, K,
-        a.stride(0), b.stride(0), c.stride(0), a_s.stride(0), b_s.stride(0),
-        BLOCK_M=tile["BLOCK_M"], BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
-        GROUP_M=tile["GROUP_M"], N_MAJOR=tile["tile_order"] == "n_major",
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"],
-    )

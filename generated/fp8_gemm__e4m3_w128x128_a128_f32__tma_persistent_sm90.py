@@ -3,74 +3,14 @@
 # kernel: fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90 (fp8_gemm/tma_persistent: TMA tensor descriptors, optionally a persistent grid over SMs, wgmma through Triton, split K in-kernel)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: 2d6f5a210189ba4e (sha256 of this kernel's scheme, variant and templates)
+# digest: c9a4432f8ef9b2b9 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
-import os
-
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 ACT_GROUP = tl.constexpr(128)
 W_BLOCK_N = tl.constexpr(128)
 W_BLOCK_K = tl.constexpr(128)
-
-
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-# Triton's JIT call works out the kernel's specialization from every argument on each launch: about
-# 20 us of host time per call on the lent H100's host, which a short eager launch waits for. _launch keys
-# the kernel that call returns on everything that specialization reads, and launches it directly next time.
-_COMPILED: dict = {}
-_COMPILED_LIMIT = 1024  # keys hold exact sizes: a server's many prefill lengths must not grow it forever
-# While kdsl.ops records a launch plan (kdsl/ops/_plan.py), a list that _launch appends each launch to:
-# (kernel or compiled kernel, grid, params, options or the constexpr values, compiled?).
-_RECORDING: list | None = None
-
-
-def _specialization(arg):
-    """What Triton can specialize a kernel on, of one argument: a superset of its rules (exact integers,
-    dtypes, 16-byte alignment of every base, descriptors' sizes and blocks), so equal keys share a kernel."""
-    if type(arg) is int or type(arg) is bool:
-        return arg
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    block_shape = getattr(arg, "block_shape", None)
-    if block_shape is None:
-        return arg
-    # A TMA descriptor; a Gluon one's shared layout is a function of its block and dtype.
-    return _specialization(arg.base), tuple(arg.shape), tuple(arg.strides), tuple(block_shape), arg.padding
-
-
-def _launch(kernel, grid: tuple, params: tuple, options: dict) -> None:
-    """kernel[grid](*params, **options): params are the kernel's leading arguments in signature order,
-    options the keyword rest (constexprs and launch options such as num_warps); grid has three entries."""
-    if _INTERPRETING:
-        kernel[grid](*params, **options)
-        if _RECORDING is not None:
-            _RECORDING.append((kernel, grid, params, options, False))
-        return
-    key = (kernel, torch.cuda.current_device(), *options.items(), *map(_specialization, params))
-    cached = _COMPILED.get(key)
-    if cached is not None:
-        compiled, keyword_params = cached
-        compiled[grid](*params, *keyword_params)
-        if _RECORDING is not None:
-            _RECORDING.append((compiled, grid, params, keyword_params, True))
-        return
-    compiled = kernel[grid](*params, **options)
-    # A kernel kdsl.ops watches while recording (kdsl/ops/_plan.py) records its own JIT launches.
-    recording = _RECORDING is not None and not getattr(kernel, "_kdsl_watched", False)
-    if compiled is None:
-        if recording:
-            _RECORDING.append(None)  # nothing to replay: the plan is not kept
-        return
-    if len(_COMPILED) >= _COMPILED_LIMIT:
-        _COMPILED.clear()
-    # The compiled kernel takes every signature argument positionally, constexprs included.
-    keyword_params = tuple(options[name] for name in kernel.arg_names[len(params):])
-    _COMPILED[key] = compiled, keyword_params
-    if recording:
-        _RECORDING.append((compiled, grid, params, keyword_params, True))
 
 
 @triton.jit
@@ -117,53 +57,6 @@ def _splitk_store(acc, out_ptrs, out_mask, ws_ptr, count_ptr, tile_id, pid_k,
                 total += tl.load(slots + k * tile_elems + offs, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(count_ptr + tile_id, 0)
-
-
-def _split_with_scratch(out, tile: dict, k_steps: int, tiles: int, sms: int | None, tile_elems: int):
-    """(split_k, workspace, counters) of a launch: the K split split_for (common/sm_fill.py.j2) picks for the
-    tile, and the scratch its partials go through (out itself, unused, where there is no split)."""
-    split_k = split_for(tile, k_steps, tiles, sms)
-    if split_k == 1:
-        return 1, out, out
-    return (split_k, *_splitk_scratch(out.device, tiles, split_k, tile_elems))
-
-
-_SPLITK_SCRATCH: dict = {}
-
-
-def _splitk_scratch(device, tiles: int, split_k: int, tile_elems: int):
-    """(fp32 workspace, int32 counters) for `tiles` output tiles, kept per device and grown on demand.
-
-    Counters start at zero and every launch leaves them at zero, so no memset per call.
-    Launches that share a device must not run concurrently on different streams.
-    """
-    need = tiles * split_k * tile_elems
-    workspace, counters = _SPLITK_SCRATCH.get(device, (None, None))
-    grown = False
-    if workspace is None or workspace.numel() < need:
-        workspace, grown = torch.empty(need, dtype=torch.float32, device=device), True
-    if counters is None or counters.numel() < tiles:
-        counters, grown = torch.zeros(tiles, dtype=torch.int32, device=device), True
-    # Buffers allocated into a CUDA graph's memory pool belong to that graph (inside a capture the zeroing is
-    # recorded for the replays, not run now); eager launches keep (or later grow) their own.
-    if grown and not (device.type == "cuda" and _allocating_to_graph_pool(device)):
-        _SPLITK_SCRATCH[device] = (workspace, counters)
-    return workspace, counters
-
-
-def _allocating_to_graph_pool(device) -> bool:
-    """Whether new allocations go to a CUDA graph's memory pool: a capture, or torch.compile's CUDA graph trees
-    warming a graph up in their pool (which refuses a buffer that outlives the call)."""
-    import sys
-
-    if torch.cuda.is_current_stream_capturing():
-        return True
-    trees = sys.modules.get("torch._inductor.cudagraph_trees")  # only where torch.compile has loaded them
-    try:
-        manager = trees and trees.get_manager(device.index, create_if_none_exists=False)
-        return bool(manager and manager.in_warmup)
-    except (AttributeError, KeyError, TypeError):  # another torch's internals: as before, keep the buffers
-        return False
 
 
 @triton.jit
@@ -245,94 +138,3 @@ def fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90(
             out_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
             out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
             _splitk_store(acc, out_ptrs, out_mask, ws_ptr, count_ptr, tile_id, pid_k, BLOCK_M, BLOCK_N, SPLIT_K)
-
-
-# Tiles per M bucket, from the definition: (largest M served or None for the rest,
-# smallest N served or None, launch parameters); the first that serves (M, N) is used.
-TILES = (
-    (16, None, {'impl': 'tma_persistent', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 5, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': True, 'warp_specialize': False, 'split_fill': None, 'split_min_steps': None}),
-    (64, 16384, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'split_fill': None, 'split_min_steps': None}),
-    (64, 4096, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 6, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'split_fill': None, 'split_min_steps': None}),
-    (64, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': True, 'warp_specialize': False, 'split_fill': None, 'split_min_steps': None}),
-    (128, 16384, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 4, 'persistent': True, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'split_fill': None, 'split_min_steps': None}),
-    (128, 4096, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 6, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'split_fill': 1, 'split_min_steps': None}),
-    (128, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'split_fill': None, 'split_min_steps': None}),
-    (512, None, {'impl': 'tma_persistent', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 4, 'persistent': False, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'split_fill': None, 'split_min_steps': None}),
-    (None, None, {'impl': 'tma_persistent', 'BLOCK_M': 128, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 16, 'SPLIT_K': 1, 'num_warps': 8, 'num_stages': 4, 'persistent': True, 'tile_order': 'm_major', 'swap_ab': False, 'warp_specialize': False, 'split_fill': 1, 'split_min_steps': None}),
-)
-
-
-def _cdiv(n: int, d: int) -> int:
-    # Host code's ceil division: triton.cdiv is a constexpr function, about 3 us a call on the host.
-    return -(-n // d)
-
-
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device) -> int:
-    if device.type != "cuda":
-        return 4  # Triton's CPU interpreter: a few programs still exercise the loops
-    if device.index not in _SM_COUNT:
-        _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device.index]
-
-
-# Programs per SM the K split plans for (and a persistent grid launches), unless a tile's
-# split_fill says how many of its programs fit on an SM at once (1 for a tile that takes a whole SM).
-SPLIT_FILL = 2
-# What a program costs beyond its K steps (launch, pipeline fill, split-K store), in K steps.
-# From an H200 table of every split on the bench shapes: it keeps a tile from splitting into
-# programs of a few steps each, or into a partial extra wave.
-PROGRAM_COST_STEPS = 6
-
-
-def split_for(tile: dict, k_steps: int, tiles: int, sms: int | None) -> int:
-    """The K split a tile launches with: at most the tile's SPLIT_K, and each split at least the tile's
-    split_min_steps K steps (one if unset). With an SM count, the split whose programs finish soonest,
-    counted in waves of split_fill programs per SM times each program's K steps plus its fixed cost;
-    no split once the tiles alone fill a wave (sms None, the interpreter: the largest split allowed)."""
-    cap = max(1, min(tile["SPLIT_K"], k_steps // (tile["split_min_steps"] or 1)))
-    if sms is None:
-        return cap
-    slots = (tile["split_fill"] or SPLIT_FILL) * sms
-    if tiles >= slots:
-        return 1
-
-    def finish(split: int) -> int:
-        waves = -(-tiles * split // slots)
-        return waves * (-(-k_steps // split) + PROGRAM_COST_STEPS)
-
-    return min(range(1, cap + 1), key=lambda split: (finish(split), split))
-
-
-def _programs_for(sms: int, tiles: int, tile: dict) -> int:
-    """Persistent tiles: as many programs as fit on the SMs at once (split_fill per SM, after common/sm_fill)
-    loop over the tiles; else one program per tile."""
-    return min(tiles, sms * (tile["split_fill"] or SPLIT_FILL)) if tile["persistent"] else tiles
-
-
-def launch(a, a_s, b, b_s, c, tile):
-    """a [M, K] fp8, a_s [M, K // ACT_GROUP], b [N, K] fp8, b_s [cdiv(N, W_BLOCK_N), K // W_BLOCK_K], c [M, N].
-
-    TMA needs 16-byte aligned bases and row strides; the caller guarantees unit inner strides.
-    """
-    M, K = a.shape
-    N = b.shape[0]
-    bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
-    a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [bm, bk])
-    b_desc = TensorDescriptor(b, [N, K], [b.stride(0), 1], [bn, bk])
-    c_desc = TensorDescriptor(c, [M, N], [c.stride(0), 1], [bm, bn])
-    tiles = _cdiv(M, bm) * _cdiv(N, bn)
-    sms = _sm_count(a.device)
-    split_k, workspace, counters = _split_with_scratch(c, tile, _cdiv(K, bk), tiles, sms, bm * bn)
-    programs = _programs_for(sms, tiles * split_k, tile)
-    _launch(fp8_gemm__e4m3_w128x128_a128_f32__tma_persistent_sm90, (programs, 1, 1), (
-        a_desc, b_desc, c_desc, a_s, b_s, c, workspace, counters,
-        M, N, K, a_s.stride(0), b_s.stride(0), c.stride(0), programs,
-    ), dict(
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=tile["GROUP_M"], N_MAJOR=tile["tile_order"] == "n_major", NUM_STAGES=tile["num_stages"],
-        SPLIT_K=split_k, WARP_SPECIALIZE=tile["warp_specialize"], SWAP_AB=tile["swap_ab"],
-        num_warps=tile["num_warps"],
-    ))

@@ -3,7 +3,7 @@
 # kernel: fp8_grouped_gemm__e4m3_w128x128_a128_f32__portable_sm90 (fp8_grouped_gemm/portable: contiguous layout (an expert id per row), pointer loads, one pass over K per expert in a tile)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: 53793eaf4ed22eb7 (sha256 of this kernel's scheme, variant and templates)
+# digest: 327ab8a530b1b19d (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -92,35 +92,3 @@ def fp8_grouped_gemm__e4m3_w128x128_a128_f32__portable_sm90(
         mine = todo & (groups == expert)
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mine[:, None] & col_ok)
         todo = todo & (groups != expert)
-
-
-# Tiles per M bucket, from the definition: (largest M served or None for the rest,
-# smallest N served or None, launch parameters); the first that serves (M, N) is used.
-TILES = (
-    (16, None, {'impl': 'portable', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 6, 'tile_order': 'm_major'}),
-    (64, None, {'impl': 'portable', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 4, 'tile_order': 'm_major'}),
-    (None, None, {'impl': 'portable', 'BLOCK_M': 128, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 8, 'num_stages': 4, 'tile_order': 'm_major'}),
-)
-
-
-def _cdiv(n: int, d: int) -> int:
-    # Host code's ceil division: triton.cdiv is a constexpr function, about 3 us a call on the host.
-    return -(-n // d)
-
-
-def launch(a, a_s, b, b_s, group_ids, c, tile):
-    """a [M, K] fp8, a_s [M, K // ACT_GROUP], b [E, N, K] fp8, b_s [E, cdiv(N, W_BLOCK_N), K // W_BLOCK_K],
-    group_ids int32 [M] (contiguous), c [M, N].
-
-    Unit stride along K for a, b and both scales (and along N for c) is the caller's to guarantee; M, N >= 1.
-    """
-    M, K = a.shape
-    E, N = b.shape[0], b.shape[1]
-    grid = (_cdiv(M, tile["BLOCK_M"]) * _cdiv(N, tile["BLOCK_N"]),)
-    fp8_grouped_gemm__e4m3_w128x128_a128_f32__portable_sm90[grid](
-        a, b, c, a_s, b_s, group_ids, M, N, K, E,
-        a.stride(0), b.stride(0), b.stride(1), c.stride(0), a_s.stride(0), b_s.stride(0), b_s.stride(1),
-        BLOCK_M=tile["BLOCK_M"], BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
-        GROUP_M=tile["GROUP_M"], N_MAJOR=tile["tile_order"] == "n_major",
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"],
-    )

@@ -3,7 +3,7 @@
 # kernel: fp8_grouped_gemm_masked__e4m3_w128x128_a128_f32__portable_sm89 (fp8_grouped_gemm_masked/portable: masked layout (rows per expert read on the device), pointer loads)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: fd9014718e1da122 (sha256 of this kernel's scheme, variant and templates)
+# digest: 1e85364e221dd3f0 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -86,36 +86,3 @@ def fp8_grouped_gemm_masked__e4m3_w128x128_a128_f32__portable_sm89(
         _fp8_block_tile(a_ptr + expert * stride_ae, b_ptr + expert * stride_be, as_ptr + expert * stride_ase,
                         bs_ptr + expert * stride_bse, c_ptr + expert * stride_ce, pid_m, pid_n, count, N, K,
                         stride_am, stride_bn, stride_cm, stride_asm, 1, stride_bsn, 1, BLOCK_M, BLOCK_N, BLOCK_K)
-
-
-# Tiles per M bucket, from the definition: (largest M served or None for the rest,
-# smallest N served or None, launch parameters); the first that serves (M, N) is used.
-TILES = (
-    (16, None, {'impl': 'portable', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 4, 'tile_order': 'm_major'}),
-    (64, None, {'impl': 'portable', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'tile_order': 'm_major'}),
-    (None, None, {'impl': 'portable', 'BLOCK_M': 128, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 8, 'num_stages': 3, 'tile_order': 'm_major'}),
-)
-
-
-def _cdiv(n: int, d: int) -> int:
-    # Host code's ceil division: triton.cdiv is a constexpr function, about 3 us a call on the host.
-    return -(-n // d)
-
-
-def launch(a, a_s, b, b_s, masked_m, c, tile):
-    """a [E, MAX_M, K] fp8, a_s [E, MAX_M, K // ACT_GROUP], b [E, N, K] fp8,
-    b_s [E, cdiv(N, W_BLOCK_N), K // W_BLOCK_K], masked_m int32 [E] (contiguous), c [E, MAX_M, N].
-
-    Unit stride along K for a, b and both scales (and along N for c) is the caller's to guarantee; E, MAX_M, N >= 1.
-    """
-    E, max_m, K = a.shape
-    N = b.shape[1]
-    grid = (_cdiv(max_m, tile["BLOCK_M"]) * _cdiv(N, tile["BLOCK_N"]), E)
-    fp8_grouped_gemm_masked__e4m3_w128x128_a128_f32__portable_sm89[grid](
-        a, b, c, a_s, b_s, masked_m, max_m, N, K,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1),
-        BLOCK_M=tile["BLOCK_M"], BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
-        GROUP_M=tile["GROUP_M"], N_MAJOR=tile["tile_order"] == "n_major",
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"],
-    )

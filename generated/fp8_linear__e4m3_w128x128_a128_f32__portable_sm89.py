@@ -3,11 +3,10 @@
 # kernel: fp8_linear__e4m3_w128x128_a128_f32__portable_sm89 (fp8_linear/portable: act_quant in registers inside fp8_gemm's pointer-load tile, optional deterministic split-K, bias)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: ca44595fa252c4ff (sha256 of this kernel's scheme, variant and templates)
+# digest: ca2b1a5990a25e71 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
-import os
 
 ACT_GROUP = tl.constexpr(128)
 W_BLOCK_N = tl.constexpr(128)
@@ -114,110 +113,6 @@ def _splitk_store(acc, out_ptrs, out_mask, ws_ptr, count_ptr, tile_id, pid_k,
             tl.atomic_xchg(count_ptr + tile_id, 0)
 
 
-def _split_with_scratch(out, tile: dict, k_steps: int, tiles: int, sms: int | None, tile_elems: int):
-    """(split_k, workspace, counters) of a launch: the K split split_for (common/sm_fill.py.j2) picks for the
-    tile, and the scratch its partials go through (out itself, unused, where there is no split)."""
-    split_k = split_for(tile, k_steps, tiles, sms)
-    if split_k == 1:
-        return 1, out, out
-    return (split_k, *_splitk_scratch(out.device, tiles, split_k, tile_elems))
-
-
-_SPLITK_SCRATCH: dict = {}
-
-
-def _splitk_scratch(device, tiles: int, split_k: int, tile_elems: int):
-    """(fp32 workspace, int32 counters) for `tiles` output tiles, kept per device and grown on demand.
-
-    Counters start at zero and every launch leaves them at zero, so no memset per call.
-    Launches that share a device must not run concurrently on different streams.
-    """
-    need = tiles * split_k * tile_elems
-    workspace, counters = _SPLITK_SCRATCH.get(device, (None, None))
-    grown = False
-    if workspace is None or workspace.numel() < need:
-        workspace, grown = torch.empty(need, dtype=torch.float32, device=device), True
-    if counters is None or counters.numel() < tiles:
-        counters, grown = torch.zeros(tiles, dtype=torch.int32, device=device), True
-    # Buffers allocated into a CUDA graph's memory pool belong to that graph (inside a capture the zeroing is
-    # recorded for the replays, not run now); eager launches keep (or later grow) their own.
-    if grown and not (device.type == "cuda" and _allocating_to_graph_pool(device)):
-        _SPLITK_SCRATCH[device] = (workspace, counters)
-    return workspace, counters
-
-
-def _allocating_to_graph_pool(device) -> bool:
-    """Whether new allocations go to a CUDA graph's memory pool: a capture, or torch.compile's CUDA graph trees
-    warming a graph up in their pool (which refuses a buffer that outlives the call)."""
-    import sys
-
-    if torch.cuda.is_current_stream_capturing():
-        return True
-    trees = sys.modules.get("torch._inductor.cudagraph_trees")  # only where torch.compile has loaded them
-    try:
-        manager = trees and trees.get_manager(device.index, create_if_none_exists=False)
-        return bool(manager and manager.in_warmup)
-    except (AttributeError, KeyError, TypeError):  # another torch's internals: as before, keep the buffers
-        return False
-
-
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-# Triton's JIT call works out the kernel's specialization from every argument on each launch: about
-# 20 us of host time per call on the lent H100's host, which a short eager launch waits for. _launch keys
-# the kernel that call returns on everything that specialization reads, and launches it directly next time.
-_COMPILED: dict = {}
-_COMPILED_LIMIT = 1024  # keys hold exact sizes: a server's many prefill lengths must not grow it forever
-# While kdsl.ops records a launch plan (kdsl/ops/_plan.py), a list that _launch appends each launch to:
-# (kernel or compiled kernel, grid, params, options or the constexpr values, compiled?).
-_RECORDING: list | None = None
-
-
-def _specialization(arg):
-    """What Triton can specialize a kernel on, of one argument: a superset of its rules (exact integers,
-    dtypes, 16-byte alignment of every base, descriptors' sizes and blocks), so equal keys share a kernel."""
-    if type(arg) is int or type(arg) is bool:
-        return arg
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    block_shape = getattr(arg, "block_shape", None)
-    if block_shape is None:
-        return arg
-    # A TMA descriptor; a Gluon one's shared layout is a function of its block and dtype.
-    return _specialization(arg.base), tuple(arg.shape), tuple(arg.strides), tuple(block_shape), arg.padding
-
-
-def _launch(kernel, grid: tuple, params: tuple, options: dict) -> None:
-    """kernel[grid](*params, **options): params are the kernel's leading arguments in signature order,
-    options the keyword rest (constexprs and launch options such as num_warps); grid has three entries."""
-    if _INTERPRETING:
-        kernel[grid](*params, **options)
-        if _RECORDING is not None:
-            _RECORDING.append((kernel, grid, params, options, False))
-        return
-    key = (kernel, torch.cuda.current_device(), *options.items(), *map(_specialization, params))
-    cached = _COMPILED.get(key)
-    if cached is not None:
-        compiled, keyword_params = cached
-        compiled[grid](*params, *keyword_params)
-        if _RECORDING is not None:
-            _RECORDING.append((compiled, grid, params, keyword_params, True))
-        return
-    compiled = kernel[grid](*params, **options)
-    # A kernel kdsl.ops watches while recording (kdsl/ops/_plan.py) records its own JIT launches.
-    recording = _RECORDING is not None and not getattr(kernel, "_kdsl_watched", False)
-    if compiled is None:
-        if recording:
-            _RECORDING.append(None)  # nothing to replay: the plan is not kept
-        return
-    if len(_COMPILED) >= _COMPILED_LIMIT:
-        _COMPILED.clear()
-    # The compiled kernel takes every signature argument positionally, constexprs included.
-    keyword_params = tuple(options[name] for name in kernel.arg_names[len(params):])
-    _COMPILED[key] = compiled, keyword_params
-    if recording:
-        _RECORDING.append((compiled, grid, params, keyword_params, True))
-
-
 @triton.jit
 def fp8_linear__e4m3_w128x128_a128_f32__portable_sm89(
     x_ptr, b_ptr, c_ptr, bs_ptr, bias_ptr, ws_ptr, count_ptr,
@@ -274,73 +169,3 @@ def fp8_linear__e4m3_w128x128_a128_f32__portable_sm89(
     out_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     _splitk_store(acc, out_ptrs, out_mask, ws_ptr, count_ptr, tile_id, pid_k, BLOCK_M, BLOCK_N, SPLIT_K)
-
-
-# Tiles per M bucket, from the definition: (largest M served or None for the rest,
-# smallest N served or None, launch parameters); the first that serves (M, N) is used.
-TILES = (
-    (64, None, {'impl': 'portable', 'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 8, 'num_warps': 8, 'num_stages': 3, 'tile_order': 'm_major', 'split_fill': None, 'split_min_steps': None}),
-    (None, None, {'impl': 'portable', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 2, 'tile_order': 'm_major', 'split_fill': None, 'split_min_steps': None}),
-)
-
-
-def _cdiv(n: int, d: int) -> int:
-    # Host code's ceil division: triton.cdiv is a constexpr function, about 3 us a call on the host.
-    return -(-n // d)
-
-
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device) -> int:
-    if device.type != "cuda":
-        return 4  # Triton's CPU interpreter: a few programs still exercise the loops
-    if device.index not in _SM_COUNT:
-        _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device.index]
-
-
-# Programs per SM the K split plans for (and a persistent grid launches), unless a tile's
-# split_fill says how many of its programs fit on an SM at once (1 for a tile that takes a whole SM).
-SPLIT_FILL = 2
-# What a program costs beyond its K steps (launch, pipeline fill, split-K store), in K steps.
-# From an H200 table of every split on the bench shapes: it keeps a tile from splitting into
-# programs of a few steps each, or into a partial extra wave.
-PROGRAM_COST_STEPS = 6
-
-
-def split_for(tile: dict, k_steps: int, tiles: int, sms: int | None) -> int:
-    """The K split a tile launches with: at most the tile's SPLIT_K, and each split at least the tile's
-    split_min_steps K steps (one if unset). With an SM count, the split whose programs finish soonest,
-    counted in waves of split_fill programs per SM times each program's K steps plus its fixed cost;
-    no split once the tiles alone fill a wave (sms None, the interpreter: the largest split allowed)."""
-    cap = max(1, min(tile["SPLIT_K"], k_steps // (tile["split_min_steps"] or 1)))
-    if sms is None:
-        return cap
-    slots = (tile["split_fill"] or SPLIT_FILL) * sms
-    if tiles >= slots:
-        return 1
-
-    def finish(split: int) -> int:
-        waves = -(-tiles * split // slots)
-        return waves * (-(-k_steps // split) + PROGRAM_COST_STEPS)
-
-    return min(range(1, cap + 1), key=lambda split: (finish(split), split))
-
-
-def launch(x, b, b_s, bias, c, tile):
-    """x [M, K] bf16/fp16/fp32 (unit stride along K, K % ACT_GROUP == 0), b [N, K] fp8, b_s [cdiv(N, W_BLOCK_N),
-    K // W_BLOCK_K], bias [N] or None, c [M, N] (unit stride along N). M >= 1."""
-    M, K = x.shape
-    N = b.shape[0]
-    bm, bn = tile["BLOCK_M"], tile["BLOCK_N"]
-    tiles = _cdiv(M, bm) * _cdiv(N, bn)
-    split_k, workspace, counters = _split_with_scratch(c, tile, K // ACT_GROUP.value, tiles, None if _INTERPRETING else _sm_count(x.device), bm * bn)
-    _launch(fp8_linear__e4m3_w128x128_a128_f32__portable_sm89, (tiles * split_k, 1, 1), (
-        x, b, c, b_s, c if bias is None else bias, workspace, counters,
-        M, N, K, x.stride(0), b.stride(0), c.stride(0), b_s.stride(0),
-    ), dict(
-        BLOCK_M=bm, BLOCK_N=bn, GROUP_M=tile["GROUP_M"], N_MAJOR=tile["tile_order"] == "n_major",
-        SPLIT_K=split_k, HAS_BIAS=bias is not None, ROUND_FIRST=x.device.type == "cpu",
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"],
-    ))

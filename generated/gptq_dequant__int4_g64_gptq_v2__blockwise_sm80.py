@@ -3,7 +3,7 @@
 # kernel: gptq_dequant__int4_g64_gptq_v2__blockwise_sm80 (gptq_dequant/blockwise: unpack int4 checkpoint tensors to [N, K])
 # scheme: gptq.int4.g64.gptq_v2
 # arch: sm_80 and up
-# digest: 1d7ac33f9be31be9 (sha256 of this kernel's scheme, variant and templates)
+# digest: 729959137e54571e (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -64,27 +64,3 @@ def gptq_dequant__int4_g64_gptq_v2__blockwise_sm80(
                       stride_qwk, stride_qzg, stride_sg, w_ptr.dtype.element_ty, HAS_G_IDX, UNIFORM_GROUP)
     out_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]
     tl.store(out_ptrs, w, mask=k_ok[:, None] & (offs_n[None, :] < N))
-
-
-# Tiles per M bucket, from the definition: (largest M served or None for the rest,
-# smallest N served or None, launch parameters); the first that serves (M, N) is used.
-TILES = (
-    (None, None, {'impl': 'blockwise', 'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3}),
-)
-
-
-def _cdiv(n: int, d: int) -> int:
-    # Host code's ceil division: triton.cdiv is a constexpr function, about 3 us a call on the host.
-    return -(-n // d)
-
-
-def launch(qweight, qzeros, scales, g_idx, w, tile):
-    """qweight int32 [K / PACK, N], qzeros int32 [G, N / PACK], scales [G, N], g_idx [K] or None; w [N, K]."""
-    N, K = w.shape
-    bn, bk = tile["BLOCK_N"], tile["BLOCK_K"]
-    grid = (_cdiv(K, bk), _cdiv(N, bn))
-    gptq_dequant__int4_g64_gptq_v2__blockwise_sm80[grid](
-        qweight, qzeros, scales, qweight if g_idx is None else g_idx, w,
-        N, K, qweight.stride(0), qzeros.stride(0), scales.stride(0),
-        HAS_G_IDX=g_idx is not None, UNIFORM_GROUP=g_idx is None and GROUP_SIZE.value % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=tile["num_warps"],
-    )

@@ -3,7 +3,7 @@
 # kernel: gptq_gemm__int4_g64_gptq__splitk_sm80 (gptq_gemm/splitk: W4A16: unpack int4 in registers, fp16/bf16 tensor-core dot, optional split-K with atomics)
 # scheme: gptq.int4.g64.gptq
 # arch: sm_80 and up
-# digest: 31161d7f28e13a04 (sha256 of this kernel's scheme, variant and templates)
+# digest: 46518eeaff26bc66 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -108,42 +108,3 @@ def gptq_gemm__int4_g64_gptq__splitk_sm80(
         tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(out_ptrs, acc, mask=mask)
-
-
-# Tiles per M bucket, from the definition: (largest M served or None for the rest,
-# smallest N served or None, launch parameters); the first that serves (M, N) is used.
-TILES = (
-    (16, None, {'impl': 'splitk', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 3}),
-    (64, None, {'impl': 'splitk', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 2, 'num_warps': 8, 'num_stages': 3}),
-    (None, None, {'impl': 'splitk', 'BLOCK_M': 128, 'BLOCK_N': 64, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3}),
-)
-
-
-def _cdiv(n: int, d: int) -> int:
-    # Host code's ceil division: triton.cdiv is a constexpr function, about 3 us a call on the host.
-    return -(-n // d)
-
-
-def launch(x, qweight, qzeros, scales, g_idx, y, tile):
-    """x [M, K], qweight int32 [K / PACK, N], qzeros int32 [G, N / PACK], scales [G, N], g_idx int32 [K] or None.
-
-    y [M, N] in x's dtype. Split-K accumulates in an fp32 buffer and casts once at the end.
-    Repacked (prepared) weights would enter here: this launcher is the only place that knows
-    the checkpoint layout besides _dequant_tile.
-    """
-    M, K = x.shape
-    N = qweight.shape[1]
-    bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
-    split_k = max(1, min(tile["SPLIT_K"], _cdiv(K, bk)))
-    out = y if split_k == 1 else torch.zeros((M, N), dtype=torch.float32, device=y.device)
-    grid = (_cdiv(M, bm) * _cdiv(N, bn), split_k)
-    gptq_gemm__int4_g64_gptq__splitk_sm80[grid](
-        x, qweight, qzeros, scales, qweight if g_idx is None else g_idx, out,
-        M, N, K, x.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0),
-        HAS_G_IDX=g_idx is not None, UNIFORM_GROUP=g_idx is None and GROUP_SIZE.value % bk == 0,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tile["GROUP_M"], SPLIT_K=split_k,
-        UPCAST_DOT=x.device.type == "cpu" and x.dtype == torch.bfloat16,
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"],
-    )
-    if out is not y:
-        y.copy_(out)

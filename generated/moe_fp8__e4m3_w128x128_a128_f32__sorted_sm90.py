@@ -3,7 +3,7 @@
 # kernel: moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90 (moe_fp8/sorted: tokens sorted by expert on the device, gate-up GEMM (+ silu * up + 1x128 quant), down GEMM, weighted combine)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: f62a931e5cb5901b (sha256 of this kernel's scheme, variant and templates)
+# digest: 9b5acd457081da27 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -11,10 +11,6 @@ import triton.language as tl
 ACT_GROUP = tl.constexpr(128)
 W_BLOCK_N = tl.constexpr(128)
 W_BLOCK_K = tl.constexpr(128)
-
-# Launch shape of the memory-bound quantization (routing and combine: common/moe_routing.py.j2): a few
-# microseconds at decode, a small share of the GEMMs' time at prefill.
-QUANT_ROWS = 8  # rows per program quantizing x (act_quant's tile)
 
 
 FP8_MAX = tl.constexpr(448.0)
@@ -117,12 +113,6 @@ def _fp8_rows_dot(a_ptr, as_ptr, b_ptr, bs_ptr, rows_a, offs_n, N, K,
     return acc
 
 
-# Launch shapes of the routing and combine kernels: a few microseconds each at decode.
-ALIGN_CHUNK = 1024  # assignments per step of the routing program
-ALIGN_BLOCKS = 16  # M blocks per step when the routing program names each block's expert
-COMBINE_COLS = 512  # hidden columns per program of the combine
-
-
 # --- routing: the (token, slot) assignments sorted by expert, each expert's run padded to BLOCK_M rows ------------
 
 @triton.jit
@@ -195,47 +185,6 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90_combine(
         down = tl.load(out_ptr + (token * topk + j) * stride_om + cols, mask=cols < tl.where(routed, N, 0), other=0.0)
         acc += tl.where(routed, weight, 0.0) * down.to(tl.float32)
     tl.store(y_ptr + token * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=col_ok)
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-def routing_rows(assignments: int, num_experts: int, block_m: int) -> int:
-    """Sorted rows to allocate: at most min(assignments, E) experts are routed to, each run padded by up to
-    block_m - 1 rows; a multiple of block_m. The grids cover these; programs past the rows used return."""
-    bound = assignments + min(assignments, num_experts) * (block_m - 1)
-    return _cdiv(bound, block_m) * block_m
-
-
-def _route(topk_ids, num_experts: int, block_m: int, on_routed):
-    """Launch the routing kernel: (rows [max_rows], block_expert [max_blocks], meta, max_rows, max_blocks), all on
-    topk_ids' device and sized on the host for the worst routing. on_routed: None, or called with the count of ids
-    outside [0, E) (a one-element int32 tensor) before anything else is launched."""
-    assignments = topk_ids.shape[0] * topk_ids.shape[1]
-    max_rows = routing_rows(assignments, num_experts, block_m)
-    max_blocks = max_rows // block_m
-    index = torch.empty(max_rows + max_blocks + 2 + num_experts, dtype=torch.int32, device=topk_ids.device)
-    rows, block_expert, meta = index[:max_rows], index[max_rows:max_rows + max_blocks], index[max_rows + max_blocks:]
-    moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90_align[(1,)](
-        topk_ids, rows, block_expert, meta, assignments, topk_ids.shape[1], num_experts, max_rows, max_blocks,
-        topk_ids.stride(0), topk_ids.stride(1),
-        BLOCK_M=block_m, EXPERTS_PAD=_next_power_of_two(num_experts + 1), CHUNK=ALIGN_CHUNK,
-        CHUNK_BLOCKS=ALIGN_BLOCKS, num_warps=4,
-    )
-    if on_routed is not None:
-        on_routed(meta[1:2])
-    return rows, block_expert, meta, max_rows, max_blocks
-
-
-def _combine(out, topk_weights, topk_ids, y, num_experts: int) -> None:
-    """y [T, H] = each token's routed rows of out [T * k, H], weighted and summed in fp32 (the combine kernel)."""
-    tokens, hidden = y.shape
-    moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90_combine[(tokens, _cdiv(hidden, COMBINE_COLS))](
-        out, topk_weights, topk_ids, y, hidden, topk_ids.shape[1], num_experts, out.stride(0),
-        topk_weights.stride(0), topk_weights.stride(1), topk_ids.stride(0), topk_ids.stride(1), y.stride(0),
-        BLOCK_N=COMBINE_COLS, num_warps=4,
-    )
 
 
 # --- 1. x quantized per token in 1 x ACT_GROUP groups (act_quant's rule and code) ------------------------------------
@@ -376,74 +325,3 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90_down(
                             BLOCK_M, BLOCK_N, BLOCK_K)
         out_ptrs = out_ptr + assignment.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(assignment >= 0)[:, None] & (offs_n[None, :] < N))
-
-
-# Tiles per M bucket, from the definition: (largest M served or None for the rest,
-# smallest N served or None, launch parameters); the first that serves (M, N) is used.
-TILES = (
-    (4, None, {'impl': 'sorted', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 5, 'tile_order': 'm_major', 'fuse_act': False}),
-    (32, None, {'impl': 'sorted', 'BLOCK_M': 32, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 4, 'tile_order': 'm_major', 'fuse_act': True}),
-    (128, None, {'impl': 'sorted', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 4, 'tile_order': 'm_major', 'fuse_act': True}),
-    (None, None, {'impl': 'sorted', 'BLOCK_M': 128, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 8, 'num_stages': 3, 'tile_order': 'm_major', 'fuse_act': True}),
-)
-
-
-def _cdiv(n: int, d: int) -> int:
-    # Host code's ceil division: triton.cdiv is a constexpr function, about 3 us a call on the host.
-    return -(-n // d)
-
-
-def launch(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, on_routed, tile):
-    """x [T, H] bf16/fp16 (unit stride along H), w13 [E, 2I, H] and w2 [E, H, I] fp8 with their block scales
-    w13_s [E, cdiv(2I, W_BLOCK_N), H // W_BLOCK_K] and w2_s [E, cdiv(H, W_BLOCK_N), I // W_BLOCK_K] (unit stride
-    along K for weights and scales), topk_weights fp32 [T, k], topk_ids int32 [T, k], y [T, H] in x's dtype
-    (contiguous). T, k >= 1; H and I multiples of ACT_GROUP.
-
-    on_routed(outside): None, or called with a one-element int32 tensor, the number of ids outside [0, E), after
-    the routing kernel and before the GEMMs are launched (the op's check of topk_ids; it may raise).
-    Nothing here waits on the GPU: every size the grids need is known on the host, the rest is read on the device.
-    """
-    T, H = x.shape
-    E, two_inter = w13.shape[0], w13.shape[1]
-    inter = two_inter // 2
-    topk = topk_ids.shape[1]
-    assignments = T * topk
-    block_m, block_n = tile["BLOCK_M"], tile["BLOCK_N"]
-    fuse = tile["fuse_act"]
-    device = x.device
-    round_first = device.type == "cpu"
-    fp8 = w13.dtype
-
-    rows, block_expert, meta, max_rows, max_blocks = _route(topk_ids, E, block_m, on_routed)
-
-    xq = torch.empty((T, H), dtype=fp8, device=device)
-    xs = torch.empty((T, H // ACT_GROUP.value), dtype=torch.float32, device=device)
-    moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90_quant[(_cdiv(T, QUANT_ROWS), H // ACT_GROUP.value)](
-        x, xq, xs, T, H, x.stride(0), BLOCK_M=QUANT_ROWS, ROUND_FIRST=round_first, num_warps=2)
-
-    hq = torch.empty((max_rows, inter), dtype=fp8, device=device)
-    hs = torch.empty((max_rows, inter // ACT_GROUP.value), dtype=torch.float32, device=device)
-    gemm = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=tile["BLOCK_K"], GROUP_M=tile["GROUP_M"],
-                N_MAJOR=tile["tile_order"] == "n_major", num_warps=tile["num_warps"], num_stages=tile["num_stages"])
-    if fuse:
-        h, h_scales, n = hq, hs, inter
-    else:
-        h = torch.empty((max_rows, two_inter), dtype=torch.float32, device=device)
-        h_scales, n = h, two_inter
-    moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90[(max_blocks * _cdiv(n, block_n),)](
-        xq, xs, w13, w13_s, h, h_scales, rows, block_expert, meta, n, H, topk, max_blocks,
-        xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), w13_s.stride(0), w13_s.stride(1),
-        h.stride(0), h_scales.stride(0), FUSE_ACT=fuse, ROUND_FIRST=round_first, **gemm,
-    )
-    if not fuse:
-        moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90_act[(max_blocks, inter // ACT_GROUP.value)](
-            h, hq, hs, rows, meta, inter, h.stride(0), hq.stride(0), hs.stride(0),
-            BLOCK_M=block_m, ROUND_FIRST=round_first, num_warps=4)
-
-    out = torch.empty((assignments, H), dtype=y.dtype, device=device)
-    moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90_down[(max_blocks * _cdiv(H, block_n),)](
-        hq, hs, w2, w2_s, out, rows, block_expert, meta, H, inter, max_blocks,
-        hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1), w2_s.stride(0), w2_s.stride(1), out.stride(0),
-        **gemm,
-    )
-    _combine(out, topk_weights, topk_ids, y, E)

@@ -3,7 +3,7 @@
 # kernel: moe_w4a16__int4_g32__sorted_sm80 (moe_w4a16/sorted: tokens sorted by expert on the device, int4 gate-up GEMM (+ silu * up), int4 down GEMM, weighted combine)
 # scheme: w4a16.int4.g32
 # arch: sm_80 and up
-# digest: 40a2a44af989ceca (sha256 of this kernel's scheme, variant and templates)
+# digest: 50bcf18f49389237 (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -83,11 +83,8 @@ def _load_x(x_ptr, perm_ptr, rows, offs_k, K, stride_xm, HAS_PERM: tl.constexpr)
     return tl.load(x_ptr + rows[:, None] * stride_xm + x_cols[None, :], mask=k_ok[None, :], other=0.0)
 
 
-
-# Bit patterns whose low mantissa bits take q directly, and the value they stand for.
-MAGIC = {torch.float16: (0x6400, 1024), torch.bfloat16: (0x4300, 128)}
+# The prepared layout, for the implementations' launches (kdsl/kernels/w4a16) to read.
 LAYOUT = {'zeros': 'biased', 'weights': 'checkpoint'}
-
 
 
 # One int32 of PACK=8 K-rows of one column -> its 8 weights, two per 32-bit register:
@@ -271,12 +268,6 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr, N_MAJOR: 
     return pid_m, pid_n
 
 
-# Launch shapes of the routing and combine kernels: a few microseconds each at decode.
-ALIGN_CHUNK = 1024  # assignments per step of the routing program
-ALIGN_BLOCKS = 16  # M blocks per step when the routing program names each block's expert
-COMBINE_COLS = 512  # hidden columns per program of the combine
-
-
 # --- routing: the (token, slot) assignments sorted by expert, each expert's run padded to BLOCK_M rows ------------
 
 @triton.jit
@@ -349,47 +340,6 @@ def moe_w4a16__int4_g32__sorted_sm80_combine(
         down = tl.load(out_ptr + (token * topk + j) * stride_om + cols, mask=cols < tl.where(routed, N, 0), other=0.0)
         acc += tl.where(routed, weight, 0.0) * down.to(tl.float32)
     tl.store(y_ptr + token * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=col_ok)
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-def routing_rows(assignments: int, num_experts: int, block_m: int) -> int:
-    """Sorted rows to allocate: at most min(assignments, E) experts are routed to, each run padded by up to
-    block_m - 1 rows; a multiple of block_m. The grids cover these; programs past the rows used return."""
-    bound = assignments + min(assignments, num_experts) * (block_m - 1)
-    return _cdiv(bound, block_m) * block_m
-
-
-def _route(topk_ids, num_experts: int, block_m: int, on_routed):
-    """Launch the routing kernel: (rows [max_rows], block_expert [max_blocks], meta, max_rows, max_blocks), all on
-    topk_ids' device and sized on the host for the worst routing. on_routed: None, or called with the count of ids
-    outside [0, E) (a one-element int32 tensor) before anything else is launched."""
-    assignments = topk_ids.shape[0] * topk_ids.shape[1]
-    max_rows = routing_rows(assignments, num_experts, block_m)
-    max_blocks = max_rows // block_m
-    index = torch.empty(max_rows + max_blocks + 2 + num_experts, dtype=torch.int32, device=topk_ids.device)
-    rows, block_expert, meta = index[:max_rows], index[max_rows:max_rows + max_blocks], index[max_rows + max_blocks:]
-    moe_w4a16__int4_g32__sorted_sm80_align[(1,)](
-        topk_ids, rows, block_expert, meta, assignments, topk_ids.shape[1], num_experts, max_rows, max_blocks,
-        topk_ids.stride(0), topk_ids.stride(1),
-        BLOCK_M=block_m, EXPERTS_PAD=_next_power_of_two(num_experts + 1), CHUNK=ALIGN_CHUNK,
-        CHUNK_BLOCKS=ALIGN_BLOCKS, num_warps=4,
-    )
-    if on_routed is not None:
-        on_routed(meta[1:2])
-    return rows, block_expert, meta, max_rows, max_blocks
-
-
-def _combine(out, topk_weights, topk_ids, y, num_experts: int) -> None:
-    """y [T, H] = each token's routed rows of out [T * k, H], weighted and summed in fp32 (the combine kernel)."""
-    tokens, hidden = y.shape
-    moe_w4a16__int4_g32__sorted_sm80_combine[(tokens, _cdiv(hidden, COMBINE_COLS))](
-        out, topk_weights, topk_ids, y, hidden, topk_ids.shape[1], num_experts, out.stride(0),
-        topk_weights.stride(0), topk_weights.stride(1), topk_ids.stride(0), topk_ids.stride(1), y.stride(0),
-        BLOCK_N=COMBINE_COLS, num_warps=4,
-    )
 
 
 # --- int4 weight tiles and the MMA ---------------------------------------------------------------------------------
@@ -545,82 +495,3 @@ def moe_w4a16__int4_g32__sorted_sm80_down(
             acc = _mma(acc, h, w, FP32_MATH)
         out_ptrs = out_ptr + assignment.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(assignment >= 0)[:, None] & (offs_n[None, :] < N))
-
-
-# Tiles per M bucket, from the definition: (largest M served or None for the rest,
-# smallest N served or None, launch parameters); the first that serves (M, N) is used.
-TILES = (
-    (8, None, {'impl': 'sorted', 'BLOCK_M': 16, 'BLOCK_N': 32, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'tile_order': 'm_major'}),
-    (32, None, {'impl': 'sorted', 'BLOCK_M': 32, 'BLOCK_N': 64, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'tile_order': 'm_major'}),
-    (64, None, {'impl': 'sorted', 'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'tile_order': 'm_major'}),
-    (None, None, {'impl': 'sorted', 'BLOCK_M': 128, 'BLOCK_N': 64, 'BLOCK_K': 64, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 8, 'num_stages': 3, 'tile_order': 'm_major'}),
-)
-
-
-def _cdiv(n: int, d: int) -> int:
-    # Host code's ceil division: triton.cdiv is a constexpr function, about 3 us a call on the host.
-    return -(-n // d)
-
-
-def _gather_warps(k_pad: int) -> int:
-    return max(1, min(8, k_pad // 256))  # about 8 elements a thread for rows up to 2048, 16-32 above
-
-
-def _gather(src, perm, rows, block_expert, meta, topk: int, block_m: int, by_token: bool):
-    """[S, max_rows, K] (S = perm's segments): each sorted row's activation in its expert's K order, one gather
-    kernel launch over all max_rows rows (those past the rows used return)."""
-    segments, k = perm.shape[1], perm.shape[2]
-    dst = torch.empty((segments, rows.shape[0], k), dtype=src.dtype, device=src.device)
-    k_pad = 1 << (k - 1).bit_length()
-    moe_w4a16__int4_g32__sorted_sm80_gather[(rows.shape[0],)](
-        src, perm, dst, rows, block_expert, meta, k, topk, src.stride(0), perm.stride(0), perm.stride(1),
-        dst.stride(0), dst.stride(1),
-        SEGMENTS=segments, BY_TOKEN=by_token, BLOCK_M=block_m, K_PAD=k_pad, num_warps=_gather_warps(k_pad),
-    )
-    return dst
-
-
-def launch(x, w13_qweight, w13_zeros, w13_scales, w13_perm, w2_qweight, w2_zeros, w2_scales, w2_perm,
-           topk_weights, topk_ids, y, on_routed, tile):
-    """x [T, H] fp16/bf16 (unit stride along H); w13 (K = H, N = 2I: gate columns, then up columns) and w2 (K = I,
-    N = H) as qweight int32 [E, K / PACK, N], zeros, scales [E, G, N] (LAYOUT), perm int32 [E, S, K] or None (S = 2
-    for w13's gate and up halves, or 1; 1 for w2), unit stride along N; topk_weights fp32 [T, k], topk_ids int32
-    [T, k]; y [T, H] in x's dtype (contiguous). T, k >= 1.
-
-    on_routed(outside): None, or called with a one-element int32 tensor, the number of ids outside [0, E), after the
-    routing kernel and before the GEMMs are launched (the op's check of topk_ids; it may raise)."""
-    T, H = x.shape
-    E, inter = w13_qweight.shape[0], w13_qweight.shape[2] // 2
-    topk = topk_ids.shape[1]
-    block_m, block_n, block_k = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
-    device = x.device
-    cpu = device.type == "cpu"
-    rows, block_expert, meta, max_rows, max_blocks = _route(topk_ids, E, block_m, on_routed)
-
-    magic_bits, magic_bias = MAGIC[x.dtype]
-    uniform = GROUP_SIZE.value % block_k == 0  # every K tile inside one group
-    gemm = dict(UNIFORM_GROUP=uniform, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=tile["GROUP_M"],
-                N_MAJOR=tile["tile_order"] == "n_major", MAGIC_BITS=magic_bits, MAGIC_BIAS=magic_bias,
-                FP32_MATH=cpu, ASM_DEQUANT=not cpu and uniform and block_m >= 64,  # as w4a16_gemm/mma
-                num_warps=tile["num_warps"], num_stages=tile["num_stages"])
-
-    h = torch.empty((max_rows, inter), dtype=x.dtype, device=device)
-    if w13_perm is not None:  # act-order: x's sorted rows gathered once ([S, max_rows, H]), read contiguously
-        x = _gather(x, w13_perm, rows, block_expert, meta, topk, block_m, by_token=True)
-    up_apart = w13_perm is not None and w13_perm.shape[1] > 1
-    moe_w4a16__int4_g32__sorted_sm80[(max_blocks * _cdiv(inter, block_n),)](
-        x, w13_qweight, w13_zeros, w13_scales, h, rows, block_expert, meta, inter, H, topk, max_blocks,
-        x.stride(-2), x.stride(0) if up_apart else 0, w13_qweight.stride(0), w13_qweight.stride(1), w13_zeros.stride(0),
-        w13_zeros.stride(1), w13_scales.stride(0), w13_scales.stride(1), h.stride(0),
-        GATHERED=w13_perm is not None, UP_APART=up_apart, **gemm,
-    )
-
-    out = torch.empty((T * topk, H), dtype=y.dtype, device=device)
-    if w2_perm is not None:  # act-order: h gathered once into the down expert's K order
-        h = _gather(h, w2_perm, rows, block_expert, meta, topk, block_m, by_token=False)[0]
-    moe_w4a16__int4_g32__sorted_sm80_down[(max_blocks * _cdiv(H, block_n),)](
-        h, w2_qweight, w2_zeros, w2_scales, out, rows, block_expert, meta, H, inter, max_blocks,
-        h.stride(0), w2_qweight.stride(0), w2_qweight.stride(1), w2_zeros.stride(0), w2_zeros.stride(1),
-        w2_scales.stride(0), w2_scales.stride(1), out.stride(0), **gemm,
-    )
-    _combine(out, topk_weights, topk_ids, y, E)

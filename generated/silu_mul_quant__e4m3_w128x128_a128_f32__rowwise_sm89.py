@@ -3,11 +3,10 @@
 # kernel: silu_mul_quant__e4m3_w128x128_a128_f32__rowwise_sm89 (silu_mul_quant/rowwise: silu(gate) * up in fp32, quantized per token and group to e4m3 (act_quant's rule))
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 9004451123930824 (sha256 of this kernel's scheme, variant and templates)
+# digest: 14288b2245a8a94a (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
-import os
 
 GROUP = tl.constexpr(128)
 
@@ -66,63 +65,6 @@ def _quantize_groups(x, dtype: tl.constexpr, ROUND_FIRST: tl.constexpr):
     return _to_e4m3(tl.div_rn(x, scale[:, None]), dtype, ROUND_FIRST), scale
 
 
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-# Triton's JIT call works out the kernel's specialization from every argument on each launch: about
-# 20 us of host time per call on the lent H100's host, which a short eager launch waits for. _launch keys
-# the kernel that call returns on everything that specialization reads, and launches it directly next time.
-_COMPILED: dict = {}
-_COMPILED_LIMIT = 1024  # keys hold exact sizes: a server's many prefill lengths must not grow it forever
-# While kdsl.ops records a launch plan (kdsl/ops/_plan.py), a list that _launch appends each launch to:
-# (kernel or compiled kernel, grid, params, options or the constexpr values, compiled?).
-_RECORDING: list | None = None
-
-
-def _specialization(arg):
-    """What Triton can specialize a kernel on, of one argument: a superset of its rules (exact integers,
-    dtypes, 16-byte alignment of every base, descriptors' sizes and blocks), so equal keys share a kernel."""
-    if type(arg) is int or type(arg) is bool:
-        return arg
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    block_shape = getattr(arg, "block_shape", None)
-    if block_shape is None:
-        return arg
-    # A TMA descriptor; a Gluon one's shared layout is a function of its block and dtype.
-    return _specialization(arg.base), tuple(arg.shape), tuple(arg.strides), tuple(block_shape), arg.padding
-
-
-def _launch(kernel, grid: tuple, params: tuple, options: dict) -> None:
-    """kernel[grid](*params, **options): params are the kernel's leading arguments in signature order,
-    options the keyword rest (constexprs and launch options such as num_warps); grid has three entries."""
-    if _INTERPRETING:
-        kernel[grid](*params, **options)
-        if _RECORDING is not None:
-            _RECORDING.append((kernel, grid, params, options, False))
-        return
-    key = (kernel, torch.cuda.current_device(), *options.items(), *map(_specialization, params))
-    cached = _COMPILED.get(key)
-    if cached is not None:
-        compiled, keyword_params = cached
-        compiled[grid](*params, *keyword_params)
-        if _RECORDING is not None:
-            _RECORDING.append((compiled, grid, params, keyword_params, True))
-        return
-    compiled = kernel[grid](*params, **options)
-    # A kernel kdsl.ops watches while recording (kdsl/ops/_plan.py) records its own JIT launches.
-    recording = _RECORDING is not None and not getattr(kernel, "_kdsl_watched", False)
-    if compiled is None:
-        if recording:
-            _RECORDING.append(None)  # nothing to replay: the plan is not kept
-        return
-    if len(_COMPILED) >= _COMPILED_LIMIT:
-        _COMPILED.clear()
-    # The compiled kernel takes every signature argument positionally, constexprs included.
-    keyword_params = tuple(options[name] for name in kernel.arg_names[len(params):])
-    _COMPILED[key] = compiled, keyword_params
-    if recording:
-        _RECORDING.append((compiled, grid, params, keyword_params, True))
-
-
 @triton.jit
 def _silu_mul(gate, up):
     """silu(gate) * up in fp32, as torch computes silu: gate / (1 + exp(-gate)) (silu(-inf) is NaN there too)."""
@@ -147,24 +89,3 @@ def silu_mul_quant__e4m3_w128x128_a128_f32__rowwise_sm89(
 
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=row_ok[:, None])
     tl.store(s_ptr + rows * stride_sm + pid_g, scale, mask=row_ok)
-
-
-# Tiles per M bucket, from the definition: (largest M served or None for the rest,
-# smallest N served or None, launch parameters); the first that serves (M, N) is used.
-TILES = (
-    (None, None, {'impl': 'rowwise', 'BLOCK_M': 8, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 2, 'num_stages': 3}),
-)
-
-
-def _cdiv(n: int, d: int) -> int:
-    # Host code's ceil division: triton.cdiv is a constexpr function, about 3 us a call on the host.
-    return -(-n // d)
-
-
-def launch(gu, q, s, tile):
-    """gu [M, 2 I] (unit stride along columns: gate's I, then up's), q [M, I] fp8 and s [M, I // GROUP] float32,
-    unit stride along columns."""
-    M, I = q.shape
-    grid = (_cdiv(M, tile["BLOCK_M"]), I // GROUP.value, 1)
-    _launch(silu_mul_quant__e4m3_w128x128_a128_f32__rowwise_sm89, grid, (gu, q, s, M, I, gu.stride(0), q.stride(0), s.stride(0)),
-            dict(BLOCK_M=tile["BLOCK_M"], ROUND_FIRST=gu.device.type == "cpu", num_warps=tile["num_warps"]))

@@ -3,11 +3,10 @@
 # kernel: w4a16_gemm__int4_g128__gemv_sm90 (w4a16_gemm/gemv: W4A16 GEMV on CUDA cores, one row per program row, weights kept in registers, split-K in-kernel)
 # scheme: w4a16.int4.g128
 # arch: sm_90 .. sm_90
-# digest: 03ad015c1118c0d6 (sha256 of this kernel's scheme, variant and templates)
+# digest: b89b9fc679e44bcd (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
-import os
 
 # W4A16 GEMV on prepared weights (block_m = 1 tiles): one row of x against all N columns on CUDA cores.
 # One row has no use for an MMA, so the weights stay in the registers they were loaded into.
@@ -98,73 +97,8 @@ def _load_x(x_ptr, perm_ptr, rows, offs_k, K, stride_xm, HAS_PERM: tl.constexpr)
     return tl.load(x_ptr + rows[:, None] * stride_xm + x_cols[None, :], mask=k_ok[None, :], other=0.0)
 
 
-
-# Bit patterns whose low mantissa bits take q directly, and the value they stand for.
-MAGIC = {torch.float16: (0x6400, 1024), torch.bfloat16: (0x4300, 128)}
+# The prepared layout, for the implementations' launches (kdsl/kernels/w4a16) to read.
 LAYOUT = {'zeros': 'paired', 'weights': 'k_planes'}
-
-
-def _scale_zero_pairs(scales):
-    """The (scale, zero) pairs as int32 [G, N]: scales is the low half of each pair (column stride 2)."""
-    return scales.as_strided((scales.shape[0], 2 * scales.shape[1]), (scales.stride(0), 1)).view(torch.int32)
-
-
-
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-# Triton's JIT call works out the kernel's specialization from every argument on each launch: about
-# 20 us of host time per call on the lent H100's host, which a short eager launch waits for. _launch keys
-# the kernel that call returns on everything that specialization reads, and launches it directly next time.
-_COMPILED: dict = {}
-_COMPILED_LIMIT = 1024  # keys hold exact sizes: a server's many prefill lengths must not grow it forever
-# While kdsl.ops records a launch plan (kdsl/ops/_plan.py), a list that _launch appends each launch to:
-# (kernel or compiled kernel, grid, params, options or the constexpr values, compiled?).
-_RECORDING: list | None = None
-
-
-def _specialization(arg):
-    """What Triton can specialize a kernel on, of one argument: a superset of its rules (exact integers,
-    dtypes, 16-byte alignment of every base, descriptors' sizes and blocks), so equal keys share a kernel."""
-    if type(arg) is int or type(arg) is bool:
-        return arg
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    block_shape = getattr(arg, "block_shape", None)
-    if block_shape is None:
-        return arg
-    # A TMA descriptor; a Gluon one's shared layout is a function of its block and dtype.
-    return _specialization(arg.base), tuple(arg.shape), tuple(arg.strides), tuple(block_shape), arg.padding
-
-
-def _launch(kernel, grid: tuple, params: tuple, options: dict) -> None:
-    """kernel[grid](*params, **options): params are the kernel's leading arguments in signature order,
-    options the keyword rest (constexprs and launch options such as num_warps); grid has three entries."""
-    if _INTERPRETING:
-        kernel[grid](*params, **options)
-        if _RECORDING is not None:
-            _RECORDING.append((kernel, grid, params, options, False))
-        return
-    key = (kernel, torch.cuda.current_device(), *options.items(), *map(_specialization, params))
-    cached = _COMPILED.get(key)
-    if cached is not None:
-        compiled, keyword_params = cached
-        compiled[grid](*params, *keyword_params)
-        if _RECORDING is not None:
-            _RECORDING.append((compiled, grid, params, keyword_params, True))
-        return
-    compiled = kernel[grid](*params, **options)
-    # A kernel kdsl.ops watches while recording (kdsl/ops/_plan.py) records its own JIT launches.
-    recording = _RECORDING is not None and not getattr(kernel, "_kdsl_watched", False)
-    if compiled is None:
-        if recording:
-            _RECORDING.append(None)  # nothing to replay: the plan is not kept
-        return
-    if len(_COMPILED) >= _COMPILED_LIMIT:
-        _COMPILED.clear()
-    # The compiled kernel takes every signature argument positionally, constexprs included.
-    keyword_params = tuple(options[name] for name in kernel.arg_names[len(params):])
-    _COMPILED[key] = compiled, keyword_params
-    if recording:
-        _RECORDING.append((compiled, grid, params, keyword_params, True))
 
 
 @triton.jit
@@ -192,53 +126,6 @@ def _splitk_store(acc, out_ptrs, out_mask, ws_ptr, count_ptr, tile_id, pid_k,
                 total += tl.load(slots + k * tile_elems + offs, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(count_ptr + tile_id, 0)
-
-
-def _split_with_scratch(out, tile: dict, k_steps: int, tiles: int, sms: int | None, tile_elems: int):
-    """(split_k, workspace, counters) of a launch: the K split split_for (common/sm_fill.py.j2) picks for the
-    tile, and the scratch its partials go through (out itself, unused, where there is no split)."""
-    split_k = split_for(tile, k_steps, tiles, sms)
-    if split_k == 1:
-        return 1, out, out
-    return (split_k, *_splitk_scratch(out.device, tiles, split_k, tile_elems))
-
-
-_SPLITK_SCRATCH: dict = {}
-
-
-def _splitk_scratch(device, tiles: int, split_k: int, tile_elems: int):
-    """(fp32 workspace, int32 counters) for `tiles` output tiles, kept per device and grown on demand.
-
-    Counters start at zero and every launch leaves them at zero, so no memset per call.
-    Launches that share a device must not run concurrently on different streams.
-    """
-    need = tiles * split_k * tile_elems
-    workspace, counters = _SPLITK_SCRATCH.get(device, (None, None))
-    grown = False
-    if workspace is None or workspace.numel() < need:
-        workspace, grown = torch.empty(need, dtype=torch.float32, device=device), True
-    if counters is None or counters.numel() < tiles:
-        counters, grown = torch.zeros(tiles, dtype=torch.int32, device=device), True
-    # Buffers allocated into a CUDA graph's memory pool belong to that graph (inside a capture the zeroing is
-    # recorded for the replays, not run now); eager launches keep (or later grow) their own.
-    if grown and not (device.type == "cuda" and _allocating_to_graph_pool(device)):
-        _SPLITK_SCRATCH[device] = (workspace, counters)
-    return workspace, counters
-
-
-def _allocating_to_graph_pool(device) -> bool:
-    """Whether new allocations go to a CUDA graph's memory pool: a capture, or torch.compile's CUDA graph trees
-    warming a graph up in their pool (which refuses a buffer that outlives the call)."""
-    import sys
-
-    if torch.cuda.is_current_stream_capturing():
-        return True
-    trees = sys.modules.get("torch._inductor.cudagraph_trees")  # only where torch.compile has loaded them
-    try:
-        manager = trees and trees.get_manager(device.index, create_if_none_exists=False)
-        return bool(manager and manager.in_warmup)
-    except (AttributeError, KeyError, TypeError):  # another torch's internals: as before, keep the buffers
-        return False
 
 
 # fp32 whose low mantissa bits take q directly: bits 0x4B000000 | q is 2**23 + q.
@@ -480,19 +367,6 @@ def w4a16_gemm__int4_g128__gemv_sm90(
                   SPLIT_K)
 
 
-# Tiles per M bucket, from the definition: (largest M served or None for the rest,
-# smallest N served or None, launch parameters); the first that serves (M, N) is used.
-TILES = (
-    (1, 8192, {'impl': 'gemv', 'BLOCK_M': 1, 'BLOCK_N': 16, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1024, 'num_warps': 4, 'num_stages': 3, 'split_min_steps': 4}),
-    (1, None, {'impl': 'gemv', 'BLOCK_M': 1, 'BLOCK_N': 16, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1024, 'num_warps': 8, 'num_stages': 3, 'split_min_steps': 4}),
-)
-
-
-def _cdiv(n: int, d: int) -> int:
-    # Host code's ceil division: triton.cdiv is a constexpr function, about 3 us a call on the host.
-    return -(-n // d)
-
-
 @triton.jit
 def _gather_columns(x_ptr, perm_ptr, out_ptr, K, stride_xm, stride_om,
                     K_POW2: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -504,87 +378,3 @@ def _gather_columns(x_ptr, perm_ptr, out_ptr, K, stride_xm, stride_om,
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     cols = tl.load(perm_ptr + ks, mask=ks < K, other=0)
     tl.store(out_ptr + row * stride_om + ks, tl.gather(x, cols, 0), mask=ks < K)
-
-
-def gather_columns(x, perm, out):
-    """out [M, K] = x [M, K] (unit column strides) with its columns in prepared K order (act-order), for
-    launch(out, None, ...); out is the caller's, so a launch plan can allocate it as it allocates the outputs.
-    Gathering x once, in its own launch, lets every tile serve act-order at plain g_idx's speed; launch()'s
-    perm lookup per element (HAS_PERM, which the AOT C ABI keeps) made the GEMMs' x loads wait on it (H200,
-    M = 1-256: 1.4-28x the plain layer's time, against 1.2-1.5x with a gather)."""
-    M, K = x.shape
-    k_pow2 = 1 << max(K - 1, 0).bit_length()
-    # Each program reads its whole row and permutes it through shared memory, so a row's columns are split over
-    # several programs only where rows alone leave the SMs idle (H200, K = 14336: M = 256 took 14 us in blocks
-    # of 1024 columns).
-    block_k = k_pow2
-    while block_k > 1024 and M * (k_pow2 // block_k) < 256:
-        block_k //= 2
-    _launch(_gather_columns, (M, _cdiv(K, block_k), 1),
-            (x, perm, out, K, x.stride(0), out.stride(0)),
-            dict(K_POW2=k_pow2, BLOCK_K=block_k, num_warps=8 if k_pow2 >= 8192 else 4))
-    return out
-
-
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device) -> int:
-    if device.type != "cuda":
-        return 4  # Triton's CPU interpreter: a few programs still exercise the loops
-    if device.index not in _SM_COUNT:
-        _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device.index]
-
-
-# Programs per SM the K split plans for (and a persistent grid launches), unless a tile's
-# split_fill says how many of its programs fit on an SM at once (1 for a tile that takes a whole SM).
-SPLIT_FILL = 2
-# What a program costs beyond its K steps (launch, pipeline fill, split-K store), in K steps.
-# From an H200 table of every split on the bench shapes: it keeps a tile from splitting into
-# programs of a few steps each, or into a partial extra wave.
-PROGRAM_COST_STEPS = 6
-
-
-def split_for(tile: dict, k_steps: int, tiles: int, sms: int | None) -> int:
-    """The K split a tile launches with: at most the tile's SPLIT_K, and each split at least the tile's
-    split_min_steps K steps (one if unset). With an SM count, the split whose programs finish soonest,
-    counted in waves of split_fill programs per SM times each program's K steps plus its fixed cost;
-    no split once the tiles alone fill a wave (sms None, the interpreter: the largest split allowed)."""
-    cap = max(1, min(tile["SPLIT_K"], k_steps // (tile["split_min_steps"] or 1)))
-    if sms is None:
-        return cap
-    slots = (tile["split_fill"] or SPLIT_FILL) * sms
-    if tiles >= slots:
-        return 1
-
-    def finish(split: int) -> int:
-        waves = -(-tiles * split // slots)
-        return waves * (-(-k_steps // split) + PROGRAM_COST_STEPS)
-
-    return min(range(1, cap + 1), key=lambda split: (finish(split), split))
-
-
-def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
-    """x [M, K]; perm int32 [K] or None; qweight, zeros and scales as LAYOUT says, in prepared K order;
-    groups int32 [K], the group of each prepared row; contiguous_groups: row k is in group k // GROUP_SIZE.
-    y [M, N] in x's dtype. The tile's split is kept (no SM count): GEMV programs are light (H200 tune)."""
-    M, K = x.shape
-    N = y.shape[1]
-    bn, bk = tile["BLOCK_N"], tile["BLOCK_K"]
-    programs = M * _cdiv(N, bn)
-    split_k, workspace, counters = _split_with_scratch(y, tile, _cdiv(K, bk), programs, None, bn)
-    # A k_planes word spans its whole plane tile, so only a uniform group gives it one scale.
-    uniform = contiguous_groups and GROUP_SIZE.value % PLANE_TILE_K.value == 0
-    word_groups = False
-    half2 = False  # the packed half2 dot reads checkpoint-order words
-    _launch(w4a16_gemm__int4_g128__gemv_sm90, (programs, split_k, 1), (
-        x, qweight if perm is None else perm, qweight, zeros, scales, groups,
-        y, workspace, counters,
-        M, N, K, x.stride(0), qweight.stride(0), zeros.stride(0), scales.stride(0), y.stride(0),
-    ), dict(
-        HAS_PERM=perm is not None, UNIFORM_GROUP=uniform, WORD_GROUPS=word_groups,
-        BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split_k,
-        MAGIC_BIAS=MAGIC[x.dtype][1], FP32_MATH=x.device.type == "cpu", HALF2_DOT=half2,
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"],
-    ))

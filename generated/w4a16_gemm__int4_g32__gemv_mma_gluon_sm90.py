@@ -3,11 +3,10 @@
 # kernel: w4a16_gemm__int4_g32__gemv_mma_gluon_sm90 (w4a16_gemm/gemv_mma_gluon: W4A16 GEMV for M <= 8 on mma.sync (Gluon): 16 columns per program, its warps splitting K)
 # scheme: w4a16.int4.g32
 # arch: sm_90 .. sm_90
-# digest: a811b6c74f9138c1 (sha256 of this kernel's scheme, variant and templates)
+# digest: 40061d1d2406fbdc (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
-import os
 
 # W4A16 GEMV for M <= 8 on mma.sync, written in Gluon (k_planes weights, paired scales and zeros).
 BITS = tl.constexpr(4)
@@ -96,80 +95,12 @@ def _load_x(x_ptr, perm_ptr, rows, offs_k, K, stride_xm, HAS_PERM: tl.constexpr)
     return tl.load(x_ptr + rows[:, None] * stride_xm + x_cols[None, :], mask=k_ok[None, :], other=0.0)
 
 
-
-# Bit patterns whose low mantissa bits take q directly, and the value they stand for.
-MAGIC = {torch.float16: (0x6400, 1024), torch.bfloat16: (0x4300, 128)}
+# The prepared layout, for the implementations' launches (kdsl/kernels/w4a16) to read.
 LAYOUT = {'zeros': 'paired', 'weights': 'k_planes'}
 
 
-def _scale_zero_pairs(scales):
-    """The (scale, zero) pairs as int32 [G, N]: scales is the low half of each pair (column stride 2)."""
-    return scales.as_strided((scales.shape[0], 2 * scales.shape[1]), (scales.stride(0), 1)).view(torch.int32)
-
-
-
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-# Triton's JIT call works out the kernel's specialization from every argument on each launch: about
-# 20 us of host time per call on the lent H100's host, which a short eager launch waits for. _launch keys
-# the kernel that call returns on everything that specialization reads, and launches it directly next time.
-_COMPILED: dict = {}
-_COMPILED_LIMIT = 1024  # keys hold exact sizes: a server's many prefill lengths must not grow it forever
-# While kdsl.ops records a launch plan (kdsl/ops/_plan.py), a list that _launch appends each launch to:
-# (kernel or compiled kernel, grid, params, options or the constexpr values, compiled?).
-_RECORDING: list | None = None
-
-
-def _specialization(arg):
-    """What Triton can specialize a kernel on, of one argument: a superset of its rules (exact integers,
-    dtypes, 16-byte alignment of every base, descriptors' sizes and blocks), so equal keys share a kernel."""
-    if type(arg) is int or type(arg) is bool:
-        return arg
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    block_shape = getattr(arg, "block_shape", None)
-    if block_shape is None:
-        return arg
-    # A TMA descriptor; a Gluon one's shared layout is a function of its block and dtype.
-    return _specialization(arg.base), tuple(arg.shape), tuple(arg.strides), tuple(block_shape), arg.padding
-
-
-def _launch(kernel, grid: tuple, params: tuple, options: dict) -> None:
-    """kernel[grid](*params, **options): params are the kernel's leading arguments in signature order,
-    options the keyword rest (constexprs and launch options such as num_warps); grid has three entries."""
-    if _INTERPRETING:
-        kernel[grid](*params, **options)
-        if _RECORDING is not None:
-            _RECORDING.append((kernel, grid, params, options, False))
-        return
-    key = (kernel, torch.cuda.current_device(), *options.items(), *map(_specialization, params))
-    cached = _COMPILED.get(key)
-    if cached is not None:
-        compiled, keyword_params = cached
-        compiled[grid](*params, *keyword_params)
-        if _RECORDING is not None:
-            _RECORDING.append((compiled, grid, params, keyword_params, True))
-        return
-    compiled = kernel[grid](*params, **options)
-    # A kernel kdsl.ops watches while recording (kdsl/ops/_plan.py) records its own JIT launches.
-    recording = _RECORDING is not None and not getattr(kernel, "_kdsl_watched", False)
-    if compiled is None:
-        if recording:
-            _RECORDING.append(None)  # nothing to replay: the plan is not kept
-        return
-    if len(_COMPILED) >= _COMPILED_LIMIT:
-        _COMPILED.clear()
-    # The compiled kernel takes every signature argument positionally, constexprs included.
-    keyword_params = tuple(options[name] for name in kernel.arg_names[len(params):])
-    _COMPILED[key] = compiled, keyword_params
-    if recording:
-        _RECORDING.append((compiled, grid, params, keyword_params, True))
-
-
-import functools
-
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait,
 )
@@ -178,19 +109,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-_GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
-              torch.float32: gl.float32, torch.int32: gl.int32}
-
-
-@functools.lru_cache(maxsize=None)
-def _shared_layout(block: tuple, dtype: torch.dtype):
-    # A pure function of its arguments, and a noticeable part of a launch's host time.
-    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
-
-
-def _gluon_descriptor(t, block):
-    """A TMA descriptor over the 2-D tensor t (unit stride along its rows), loading `block` at a time."""
-    return GluonTensorDescriptor(t, list(t.shape), [t.stride(0), 1], list(block), _shared_layout(block, t.dtype))
 
 
 # One int32 of PACK=8 K-rows of one column -> its 8 weights, two per 32-bit register:
@@ -506,20 +424,6 @@ def w4a16_gemm__int4_g32__gemv_mma_gluon_sm90(
              mask=(m < M)[None, :] & (cols < N)[:, None])
 
 
-# Tiles per M bucket, from the definition: (largest M served or None for the rest,
-# smallest N served or None, launch parameters); the first that serves (M, N) is used.
-TILES = (
-    (1, 8192, {'impl': 'gemv_mma_gluon', 'BLOCK_M': 1, 'BLOCK_N': 16, 'BLOCK_K': 512, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3}),
-    (1, None, {'impl': 'gemv_mma_gluon', 'BLOCK_M': 1, 'BLOCK_N': 16, 'BLOCK_K': 256, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 8, 'num_stages': 3}),
-    (8, None, {'impl': 'gemv_mma_gluon', 'BLOCK_M': 1, 'BLOCK_N': 16, 'BLOCK_K': 512, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3}),
-)
-
-
-def _cdiv(n: int, d: int) -> int:
-    # Host code's ceil division: triton.cdiv is a constexpr function, about 3 us a call on the host.
-    return -(-n // d)
-
-
 @triton.jit
 def _gather_columns(x_ptr, perm_ptr, out_ptr, K, stride_xm, stride_om,
                     K_POW2: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -531,51 +435,3 @@ def _gather_columns(x_ptr, perm_ptr, out_ptr, K, stride_xm, stride_om,
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     cols = tl.load(perm_ptr + ks, mask=ks < K, other=0)
     tl.store(out_ptr + row * stride_om + ks, tl.gather(x, cols, 0), mask=ks < K)
-
-
-def gather_columns(x, perm, out):
-    """out [M, K] = x [M, K] (unit column strides) with its columns in prepared K order (act-order), for
-    launch(out, None, ...); out is the caller's, so a launch plan can allocate it as it allocates the outputs.
-    Gathering x once, in its own launch, lets every tile serve act-order at plain g_idx's speed; launch()'s
-    perm lookup per element (HAS_PERM, which the AOT C ABI keeps) made the GEMMs' x loads wait on it (H200,
-    M = 1-256: 1.4-28x the plain layer's time, against 1.2-1.5x with a gather)."""
-    M, K = x.shape
-    k_pow2 = 1 << max(K - 1, 0).bit_length()
-    # Each program reads its whole row and permutes it through shared memory, so a row's columns are split over
-    # several programs only where rows alone leave the SMs idle (H200, K = 14336: M = 256 took 14 us in blocks
-    # of 1024 columns).
-    block_k = k_pow2
-    while block_k > 1024 and M * (k_pow2 // block_k) < 256:
-        block_k //= 2
-    _launch(_gather_columns, (M, _cdiv(K, block_k), 1),
-            (x, perm, out, K, x.stride(0), out.stride(0)),
-            dict(K_POW2=k_pow2, BLOCK_K=block_k, num_warps=8 if k_pow2 >= 8192 else 4))
-    return out
-
-# x is the MMA's 8-wide operand.
-MAX_M = 8
-
-
-def refusal(tile, call):
-    """Why this GEMV should not serve `call` (a kdsl.runtime Call), None where it should; the definition's
-    next tile serving M and N then runs instead."""
-    if not call.contiguous_groups or GROUP_SIZE.value % PLANE_TILE_K.value:
-        return f"a group changes inside a {PLANE_TILE_K.value}-row plane tile, which the GEMV scales as one"
-    if call.m > MAX_M:
-        return f"M = {call.m}: the GEMV takes at most {MAX_M} rows (x is the MMA's 8-wide operand)"
-    if call.device_type != "cuda":
-        return "the mma.sync GEMV is a Gluon kernel, which runs on the GPU only"
-    return None
-
-
-def launch(x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
-    """x [M <= 8, K]; perm int32 [K] or None; qweight in k_planes, scales the low halves of the (scale,
-    zero) pairs, in prepared K order, each plane tile in one group (see refusal). y [M, N] in x's dtype."""
-    M, K = x.shape
-    N = y.shape[1]
-    pairs = _scale_zero_pairs(scales)
-    _launch(w4a16_gemm__int4_g32__gemv_mma_gluon_sm90, (_cdiv(N, 16), 1, 1), (
-        x, qweight if perm is None else perm, qweight, pairs, y,
-        M, N, x.stride(0), pairs.stride(0), y.stride(0),
-    ), dict(K=K, CHUNK_TILES=tile["BLOCK_K"] // PLANE_TILE_K.value, HAS_PERM=perm is not None,
-            num_warps=tile["num_warps"]))

@@ -3,7 +3,7 @@
 # kernel: weight_dequant__e4m3_w128x128_a128_f32__blockwise_sm89 (weight_dequant/blockwise: one program per weight block, fp8 x scale)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: b4b9506e6f753b11 (sha256 of this kernel's scheme, variant and templates)
+# digest: 1c824cff1791d71a (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -25,22 +25,3 @@ def weight_dequant__e4m3_w128x128_a128_f32__blockwise_sm89(q_ptr, s_ptr, w_ptr, 
     q = tl.load(q_ptr + rows[:, None] * stride_qn + cols[None, :], mask=inside, other=0.0)
     w = q.to(tl.float32) * scale
     tl.store(w_ptr + rows[:, None] * K + cols[None, :], w.to(w_ptr.dtype.element_ty), mask=inside)
-
-
-# Tiles per M bucket, from the definition: (largest M served or None for the rest,
-# smallest N served or None, launch parameters); the first that serves (M, N) is used.
-TILES = (
-    (None, None, {'impl': 'blockwise', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 8, 'num_stages': 3}),
-)
-
-
-def _cdiv(n: int, d: int) -> int:
-    # Host code's ceil division: triton.cdiv is a constexpr function, about 3 us a call on the host.
-    return -(-n // d)
-
-
-def launch(q, s, w, tile):
-    """q [N, K] fp8 (unit stride along K), s [cdiv(N, BLOCK_N), cdiv(K, BLOCK_K)] float32, w [N, K] contiguous."""
-    N, K = q.shape
-    grid = (_cdiv(N, BLOCK_N.value), _cdiv(K, BLOCK_K.value))
-    weight_dequant__e4m3_w128x128_a128_f32__blockwise_sm89[grid](q, s, w, N, K, q.stride(0), s.stride(0), s.stride(1), num_warps=tile["num_warps"])

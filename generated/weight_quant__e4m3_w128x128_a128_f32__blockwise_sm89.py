@@ -3,7 +3,7 @@
 # kernel: weight_quant__e4m3_w128x128_a128_f32__blockwise_sm89 (weight_quant/blockwise: one program per weight block, amax scaling to e4m3)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 6b258415bc3d428c (sha256 of this kernel's scheme, variant and templates)
+# digest: 60f3bb940f53fbff (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -70,23 +70,3 @@ def weight_quant__e4m3_w128x128_a128_f32__blockwise_sm89(w_ptr, q_ptr, s_ptr, N,
 
     tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=inside)
     tl.store(s_ptr + pid_n * stride_sn + pid_k, scale)
-
-
-# Tiles per M bucket, from the definition: (largest M served or None for the rest,
-# smallest N served or None, launch parameters); the first that serves (M, N) is used.
-TILES = (
-    (None, None, {'impl': 'blockwise', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_K': 128, 'GROUP_M': 8, 'SPLIT_K': 1, 'num_warps': 8, 'num_stages': 3}),
-)
-
-
-def _cdiv(n: int, d: int) -> int:
-    # Host code's ceil division: triton.cdiv is a constexpr function, about 3 us a call on the host.
-    return -(-n // d)
-
-
-def launch(w, q, s, tile):
-    """w [N, K] (unit stride along K), q [N, K] fp8 contiguous, s [cdiv(N, BLOCK_N), cdiv(K, BLOCK_K)] float32."""
-    N, K = w.shape
-    grid = (_cdiv(N, BLOCK_N.value), _cdiv(K, BLOCK_K.value))
-    weight_quant__e4m3_w128x128_a128_f32__blockwise_sm89[grid](w, q, s, N, K, w.stride(0), s.stride(0), ROUND_FIRST=w.device.type == "cpu",
-                     num_warps=tile["num_warps"])

@@ -22,6 +22,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import kdsl  # noqa: E402
+from kdsl.runtime import manifest  # noqa: E402
 
 # tests/ is not a package; let test modules `import reference`.
 sys.path.insert(0, str(Path(__file__).parent))
@@ -59,21 +60,26 @@ def repo_root() -> Path:
     return REPO_ROOT
 
 
+def wrap_launch(monkeypatch, kernel_module, wrapper) -> None:
+    """Make entry.launch call wrapper(original) for kernel_module (a kdsl.runtime KernelModule) until the test
+    ends: KernelModule.launch hands out the function manifest._LAUNCHES keeps for its module."""
+    monkeypatch.setitem(manifest._LAUNCHES, kernel_module.path, wrapper(kernel_module.launch))
+
+
 @pytest.fixture
 def launched(monkeypatch):
-    """Record the name of every generated module the ops launch (wraps each module's launch)."""
+    """Record the name of every generated module the ops launch (wraps each module's launch function)."""
     names: list[str] = []
     # A launch plan's replay does not call launch() (kdsl/ops/_plan.py): none is kept while names are watched.
     kdsl.registry.plans.clear()
     monkeypatch.setattr(kdsl.ops._plan, "RECORD", False)
     for entry in kdsl.registry.entries():
         for kernel_module in entry.modules.values():
-            module = kernel_module.load()
-            original = getattr(module, kernel_module.function)
+            def spy(original, _name=kernel_module.path.stem):
+                def launch(*args, **kwargs):
+                    names.append(_name)
+                    return original(*args, **kwargs)
+                return launch
 
-            def spy(*args, _original=original, _name=kernel_module.path.stem, **kwargs):
-                names.append(_name)
-                return _original(*args, **kwargs)
-
-            monkeypatch.setattr(module, kernel_module.function, spy)
+            wrap_launch(monkeypatch, kernel_module, spy)
     return names

@@ -24,6 +24,9 @@ from kdsl.aot import runtime as aot_runtime
 from kdsl.aot.export import export
 from kdsl.aot.plan import int_key, plan
 from kdsl.cli import main
+from kdsl.kernels import host
+from kdsl.kernels.base import Generated, Launch
+from kdsl.runtime import launcher
 
 CC = shutil.which("cc") or shutil.which("gcc")
 needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler (cc or gcc) on PATH")
@@ -410,33 +413,35 @@ class Fake:
                     dtype, self._address)
 
 
-def _recording_module(entry, path=None, kernel=None):
-    """A generated module imported apart (the entry's own, or `path`), its kernel (`kernel`, else the module's
-    name) replaced by a recorder of launches; the SM count and split-K scratch faked (132 SMs, as the C probe's
-    driver says; scratch at recognizable addresses)."""
+def _recording_module(entry, path=None):
+    """A generated module imported apart (the entry's own, or `path`), and `calls`: module.launch(*args) appends
+    (grid, params, options) of each launch its implementation's unit describes (kdsl.kernels.base.KernelImpl.launch),
+    launching nothing; the SM count and split-K scratch faked (132 SMs, as the C probe's driver says; scratch at
+    recognizable addresses)."""
     path = Path(path or entry.module_path)
     spec = importlib.util.spec_from_file_location(f"aot_record_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    module._INTERPRETING = True  # _launch calls kernel[grid](...) directly
     calls = []
 
-    class Recorder:
-        arg_names = ()
+    def scratch(kernel, device, tiles, split, elems):
+        return (Fake((tiles * split * elems,), (1,), torch.float32, 0x7000000),
+                Fake((tiles,), (1,), torch.int32, 0x7100000))
 
-        def __getitem__(self, grid):
-            def record(*params, **options):
-                calls.append((tuple(grid) + (1,) * (3 - len(grid)), params, options))
-            return record
-    setattr(module, kernel or path.stem, Recorder())
-    if hasattr(module, "_sm_count"):
-        module._sm_count = lambda device: 132
-    if hasattr(module, "_splitk_scratch"):
-        module._splitk_scratch = lambda device, tiles, split, elems: (
-            Fake((tiles * split * elems,), (1,), torch.float32, 0x7000000),
-            Fake((tiles,), (1,), torch.int32, 0x7100000))
-    return module, calls
+    unit = next(m.unit for m in entry.modules.values() if m.path.name == path.name)
+    generated = Generated(module, path.stem)
+
+    def launch(*args):
+        saved = host.sm_count, host.splitk_scratch
+        host.sm_count, host.splitk_scratch = (lambda device: 132), scratch
+        try:
+            described = unit.launch(generated, *args)
+            for one in [described] if isinstance(described, Launch) else described:
+                calls.append((tuple(one.grid) + (1,) * (3 - len(one.grid)), one.params, one.constexprs))
+        finally:
+            host.sm_count, host.splitk_scratch = saved
+    return types.SimpleNamespace(launch=launch), calls
 
 
 DT = {"bf16": torch.bfloat16, "f32": torch.float32, "f16": torch.float16}
@@ -769,71 +774,75 @@ def test_argument_key_is_tritons_specialization():
         assert aot_runtime.argument_key(t) == (native[0], native[1])
 
 
-def test_load_wraps_the_exported_kernels_and_unload_restores_them(exported, manifest, monkeypatch):
+def test_load_serves_exported_launches_through_the_launcher(exported, manifest, monkeypatch):
+    """kdsl.aot.load makes the launcher ask the export first (a backend; no module is patched): a launch the
+    export covers runs its cubin (driver faked here), one it does not goes to the JIT; unload() stops it."""
     entry = kdsl.registry.select("act_quant", arch=90)
     module = entry.load()
     original = getattr(module, entry.name)
     library = kdsl.aot.load(exported[0])
     try:
-        wrapped = getattr(module, entry.name)
-        assert isinstance(wrapped, aot_runtime.AotKernel) and wrapped.jit is original
-        assert wrapped.arg_names == original.arg_names
-        # A launch the export covers runs its cubin (driver faked here); one it does not goes to the JIT.
+        assert getattr(module, entry.name) is original and aot_runtime._serve in launcher._BACKENDS
         launches, jitted = [], []
 
         class Driver:
             def launch(self, function, grid, threads, shared, stream, arguments):
                 launches.append((function, grid, threads, [a.value for a in arguments]))
 
-        class Jit:
+        class Jit:  # the module's kernel, as the launcher sees it (by its name)
+            __name__ = entry.name
             arg_names = original.arg_names
 
             def __getitem__(self, grid):
                 return lambda *params, **options: jitted.append((grid, params, options))
         library.driver = Driver()
         library.function = lambda spec, device=None: spec["name"]
-        wrapped.jit = Jit()
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
+        monkeypatch.setattr(launcher, "_INTERPRETING", True)  # the JIT call, not the compiled-kernel cache
         x = torch.empty((32, 256), dtype=torch.bfloat16)
         q = torch.empty((32, 256), dtype=torch.float8_e4m3fn)
         s = torch.empty((32, 2), dtype=torch.float32)
         tile = entry.tile_for(32)
         options = dict(BLOCK_M=tile["BLOCK_M"], ROUND_FIRST=False, num_warps=tile["num_warps"])
         before = aot_runtime.stats()
-        wrapped[(4, 2)](x, q, s, 32, 256, 256, **options)
+        kernel = Jit()
+        launcher.run(Launch(kernel, (4, 2), (x, q, s, 32, 256, 256), options))
         [(name, grid, threads, arguments)] = launches
         spec = next(sp for sp in manifest["specializations"] if sp["name"] == name)
         assert [(p["type"], p["claim"]) for p in spec["params"]] == [
             ("*bf16", "D"), ("*fp8e4nv", "D"), ("*fp32", "D"), ("i32", "D"), ("i32", "D"), ("i32", "D")]
         assert grid == (4, 2, 1) and threads == 32 * tile["num_warps"]
         assert arguments == [x.data_ptr(), q.data_ptr(), s.data_ptr(), 32, 256, 256] + [0] * spec["hidden"]
-        wrapped[(4, 2)](x, q, s, 1, 256, 256, **options)  # M = 1 compiled in: not passed
+        launcher.run(Launch(kernel, (4, 2), (x, q, s, 1, 256, 256), options))  # M = 1 compiled in: not passed
         assert launches[-1][3] == [x.data_ptr(), q.data_ptr(), s.data_ptr(), 256, 256] + [0] * spec["hidden"]
-        wrapped[(4, 2)](x, q, s, 32, 256, 256, **{**options, "BLOCK_M": 64})  # never exported
+        launcher.run(Launch(kernel, (4, 2), (x, q, s, 32, 256, 256), {**options, "BLOCK_M": 64}))  # never exported
         assert len(jitted) == 1 and len(launches) == 2
         after = aot_runtime.stats()
         assert (after["aot"] - before["aot"], after["jit"] - before["jit"]) == (2, 1)
     finally:
         kdsl.aot.unload()
-    assert getattr(module, entry.name) is original
+    assert aot_runtime._serve not in launcher._BACKENDS and getattr(module, entry.name) is original
 
 
-def test_kdsl_aot_env_wraps_modules_as_the_registry_imports_them(exported):
-    """KDSL_AOT=DIR in a fresh process: the first generated module imported loads DIR and its exported kernel is
-    wrapped (kdsl.aot adds its hook to the runtime when kdsl is imported; the runtime imports nothing of it)."""
+def test_kdsl_aot_env_loads_the_export_as_the_registry_imports_a_module(exported):
+    """KDSL_AOT=DIR in a fresh process: the first generated module imported loads DIR, and the launcher asks it
+    about every launch (kdsl.aot adds its hook to the runtime when kdsl is imported; the runtime imports nothing
+    of it); the module itself is left as it is."""
     script = """
 import kdsl
 from kdsl.aot import runtime
+from kdsl.runtime import launcher
 entry = kdsl.registry.select("act_quant", arch=90)
 module = entry.load()
-print(type(getattr(module, entry.name)).__name__, runtime.loaded().folder)
+print(isinstance(getattr(module, entry.name), runtime.AotKernel), runtime._serve in launcher._BACKENDS,
+      runtime.loaded().folder)
 """
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "KDSL_AOT": str(exported[0]),
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["AotKernel", str(exported[0])]
+    assert done.stdout.split() == ["False", "True", str(exported[0])]
 
 
 def test_a_folder_without_a_manifest_is_named(tmp_path):
@@ -1090,32 +1099,8 @@ def test_w4a16_gluon_kernels_are_exported_and_every_call_has_a_cubin(exported_w4
 
 
 def _w4a16_recorders(entry, impls):
-    """Each exported implementation's module imported apart, its kernel a recorder, the SM count and the
-    split-K scratch faked (132 SMs, as the C probe's driver says; scratch at recognizable addresses)."""
-    recorders = {}
-    for impl in impls:
-        path = entry.modules[impl].path
-        spec = importlib.util.spec_from_file_location(f"aot_record_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        module._INTERPRETING = True
-        calls = []
-
-        class Recorder:
-            arg_names = ()
-
-            def __getitem__(self, grid, calls=calls):
-                grid = tuple(grid) + (1,) * (3 - len(grid))  # overlap_gluon's launch() gives two
-                return lambda *params, **options: calls.append((grid, params, options))
-
-        setattr(module, path.stem, Recorder())
-        module._sm_count = lambda device: 132
-        module._splitk_scratch = lambda device, tiles, split, elems: (
-            Fake((tiles * split * elems,), (1,), torch.float32, 0x7000000),
-            Fake((tiles,), (1,), torch.int32, 0x7100000))
-        recorders[impl] = module, calls
-    return recorders
+    """Each exported implementation's module imported apart, recording its launches (_recording_module)."""
+    return {impl: _recording_module(entry, entry.modules[impl].path) for impl in impls}
 
 
 def _w4a16_cases(arch):
@@ -1207,14 +1192,14 @@ def test_w4a16_dispatcher_matches_the_registry_and_the_generated_launch(exported
                 s["bucket"] == bucket and s["constexprs"]["SPLIT_K"] == wanted and
                 {**s["constexprs"], **s["options"]} == options for s in specs), (call, answer)
             fell_back += 1
-            original = module.split_for
-            module.split_for = lambda *a, chosen=numbers[1]: chosen
+            original = host.split_for
+            host.split_for = lambda *a, chosen=numbers[1]: chosen
             try:
                 calls.clear()
                 module.launch(*args)
                 [(grid, params, options)] = calls
             finally:
-                module.split_for = original
+                host.split_for = original
         spec, exact = _expected_spec(specs, entry, bucket, dtype, _keys(params), options)
         assert name == spec["name"], (call, answer)
         assert tuple(numbers[:3]) == grid, call
@@ -1456,17 +1441,14 @@ class _FakeCuda:
 
 
 def _served_from_cubins(folder, manifest, entry, launches, monkeypatch):
-    """Launch each recorded (kernel, grid, params, options) through the loaded export's AotKernel, the driver
+    """Serve each recorded (kernel, grid, params, options) from the loaded export (an AotKernel), the driver
     faked: every one must run its exported specialization (exactly the JIT's), each descriptor encoded as
     Triton's launcher encodes it, and the kernel parameters laid out as kdsl__launch lays them out."""
     TensorDescriptor = _descriptor_types()
     specs = manifest["specializations"]
     library = kdsl.aot.load(folder)
-    jitted = []
+    jitted = []  # the launches the export declined (kdsl.runtime.launcher then takes them to Triton's JIT)
 
-    class Jit:
-        def __getitem__(self, grid):
-            return lambda *params, **options: jitted.append((grid, params, options))
     try:
         fake = _FakeCuda()
         library.driver = aot_runtime._Driver(cuda=fake)
@@ -1476,7 +1458,7 @@ def _served_from_cubins(folder, manifest, entry, launches, monkeypatch):
         before = aot_runtime.stats()
         for kernel, grid, params, options, bucket, dtype in launches:
             if kernel not in kernels:
-                kernels[kernel] = aot_runtime.AotKernel(Jit(), library.tables[kernel], library)
+                kernels[kernel] = aot_runtime.AotKernel(None, library.tables[kernel], library)
             spec, exact = _expected_spec(specs, entry, bucket, dtype, _keys(params), options)
             assert exact, (kernel, options)
             # The parameters kdsl__launch passes: compiled-in ones dropped, each descriptor its CUtensorMap then
@@ -1500,7 +1482,8 @@ def _served_from_cubins(folder, manifest, entry, launches, monkeypatch):
             expected += [0] * spec["hidden"]
             fake.layout = layout
             library.driver.maps.clear()  # each launch encodes its maps (the cache is checked below)
-            kernels[kernel][grid](*params, **options)
+            if not kernels[kernel].serve(grid, params, options):
+                jitted.append((grid, params, options))
             assert not jitted, (kernel, options)
             name, got_grid, threads, shared, got = fake.launches[-1]
             assert name == spec["name"] and got_grid == grid and threads == 32 * spec["num_warps"]
@@ -1509,7 +1492,7 @@ def _served_from_cubins(folder, manifest, entry, launches, monkeypatch):
             assert got == expected, spec["name"]
         # A repeated launch reuses its CUtensorMaps: nothing encoded again.
         encoded = len(fake.encodes)
-        kernels[kernel][grid](*params, **options)
+        assert kernels[kernel].serve(grid, params, options)
         assert len(fake.encodes) == encoded and fake.launches[-1][4] == got
         after = aot_runtime.stats()
         assert (after["aot"] - before["aot"], after["jit"] - before["jit"]) == (len(launches) + 1, 0)
@@ -1519,7 +1502,8 @@ def _served_from_cubins(folder, manifest, entry, launches, monkeypatch):
         Descriptor = type(desc)
         for changed in (Descriptor(desc.base, desc.shape, desc.strides, [2 * b for b in desc.block_shape]),
                         Descriptor(desc.base, desc.shape, desc.strides, desc.block_shape, padding="nan")):
-            kernels[kernel][grid](*params[:index], changed, *params[index + 1:], **options)
+            if not kernels[kernel].serve(grid, (*params[:index], changed, *params[index + 1:]), options):
+                jitted.append(changed)
         assert len(jitted) == 2 and aot_runtime.stats()["jit"] - after["jit"] == 2
     finally:
         kdsl.aot.unload()
@@ -1636,7 +1620,7 @@ def test_gluon_descriptor_launch_is_encoded_as_tritons(monkeypatch):
                                  gl.NVMMASharedLayout.get_default_for([64, 64], gl.float16))
     fake.layout = [128, 4, 4, 8, 8, 8, 4, 8, 8]
     before = aot_runtime.stats()["aot"]
-    kernel[(5,)](desc, y, 1, 17, num_warps=4)
+    assert kernel.serve((5,), (desc, y, 1, 17), dict(num_warps=4))
     assert aot_runtime.stats()["aot"] == before + 1
     encode, expanded = _triton_descriptor(desc, tma)
     assert fake.encodes == [encode]

@@ -337,7 +337,7 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
 # Kernels a module launches beside its main one (named after the module), as `<module>_<name>`: per (op, impl),
 # name -> signature. Compiled for every tile of the entry too (their blocks come from it).
 MOE_INDEX = {"rows_ptr": "*i32", "meta_ptr": "*i32"}
-# The MoE layers' routing and combine (common/moe_routing.py.j2), the same in moe_fp8 and moe_w4a16.
+# The MoE layers' routing and combine (common/moe_routing_kernels.py.j2), the same in moe_fp8 and moe_w4a16.
 MOE_ALIGN = KernelSignature(
     args={"ids_ptr": "*i32", **MOE_INDEX, "block_expert_ptr": "*i32", "num_assignments": I32, "topk": I32,
           "num_experts": I32, "max_rows": I32, "max_blocks": I32, "stride_it": I32, "stride_ik": I32},

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch._dynamo.testing
-from conftest import interpreting
+from conftest import interpreting, wrap_launch
 from reference import FP8, fp8_gemm_ref, random_fp8, random_scales, rel_fro_error
 
 import kdsl
@@ -59,14 +59,13 @@ def launches(monkeypatch):
     for entry in registry.entries():
         if entry.op != "fp8_bmm":
             continue
-        module = entry.load()
-        original = getattr(module, entry.function)
+        def spy(original, _name=entry.name):
+            def launch(*args):
+                calls.append((_name, args[:5]))
+                return original(*args)
+            return launch
 
-        def spy(*args, _original=original, _name=entry.name):
-            calls.append((_name, args[:5]))
-            return _original(*args)
-
-        monkeypatch.setattr(module, entry.function, spy)
+        wrap_launch(monkeypatch, entry.modules[entry.impl], spy)
     return calls
 
 
@@ -291,13 +290,13 @@ def tma_kernels(monkeypatch):
     entry = registry.select("fp8_bmm", kdsl.BlockFP8(), arch="sm_90")
     names = []
     for kernel_module in entry.modules.values():
-        module = kernel_module.load()
+        def spy(original, _name=kernel_module.path.stem):
+            def launch(*args):
+                names.append(_name)
+                return original(*args)
+            return launch
 
-        def spy(*args, _original=module.launch, _name=kernel_module.path.stem):
-            names.append(_name)
-            return _original(*args)
-
-        monkeypatch.setattr(module, "launch", spy)
+        wrap_launch(monkeypatch, kernel_module, spy)
     yield entry, names
     monkeypatch.delenv("KDSL_ARCH")
     registry.reset()
@@ -360,10 +359,9 @@ def test_tiles_for_few_batches_pass_larger_calls_on(batch, served_by_few, monkey
     monkeypatch.setenv("KDSL_ARCH", "sm_90")
     registry.reset()
     entry = registry.select("fp8_bmm", kdsl.BlockFP8(), arch="sm_90")
-    module = entry.modules["tma_persistent"].load()
     tiles = []
-    original = module.launch
-    monkeypatch.setattr(module, "launch", lambda *args: tiles.append(args[-1]) or original(*args))
+    wrap_launch(monkeypatch, entry.modules["tma_persistent"],
+                lambda original: lambda *args: tiles.append(args[-1]) or original(*args))
     a, a_s, b, b_s = mla_operands(batch, 1, 512, 128)
     check_bmm(kdsl.ops.fp8_bmm(a, a_s, b, b_s), a, a_s, b, b_s)
     assert len(tiles) == 1 and tiles[0]["impl"] == "tma_persistent"
@@ -576,7 +574,7 @@ def test_tma_kernel_options(options, monkeypatch):
     monkeypatch.setenv("KDSL_ARCH", "sm_90")
     registry.reset()
     module = next(m for m in registry.select("fp8_bmm", kdsl.BlockFP8(), arch="sm_90").modules.values()
-                  if m.path.stem == TMA).load()
+                  if m.path.stem == TMA)
     impl = find_impl("fp8_bmm", "tma_persistent")
     bm = 16 if options.get("swap_ab") else 64
     tile = tile_params(Tile(block_m=bm, block_n=64, num_warps=4, num_stages=2, options=options), impl)

@@ -24,9 +24,9 @@ FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
 def modules(arch: int = 89):
-    """(fp8_linear's module, fp8_gemm/portable's module) for the scheme."""
-    return (registry.select("fp8_linear", SCHEME.name, arch=arch).load(),
-            registry.select("fp8_gemm", SCHEME.name, arch=89).load())
+    """(fp8_linear's module, fp8_gemm/portable's module) for the scheme: kdsl.runtime KernelModules."""
+    fused, gemm = registry.select("fp8_linear", SCHEME.name, arch=arch), registry.select("fp8_gemm", SCHEME.name, arch=89)
+    return fused.modules[fused.impl], gemm.modules[gemm.impl]
 
 
 def same_tile(block_m: int, block_n: int, num_warps: int = 4, num_stages: int = 2) -> tuple[dict, dict]:

@@ -18,6 +18,7 @@ import torch
 import kdsl
 import reference_gptq as ref
 from kdsl.codegen.render import tile_params
+from kdsl.kernels import host
 from kdsl.kernels.w4a16.gemv import IMPL as GEMV_IMPL
 from kdsl.ops import gptq_prepare
 from conftest import REPO_ROOT
@@ -207,8 +208,8 @@ def test_split_k_scratch_is_left_clean():
     first = kdsl.ops.gptq_gemm(x, prepared)
     second = kdsl.ops.gptq_gemm(x, prepared)
     assert torch.equal(first, second)
-    module = kdsl.registry.select("w4a16_gemm", prepared.scheme, arch="sm_89").modules["gemv"].load()
-    _, counters = module._SPLITK_SCRATCH[x.device]
+    kernel = kdsl.registry.select("w4a16_gemm", prepared.scheme, arch="sm_89").modules["gemv"].generated().kernel
+    _, counters = host.SPLITK_SCRATCH[(kernel, x.device)]
     assert int(counters.abs().sum()) == 0
 
 
@@ -220,7 +221,7 @@ def test_mma_split_fills_whole_waves():
     """split_k is an upper bound: the split whose programs finish soonest in waves of two programs
     per SM, counting a fixed cost per program; never below one split or past one K block per
     split; without an SM count (the interpreter) the tile's split stands."""
-    module = kdsl.registry.select("w4a16_gemm", "w4a16.int4.g128", arch="sm_90").load()
+    module = host  # kdsl/kernels/host.py: the K split every split-K launch takes
     assert module.SPLIT_FILL == 2 and module.PROGRAM_COST_STEPS == 6
     assert module.split_for(_split_tile(8), 32, tiles=32, sms=132) == 8     # 4096 columns / 128: 256 programs, one wave
     assert module.split_for(_split_tile(8), 32, tiles=112, sms=132) == 2    # 14336 columns: a third split starts a second wave
@@ -232,7 +233,7 @@ def test_mma_split_fills_whole_waves():
 
 def test_tile_split_fill_sets_the_programs_per_sm():
     """A tile's split_fill replaces the default two programs per SM."""
-    module = kdsl.registry.select("w4a16_gemm", "w4a16.int4.g128", arch="sm_90").load()
+    module = host
     assert module.split_for(_split_tile(4, 1), 32, tiles=112, sms=132) == 1  # one program per SM: 112 already
     assert module.split_for(_split_tile(4, 1), 32, tiles=32, sms=132) == 4   # 128 programs
     # Three per SM, 224 tiles of 64 steps: two waves of 22-step programs beat one of 64 or three of 16.
@@ -243,7 +244,7 @@ def test_tile_split_fill_sets_the_programs_per_sm():
 
 def test_tile_split_min_steps_keeps_programs_long():
     """split_min_steps caps the split so each program keeps that many K steps, on the GPU and the CPU alike."""
-    module = kdsl.registry.select("w4a16_gemm", "w4a16.int4.g128", arch="sm_90").load()
+    module = host
     assert module.split_for(_split_tile(8), 32, tiles=64, sms=132) == 4  # the wave rule alone: 8-step programs
     assert module.split_for(_split_tile(8, None, 16), 32, tiles=64, sms=132) == 2
     assert module.split_for(_split_tile(8, None, 16), 112, tiles=64, sms=132) == 4  # long K: the wave rule decides

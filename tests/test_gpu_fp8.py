@@ -26,6 +26,8 @@ from triton import next_power_of_2 as triton_next_power_of_2
 
 import kdsl
 from kdsl import registry
+from kdsl.kernels.block_fp8 import fp8_gemm_deferred_gluon
+from kdsl.runtime import launcher
 
 pytestmark = pytest.mark.gpu
 
@@ -141,8 +143,8 @@ def test_fp8_gemm_out_dtypes(m, out_dtype):
 
 @pytest.mark.parametrize("m", [16, 512, 4096], ids=["wgmma-splitk", "gluon", "gluon-persistent-edge"])
 def test_repeat_launches_skip_the_jit_and_stay_correct(m, monkeypatch):
-    """After the first call on a shape, an sm_90 module launches the kernel its JIT call returned (the
-    launch cache): new data on every call must still give the reference's result. An a_s of the same
+    """After the first call on a shape, an sm_90 module's kernel is launched as its JIT call returned it (the
+    launcher's compiled-kernel cache): new data on every call must still give the reference's result. An a_s of the same
     shape but off 16-byte alignment is a new key, so it gets a kernel compiled for it."""
     if capability() != (9, 0):
         pytest.skip("this checks the sm_90 modules' kernels")
@@ -165,17 +167,17 @@ def test_repeat_launches_skip_the_jit_and_stay_correct(m, monkeypatch):
         b = random_fp8(n, k, device=CUDA)
         b_s = random_scales(-(-n // 128), k // 128, device=CUDA)
         c = torch.full((m, n), float("nan"), device=CUDA, dtype=torch.bfloat16)
-        module.launch(a, a_s, b, b_s, c, tile)
+        kernel_module.launch(a, a_s, b, b_s, c, tile)
         assert rel_fro_error(c, fp8_gemm_ref(a, a_s, b, b_s)) < 1e-2
         if call == 0:
             jit_calls.clear()  # the first call may compile, or find a key an earlier test left
     assert not jit_calls, "repeat launches went through Triton's JIT call"
-    keys = len(module._COMPILED)
+    keys = len(launcher._COMPILED)
     misaligned = torch.empty(m * (k // 128) + 1, device=CUDA)[1:].view(m, k // 128).copy_(a_s)
     c = torch.full((m, n), float("nan"), device=CUDA, dtype=torch.bfloat16)
-    module.launch(a, misaligned, b, b_s, c, tile)
+    kernel_module.launch(a, misaligned, b, b_s, c, tile)
     assert rel_fro_error(c, fp8_gemm_ref(a, a_s, b, b_s)) < 1e-2
-    assert len(module._COMPILED) == keys + 1 and jit_calls
+    assert len(launcher._COMPILED) == keys + 1 and jit_calls
 
 
 def deferred_tiles() -> list[dict]:
@@ -194,7 +196,7 @@ def test_fp8_gemm_deferred_rescale_ragged(tile, m, n, k):
     all zero (scale 0) give exact zeros."""
     if capability() != (9, 0):
         pytest.skip("the Gluon kernel is sm_90's")
-    module = registry.select("fp8_gemm", FP8_SCHEME, arch="sm_90").modules["deferred_gluon"].load()
+    module = registry.select("fp8_gemm", FP8_SCHEME, arch="sm_90").modules["deferred_gluon"]
     a = random_fp8(m, k, scale=16.0, device=CUDA)
     a_s = random_scales(m, k // 128, device=CUDA)
     a[m // 2].zero_()
@@ -225,9 +227,9 @@ def test_fp8_gemm_edge_tiles_write_the_last_column(tile, m, n, k):
     replay of a CUDA graph."""
     if capability() != (9, 0):
         pytest.skip("edge tiles are part of the sm_90 Gluon kernel")
-    module = registry.select("fp8_gemm", FP8_SCHEME, arch="sm_90").modules["deferred_gluon"].load()
+    module = registry.select("fp8_gemm", FP8_SCHEME, arch="sm_90").modules["deferred_gluon"]
     sms = torch.cuda.get_device_properties(CUDA).multi_processor_count
-    if not module._edge_tiles(m, n, tile, sms)[0]:
+    if not fp8_gemm_deferred_gluon.edge_tiles(m, n, tile, sms)[0]:
         pytest.skip(f"with {sms} SMs the edge column has no spare round at this shape (132 SMs: it has)")
     a = random_fp8(m, k, scale=16.0, device=CUDA)
     a_s = random_scales(m, k // 128, device=CUDA)

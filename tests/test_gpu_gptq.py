@@ -15,6 +15,7 @@ import torch
 
 import kdsl
 import reference_gptq as ref
+from conftest import wrap_launch
 from kdsl.naming import gptq_scheme_name, w4a16_scheme_name
 from kdsl.runtime import registry
 
@@ -296,13 +297,13 @@ def _spy_launches(monkeypatch, impls, record, group_sizes):
         for impl, kernel_module in _prepared_entry(group_size).modules.items():
             if impl not in impls:
                 continue
-            module = kernel_module.load()
+            def spy(original):
+                def launch(*args, **kwargs):
+                    calls.append(record(args))
+                    return original(*args, **kwargs)
+                return launch
 
-            def spy(*args, _original=module.launch, **kwargs):
-                calls.append(record(args))
-                return _original(*args, **kwargs)
-
-            monkeypatch.setattr(module, "launch", spy)
+            wrap_launch(monkeypatch, kernel_module, spy)
     return calls
 
 

@@ -1,4 +1,4 @@
-"""The generated modules' launch cache (common/launch_cache.py.j2), on the CPU.
+"""The launcher's compiled-kernel cache (kdsl/runtime/launcher.py) and kdsl.ops' launch plans, on the CPU.
 
 A repeat launch skips Triton's JIT call and runs the kernel that call returned, so the cache key must
 change wherever Triton could specialize differently. Here the JIT is a stand-in that records what it
@@ -13,7 +13,12 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 import kdsl
+from conftest import wrap_launch
+from kdsl.kernels.base import Launch
+from kdsl.kernels import host
+from kdsl.kernels.host import gluon_descriptor
 from kdsl.ops import w4a16
+from kdsl.runtime import launcher, manifest
 
 
 def module(op: str, arch: str):
@@ -45,12 +50,16 @@ class FakeKernel:
 
 
 @pytest.fixture
-def act_quant_module(monkeypatch):
-    mod = module("act_quant", "sm_89")
-    monkeypatch.setattr(mod, "_INTERPRETING", False)  # the cache only runs for compiled kernels
+def compiling(monkeypatch):
+    """The launcher as on a GPU (the cache only runs for compiled kernels), its cache empty."""
+    monkeypatch.setattr(launcher, "_INTERPRETING", False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(mod, "_COMPILED", {})
-    return mod
+    monkeypatch.setattr(launcher, "_COMPILED", {})
+    return launcher
+
+
+def run(kernel, grid, params, options) -> None:
+    launcher.run(Launch(kernel, grid, params, options))
 
 
 def aligned_and_not() -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,12 +68,12 @@ def aligned_and_not() -> tuple[torch.Tensor, torch.Tensor]:
     return flat[base:base + 64], flat[base + 1:base + 65]
 
 
-def test_repeat_launch_runs_the_compiled_kernel_with_every_argument(act_quant_module):
+def test_repeat_launch_runs_the_compiled_kernel_with_every_argument(compiling):
     kernel = FakeKernel()
     x, _ = aligned_and_not()
     options = dict(BLOCK=64, num_warps=8)
-    act_quant_module._launch(kernel, (2, 1, 1), (x, 64), options)
-    act_quant_module._launch(kernel, (3, 1, 1), (x, 64), options)
+    run(kernel, (2, 1, 1), (x, 64), options)
+    run(kernel, (3, 1, 1), (x, 64), options)
     assert [c[0] for c in kernel.calls] == ["jit", "cached"]
     assert kernel.calls[0][2:] == ((x, 64), options)
     # Constexprs and Gluon's num_warps follow the leading arguments, in signature order; the grid is this call's.
@@ -72,10 +81,10 @@ def test_repeat_launch_runs_the_compiled_kernel_with_every_argument(act_quant_mo
 
 
 @pytest.mark.parametrize("change", ["size", "alignment", "dtype", "constexpr", "launch option", "device"])
-def test_what_triton_specializes_on_misses_the_cache(change, act_quant_module, monkeypatch):
+def test_what_triton_specializes_on_misses_the_cache(change, compiling, monkeypatch):
     kernel = FakeKernel()
     aligned, misaligned = aligned_and_not()
-    act_quant_module._launch(kernel, (1, 1, 1), (aligned, 64), dict(BLOCK=64, num_warps=4))
+    run(kernel, (1, 1, 1), (aligned, 64), dict(BLOCK=64, num_warps=4))
     params, options = (aligned, 64), dict(BLOCK=64, num_warps=4)
     if change == "size":
         params = (aligned, 80)
@@ -89,13 +98,13 @@ def test_what_triton_specializes_on_misses_the_cache(change, act_quant_module, m
         options = dict(BLOCK=64, num_warps=8)
     else:
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    act_quant_module._launch(kernel, (1, 1, 1), params, options)
+    run(kernel, (1, 1, 1), params, options)
     assert [c[0] for c in kernel.calls] == ["jit", "jit"]
-    assert len(act_quant_module._COMPILED) == 2
+    assert len(launcher._COMPILED) == 2
 
 
-def test_descriptors_key_on_their_tensor_sizes_and_block(act_quant_module):
-    spec = act_quant_module._specialization
+def test_descriptors_key_on_their_tensor_sizes_and_block(compiling):
+    spec = launcher._specialization
     t = torch.zeros(256, 128)
     desc = TensorDescriptor(t, [256, 128], [128, 1], [64, 64])
     assert spec(desc) == spec(TensorDescriptor(torch.zeros(256, 128), [256, 128], [128, 1], [64, 64]))
@@ -105,41 +114,69 @@ def test_descriptors_key_on_their_tensor_sizes_and_block(act_quant_module):
 
 
 def test_gluon_descriptors_key_on_their_block():
-    mod = kdsl.registry.select("fp8_gemm", kdsl.BlockFP8().name, arch="sm_90").modules["deferred_gluon"].load()
+    spec = launcher._specialization
     t = torch.zeros(256, 128, dtype=torch.float8_e4m3fn)
-    whole, edge = mod._gluon_descriptor(t, (128, 128)), mod._gluon_descriptor(t, (64, 128))
-    assert mod._specialization(whole) == mod._specialization(mod._gluon_descriptor(t.clone(), (128, 128)))
-    assert mod._specialization(whole) != mod._specialization(edge)
+    whole, edge = gluon_descriptor(t, (128, 128)), gluon_descriptor(t, (64, 128))
+    assert spec(whole) == spec(gluon_descriptor(t.clone(), (128, 128)))
+    assert spec(whole) != spec(edge)
 
 
-def test_a_jit_call_that_returns_no_kernel_is_not_cached(act_quant_module):
+def test_a_jit_call_that_returns_no_kernel_is_not_cached(compiling):
     kernel = FakeKernel(returns_kernel=False)
     x, _ = aligned_and_not()
     for _ in range(2):
-        act_quant_module._launch(kernel, (1, 1, 1), (x, 64), dict(BLOCK=64, num_warps=4))
-    assert [c[0] for c in kernel.calls] == ["jit", "jit"] and not act_quant_module._COMPILED
+        run(kernel, (1, 1, 1), (x, 64), dict(BLOCK=64, num_warps=4))
+    assert [c[0] for c in kernel.calls] == ["jit", "jit"] and not launcher._COMPILED
 
 
-def test_the_cache_is_bounded(act_quant_module, monkeypatch):
-    monkeypatch.setattr(act_quant_module, "_COMPILED_LIMIT", 3)
+def test_the_cache_is_bounded(compiling, monkeypatch):
+    monkeypatch.setattr(launcher, "_COMPILED_LIMIT", 3)
     kernel = FakeKernel()
     x, _ = aligned_and_not()
     for n in range(5):
-        act_quant_module._launch(kernel, (1, 1, 1), (x, n), dict(BLOCK=64, num_warps=4))
-        assert len(act_quant_module._COMPILED) <= 3
-    act_quant_module._launch(kernel, (1, 1, 1), (x, 4), dict(BLOCK=64, num_warps=4))
+        run(kernel, (1, 1, 1), (x, n), dict(BLOCK=64, num_warps=4))
+        assert len(launcher._COMPILED) <= 3
+    run(kernel, (1, 1, 1), (x, 4), dict(BLOCK=64, num_warps=4))
     assert [c[0] for c in kernel.calls] == ["jit"] * 5 + ["cached"]
 
 
 def test_the_interpreter_always_takes_the_jit_call(monkeypatch):
-    mod = module("act_quant", "sm_89")
-    monkeypatch.setattr(mod, "_INTERPRETING", True)
-    monkeypatch.setattr(mod, "_COMPILED", {})
+    monkeypatch.setattr(launcher, "_INTERPRETING", True)
+    monkeypatch.setattr(launcher, "_COMPILED", {})
     kernel = FakeKernel()
     x, _ = aligned_and_not()
     for _ in range(2):
-        mod._launch(kernel, (1, 1, 1), (x, 64), dict(BLOCK=64, num_warps=4))
-    assert [c[0] for c in kernel.calls] == ["jit", "jit"] and not mod._COMPILED
+        run(kernel, (1, 1, 1), (x, 64), dict(BLOCK=64, num_warps=4))
+    assert [c[0] for c in kernel.calls] == ["jit", "jit"] and not launcher._COMPILED
+
+
+def test_a_backend_that_runs_a_launch_takes_it_from_the_jit(compiling):
+    """A registered backend (kdsl.aot.runtime's exported cubins) is asked first; where it declines, the JIT runs."""
+    served, kernel = [], FakeKernel()
+    x, _ = aligned_and_not()
+
+    def backend(launch):
+        served.append(launch.params[1])
+        return launch.params[1] == 64
+    launcher.add_backend(backend)
+    try:
+        run(kernel, (1, 1, 1), (x, 64), dict(BLOCK=64, num_warps=4))
+        run(kernel, (1, 1, 1), (x, 32), dict(BLOCK=64, num_warps=4))
+    finally:
+        launcher.remove_backend(backend)
+    assert served == [64, 32] and [c[2] for c in kernel.calls] == [(x, 32)]
+
+
+def test_recording_collects_the_launches_made_inside(compiling):
+    kernel = FakeKernel()
+    x, _ = aligned_and_not()
+    with launcher.recording() as launches:
+        with launcher.recording() as nested:  # one recording at a time: the outer one records
+            run(kernel, (1, 1, 1), (x, 64), dict(BLOCK=64, num_warps=4))
+        run(kernel, (2, 1, 1), (x, 64), dict(BLOCK=64, num_warps=4))
+    run(kernel, (3, 1, 1), (x, 64), dict(BLOCK=64, num_warps=4))
+    assert nested is None and [(grid, compiled) for _, grid, _, _, compiled in launches] == [
+        ((1, 1, 1), True), ((2, 1, 1), True)]
 
 
 # --- launch plans (kdsl/ops/_plan.py): a repeat call signature replays its recorded launch -------------
@@ -235,9 +272,9 @@ def test_a_hit_does_not_run_the_modules_launch(sm90, monkeypatch):
     x, _ = fp8_operands()
     _, s0 = no_plan(lambda: kdsl.ops.act_quant(x))
     kdsl.ops.act_quant(x)
-    module = kdsl.registry.dispatch("act_quant", kdsl.BlockFP8().name, x.device).load()
+    entry = kdsl.registry.dispatch("act_quant", kdsl.BlockFP8().name, x.device)
     calls = []
-    monkeypatch.setattr(module, "launch", lambda *args: calls.append(args))
+    wrap_launch(monkeypatch, entry.modules[entry.impl], lambda original: lambda *args: calls.append(args))
     q, s = kdsl.ops.act_quant(x)
     assert not calls and torch.equal(s, s0)
 
@@ -415,9 +452,11 @@ def compiled_act_quant(monkeypatch):
             return Compiled(log, per_call)
         return call
 
-    monkeypatch.setattr(mod, "_INTERPRETING", False)
-    monkeypatch.setattr(mod, "_COMPILED", {})
+    monkeypatch.setattr(launcher, "_INTERPRETING", False)
+    monkeypatch.setattr(launcher, "_COMPILED", {})
     monkeypatch.setattr(mod, "act_quant__e4m3_w128x128_a128_f32__rowwise_sm89", FakeJit(jit, kernel.arg_names))
+    monkeypatch.setattr(manifest, "_LAUNCHES", {})  # the unit's launch binds to the module's kernels afresh
+    monkeypatch.setattr(manifest, "_GENERATED", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(_plan, "_triton_stream", lambda: (lambda device: "stream"))
@@ -567,28 +606,6 @@ def test_gpu_fp8_bmm_plans_match_the_ordinary_path(heads, m, n, k):
     assert [bool(p) for p in plans("fp8_bmm")] == [True]
 
 
-def test_a_kernel_the_module_launches_itself_is_recorded_too(compiled_act_quant, monkeypatch):
-    """Some module code launches a kernel with kernel[grid](...) rather than through _launch (the Gluon W4A16
-    kernels): while a plan records, the module's kernels are watched, so that launch is replayed too."""
-    log, _ = compiled_act_quant
-    mod = module("act_quant", "sm_89")
-    namespace: dict = {}
-    exec("def launch(x, q, s, tile):\n"
-         "    act_quant__e4m3_w128x128_a128_f32__rowwise_sm89[(7, 2)](\n"
-         "        x, q, s, x.shape[0], x.shape[1], x.stride(0), BLOCK_M=8, ROUND_FIRST=False, num_warps=4)\n",
-         vars(mod), namespace)  # defined in the module, so it finds the kernel by its global name
-    monkeypatch.setattr(mod, "launch", namespace["launch"])
-    x, _ = fp8_operands()
-    kdsl.ops.act_quant(x)
-    kdsl.ops.act_quant(x)
-    (plan,) = plans("act_quant")
-    assert plan and [entry[0] for entry in log] == ["jit", "run"]
-    run_args = log[1][1]
-    assert run_args[:3] == (7, 2, 1) and run_args[9] == x.data_ptr()
-    assert run_args[12:] == (3, 256, 256, 8, False)  # M, K, stride, then the constexprs in signature order
-    assert mod.act_quant__e4m3_w128x128_a128_f32__rowwise_sm89.__class__.__name__ == "FakeJit"  # put back
-
-
 def test_a_compiled_plan_fills_each_launchs_pointers_and_descriptors(monkeypatch):
     """Two launches: a tensor passed twice in one launch (w4a16's qweight where perm is None) and to both,
     a TMA descriptor expanded as Triton's make_tensordesc_arg does, the split-K scratch by address."""
@@ -608,10 +625,12 @@ def test_a_compiled_plan_fills_each_launchs_pointers_and_descriptors(monkeypatch
     monkeypatch.setattr(_plan, "_direct_launcher", lambda compiled: (
         lambda *args: calls.append(args), compiled.descriptors, expand, False, True))
     x, w, y, scratch = torch.randn(4, 16), torch.randn(16, 16), torch.empty(4, 16), torch.zeros(8)
-    module = types.SimpleNamespace(__name__="fake", _INTERPRETING=False, _SPLITK_SCRATCH={"c": (scratch,)})
+    module = types.SimpleNamespace(__name__="fake")
+    monkeypatch.setitem(host.SPLITK_SCRATCH, ("kernel", "device"), (scratch,))
     launches = [(Compiled({}), (3,), (x, w, w, scratch, y, 5), (True,), True),
                 (Compiled({0: "meta"}), (2, 2), (TensorDescriptor.from_tensor(w, [8, 8]), x, 7), (), True)]
-    plan = _plan._build(types.SimpleNamespace(module=module, launches=launches, count=2), (x, w), (y,))
+    plan = _plan._build(types.SimpleNamespace(module=module, launches=launches, count=2, interpreting=False), (x, w),
+                        (y,))
     x2 = torch.randn(4, 16)
     y2 = plan(x2, w)
     assert y2.shape == y.shape and y2.data_ptr() != y.data_ptr()

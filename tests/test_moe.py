@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo.testing
-from conftest import interpreting
+from conftest import interpreting, wrap_launch
 from reference import FP8, act_quant_ref, rel_fro_error
 from reference_moe import expert_weights, grouped_gemm_ref, masked_gemm_ref, moe_layer, moe_ref, routing
 
@@ -175,9 +175,8 @@ def test_masked_counts_zero_full_and_out_of_range(out_dtype, launched):
 def test_masked_expected_m_picks_the_tile(expected_m, block_m, monkeypatch):
     calls = []
     entry = registry.select("fp8_grouped_gemm_masked", kdsl.BlockFP8(), arch="sm_89")
-    module = entry.load()
-    original = module.launch
-    monkeypatch.setattr(module, "launch", lambda *args: calls.append(args[-1]["BLOCK_M"]) or original(*args))
+    wrap_launch(monkeypatch, entry.modules[entry.impl],
+                lambda original: lambda *args: calls.append(args[-1]["BLOCK_M"]) or original(*args))
     a, a_s = activations(2, 40, 128)
     b, b_s = expert_weights(2, 64, 128)
     masked_m = torch.tensor([2, 1], dtype=torch.int32)

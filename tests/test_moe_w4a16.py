@@ -13,13 +13,17 @@ import functools
 import pytest
 import torch
 import torch._dynamo.testing
-from conftest import interpreting
+from conftest import interpreting, wrap_launch
 from reference import rel_fro_error
 from reference_moe import moe_dense_ref, routing
 
 import kdsl
 import reference_gptq as rg
 from kdsl import registry
+from kdsl.kernels.base import Launch
+from kdsl.kernels.moe_routing import route
+from kdsl.kernels.w4a16 import moe_sorted
+from kdsl.runtime import launcher
 
 MOE = "moe_w4a16__int4_g128__sorted"
 # The kernels round each dequantized weight, h = silu(gate) * up and each slot's down projection to x's dtype (and
@@ -159,9 +163,8 @@ def test_awq_experts_match_reference(zeros, launched):
 def test_larger_tiles(tokens, experts, topk, monkeypatch):
     calls = []
     entry = registry.select("moe_w4a16", "w4a16.int4.g128", arch="sm_89")
-    module = entry.load()
-    original = module.launch
-    monkeypatch.setattr(module, "launch", lambda *args: calls.append(args[-1]["BLOCK_M"]) or original(*args))
+    wrap_launch(monkeypatch, entry.modules[entry.impl],
+                lambda original: lambda *args: calls.append(args[-1]["BLOCK_M"]) or original(*args))
     w13, w2, dense13, dense2 = gptq_layer(experts, 256, 128, dtype=torch.bfloat16)
     check_layer(w13, w2, dense13, dense2, tokens, topk)
     want = {40: 32, 70: 64, 140: 128}[tokens]
@@ -188,8 +191,22 @@ def test_act_order_one_permutation_for_gate_and_up_and_k_not_a_power_of_two():
     check_layer(w13, w2, dense13, dense2, tokens=140, topk=2)
 
 
-def _sorted_module():
-    return registry.select("moe_w4a16", "w4a16.int4.g128", arch="sm_89").load()
+def _sorted_generated():
+    """The sm_89 moe_w4a16 module as its unit's host code reads it."""
+    entry = registry.select("moe_w4a16", "w4a16.int4.g128", arch="sm_89")
+    return entry.modules[entry.impl].generated()
+
+
+def _run(described):
+    """Run a unit's launch description (a generator's launches too) and return what the generator returns."""
+    if type(described) is Launch:
+        launcher.run(described)
+        return None
+    while True:
+        try:
+            launcher.run(next(described))
+        except StopIteration as stop:
+            return stop.value
 
 
 @pytest.mark.skipif(not interpreting(), reason="calls the generated module's gather kernel on CPU tensors")
@@ -197,17 +214,20 @@ def _sorted_module():
 def test_gather_writes_each_sorted_row_in_its_experts_order(segments, k):
     """The act-order gather kernel, on its own: every sorted row of a routed expert is x[token] (or the sorted row
     of h) through that expert's permutation, bit for bit; padding rows are left alone."""
-    module = _sorted_module()
+    generated = _sorted_generated()
     tokens, experts, topk, block_m = 5, 3, 2, 16
     _, topk_ids = routing(tokens, experts, topk, 0.5)
     x = torch.randn(tokens, k).half()
     perm = torch.stack([torch.stack([torch.randperm(k) for _ in range(segments)]) for _ in range(experts)])
     perm = perm.to(torch.int32)
-    rows, block_expert, meta, max_rows, _ = module._route(topk_ids, experts, block_m, None)
-    gathered = module._gather(x, perm, rows, block_expert, meta, topk, block_m, by_token=True)
+    rows, block_expert, meta, max_rows, _ = _run(route(generated, topk_ids, experts, block_m, None))
+    gathered, launch = moe_sorted._gather(generated, x, perm, rows, block_expert, meta, topk, block_m, by_token=True)
+    _run(launch)
     assert gathered.shape == (segments, max_rows, k)
     h = torch.randn(max_rows, k).half()
-    gathered_h = module._gather(h, perm, rows, block_expert, meta, topk, block_m, by_token=False)
+    gathered_h, launch = moe_sorted._gather(generated, h, perm, rows, block_expert, meta, topk, block_m,
+                                            by_token=False)
+    _run(launch)
     live = 0
     for p in range(int(meta[0])):
         assignment = int(rows[p])
@@ -227,15 +247,14 @@ def test_act_order_gathers_once_and_the_gemms_read_rows_contiguously(monkeypatch
     each GEMM whose projection has one (x with both of gate and up's permutations, h with down's)."""
     if not interpreting():
         pytest.skip("watches the generated module's kernel launches")
-    module = _sorted_module()
     seen = []
-    gather = module._gather
+    gather = moe_sorted._gather
 
-    def watched(src, perm, *args, by_token):
+    def watched(generated, src, perm, *args, by_token):
         seen.append((tuple(perm.shape), by_token))
-        return gather(src, perm, *args, by_token=by_token)
+        return gather(generated, src, perm, *args, by_token=by_token)
 
-    monkeypatch.setattr(module, "_gather", watched)
+    monkeypatch.setattr(moe_sorted, "_gather", watched)
     w13, w2, dense13, dense2 = gptq_layer(2, 256, 256, g_idx="perm")
     check_layer(w13, w2, dense13, dense2, tokens=3, topk=2)
     assert seen == [((2, 2, 256), True), ((2, 1, 256), False)]

@@ -25,6 +25,7 @@ from reference import (
 )
 
 import kdsl
+from kdsl.kernels.block_fp8 import fp8_gemm_deferred_gluon
 from kdsl import registry
 
 FP8_SCHEME = kdsl.BlockFP8()
@@ -338,10 +339,9 @@ def test_fp8_gemm_edge_tiles_fill_the_spare_round(monkeypatch):
     partial last column, in tiles as wide as it, goes to the programs with one whole tile fewer, where they
     can take it without a round more; otherwise the column stays in whole tiles."""
     entry = registry.select("fp8_gemm", FP8_SCHEME, arch="sm_90")
-    module = entry.modules["deferred_gluon"].load()
     tile = next(bucket.params for bucket in entry.tiles if bucket.params.get("edge_tiles"))
     assert tile["persistent"] and tile["impl"] == "deferred_gluon" and (tile["BLOCK_M"], tile["BLOCK_N"]) == (128, 128)
-    plan = module._edge_tiles
+    plan = fp8_gemm_deferred_gluon.edge_tiles
     # DeepSeek-V3's N = 2112 on 132 SMs: 512 whole tiles leave programs 116..131 a round to spare, and the
     # 32 half-width edge tiles go two to each of them.
     assert plan(4096, 2112, tile, 132) == (64, 116, 132)

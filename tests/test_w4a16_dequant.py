@@ -17,6 +17,7 @@ import torch
 
 import kdsl
 import reference_gptq as ref
+from conftest import wrap_launch
 from kdsl import ops
 from kdsl.schema import DefinitionError, parse_definition
 
@@ -280,13 +281,13 @@ def test_other_layouts_and_a_threshold_of_our_own(own_kernels, g_idx, monkeypatc
     monkeypatch.setattr(kdsl.ops._plan, "RECORD", False)
     for entry in kdsl.registry.entries():
         for kernel_module in entry.modules.values():
-            module = kernel_module.load()
+            def spy(original, _name=kernel_module.path.stem):
+                def launch(*args):
+                    launches.append(_name)
+                    return original(*args)
+                return launch
 
-            def spy(*args, _original=module.launch, _name=kernel_module.path.stem):
-                launches.append(_name)
-                return _original(*args)
-
-            monkeypatch.setattr(module, "launch", spy)
+            wrap_launch(monkeypatch, kernel_module, spy)
     for m in (39, 40):  # dequant_min_m = 40: 39 rows take the GEMM tile, 40 the dequantizer
         launches.clear()
         x = torch.randn(m, 256).half()

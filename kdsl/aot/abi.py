@@ -522,7 +522,7 @@ _W4A16_HEAD = (("x_ptr", "x"), ("perm_ptr", "either(perm, qweight)"), ("qw_ptr",
                ("s_ptr", "scales"), ("g_ptr", "groups"), ("y_ptr", "y"), ("ws_ptr", "y"), ("count_ptr", "y"),
                ("M", "M"), ("N", "N"), ("K", "K"), ("stride_xm", "ldx"))
 _W4A16_TAIL = (("stride_zg", "ldz"), ("stride_sg", "lds"), ("stride_ym", "ldy"))
-# split_for in common/sm_fill.py.j2: the tile's SPLIT_K capped by split_min_steps, then the split whose
+# split_for in kdsl/kernels/host.py: the tile's SPLIT_K capped by split_min_steps, then the split whose
 # programs finish soonest on the device's SMs (gemv passes no SM count: the cap).
 _TILES = "cdiv(M, {BLOCK_M}) * cdiv(N, {BLOCK_N})"
 _SPLIT_FOR = f"split_for(cdiv(K, {{BLOCK_K}}), {_TILES}, {{SPLIT_K}}, {{split_min_steps}}, {{split_fill}}, sms)"
@@ -711,7 +711,7 @@ def split_cap(k_steps: int, split_k: int, min_steps: int) -> int:
 
 
 def split_for(k_steps: int, tiles: int, split_k: int, min_steps: int, fill: int, sms: int) -> int:
-    """common/sm_fill.py.j2's split_for (its constants: SPLIT_FILL 2, PROGRAM_COST_STEPS 6); C has the same."""
+    """kdsl/kernels/host.py's split_for (its constants: SPLIT_FILL 2, PROGRAM_COST_STEPS 6); C has the same."""
     cap = split_cap(k_steps, split_k, min_steps)
     slots = (fill or 2) * sms
     if tiles >= slots:

@@ -1,17 +1,18 @@
 """Launch exported cubins from Python: `kdsl.aot.load(DIR)` or KDSL_AOT=DIR.
 
 DIR is a folder written by `python -m kdsl aot` (its aot_manifest.json and cubins/; the C library need not be
-built). Each generated module's @triton.jit kernel that DIR exports is wrapped: a launch whose specialization
-(the constexprs and launch options the module passes, and Triton's rules for the arguments: integers equal
-to 1 or divisible by 16, pointers 16-byte aligned, 32- or 64-bit integers; a host TMA descriptor's element type
-and block, and for Gluon's its NVMMA layout) was exported runs its cubin through the CUDA driver, compiling
-nothing; any other launch goes to Triton's JIT as before (counted in stats()). A descriptor argument is passed
-as the C launcher (kdsl__launch) passes it: a CUtensorMap encoded with cuTensorMapEncodeTiled from the
-descriptor's base, shape and strides and the compiled kernel's box, swizzle and element type (the manifest's
-per-spec `tma`), then its shape as int32s and strides as int64s, as many as the export read from the PTX.
-The wrapping happens where the registry imports a generated module: importing this module adds its hook to
-kdsl.runtime.manifest (kdsl's package imports it), so kdsl.ops and the templates are unchanged and the runtime
-never imports kdsl.aot.
+built). While DIR is loaded it is a backend of kdsl.runtime.launcher (_serve): a launch of a kernel DIR
+exports whose specialization (the constexprs and launch options the launch passes, and Triton's rules for the
+arguments: integers equal to 1 or divisible by 16, pointers 16-byte aligned, 32- or 64-bit integers; a host TMA
+descriptor's element type and block, and for Gluon's its NVMMA layout) was exported runs its cubin through the
+CUDA driver, compiling nothing; any other launch goes to Triton's JIT as before (counted in stats()). A
+descriptor argument is passed as the C launcher (kdsl__launch) passes it: a CUtensorMap encoded with
+cuTensorMapEncodeTiled from the descriptor's base, shape and strides and the compiled kernel's box, swizzle and
+element type (the manifest's per-spec `tma`), then its shape as int32s and strides as int64s, as many as the
+export read from the PTX.
+KDSL_AOT=DIR is loaded where the registry imports the first generated module: importing this module adds its
+hook to kdsl.runtime.manifest (kdsl's package imports it), so the runtime never imports kdsl.aot, and no module
+is patched.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from kdsl.aot.emit import AOT_FORMAT
 from kdsl.aot.plan import int_key, pointer_key
-from kdsl.runtime import manifest, registry
+from kdsl.runtime import launcher, manifest, registry
 
 AOT_ENV = "KDSL_AOT"
 
@@ -38,7 +39,7 @@ _POINTER_TYPES: dict = {}  # torch dtype -> Triton pointer type, filled by load(
 _DESCRIPTORS: dict = {}  # host TMA descriptor class -> True for Gluon's (names an NVMMA layout), filled by load()
 _GLUON_LAYOUTS: dict = {}  # (block, element) -> the default NVMMA shared layout the exporter compiled with
 _library = None  # the loaded AotLibrary
-_patched: dict = {}  # (module name, attribute) -> (module, original kernel)
+_wrappers: dict = {}  # JIT kernel launched through kdsl.runtime.launcher -> its AotKernel, or None (not exported)
 _stats = {"aot": 0, "jit": 0}
 
 
@@ -183,24 +184,14 @@ class _Driver:
 
 
 class AotKernel:
-    """Stands in for a generated module's @triton.jit kernel: kernel[grid](*params, **options).
+    """The exported launches of one @triton.jit kernel: serve(grid, params, options) runs a launch's cubin.
 
     The per-call path is kept short (host time matters for decode): the specialization is looked up under
-    the options in the order the module passes them, and each spec's argument conversions are prepared once."""
+    the options in the order the launch passes them, and each spec's argument conversions are prepared once."""
 
     def __init__(self, jit, table: dict, library: AotLibrary):
         self.jit, self.table, self.library = jit, table, library
         self._fast: dict = {}  # (options as passed, argument keys) -> prepared launch, or None (JIT)
-
-    def __getattr__(self, name):  # arg_names, fn, ...: the JIT function's
-        if name in ("jit", "table", "library", "_fast"):  # not set yet (copy, pickle): no recursion
-            raise AttributeError(name)
-        return getattr(self.jit, name)
-
-    def __getitem__(self, grid):
-        def run(*params, **options):
-            return self.run(grid, params, options)
-        return run
 
     def _prepare(self, options: dict, keys: tuple):
         # launch_pdl (fp8_bmm's pdl tiles) is a launch attribute, not part of what was compiled: the export
@@ -227,7 +218,9 @@ class AotKernel:
                 passed.append((index, _INT, ctypes.c_int32 if param["type"] == "i32" else ctypes.c_int64))
         return spec, tuple(passed), spec["hidden"], spec["num_warps"] * 32, spec["shared"]
 
-    def run(self, grid, params, options):
+    def serve(self, grid, params, options) -> bool:
+        """Launch the exported cubin of this specialization: True; False where the export has none (counted:
+        the launch goes to Triton's JIT)."""
         keys = tuple(map(_argument_key, params))
         fast_key = (tuple(options.items()), keys)
         try:
@@ -238,14 +231,14 @@ class AotKernel:
             prepared = None
         if prepared is None:
             _stats["jit"] += 1
-            return self.jit[grid](*params, **options)
+            return False
         _stats["aot"] += 1
         spec, passed, hidden, threads, shared = prepared
         if callable(grid):
             grid = grid(options)
         grid = tuple(grid) + (1,) * (3 - len(grid))
         if min(grid) <= 0:
-            return None
+            return True
         device = next(getattr(p, "base", p).device for p in params if hasattr(getattr(p, "base", p), "data_ptr"))
         function = self.library.function(spec, device)
         driver = self.library.driver
@@ -260,7 +253,22 @@ class AotKernel:
                 arguments += driver.descriptor(how, param.base.data_ptr(), tuple(param.shape), tuple(param.strides))
         arguments += [ctypes.c_uint64(0)] * hidden
         driver.launch(function, grid, threads, shared, _stream(device), arguments)
-        return None
+        return True
+
+
+_NOT_EXPORTED = None
+
+
+def _serve(launch) -> bool:
+    """kdsl.runtime.launcher's backend while an export is loaded: run the launch from its cubin where the export
+    has the kernel's specialization (True), else leave it to Triton's JIT (False)."""
+    kernel = launch.kernel
+    try:
+        wrapper = _wrappers[kernel]
+    except KeyError:
+        table = _library.tables.get(getattr(kernel, "__name__", None))
+        wrapper = _wrappers[kernel] = _NOT_EXPORTED if table is None else AotKernel(kernel, table, _library)
+    return wrapper is not _NOT_EXPORTED and wrapper.serve(launch.grid, launch.params, launch.constexprs)
 
 
 _PTR, _INT, _DESC = "ptr", "int", "desc"
@@ -313,19 +321,6 @@ def _argument_key(arg):
     return element, "D" if arg.data_ptr() % 16 == 0 else ""
 
 
-def _patch(module) -> None:
-    """Wrap the module's kernels that the loaded export serves."""
-    library = _library
-    if library is None:
-        return
-    for kernel, table in library.tables.items():
-        original = module.__dict__.get(kernel)
-        if original is None or isinstance(original, AotKernel):
-            continue
-        setattr(module, kernel, AotKernel(original, table, library))
-        _patched[(module.__name__, kernel)] = (module, original)
-
-
 def load(folder) -> AotLibrary:
     """Launch the kernels exported to `folder` instead of compiling them (until unload())."""
     global _library
@@ -339,9 +334,9 @@ def load(folder) -> AotLibrary:
             _POINTER_TYPES[dtype] = "*" + element
     _DESCRIPTORS.update(_descriptor_classes())
     _library = library
+    _wrappers.clear()
+    launcher.add_backend(_serve)
     _forget_launch_plans()
-    for module in manifest.loaded_modules():
-        _patch(module)
     return library
 
 
@@ -367,17 +362,16 @@ def _descriptor_classes() -> dict:
 def unload() -> None:
     """Back to compiling every kernel with Triton's JIT."""
     global _library
-    for (_, kernel), (module, original) in list(_patched.items()):
-        setattr(module, kernel, original)
-    _patched.clear()
+    launcher.remove_backend(_serve)
+    _wrappers.clear()
     _library = None
     _forget_launch_plans()
 
 
 def _forget_launch_plans() -> None:
     """kdsl.ops' launch plans (kdsl/ops/_plan.py) replay the kernels they recorded: drop them so calls go
-    through the wrapped (or restored) kernels. A launch from a cubin is not recorded (the wrapper returns no
-    compiled kernel), so calls served by the export take the ops' ordinary path."""
+    through the launcher, and so the export (or, after unload, the JIT). A launch from a cubin leaves nothing
+    to replay (kdsl.runtime.launcher records None), so calls served by the export take the ops' ordinary path."""
     registry.plans.clear()
 
 
@@ -399,10 +393,9 @@ def load_from_env() -> None:
 
 def _on_module_import(kernel_module, module) -> None:
     """The runtime's module hook: the first generated module imported loads KDSL_AOT=DIR (if set and nothing is
-    loaded; load() wraps every module imported so far, this one included), and each is wrapped."""
+    loaded); from then on the launcher asks the export about every launch."""
     if _library is None:
         load_from_env()
-    _patch(module)
 
 
 manifest.add_module_hook(_on_module_import)

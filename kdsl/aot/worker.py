@@ -87,7 +87,8 @@ def expansion(params: list, kinds: list, name: str) -> tuple[list, int]:
 
 def default_layout(block, element: str):
     """The default NVMMA shared layout of a block of `element` (Triton's type name, e.g. "fp8e4nv"): what the
-    generated modules' launch() gives their Gluon host descriptors (_shared_layout); None for another type."""
+    implementations' launches give their Gluon host descriptors (kdsl.kernels.host.gluon_descriptor); None for
+    another type."""
     from triton.experimental.gluon import language as gl
 
     dtypes = {"fp8e4nv": gl.float8e4nv, "bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32, "i32": gl.int32}

@@ -23,8 +23,9 @@ MANIFEST = "manifest.json"
 # 2: tiles carry n_min and split_fill; 3: deferred_rescale; 4: overlap_dequant; 5: edge_split_k; 6: edge_tiles;
 # 7: split_min_steps; 8: mma_gemv; 9: w4a16_gemm keyed by layout, zero_bias and refusal declared,
 # tiles carry only their implementation's options; 10: a variant's tiles name their implementation, one
-# module each, and a refusal takes the call's facts
-MANIFEST_FORMAT = 10
+# module each, and a refusal takes the call's facts; 11: a module is device code, its implementation's unit
+# launches it (kdsl.kernels.base.KernelImpl.launch), so modules name no launch or refusal function
+MANIFEST_FORMAT = 11
 
 
 @lru_cache(maxsize=1)
@@ -106,14 +107,10 @@ def manifest_entry(kernel: PlannedKernel) -> dict:
                   for tile, impl in zip(kernel.tiles, kernel.tile_impls)],
         "layout": None if kernel.layout is None else kernel.layout.model_dump(mode="json"),
         "zero_bias": None if kernel.layout is None else kernel.layout.zero_bias(),
-        # Per implementation: its module, its launch function, and optionally a function
-        # (tile params, call facts) -> reason or None that passes a tile over at run time (kdsl.ops and
-        # explain call it; the next tile serving M and N runs instead).
+        # Per implementation: its module (the implementation's unit launches it and may refuse a call).
         "modules": [{
             "impl": module.impl.impl,
             "module": f"{module.name}.py",
-            "function": "launch",
-            "refusal": module.impl.refusal,
             "digest": module_digest(kernel, module),
         } for module in kernel.modules],
         "source": kernel.source,

@@ -2,16 +2,42 @@
 
 An implementation is one module under kdsl/kernels/<family>/: its `Options` model (the knobs only
 it honours, validated there), the common tile fields it reads, its arch range, its shared-memory
-estimate, its own validation rules, its template, and the name of the run-time refusal function
-its generated module carries. Tile geometry every GEMM shares (block sizes, warps, stages,
-group_m, split_k) lives in kdsl.schema.Tile; everything else is an option of one implementation.
+estimate, its own validation rules, its template (device code only), its launch (the host code: from a
+call's arguments to the launches it makes, as data that kdsl.runtime.launcher runs) and its run-time
+refusal. Tile geometry every GEMM shares (block sizes, warps, stages, group_m, split_k) lives in
+kdsl.schema.Tile; everything else is an option of one implementation.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from kdsl.schema._base import StrictModel
+
+
+class Launch(NamedTuple):
+    """One kernel launch as data: kernel[grid](*params, **constexprs). params are the kernel's leading
+    arguments in signature order, constexprs the keyword rest (constexprs and launch options such as
+    num_warps); grid has three entries. A tuple: built on every call, so it must be cheap."""
+
+    kernel: object
+    grid: tuple
+    params: tuple
+    constexprs: dict
+
+
+class Generated:
+    """A generated module as its implementation's launch reads it: `kernel`, the @jit kernel named after the
+    module; `kernels`, each kernel named after it by the rest of its name ("" for `kernel`, "_down", ...);
+    `module`, for the constants the template rendered (GROUP, BLOCK_N, ...). Built once per module."""
+
+    __slots__ = ("module", "kernel", "kernels")
+
+    def __init__(self, module, name: str):
+        self.module = module
+        self.kernels = {attr[len(name):]: value for attr, value in vars(module).items()
+                        if attr.startswith(name) and hasattr(value, "arg_names")}
+        self.kernel = self.kernels.get("")
 
 
 class NoOptions(StrictModel):
@@ -43,7 +69,10 @@ class KernelImpl:
     min_block_m: int = 1  # 16 where block_m rows feed an MMA (tl.dot's smallest M)
     gemv_block_m: bool = False  # block_m = 1 selects a GEMV instead of the MMA
     gemv_max_m: int = 1  # the most rows its GEMV (block_m = 1) serves well
-    refusal: str | None = None  # generated-module function: why a tile should not serve a call (None: it should)
+    # (Generated, *the op's launch arguments, tile params) -> a Launch or an iterable of them (kdsl.runtime.launcher)
+    launch: Callable | None = None
+    # (Generated, tile params, kdsl.runtime Call) -> why the tile should not serve the call, or None
+    refusal: Callable | None = None
     # A dequantizer: the op whose dequantize + cuBLAS path it serves (that op's variants set dequant_min_m).
     dequant_for: str | None = None
 

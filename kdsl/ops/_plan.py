@@ -1,7 +1,8 @@
 """Launch plans: what one call signature of an op launches, recorded on its first call and replayed after.
 
 An op's host time is mostly Python: argument checks, the scheme and kernel lookup, the tile choice, the
-generated module's launch() (grid, split, descriptors) and Triton's launch wrappers. All of it is a
+implementation's launch (grid, split, descriptors: its unit under kdsl/kernels) and Triton's launch
+wrappers. All of it is a
 function of the call's signature, so a plan keyed on that signature can skip it:
 
   key: the op, each tensor argument's type, shape, strides, dtype, device, data_ptr() % 16 and requires_grad
@@ -18,12 +19,11 @@ function of the call's signature, so a plan keyed on that signature can skip it:
        call copies it and fills in the stream, its own pointers (each data_ptr() read once a launch) and
        descriptors. plan.describe() says what a plan launches, in words.
 
-A miss runs the op's ordinary path, which raises the same errors as ever, and records the launches the
-module's _launch makes (common/launch_cache.py.j2) and, on the GPU, those of the kernels the module launches
-itself (kernel[grid](...): its kernels are watched under their global names while it records). The plan is
+A miss runs the op's ordinary path, which raises the same errors as ever, and records the launches
+kdsl.runtime.launcher makes. The plan is
 kept only where replaying it is the same launch: on the GPU, Triton's launch hook counted as many launches
-as were recorded (none went around both); every tensor a launch reads is one of the call's tensors, a view
-starting at one of them (same dtype under the interpreter), or the module's persistent split-K scratch; no
+as were recorded (none went around the launcher); every tensor a launch reads is one of the call's tensors, a view
+starting at one of them (same dtype under the interpreter), or the persistent split-K scratch; no
 two of the call's tensors start at one address; no CUDA graph is being captured. Otherwise the key maps to
 NO_PLAN and every call takes the ordinary path.
 
@@ -33,7 +33,7 @@ no host time to save, and a replayed launch of the Gluon TMA W4A16 kernel measur
 graph than the ordinary path's: a probe on an H200, removed; see git log) and, for CPU tensors, when TRITON_INTERPRET
 is unset.
 Plans live in kdsl.runtime.registry.plans: registry.reset() and add_generated() empty it; at most LIMIT
-are kept (the dict is emptied when full, like the modules' _COMPILED).
+are kept (the dict is emptied when full, like the launcher's compiled-kernel cache).
 """
 from __future__ import annotations
 
@@ -41,12 +41,13 @@ import os
 
 import torch
 
-from kdsl.runtime import registry
+from kdsl.kernels import host
+from kdsl.runtime import launcher, registry
 
 PLANS = registry.plans
 LIMIT = 512
 NO_PLAN = False  # a key recorded once and found not replayable
-RECORD = True  # False: nothing new is recorded (tests that watch the modules' launch() turn it off)
+RECORD = True  # False: nothing new is recorded (tests that watch the implementations' launches turn it off)
 
 if torch.cuda.is_available():
     current_device = torch._C._cuda_getDevice
@@ -56,79 +57,40 @@ else:
 
 
 class Recorder:
-    """`with Recorder(module) as rec: module.launch(...)` collects that call's launches (rec.launches)."""
+    """`with Recorder(module) as rec: entry.launch(...)` collects that call's launches (rec.launches) from
+    kdsl.runtime.launcher; module is the generated module launched (it names the plan), None to record nothing."""
 
     def __init__(self, module):
         self.module = module
         self.launches: list | None = None
         self.count = 0
         self.chain = None
-        self.watched: dict = {}
+        self.interpreting = launcher.interpreting()
 
     def __enter__(self) -> "Recorder":
-        # _RECORDING is None: the module records (it has the launch cache), and nothing records already.
-        if not RECORD or getattr(self.module, "_RECORDING", 0) is not None:
+        if not RECORD or self.module is None:
             return self
-        if not self.module._INTERPRETING:
+        if not self.interpreting:
             self.chain = _hook_chain()
             if self.chain is None:
                 return self  # this Triton cannot count launches: no plan
+        self.launches = launcher.begin_recording()
+        if self.launches is None:
+            self.chain = None
+            return self  # a recording is open already (an op called inside another's): that one records
+        if self.chain is not None:
             self.chain.add(self._counted)
-        self.launches = self.module._RECORDING = []
-        if not self.module._INTERPRETING:
-            # Kernels a module launches itself (kernel[grid](...), not through _launch: the Gluon W4A16 kernels)
-            # are recorded by a stand-in under their global name. Only the launched kernels, named after the
-            # module (the @jit helpers they call are looked up by name when a kernel compiles).
-            prefix = self.module.__name__.rpartition(".")[2]
-            self.watched = {name: value for name, value in vars(self.module).items()
-                            if name.startswith(prefix) and hasattr(value, "arg_names") and hasattr(value, "__getitem__")}
-            for name, kernel in self.watched.items():
-                setattr(self.module, name, _Watched(kernel, self.launches))
         return self
 
     def _counted(self, *_) -> None:
         self.count += 1
 
     def __exit__(self, *_) -> bool:
-        for name, kernel in self.watched.items():
-            setattr(self.module, name, kernel)
         if self.launches is not None:
-            self.module._RECORDING = None
+            launcher.end_recording()
         if self.chain is not None:
             self.chain.remove(self._counted)
         return False
-
-
-class _Watched:
-    """A module's kernel while a plan is recorded: kernel[grid](...) launches it and records the launch as
-    _launch does. Equal to the kernel (and hashes alike), so _launch's cache finds the kernel's entries."""
-
-    _kdsl_watched = True
-
-    def __init__(self, kernel, launches: list):
-        self.kernel, self.launches = kernel, launches
-
-    def __getattr__(self, name):
-        return getattr(self.kernel, name)
-
-    def __hash__(self) -> int:
-        return hash(self.kernel)
-
-    def __eq__(self, other) -> bool:
-        return other is self or other is self.kernel or (type(other) is _Watched and other.kernel is self.kernel)
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
-        def watched(*args, **options):
-            compiled = launch(*args, **options)
-            try:  # the compiled kernel takes every signature argument positionally, constexprs included
-                extra = tuple(options[name] for name in self.kernel.arg_names[len(args):])
-            except KeyError:  # a default left out: not replayed
-                compiled = None
-            self.launches.append(None if compiled is None or callable(grid) else (compiled, grid, args, extra, True))
-            return compiled
-        return watched
 
 
 def store(key, rec: Recorder, inputs: tuple, outputs: tuple) -> None:
@@ -138,7 +100,7 @@ def store(key, rec: Recorder, inputs: tuple, outputs: tuple) -> None:
         return
     if any(t is not None and t.requires_grad for t in inputs):
         return  # checked with grad mode off: a replay with it on would skip the checks' no-backward refusal
-    if not rec.module._INTERPRETING and torch.cuda.is_current_stream_capturing():
+    if not rec.interpreting and torch.cuda.is_current_stream_capturing():
         return  # scratch grown inside a capture is zeroed when the graph replays, not now
     plan = _build(rec, inputs, outputs)
     if len(PLANS) >= LIMIT:
@@ -182,11 +144,11 @@ def _build(rec: Recorder, inputs: tuple, outputs: tuple):
     launches = rec.launches
     if not launches or any(launch is None for launch in launches):
         return None
-    compiled = not rec.module._INTERPRETING
+    compiled = not rec.interpreting
     if any(launch[4] is not compiled for launch in launches):
         return None
     if compiled and rec.count != len(launches):
-        return None  # a launch went around _launch: replaying the recorded ones would miss it
+        return None  # a launch went around the launcher: replaying the recorded ones would miss it
     by_ptr = {}
     for slot, t in enumerate((*inputs, *outputs)):
         if t is None:
@@ -201,7 +163,7 @@ def _build(rec: Recorder, inputs: tuple, outputs: tuple):
         its pointer only (the interpreter also its dtype), so the same call tensor of a later call serves."""
         slot, t = by_ptr.get(p.data_ptr(), (None, None))
         return slot if t is not None and (compiled or p.dtype == t.dtype) else None
-    scratch = {id(t) for pair in getattr(rec.module, "_SPLITK_SCRATCH", {}).values() for t in pair}
+    scratch = {id(t) for pair in host.SPLITK_SCRATCH.values() for t in pair}
 
     templates = tuple(_template(out) for out in outputs)
     if any(template is None for template in templates):

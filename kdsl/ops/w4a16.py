@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kdsl.kernels.w4a16.common import gather_columns
 from kdsl.naming import w4a16_scheme_name
 from kdsl.ops import _checks as check
 from kdsl.ops import _plan, fallback
@@ -201,7 +202,7 @@ def _w4a16_dequant_impl(prepared: W4A16Prepared) -> torch.Tensor:
     entry = registry.dispatch(DEQUANT_OP, prepared.scheme, w.device)
     _check_layout(entry, prepared)
     entry.launch(prepared.qweight, prepared.zeros, prepared.scales, prepared.groups, prepared.contiguous_groups,
-                 w, entry.tile_for(None))
+                 None, w, entry.tile_for(None))
     return w
 
 
@@ -323,26 +324,27 @@ def _w4a16_gemm_impl(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
         if perm is None:
             w = torch.empty((n, k), dtype=x2.dtype, device=device)
             dequant.launch(prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
-                           prepared.contiguous_groups, w, dequant.tile_for(None))
+                           prepared.contiguous_groups, None, w, dequant.tile_for(None))
             torch.mm(x2, w.t(), out=y.view(-1, n))
         else:  # act-order: w's rows go back to the checkpoint's K order as they are written, so x is not gathered
             w = torch.empty((k, n), dtype=x2.dtype, device=device)
             dequant.launch(prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
-                           prepared.contiguous_groups, w, dequant.tile_for(None), perm)
+                           prepared.contiguous_groups, perm, w, dequant.tile_for(None))
             torch.mm(x2, w, out=y.view(-1, n))
         return y
-    # act_order=False: act-order's x is gathered once by the chosen module (gather_columns), then the tile of
-    # plain g_idx runs; the in-kernel perm lookups that act_order facts select are the AOT C ABI's.
+    # act_order=False: act-order's x is gathered once by the chosen module's gather kernel (gather_columns), then
+    # the tile of plain g_idx runs; the in-kernel perm lookups that act_order facts select are the AOT C ABI's.
     call = registry.Call(m=m, n=n, device_type=device.type, dtype=check.dtype_name(x2.dtype),
                          act_order=False, contiguous_groups=prepared.contiguous_groups,
                          align=check.alignment(x2, prepared.scales))
     tile = entry.tile_for(m, n, call)  # the plan key holds everything the call's facts are made of
-    module = entry.modules[tile["impl"]].load()
+    kernel_module = entry.modules[tile["impl"]]
     # Act-order: x's columns gathered into a buffer of the call's own, which the plan allocates like an output.
     gathered = None if perm is None else torch.empty((m, k), dtype=x2.dtype, device=device)
-    with _plan.Recorder(module if plan is None else None) as rec:
+    with _plan.Recorder(kernel_module.load() if plan is None else None) as rec:
         if perm is not None:
-            x2 = module.gather_columns(x2, perm, gathered)
+            kernel_module.run(gather_columns, x2, perm, gathered)
+            x2 = gathered
         entry.launch(x2, None, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
                      prepared.contiguous_groups, y.view(-1, n), tile)
     _plan.store(key, rec, (x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups),

@@ -10,9 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
+import kdsl.schema  # noqa: F401  (before kdsl.kernels: the schema's definitions import the units, theirs first)
+from kdsl.kernels import find_impl
+from kdsl.kernels.base import Generated, KernelImpl, Launch
+from kdsl.runtime import launcher
+
 GENERATED_ENV = "KDSL_GENERATED"  # replaces the shipped kernels' folder
 KERNEL_PATH_ENV = "KDSL_KERNEL_PATH"  # extra folders of generated kernels, searched before the shipped ones
-SUPPORTED_FORMAT = 10
+SUPPORTED_FORMAT = 11
 SHIPPED = "shipped"
 
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -82,12 +87,12 @@ class Call:
 
 @dataclass(frozen=True, eq=False)
 class KernelModule:
-    """One generated module of a kernel: one implementation's algorithm."""
+    """One generated module of a kernel: one implementation's algorithm. Its device code is the module; its
+    host code (launch and refusal) is the implementation's unit (kdsl.kernels.base.KernelImpl)."""
 
     impl: str
     path: Path
-    function: str
-    refusal_function: str | None  # (tile params, Call) -> reason or None
+    unit: KernelImpl | None  # None: the manifest names an implementation this kdsl does not have
     import_name: str
 
     def load(self) -> ModuleType:
@@ -98,13 +103,51 @@ class KernelModule:
                 hook(self, module)
         return module
 
+    def generated(self) -> Generated:
+        """The loaded module as its unit's launch and refusal read it (built once)."""
+        generated = _GENERATED.get(self.path)
+        if generated is None:
+            generated = _GENERATED[self.path] = Generated(self.load(), self.path.stem)
+        return generated
+
     @property
     def launch(self):
-        return getattr(self.load(), self.function)
+        """launch(*args, tile): the call's launches, as the unit describes them, run by kdsl.runtime.launcher."""
+        bound = _LAUNCHES.get(self.path)
+        if bound is None:
+            if self.unit is None:
+                raise ManifestError(f"{self.path}: implementation {self.impl!r} is not one this kdsl has: "
+                                    "run `python -m kdsl generate`")
+            generated, describe, run = self.generated(), self.unit.launch, launcher.run
+
+            def bound(*args):
+                # launcher.run_all, inlined: this is every eager launch's path
+                described = describe(generated, *args)
+                if type(described) is Launch:
+                    run(described)
+                else:
+                    for launch in described:
+                        run(launch)
+            _LAUNCHES[self.path] = bound
+        return bound
+
+    def run(self, describe, *args) -> None:
+        """Run the launches describe(generated, *args) returns: host code shared by several implementations
+        (act-order's gather of x, kdsl.kernels.w4a16.common) launching a kernel of this module."""
+        launcher.run_all(describe(self.generated(), *args))
 
     @property
     def refusal(self):
-        return None if self.refusal_function is None else getattr(self.load(), self.refusal_function)
+        """(tile params, Call) -> why the tile should not serve the call, or None; None where it serves every call."""
+        refusal = None if self.unit is None else self.unit.refusal
+        if refusal is None:
+            return None
+        generated = self.generated()
+        return lambda params, call: refusal(generated, params, call)
+
+    @property
+    def refuses(self) -> bool:
+        return self.unit is not None and self.unit.refusal is not None
 
 
 @dataclass(frozen=True, eq=False)
@@ -145,7 +188,7 @@ class KernelEntry:
     @property
     def refuses_calls(self) -> bool:
         """Whether any of its modules may pass a tile over at run time (the ops then describe the call)."""
-        return any(module.refusal_function for module in self.modules.values())
+        return any(module.refuses for module in self.modules.values())
 
     def refusal_reason(self, params: dict, call: Call) -> str | None:
         """Why the tile's module passes it over for this call (None: it serves it)."""
@@ -169,10 +212,6 @@ class KernelEntry:
         return self.modules[self.impl].path
 
     @property
-    def function(self) -> str:
-        return self.modules[self.impl].function
-
-    @property
     def launch(self):
         """launch(*args, tile): the launch function of the module serving `tile`."""
         if len(self.modules) == 1:
@@ -190,21 +229,18 @@ class KernelEntry:
 
 
 _MODULES: dict[Path, ModuleType] = {}
-# Called with (KernelModule, module) after a generated module is imported. A package that launches kernels
-# another way (kdsl.aot: exported cubins) adds itself here when it is imported; the runtime imports none of them.
+_LAUNCHES: dict = {}  # module path -> its unit's launch function, bound to the loaded module once
+_GENERATED: dict = {}  # module path -> the loaded module as its unit reads it (kdsl.kernels.base.Generated)
+# Called with (KernelModule, module) after a generated module is imported. A package that must act then
+# (kdsl.aot: KDSL_AOT=DIR is loaded with the first module) adds itself when it is imported; the runtime imports none.
 _MODULE_HOOKS: list = []
 
 
 def add_module_hook(hook) -> None:
     """Call hook(kernel_module, module) after each generated module is imported from now on (a hook added
-    twice runs once); loaded_modules() gives those imported before."""
+    twice runs once)."""
     if hook not in _MODULE_HOOKS:
         _MODULE_HOOKS.append(hook)
-
-
-def loaded_modules() -> list[ModuleType]:
-    """The generated modules imported so far."""
-    return list(_MODULES.values())
 
 
 def _import_file(module_name: str, path: Path) -> ModuleType:
@@ -242,8 +278,7 @@ def load_manifest(folder: Path | None = None, origin: str = SHIPPED) -> tuple[Ke
         package = "kdsl_generated" if origin == SHIPPED else (
             "kdsl_user_" + hashlib.sha256(origin.encode()).hexdigest()[:12])
         modules = {
-            m["impl"]: KernelModule(impl=m["impl"], path=folder / m["module"], function=m["function"],
-                                    refusal_function=m.get("refusal"),
+            m["impl"]: KernelModule(impl=m["impl"], path=folder / m["module"], unit=find_impl(raw["op"], m["impl"]),
                                     import_name=f"{package}.{m['module'].removesuffix('.py')}")
             for m in raw["modules"]
         }

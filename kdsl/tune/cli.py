@@ -31,7 +31,7 @@ For each M bucket of the variant (or those named by --bucket), and inside one ti
               the MoE layers (moe_fp8, moe_w4a16), whose M is tokens per routed expert: every
               layer (E, top-k, H, I) of the preset at its token counts T that fall in the bucket
               (or at the most T that give the bucket's m_max tokens per expert)
-  timing      the generated module's launch with each candidate tile; median of
+  timing      the implementation's launch with each candidate tile; median of
               triton.testing.do_bench_cudagraph for M <= 128 (fp8_bmm: every M, as its bench
               times it), do_bench otherwise. Each candidate
               is checked once per shape against the fp32 reference (the bench's tolerance);

@@ -115,7 +115,7 @@ const kdsl__launch_record *kdsl_aot_test_last_launch(void);
 
 static inline int64_t kdsl__cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static inline int64_t kdsl__div(int64_t a, int64_t b) { return a / b; }
-/* common/sm_fill.py.j2's split_for (SPLIT_FILL 2, PROGRAM_COST_STEPS 6), as kdsl.aot.abi.split_for. */
+/* kdsl/kernels/host.py's split_for (SPLIT_FILL 2, PROGRAM_COST_STEPS 6), as kdsl.aot.abi.split_for. */
 static inline int64_t kdsl__split_cap(int64_t k_steps, int64_t split_k, int64_t min_steps) {
   int64_t cap = k_steps / (min_steps > 0 ? min_steps : 1);
   if (cap > split_k) cap = split_k;

@@ -2,10 +2,29 @@
 
 Grid axis 2 walks the batch; every operand comes with its strides, so a batch of `x.transpose(0, 1)`
 views (MLA's per-head activations) runs without a copy. Tiles and options as fp8_gemm/portable."""
-from kdsl.kernels.base import GEMM_KNOBS, KernelImpl
-from kdsl.kernels.block_fp8.fp8_gemm_portable import Options, operand_ring_bytes
+from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
+from kdsl.kernels.block_fp8.fp8_gemm_portable import Options, operand_ring_bytes, portable_constexprs
+from kdsl.kernels.host import cdiv
+
+
+def launch(generated, a, a_s, b, b_s, c, tile):
+    """a [B, M, K] fp8, a_s [B, M, K // ACT_GROUP], b [B, N, K] fp8, b_s [B, cdiv(N, W_BLOCK_N), K // W_BLOCK_K],
+    c [B, M, N]: any strides, passed as they are (no copies).
+
+    Unit stride along K for a and b, and along N for c, is the caller's to guarantee; B, M >= 1.
+    """
+    B, M, K = a.shape
+    N = b.shape[1]
+    grid = (cdiv(M, tile["BLOCK_M"]) * cdiv(N, tile["BLOCK_N"]), 1, B)
+    return Launch(generated.kernel, grid, (
+        a, b, c, a_s, b_s, M, N, K,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        a_s.stride(0), a_s.stride(1), a_s.stride(2), b_s.stride(0), b_s.stride(1), b_s.stride(2),
+    ), portable_constexprs(tile))
+
 
 IMPL = KernelImpl(
     "block_fp8", "fp8_bmm", "portable", "block_fp8/fp8_bmm_portable.py.j2", 89, None,
     "batched, strided pointer loads, fp32 accumulation with per-step scales",
-    tile_knobs=GEMM_KNOBS, options=Options, shared_bytes=operand_ring_bytes, min_block_m=16)
+    tile_knobs=GEMM_KNOBS, options=Options, shared_bytes=operand_ring_bytes, min_block_m=16,
+    launch=launch)

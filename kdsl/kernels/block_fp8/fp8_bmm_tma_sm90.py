@@ -14,8 +14,10 @@ from typing import Literal
 
 from pydantic import Field, PositiveInt
 
-from kdsl.kernels.base import GEMM_KNOBS, KernelImpl
+from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
 from kdsl.kernels.block_fp8.fp8_gemm_portable import TILE_ORDER_HELP, one_scale_per_k_block, operand_ring_bytes
+from kdsl.kernels import host
+from kdsl.kernels.host import INTERPRETING, cdiv, tma_descriptor
 from kdsl.schema._base import StrictModel
 
 
@@ -69,9 +71,65 @@ def problems(where: str, scheme, variant, tile, options: Options) -> list[str]:
     return found
 
 
+def refusal(generated, tile, call):
+    """Why the TMA kernel cannot serve `call` (a kdsl.runtime Call), None where it can; the definition's
+    alternative tile (fp8_bmm/portable's kernel with the same blocks) then serves it. A tile for few batches
+    (batch_max) passes larger calls to the tile after it."""
+    if tile["batch_max"] is not None and call.batch > tile["batch_max"]:
+        return f"the tile serves up to batch_max = {tile['batch_max']} batches, the call has {call.batch}"
+    if call.align < 16:
+        return ("TMA needs every base and stepped stride of a, b and out a non-zero multiple of 16 bytes"
+                + (" (one is 0: a broadcast view)" if call.align == 0 else ""))
+    return None
+
+
+def _tma_strides(t):
+    """t's [batch, row] strides as a TMA descriptor takes them: a dimension of size 1 is never stepped, so its
+    stride may be anything; give it one that is a multiple of 16 bytes."""
+    size = t.element_size()
+    row = cdiv(t.shape[2] * size, 16) * 16 // size
+    return [t.stride(dim) if t.shape[dim] > 1 else row for dim in (0, 1)] + [1]
+
+
+def _programs(device, tiles: int, tile: dict) -> int:
+    """Persistent: programs_per_sm programs per SM loop over the tiles; else one program per tile."""
+    return min(tiles, host.sm_count(device) * tile["programs_per_sm"]) if tile["persistent"] else tiles
+
+
+def launch(generated, a, a_s, b, b_s, c, tile):
+    """a [B, M, K] fp8, a_s [B, M, K // ACT_GROUP], b [B, N, K] fp8, b_s [B, cdiv(N, W_BLOCK_N), K // W_BLOCK_K],
+    c [B, M, N]: any strides, passed as they are (no copies).
+
+    Unit stride along K for a and b, and along N for c, is the caller's to guarantee; B, M >= 1; every other
+    stride and base a multiple of 16 bytes (see refusal).
+    """
+    B, M, K = a.shape
+    N = b.shape[1]
+    bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
+    a_strides, b_strides, c_strides = _tma_strides(a), _tma_strides(b), _tma_strides(c)
+    a_desc = tma_descriptor(a, [B, M, K], a_strides, [1, bm, bk])
+    b_desc = tma_descriptor(b, [B, N, K], b_strides, [1, bn, bk])
+    c_desc = tma_descriptor(c, [B, M, N], c_strides, [1, bm, bn])
+    tiles = B * cdiv(M, bm) * cdiv(N, bn)
+    programs = _programs(a.device, tiles, tile)
+    # Triton's interpreter has no grid dependency control: there the kernel launches as an ordinary one.
+    pdl = tile["pdl"] and not INTERPRETING
+    return Launch(generated.kernel, (programs, 1, 1), (
+        a_desc, b_desc, c_desc, a_s, b_s, b, c, B, M, N, K,
+        a_s.stride(0), a_s.stride(1), a_s.stride(2), b_s.stride(0), b_s.stride(1), b_s.stride(2),
+        b.stride(0), b.stride(1), c.stride(0), c.stride(1), programs,
+    ), dict(
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tile["GROUP_M"], N_MAJOR=tile["tile_order"] == "n_major",
+        BATCH_INNER=tile["batch_inner"], SWAP_AB=tile["swap_ab"], FLATTEN=tile["flatten"],
+        WARP_SPECIALIZE=tile["warp_specialize"], PDL=pdl, PREFETCH_WEIGHTS=tile["prefetch_weights"],
+        POINTER_STORE=tile["epilogue"] == "pointer", num_warps=tile["num_warps"], num_stages=tile["num_stages"],
+        **({"launch_pdl": True} if pdl else {}),
+    ))
+
+
 IMPL = KernelImpl(
     "block_fp8", "fp8_bmm", "tma_persistent", "block_fp8/fp8_bmm_tma_sm90.py.j2", 90, 90,
     "batched, 3-D TMA descriptors (transposed activations without a copy), persistent grid over "
     "(batch, m-tile, n-tile), wgmma through Triton; refuses strides TMA cannot take",
     tile_knobs=GEMM_KNOBS, options=Options, shared_bytes=shared_bytes, problems=problems, min_block_m=16,
-    refusal="refusal")
+    launch=launch, refusal=refusal)

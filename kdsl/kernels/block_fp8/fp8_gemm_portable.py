@@ -3,7 +3,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from kdsl.kernels.base import GEMM_KNOBS, KernelImpl
+from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
+from kdsl.kernels.host import cdiv
 from kdsl.schema._base import StrictModel
 
 TILE_ORDER_HELP = "m_major walks down M inside a group (reuses B); n_major walks along N (reuses A)"
@@ -31,7 +32,29 @@ def one_scale_per_k_block(where: str, scheme, tile) -> list[str]:
     return found
 
 
+def portable_constexprs(tile: dict) -> dict:
+    """The constexprs and launch options of the portable GEMMs (fp8_gemm, fp8_bmm, fp8_grouped_gemm[_masked])."""
+    return dict(BLOCK_M=tile["BLOCK_M"], BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
+                GROUP_M=tile["GROUP_M"], N_MAJOR=tile["tile_order"] == "n_major",
+                num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+
+
+def launch(generated, a, a_s, b, b_s, c, tile):
+    """a [M, K] fp8, a_s [M, K // ACT_GROUP], b [N, K] fp8, b_s [cdiv(N, W_BLOCK_N), K // W_BLOCK_K], c [M, N].
+
+    Unit stride along K (and N for c) is the caller's to guarantee; M >= 1.
+    """
+    M, K = a.shape
+    N = b.shape[0]
+    grid = (cdiv(M, tile["BLOCK_M"]) * cdiv(N, tile["BLOCK_N"]), 1, 1)
+    return Launch(generated.kernel, grid, (
+        a, b, c, a_s, b_s, M, N, K,
+        a.stride(0), b.stride(0), c.stride(0), a_s.stride(0), b_s.stride(0),
+    ), portable_constexprs(tile))
+
+
 IMPL = KernelImpl(
     "block_fp8", "fp8_gemm", "portable", "block_fp8/fp8_gemm_portable.py.j2", 89, None,
     "pointer loads, grouped tile order, fp32 accumulation with per-step scales",
-    tile_knobs=GEMM_KNOBS, options=Options, shared_bytes=operand_ring_bytes, min_block_m=16)
+    tile_knobs=GEMM_KNOBS, options=Options, shared_bytes=operand_ring_bytes, min_block_m=16,
+    launch=launch)

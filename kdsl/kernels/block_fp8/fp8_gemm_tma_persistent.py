@@ -1,6 +1,6 @@
 """fp8_gemm/tma_persistent (Hopper): TMA descriptors, optionally a persistent grid, wgmma through Triton.
 
-A, B and C move through 2-D TMA descriptors; split K sums its partials in-kernel (common/splitk_fixup);
+A, B and C move through 2-D TMA descriptors; split K sums its partials in-kernel (common/splitk_store.py.j2);
 swap_ab puts B's rows on the wgmma's 64-row side for few rows of A. Its neighbours on sm_90 are their own
 units: fp8_gemm/deferred_gluon, the Gluon kernel that overlaps wgmma with the rescale.
 """
@@ -8,8 +8,10 @@ from typing import Literal
 
 from pydantic import Field, PositiveInt
 
-from kdsl.kernels.base import GEMM_KNOBS, KernelImpl
+from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
 from kdsl.kernels.block_fp8.fp8_gemm_portable import TILE_ORDER_HELP, operand_ring_bytes
+from kdsl.kernels import host
+from kdsl.kernels.host import cdiv, programs_for, split_with_scratch, tma_descriptor
 from kdsl.schema._base import StrictModel
 
 SPLIT_FILL_HELP = ("how many of the tile's programs fit on an SM at once (default 2): split K plans for this many "
@@ -43,8 +45,35 @@ def problems(where: str, scheme, variant, tile, options: Options) -> list[str]:
     return found
 
 
+def launch(generated, a, a_s, b, b_s, c, tile):
+    """a [M, K] fp8, a_s [M, K // ACT_GROUP], b [N, K] fp8, b_s [cdiv(N, W_BLOCK_N), K // W_BLOCK_K], c [M, N].
+
+    TMA needs 16-byte aligned bases and row strides; the caller guarantees unit inner strides.
+    """
+    M, K = a.shape
+    N = b.shape[0]
+    bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
+    a_desc = tma_descriptor(a, [M, K], [a.stride(0), 1], [bm, bk])
+    b_desc = tma_descriptor(b, [N, K], [b.stride(0), 1], [bn, bk])
+    c_desc = tma_descriptor(c, [M, N], [c.stride(0), 1], [bm, bn])
+    tiles = cdiv(M, bm) * cdiv(N, bn)
+    sms = host.sm_count(a.device)
+    kernel = generated.kernel
+    split_k, workspace, counters = split_with_scratch(kernel, c, tile, cdiv(K, bk), tiles, sms, bm * bn)
+    programs = programs_for(sms, tiles * split_k, tile)
+    return Launch(kernel, (programs, 1, 1), (
+        a_desc, b_desc, c_desc, a_s, b_s, c, workspace, counters,
+        M, N, K, a_s.stride(0), b_s.stride(0), c.stride(0), programs,
+    ), dict(
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        GROUP_M=tile["GROUP_M"], N_MAJOR=tile["tile_order"] == "n_major", NUM_STAGES=tile["num_stages"],
+        SPLIT_K=split_k, WARP_SPECIALIZE=tile["warp_specialize"], SWAP_AB=tile["swap_ab"],
+        num_warps=tile["num_warps"],
+    ))
+
+
 IMPL = KernelImpl(
     "block_fp8", "fp8_gemm", "tma_persistent", "block_fp8/fp8_gemm_tma_persistent.py.j2", 90, 90,
     "TMA tensor descriptors, optionally a persistent grid over SMs, wgmma through Triton, split K in-kernel",
     tile_knobs=GEMM_KNOBS | {"split_k"}, options=Options, shared_bytes=shared_bytes, problems=problems,
-    min_block_m=16)
+    min_block_m=16, launch=launch)

@@ -9,10 +9,13 @@ router weights in fp32. Grids are sized on the host for the worst routing (T * k
 min(T * k, E) experts); programs past the rows a call uses return at once, so one CUDA graph serves any routing.
 
 Tiles are chosen per M bucket where M is tokens per routed expert, ceil(T * k / min(T * k, E))."""
+import torch
 from pydantic import Field
 
-from kdsl.kernels.base import GEMM_KNOBS, KernelImpl
+from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
 from kdsl.kernels.block_fp8.fp8_gemm_portable import Options as GemmOptions
+from kdsl.kernels.host import cdiv
+from kdsl.kernels.moe_routing import combine, route
 
 FUSE_ACT_HELP = ("silu(gate) * up and its 1x128 quantization in the gate-up GEMM's epilogue (block_n = the activation "
                  "group: each program computes 128 gate and the matching 128 up columns); false: the GEMM writes the "
@@ -37,7 +40,70 @@ def problems(where: str, scheme, variant, tile, options: Options) -> list[str]:
     return []
 
 
+# Launch shape of the memory-bound quantization (routing and combine: kdsl/kernels/moe_routing.py): a few
+# microseconds at decode, a small share of the GEMMs' time at prefill.
+QUANT_ROWS = 8  # rows per program quantizing x (act_quant's tile)
+
+
+def launch(generated, x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, on_routed, tile):
+    """x [T, H] bf16/fp16 (unit stride along H), w13 [E, 2I, H] and w2 [E, H, I] fp8 with their block scales
+    w13_s [E, cdiv(2I, W_BLOCK_N), H // W_BLOCK_K] and w2_s [E, cdiv(H, W_BLOCK_N), I // W_BLOCK_K] (unit stride
+    along K for weights and scales), topk_weights fp32 [T, k], topk_ids int32 [T, k], y [T, H] in x's dtype
+    (contiguous). T, k >= 1; H and I multiples of ACT_GROUP.
+
+    on_routed(outside): None, or called with a one-element int32 tensor, the number of ids outside [0, E), after
+    the routing kernel and before the GEMMs are launched (the op's check of topk_ids; it may raise).
+    Nothing here waits on the GPU: every size the grids need is known on the host, the rest is read on the device.
+    """
+    T, H = x.shape
+    E, two_inter = w13.shape[0], w13.shape[1]
+    inter = two_inter // 2
+    topk = topk_ids.shape[1]
+    assignments = T * topk
+    block_m, block_n = tile["BLOCK_M"], tile["BLOCK_N"]
+    fuse = tile["fuse_act"]
+    device = x.device
+    round_first = device.type == "cpu"
+    fp8 = w13.dtype
+    act_group = generated.module.ACT_GROUP.value
+    kernels = generated.kernels
+
+    rows, block_expert, meta, max_rows, max_blocks = yield from route(generated, topk_ids, E, block_m, on_routed)
+
+    xq = torch.empty((T, H), dtype=fp8, device=device)
+    xs = torch.empty((T, H // act_group), dtype=torch.float32, device=device)
+    yield Launch(kernels["_quant"], (cdiv(T, QUANT_ROWS), H // act_group, 1), (x, xq, xs, T, H, x.stride(0)),
+                 dict(BLOCK_M=QUANT_ROWS, ROUND_FIRST=round_first, num_warps=2))
+
+    hq = torch.empty((max_rows, inter), dtype=fp8, device=device)
+    hs = torch.empty((max_rows, inter // act_group), dtype=torch.float32, device=device)
+    gemm = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=tile["BLOCK_K"], GROUP_M=tile["GROUP_M"],
+                N_MAJOR=tile["tile_order"] == "n_major", num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+    if fuse:
+        h, h_scales, n = hq, hs, inter
+    else:
+        h = torch.empty((max_rows, two_inter), dtype=torch.float32, device=device)
+        h_scales, n = h, two_inter
+    yield Launch(generated.kernel, (max_blocks * cdiv(n, block_n), 1, 1), (
+        xq, xs, w13, w13_s, h, h_scales, rows, block_expert, meta, n, H, topk, max_blocks,
+        xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), w13_s.stride(0), w13_s.stride(1),
+        h.stride(0), h_scales.stride(0),
+    ), dict(FUSE_ACT=fuse, ROUND_FIRST=round_first, **gemm))
+    if not fuse:
+        yield Launch(kernels["_act"], (max_blocks, inter // act_group, 1), (
+            h, hq, hs, rows, meta, inter, h.stride(0), hq.stride(0), hs.stride(0),
+        ), dict(BLOCK_M=block_m, ROUND_FIRST=round_first, num_warps=4))
+
+    out = torch.empty((assignments, H), dtype=y.dtype, device=device)
+    yield Launch(kernels["_down"], (max_blocks * cdiv(H, block_n), 1, 1), (
+        hq, hs, w2, w2_s, out, rows, block_expert, meta, H, inter, max_blocks,
+        hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1), w2_s.stride(0), w2_s.stride(1), out.stride(0),
+    ), gemm)
+    yield combine(generated, out, topk_weights, topk_ids, y, E)
+
+
 IMPL = KernelImpl(
     "block_fp8", "moe_fp8", "sorted", "block_fp8/moe_fp8_sorted.py.j2", 89, None,
     "tokens sorted by expert on the device, gate-up GEMM (+ silu * up + 1x128 quant), down GEMM, weighted combine",
-    tile_knobs=GEMM_KNOBS, options=Options, shared_bytes=shared_bytes, problems=problems, min_block_m=16)
+    tile_knobs=GEMM_KNOBS, options=Options, shared_bytes=shared_bytes, problems=problems, min_block_m=16,
+    launch=launch)

@@ -1,12 +1,40 @@
 """The block-FP8 quantize and dequantize kernels: memory-bound, one program per row group or weight block."""
-from kdsl.kernels.base import KernelImpl
+from kdsl.kernels.base import KernelImpl, Launch
+from kdsl.kernels.host import cdiv
+
+
+def launch_act_quant(generated, x, q, s, tile):
+    """x [M, K] (unit stride along K), q [M, K] fp8 and s [M, K // GROUP] float32, both contiguous."""
+    M, K = x.shape
+    grid = (cdiv(M, tile["BLOCK_M"]), K // generated.module.GROUP.value, 1)
+    return Launch(generated.kernel, grid, (x, q, s, M, K, x.stride(0)),
+                  dict(BLOCK_M=tile["BLOCK_M"], ROUND_FIRST=x.device.type == "cpu", num_warps=tile["num_warps"]))
+
+
+def launch_weight_quant(generated, w, q, s, tile):
+    """w [N, K] (unit stride along K), q [N, K] fp8 contiguous, s [cdiv(N, BLOCK_N), cdiv(K, BLOCK_K)] float32."""
+    N, K = w.shape
+    module = generated.module
+    grid = (cdiv(N, module.BLOCK_N.value), cdiv(K, module.BLOCK_K.value), 1)
+    return Launch(generated.kernel, grid, (w, q, s, N, K, w.stride(0), s.stride(0)),
+                  dict(ROUND_FIRST=w.device.type == "cpu", num_warps=tile["num_warps"]))
+
+
+def launch_weight_dequant(generated, q, s, w, tile):
+    """q [N, K] fp8 (unit stride along K), s [cdiv(N, BLOCK_N), cdiv(K, BLOCK_K)] float32, w [N, K] contiguous."""
+    N, K = q.shape
+    module = generated.module
+    grid = (cdiv(N, module.BLOCK_N.value), cdiv(K, module.BLOCK_K.value), 1)
+    return Launch(generated.kernel, grid, (q, s, w, N, K, q.stride(0), s.stride(0), s.stride(1)),
+                  dict(num_warps=tile["num_warps"]))
+
 
 ACT_QUANT_ROWWISE = KernelImpl(
     "block_fp8", "act_quant", "rowwise", "block_fp8/act_quant.py.j2", 89, None,
-    "per-token, per-group amax scaling to e4m3", tile_knobs=frozenset({"block_m"}))
+    "per-token, per-group amax scaling to e4m3", tile_knobs=frozenset({"block_m"}), launch=launch_act_quant)
 WEIGHT_QUANT_BLOCKWISE = KernelImpl(
     "block_fp8", "weight_quant", "blockwise", "block_fp8/weight_quant.py.j2", 89, None,
-    "one program per weight block, amax scaling to e4m3", tile_knobs=frozenset())
+    "one program per weight block, amax scaling to e4m3", tile_knobs=frozenset(), launch=launch_weight_quant)
 WEIGHT_DEQUANT_BLOCKWISE = KernelImpl(
     "block_fp8", "weight_dequant", "blockwise", "block_fp8/weight_dequant.py.j2", 89, None,
-    "one program per weight block, fp8 x scale", tile_knobs=frozenset())
+    "one program per weight block, fp8 x scale", tile_knobs=frozenset(), launch=launch_weight_dequant)

@@ -6,12 +6,33 @@ silu_mul_quant / rowwise (sm_89+: e4m3 stores) quantizes h per token in 1 x act_
 (common/act_group_quant.py.j2: s = amax / 448, NaN kept, zero groups finite), so FP8 MLPs feed the down GEMM
 without an act_quant of their own. Both compute h in fp32 and round it once. silu_mul reads none of its scheme's
 fields: it is generated for the block_fp8 scheme of its definition file only because every kernel has one."""
-from kdsl.kernels.base import KernelImpl
+from kdsl.kernels.base import KernelImpl, Launch
+from kdsl.kernels.host import cdiv
+
+
+def launch_silu_mul(generated, gu, h, tile):
+    """gu [M, 2 I] (unit stride along columns: gate's I, then up's), h [M, I] in its dtype, unit stride along
+    columns."""
+    M, I = h.shape
+    grid = (cdiv(M, tile["BLOCK_M"]), cdiv(I, tile["BLOCK_N"]), 1)
+    return Launch(generated.kernel, grid, (gu, h, M, I, gu.stride(0), h.stride(0)),
+                  dict(BLOCK_M=tile["BLOCK_M"], BLOCK_N=tile["BLOCK_N"], num_warps=tile["num_warps"]))
+
+
+def launch_silu_mul_quant(generated, gu, q, s, tile):
+    """gu [M, 2 I] (unit stride along columns: gate's I, then up's), q [M, I] fp8 and s [M, I // GROUP] float32,
+    unit stride along columns."""
+    M, I = q.shape
+    grid = (cdiv(M, tile["BLOCK_M"]), I // generated.module.GROUP.value, 1)
+    return Launch(generated.kernel, grid, (gu, q, s, M, I, gu.stride(0), q.stride(0), s.stride(0)),
+                  dict(BLOCK_M=tile["BLOCK_M"], ROUND_FIRST=gu.device.type == "cpu", num_warps=tile["num_warps"]))
+
 
 SILU_MUL = KernelImpl(
     "block_fp8", "silu_mul", "rowwise", "block_fp8/silu_mul.py.j2", 80, None,
-    "silu(gate) * up in fp32, rounded once to the input's dtype", tile_knobs=frozenset({"block_m", "block_n"}))
+    "silu(gate) * up in fp32, rounded once to the input's dtype", tile_knobs=frozenset({"block_m", "block_n"}),
+    launch=launch_silu_mul)
 SILU_MUL_QUANT = KernelImpl(
     "block_fp8", "silu_mul_quant", "rowwise", "block_fp8/silu_mul.py.j2", 89, None,
     "silu(gate) * up in fp32, quantized per token and group to e4m3 (act_quant's rule)",
-    tile_knobs=frozenset({"block_m"}))
+    tile_knobs=frozenset({"block_m"}), launch=launch_silu_mul_quant)

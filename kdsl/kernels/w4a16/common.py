@@ -1,14 +1,17 @@
-"""What the W4A16 implementations share: the split-K options and the prepared layouts they read."""
+"""What the W4A16 implementations share: the split-K options, the prepared layouts they read, and host code of
+their launches (the dequant's magic numbers, the paired layout's (scale, zero) view, act-order's gather)."""
+import torch
 from pydantic import Field, PositiveInt
 
+from kdsl.kernels.base import Launch
 from kdsl.kernels.block_fp8.fp8_gemm_tma_persistent import SPLIT_FILL_HELP, SPLIT_MIN_STEPS_HELP
+from kdsl.kernels.host import cdiv
 from kdsl.packing import PLANE_TILE_K, PLANE_TILE_N
 from kdsl.schema._base import StrictModel
 
 
 class SplitOptions(StrictModel):
-    """How a tile's split_k (an upper bound) becomes the split it launches with (split_for in
-    common/sm_fill.py.j2)."""
+    """How a tile's split_k (an upper bound) becomes the split it launches with (kdsl.kernels.host.split_for)."""
 
     split_fill: PositiveInt | None = Field(None, description=SPLIT_FILL_HELP)
     split_min_steps: PositiveInt | None = Field(None, description=SPLIT_MIN_STEPS_HELP)
@@ -37,3 +40,31 @@ def plane_tile_problems(where: str, tile) -> list[str]:
         found.append(f"{where}.block_n: {tile.block_n} does not divide the k_planes layout's "
                      f"{PLANE_TILE_N} columns per tile")
     return found
+
+
+# Bit patterns whose low mantissa bits take q directly, and the value they stand for.
+MAGIC = {torch.float16: (0x6400, 1024), torch.bfloat16: (0x4300, 128)}
+
+
+def scale_zero_pairs(scales):
+    """The (scale, zero) pairs as int32 [G, N]: scales is the low half of each pair (column stride 2)."""
+    return scales.as_strided((scales.shape[0], 2 * scales.shape[1]), (scales.stride(0), 1)).view(torch.int32)
+
+
+def gather_columns(generated, x, perm, out):
+    """out [M, K] = x [M, K] (unit column strides) with its columns in prepared K order (act-order), for
+    launch(out, None, ...); out is the caller's, so a launch plan can allocate it as it allocates the outputs.
+    Gathering x once, in its own launch, lets every tile serve act-order at plain g_idx's speed; launch()'s
+    perm lookup per element (HAS_PERM, which the AOT C ABI keeps) made the GEMMs' x loads wait on it (H200,
+    M = 1-256: 1.4-28x the plain layer's time, against 1.2-1.5x with a gather)."""
+    M, K = x.shape
+    k_pow2 = 1 << max(K - 1, 0).bit_length()
+    # Each program reads its whole row and permutes it through shared memory, so a row's columns are split over
+    # several programs only where rows alone leave the SMs idle (H200, K = 14336: M = 256 took 14 us in blocks
+    # of 1024 columns).
+    block_k = k_pow2
+    while block_k > 1024 and M * (k_pow2 // block_k) < 256:
+        block_k //= 2
+    return Launch(generated.module._gather_columns, (M, cdiv(K, block_k), 1),
+                  (x, perm, out, K, x.stride(0), out.stride(0)),
+                  dict(K_POW2=k_pow2, BLOCK_K=block_k, num_warps=8 if k_pow2 >= 8192 else 4))

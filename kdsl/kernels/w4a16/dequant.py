@@ -6,8 +6,9 @@ the tile K-contiguous, in the prepared (group-sorted) K order. w4a16_gemm runs i
 cuBLAS, from its variant's `dequant_min_m` rows up: at prefill the GEMM is compute-bound and cuBLAS's fp16 GEMM
 beats the W4A16 kernels, while the dequant costs K * N / 2 bytes read and K * N * 2 written.
 """
-from kdsl.kernels.base import KernelImpl
-from kdsl.kernels.w4a16.common import plane_tile_problems, weights_layout
+from kdsl.kernels.base import KernelImpl, Launch
+from kdsl.kernels.host import cdiv
+from kdsl.kernels.w4a16.common import MAGIC, plane_tile_problems, weights_layout
 
 
 def problems(where: str, scheme, variant, tile, options) -> list[str]:
@@ -16,8 +17,26 @@ def problems(where: str, scheme, variant, tile, options) -> list[str]:
     return []
 
 
+def launch(generated, qweight, zeros, scales, groups, contiguous_groups, perm, w, tile):
+    """qweight, zeros and scales as LAYOUT says, in prepared K order; groups int32 [K], the group of each
+    prepared row; contiguous_groups: row k is in group k // GROUP_SIZE. perm None: w [N, K] (unit stride along
+    K) in scales' dtype, written whole; perm int32 [K] (act-order): w [K, N] (unit stride along N), prepared
+    row k written as row perm[k]."""
+    N, K = w.shape if perm is None else w.shape[::-1]
+    bn, bk = tile["BLOCK_N"], tile["BLOCK_K"]
+    magic_bits, magic_bias = MAGIC[w.dtype]
+    return Launch(generated.kernel, (cdiv(K, bk), cdiv(N, bn), 1), (
+        qweight, zeros, scales, groups, w, qweight if perm is None else perm,
+        N, K, qweight.stride(0), zeros.stride(0), scales.stride(0), w.stride(0),
+    ), dict(
+        HAS_PERM=perm is not None, UNIFORM_GROUP=contiguous_groups and generated.module.GROUP_SIZE.value % bk == 0, BLOCK_N=bn, BLOCK_K=bk,
+        MAGIC_BITS=magic_bits, MAGIC_BIAS=magic_bias, FP32_MATH=w.device.type == "cpu",
+        num_warps=tile["num_warps"],
+    ))
+
 IMPL = KernelImpl(
     "w4a16", "w4a16_dequant", "blockwise", "w4a16/dequant.py.j2", 80, None,
-    "prepared int4 weights to w [N, K] (prepared K order) for torch.matmul, one tile per program",
+    "prepared int4 weights to w [N, K] (prepared K order; act-order's w [K, N] in checkpoint order) for "
+    "torch.matmul, one tile per program",
     tile_knobs=frozenset({"block_n", "block_k"}), problems=problems, reads_prepared_weights=True,
-    dequant_for="w4a16_gemm")
+    dequant_for="w4a16_gemm", launch=launch)

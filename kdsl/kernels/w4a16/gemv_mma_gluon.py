@@ -5,8 +5,9 @@ block_k rows, with the next chunk's loads in flight, and sum in shared memory (n
 Reads k_planes words with paired (scale, zero). Refuses, at run time, the CPU (Gluon has no interpreter),
 groups that change inside a plane tile, and M > 8: the definition's next tile serves those calls.
 """
-from kdsl.kernels.base import KernelImpl
-from kdsl.kernels.w4a16.common import needs_layout
+from kdsl.kernels.base import KernelImpl, Launch
+from kdsl.kernels.host import cdiv
+from kdsl.kernels.w4a16.common import needs_layout, scale_zero_pairs
 from kdsl.packing import PLANE_TILE_K
 
 # x is the MMA's 8-wide operand.
@@ -28,8 +29,34 @@ def problems(where: str, scheme, variant, tile, options) -> list[str]:
     return found
 
 
+def refusal(generated, tile, call):
+    """Why this GEMV should not serve `call` (a kdsl.runtime Call), None where it should; the definition's
+    next tile serving M and N then runs instead."""
+    plane_tile_k = generated.module.PLANE_TILE_K.value
+    if not call.contiguous_groups or generated.module.GROUP_SIZE.value % plane_tile_k:
+        return f"a group changes inside a {plane_tile_k}-row plane tile, which the GEMV scales as one"
+    if call.m > MMA_GEMV_MAX_M:
+        return f"M = {call.m}: the GEMV takes at most {MMA_GEMV_MAX_M} rows (x is the MMA's 8-wide operand)"
+    if call.device_type != "cuda":
+        return "the mma.sync GEMV is a Gluon kernel, which runs on the GPU only"
+    return None
+
+
+def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
+    """x [M <= 8, K]; perm int32 [K] or None; qweight in k_planes, scales the low halves of the (scale,
+    zero) pairs, in prepared K order, each plane tile in one group (see refusal). y [M, N] in x's dtype."""
+    M, K = x.shape
+    N = y.shape[1]
+    pairs = scale_zero_pairs(scales)
+    return Launch(generated.kernel, (cdiv(N, 16), 1, 1), (
+        x, qweight if perm is None else perm, qweight, pairs, y,
+        M, N, x.stride(0), pairs.stride(0), y.stride(0),
+    ), dict(K=K, CHUNK_TILES=tile["BLOCK_K"] // generated.module.PLANE_TILE_K.value, HAS_PERM=perm is not None,
+            num_warps=tile["num_warps"]))
+
 IMPL = KernelImpl(
     "w4a16", "w4a16_gemm", "gemv_mma_gluon", "w4a16/gemv_mma_gluon.py.j2", 80, None,
     "W4A16 GEMV for M <= 8 on mma.sync (Gluon): 16 columns per program, its warps splitting K",
     tile_knobs=frozenset({"block_m", "block_n", "block_k", "n_min"}), problems=problems,
-    reads_prepared_weights=True, gemv_block_m=True, gemv_max_m=MMA_GEMV_MAX_M, refusal="refusal")
+    reads_prepared_weights=True, gemv_block_m=True, gemv_max_m=MMA_GEMV_MAX_M, launch=launch,
+    refusal=refusal)

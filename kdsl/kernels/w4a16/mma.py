@@ -3,17 +3,46 @@
 tl.dot on tiles dequantized in registers (magic-number dequant, LOP3 in PTX from 64-row tiles up), one
 load per 8 weights, split-K reduced in-kernel. Serves every arch from sm_80 and the interpreter.
 """
-from kdsl.kernels.base import GEMM_KNOBS, KernelImpl
+from kdsl.kernels import host
+from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
 from kdsl.kernels.gptq.checkpoint import w4a16_operand_bytes
-from kdsl.kernels.w4a16.common import SplitOptions, needs_layout
+from kdsl.kernels.host import cdiv, split_with_scratch
+from kdsl.kernels.w4a16.common import MAGIC, SplitOptions, needs_layout
 
 
 def problems(where: str, scheme, variant, tile, options: SplitOptions) -> list[str]:
     return needs_layout(f"{where}.impl", variant, "checkpoint")
 
 
+def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
+    """x [M, K]; perm int32 [K] or None; qweight, zeros and scales as LAYOUT says, in prepared K order;
+    groups int32 [K], the group of each prepared row; contiguous_groups: row k is in group k // GROUP_SIZE.
+    y [M, N] in x's dtype."""
+    M, K = x.shape
+    N = y.shape[1]
+    bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
+    kernel = generated.kernel
+    tiles = cdiv(M, bm) * cdiv(N, bn)
+    sms = host.sm_count(x.device) if x.device.type == "cuda" else None
+    split_k, workspace, counters = split_with_scratch(kernel, y, tile, cdiv(K, bk), tiles, sms, bm * bn)
+    magic_bits, magic_bias = MAGIC[x.dtype]
+    uniform = contiguous_groups and generated.module.GROUP_SIZE.value % bk == 0  # every K tile inside one group
+    # One scale per packed word, from 64-row tiles up; below that its join/permute costs more than it
+    # saves (H200 sweep).
+    asm = x.device.type == "cuda" and uniform and bm >= 64
+    return Launch(kernel, (tiles, split_k, 1), (
+        x, qweight if perm is None else perm, qweight, zeros, scales, groups,
+        y, workspace, counters,
+        M, N, K, x.stride(0), qweight.stride(0), zeros.stride(0), scales.stride(0), y.stride(0),
+    ), dict(
+        HAS_PERM=perm is not None, UNIFORM_GROUP=uniform,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tile["GROUP_M"], SPLIT_K=split_k,
+        MAGIC_BITS=magic_bits, MAGIC_BIAS=magic_bias, FP32_MATH=x.device.type == "cpu", ASM_DEQUANT=asm,
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"],
+    ))
+
 IMPL = KernelImpl(
     "w4a16", "w4a16_gemm", "mma", "w4a16/mma.py.j2", 80, None,
     "W4A16 MMA on checkpoint-order words: tl.dot on tiles dequantized in registers, split-K in-kernel",
     tile_knobs=GEMM_KNOBS | {"split_k"}, options=SplitOptions, shared_bytes=w4a16_operand_bytes,
-    problems=problems, reads_prepared_weights=True, min_block_m=16)
+    problems=problems, reads_prepared_weights=True, min_block_m=16, launch=launch)

@@ -5,9 +5,11 @@ slots; one warpgroup per 64 columns. Refuses, at run time, the CPU, act-order (x
 change inside a K block and rows TMA cannot read: the definition's next tile (the Triton MMA with the same
 block sizes) serves those calls.
 """
-from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, warpgroup_per_64
+from kdsl.kernels import host
+from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch, warpgroup_per_64
 from kdsl.kernels.gptq.checkpoint import w4a16_operand_bytes
-from kdsl.kernels.w4a16.common import SplitOptions, needs_layout, plane_tile_problems
+from kdsl.kernels.host import cdiv, gluon_descriptor, split_with_scratch
+from kdsl.kernels.w4a16.common import SplitOptions, needs_layout, plane_tile_problems, scale_zero_pairs
 
 
 def problems(where: str, scheme, variant, tile, options: SplitOptions) -> list[str]:
@@ -18,8 +20,44 @@ def problems(where: str, scheme, variant, tile, options: SplitOptions) -> list[s
     return found
 
 
+def refusal(generated, tile, call):
+    """Why this kernel should not serve `call` (a kdsl.runtime Call), None where it should; the definition's
+    next tile serving M and N (the Triton MMA with the same block sizes) then runs instead."""
+    if call.device_type != "cuda":
+        return "a Gluon kernel, which runs on the GPU only"
+    if call.act_order:
+        return "act-order gathers x's columns, which the kernel's TMA loads of x cannot"
+    if not call.contiguous_groups or generated.module.GROUP_SIZE.value % tile["BLOCK_K"]:
+        return f"a group changes inside a {tile['BLOCK_K']}-row K block, which the kernel scales as one"
+    if call.align < 16:
+        return "TMA reads rows that start 16-byte aligned, and x's or the (scale, zero) pairs' do not"
+    return None
+
+
+def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
+    """x [M, K] with 16-byte aligned rows; qweight in k_planes, scales the low halves of the (scale, zero)
+    pairs, each K block in one group, no act-order (see refusal). y [M, N] in x's dtype."""
+    if perm is not None:  # the TMA loads of x cannot follow a permutation: never a silently unpermuted product
+        raise ValueError("perm: w4a16_gemm/overlap_gluon takes no act-order permutation; gather x's columns first "
+                         "(gather_columns) or take a tile that does not refuse act-order calls")
+    M, K = x.shape
+    N = y.shape[1]
+    bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
+    kernel, plane_rows = generated.kernel, generated.module.PLANE_ROWS.value
+    tiles = cdiv(M, bm) * cdiv(N, bn)
+    split_k, workspace, counters = split_with_scratch(kernel, y, tile, cdiv(K, bk), tiles, host.sm_count(x.device),
+                                                      bm * bn)
+    pairs = scale_zero_pairs(scales)
+    words = qweight.view(-1, plane_rows)
+    return Launch(kernel, (cdiv(M, bm) * cdiv(N, bn), split_k, 1), (
+        gluon_descriptor(x, (bm, bk)), gluon_descriptor(words, (bn, plane_rows)),
+        gluon_descriptor(pairs, (1, bn)), y, workspace, counters,
+        M, N, K, y.stride(0),
+    ), dict(GROUP_M=tile["GROUP_M"], SPLIT_K=split_k, NUM_STAGES=tile["num_stages"], num_warps=tile["num_warps"]))
+
 IMPL = KernelImpl(
     "w4a16", "w4a16_gemm", "overlap_gluon", "w4a16/overlap_gluon.py.j2", 90, 90,
     "W4A16 GEMM for Hopper (Gluon): TMA ring, block k+1 dequantized while block k's wgmma runs",
     tile_knobs=GEMM_KNOBS | {"split_k"}, options=SplitOptions, shared_bytes=w4a16_operand_bytes,
-    problems=problems, reads_prepared_weights=True, min_block_m=16, refusal="refusal")
+    problems=problems, reads_prepared_weights=True, min_block_m=16, launch=launch,
+    refusal=refusal)

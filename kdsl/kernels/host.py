@@ -1,0 +1,142 @@
+"""Host arithmetic the implementations' launch functions share: ceil division, the SM count, the K split and its
+scratch, persistent grids and Gluon TMA descriptors. Pure Python over torch; nothing here launches a kernel."""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import torch
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Programs per SM the K split plans for (and a persistent grid launches), unless a tile's
+# split_fill says how many of its programs fit on an SM at once (1 for a tile that takes a whole SM).
+SPLIT_FILL = 2
+# What a program costs beyond its K steps (launch, pipeline fill, split-K store), in K steps.
+# From an H200 table of every split on the bench shapes: it keeps a tile from splitting into
+# programs of a few steps each, or into a partial extra wave.
+PROGRAM_COST_STEPS = 6
+
+
+def cdiv(n: int, d: int) -> int:
+    # Host code's ceil division: triton.cdiv is a constexpr function, about 3 us a call on the host.
+    return -(-n // d)
+
+
+_SM_COUNT: dict = {}
+
+
+def sm_count(device) -> int:
+    if device.type != "cuda":
+        return 4  # Triton's CPU interpreter: a few programs still exercise the loops
+    if device.index not in _SM_COUNT:
+        _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[device.index]
+
+
+def split_for(tile: dict, k_steps: int, tiles: int, sms: int | None) -> int:
+    """The K split a tile launches with: at most the tile's SPLIT_K, and each split at least the tile's
+    split_min_steps K steps (one if unset). With an SM count, the split whose programs finish soonest,
+    counted in waves of split_fill programs per SM times each program's K steps plus its fixed cost;
+    no split once the tiles alone fill a wave (sms None, the interpreter: the largest split allowed)."""
+    cap = max(1, min(tile["SPLIT_K"], k_steps // (tile["split_min_steps"] or 1)))
+    if sms is None:
+        return cap
+    slots = (tile["split_fill"] or SPLIT_FILL) * sms
+    if tiles >= slots:
+        return 1
+
+    def finish(split: int) -> int:
+        waves = -(-tiles * split // slots)
+        return waves * (-(-k_steps // split) + PROGRAM_COST_STEPS)
+
+    return min(range(1, cap + 1), key=lambda split: (finish(split), split))
+
+
+def programs_for(sms: int, tiles: int, tile: dict) -> int:
+    """Persistent tiles: as many programs as fit on the SMs at once (split_fill per SM) loop over the tiles;
+    else one program per tile."""
+    return min(tiles, sms * (tile["split_fill"] or SPLIT_FILL)) if tile["persistent"] else tiles
+
+
+# (kernel, device) -> (fp32 workspace, int32 counters) of the split-K store (common/splitk_store.py.j2).
+# kdsl/ops/_plan.py passes these to a replayed launch by address.
+SPLITK_SCRATCH: dict = {}
+
+
+def split_with_scratch(kernel, out, tile: dict, k_steps: int, tiles: int, sms: int | None, tile_elems: int):
+    """(split_k, workspace, counters) of a launch of kernel: the K split split_for picks for the tile, and the
+    scratch its partials go through (out itself, unused, where there is no split)."""
+    split_k = split_for(tile, k_steps, tiles, sms)
+    if split_k == 1:
+        return 1, out, out
+    return (split_k, *splitk_scratch(kernel, out.device, tiles, split_k, tile_elems))
+
+
+def splitk_scratch(kernel, device, tiles: int, split_k: int, tile_elems: int):
+    """(fp32 workspace, int32 counters) for `tiles` output tiles, kept per kernel and device and grown on demand.
+
+    Counters start at zero and every launch leaves them at zero, so no memset per call.
+    Launches that share a kernel and a device must not run concurrently on different streams.
+    """
+    need = tiles * split_k * tile_elems
+    workspace, counters = SPLITK_SCRATCH.get((kernel, device), (None, None))
+    grown = False
+    if workspace is None or workspace.numel() < need:
+        workspace, grown = torch.empty(need, dtype=torch.float32, device=device), True
+    if counters is None or counters.numel() < tiles:
+        counters, grown = torch.zeros(tiles, dtype=torch.int32, device=device), True
+    # Buffers allocated into a CUDA graph's memory pool belong to that graph (inside a capture the zeroing is
+    # recorded for the replays, not run now); eager launches keep (or later grow) their own.
+    if grown and not (device.type == "cuda" and _allocating_to_graph_pool(device)):
+        SPLITK_SCRATCH[(kernel, device)] = (workspace, counters)
+    return workspace, counters
+
+
+def _allocating_to_graph_pool(device) -> bool:
+    """Whether new allocations go to a CUDA graph's memory pool: a capture, or torch.compile's CUDA graph trees
+    warming a graph up in their pool (which refuses a buffer that outlives the call)."""
+    if torch.cuda.is_current_stream_capturing():
+        return True
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")  # only where torch.compile has loaded them
+    try:
+        manager = trees and trees.get_manager(device.index, create_if_none_exists=False)
+        return bool(manager and manager.in_warmup)
+    except (AttributeError, KeyError, TypeError):  # another torch's internals: as before, keep the buffers
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block: tuple, dtype: torch.dtype):
+    # A pure function of its arguments, and a noticeable part of a launch's host time.
+    from triton.experimental.gluon import language as gl
+
+    element = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+               torch.float32: gl.float32, torch.int32: gl.int32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), element)
+
+
+@functools.lru_cache(maxsize=1)
+def _gluon_descriptor_type():
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor
+
+
+def gluon_descriptor(t, block):
+    """A Gluon TMA descriptor over the 2-D tensor t (unit stride along its rows), loading `block` at a time."""
+    return _gluon_descriptor_type()(t, list(t.shape), [t.stride(0), 1], list(block), _shared_layout(block, t.dtype))
+
+
+@functools.lru_cache(maxsize=1)
+def _tma_descriptor_type():
+    # Imported on the first launch, not with kdsl: `import kdsl` does not import Triton.
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor
+
+
+def tma_descriptor(t, shape: list, strides: list, block: list):
+    """A Triton host TMA descriptor over t."""
+    return _tma_descriptor_type()(t, shape, strides, block)

@@ -1,0 +1,53 @@
+"""The MoE layers' routing and combine launches (moe_fp8/sorted, moe_w4a16/sorted; their kernels:
+common/moe_routing_kernels.py.j2, named after the module): generators of launches, for a unit's launch to
+`yield from`, since the host work after the routing launch (on_routed) needs it enqueued."""
+from __future__ import annotations
+
+import torch
+
+from kdsl.kernels.base import Launch
+from kdsl.kernels.host import cdiv
+
+# Launch shapes of the routing and combine kernels: a few microseconds each at decode.
+ALIGN_CHUNK = 1024  # assignments per step of the routing program
+ALIGN_BLOCKS = 16  # M blocks per step when the routing program names each block's expert
+COMBINE_COLS = 512  # hidden columns per program of the combine
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def routing_rows(assignments: int, num_experts: int, block_m: int) -> int:
+    """Sorted rows to allocate: at most min(assignments, E) experts are routed to, each run padded by up to
+    block_m - 1 rows; a multiple of block_m. The grids cover these; programs past the rows used return."""
+    bound = assignments + min(assignments, num_experts) * (block_m - 1)
+    return cdiv(bound, block_m) * block_m
+
+
+def route(generated, topk_ids, num_experts: int, block_m: int, on_routed):
+    """Launch the routing kernel; returns (rows [max_rows], block_expert [max_blocks], meta, max_rows, max_blocks),
+    all on topk_ids' device and sized on the host for the worst routing. on_routed: None, or called with the count
+    of ids outside [0, E) (a one-element int32 tensor) before anything else is launched."""
+    assignments = topk_ids.shape[0] * topk_ids.shape[1]
+    max_rows = routing_rows(assignments, num_experts, block_m)
+    max_blocks = max_rows // block_m
+    index = torch.empty(max_rows + max_blocks + 2 + num_experts, dtype=torch.int32, device=topk_ids.device)
+    rows, block_expert, meta = index[:max_rows], index[max_rows:max_rows + max_blocks], index[max_rows + max_blocks:]
+    yield Launch(generated.kernels["_align"], (1, 1, 1), (
+        topk_ids, rows, block_expert, meta, assignments, topk_ids.shape[1], num_experts, max_rows, max_blocks,
+        topk_ids.stride(0), topk_ids.stride(1),
+    ), dict(BLOCK_M=block_m, EXPERTS_PAD=_next_power_of_two(num_experts + 1), CHUNK=ALIGN_CHUNK,
+            CHUNK_BLOCKS=ALIGN_BLOCKS, num_warps=4))
+    if on_routed is not None:
+        on_routed(meta[1:2])
+    return rows, block_expert, meta, max_rows, max_blocks
+
+
+def combine(generated, out, topk_weights, topk_ids, y, num_experts: int) -> Launch:
+    """y [T, H] = each token's routed rows of out [T * k, H], weighted and summed in fp32 (the combine kernel)."""
+    tokens, hidden = y.shape
+    return Launch(generated.kernels["_combine"], (tokens, cdiv(hidden, COMBINE_COLS), 1), (
+        out, topk_weights, topk_ids, y, hidden, topk_ids.shape[1], num_experts, out.stride(0),
+        topk_weights.stride(0), topk_weights.stride(1), topk_ids.stride(0), topk_ids.stride(1), y.stride(0),
+    ), dict(BLOCK_N=COMBINE_COLS, num_warps=4))
