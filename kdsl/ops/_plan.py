@@ -175,13 +175,13 @@ def _build(rec: Recorder, inputs: tuple, outputs: tuple):
         descriptors = direct[1] if direct is not None else {}
         grid = (*grid, 1, 1)[:3]  # Triton's runner reads three entries; a shorter grid means 1 for the rest
         if direct is not None:
-            launcher, _, make, cooperative, pdl = direct
+            launch_fn, _, make, cooperative, pdl = direct
             # CudaLauncher.__call__'s arguments: grid, stream (filled per call), function, cooperative, pdl,
             # (global and profile scratch: none), packed metadata, (launch metadata, hooks: none), kernel's.
             head = [*grid, None, kernel.function, cooperative, pdl, None, None, kernel.packed_metadata,
                     None, None, None]
         elif compiled:
-            launcher = kernel.run  # CompiledKernel.run(grid..., stream, function, metadata, None x3, kernel's)
+            launch_fn = kernel.run  # CompiledKernel.run(grid..., stream, function, metadata, None x3, kernel's)
             head = [*grid, None, kernel.function, kernel.packed_metadata, None, None, None]
         else:
             head = []
@@ -226,7 +226,7 @@ def _build(rec: Recorder, inputs: tuple, outputs: tuple):
             return None  # a descriptor the launcher expands was not passed as one
         splices.reverse()  # spliced from the last, so the places of those before stay as recorded
         if compiled:
-            steps.append((launcher, args, tuple(fills), tuple(splices)))
+            steps.append((launch_fn, args, tuple(fills), tuple(splices)))
             words[:0] = [*map(repr, grid), "stream", *map(repr, head[4:])]
             by = "its C launcher" if direct is not None else "CompiledKernel.run"
             described.append(f"{getattr(kernel, 'name', kernel)!r} by {by}({', '.join(words)})")
@@ -251,8 +251,8 @@ def _compiled_replay(steps: list, templates: tuple, held: tuple):
     fill (place, slot) being where a call tensor's data_ptr() goes."""
     from triton import knobs
 
-    steps = tuple((launcher, recorded, *_reads_and_copies(fills), splices)
-                  for launcher, recorded, fills, splices in steps)
+    steps = tuple((launch_fn, recorded, *_reads_and_copies(fills), splices)
+                  for launch_fn, recorded, fills, splices in steps)
 
     chain_type, stream_of, device = type(_hook_chain()), _triton_stream(), current_device()
     cuda, empty_like, count = torch.cuda, torch.empty_like, len(templates)
@@ -274,7 +274,7 @@ def _compiled_replay(steps: list, templates: tuple, held: tuple):
             outputs = tuple([empty_like(template) for template in templates])
         tensors = inputs + outputs
         stream = stream_of(device)
-        for launcher, recorded, reads, copies, splices in steps:
+        for launch_fn, recorded, reads, copies, splices in steps:
             args = recorded.copy()
             args[3] = stream
             for at, slot in reads:
@@ -285,7 +285,7 @@ def _compiled_replay(steps: list, templates: tuple, held: tuple):
             if splices:
                 for at, expand, slot in splices:
                     args[at:at + 1] = expand(tensors[slot])
-            launcher(*args)
+            launch_fn(*args)
         return outputs[0] if count == 1 else outputs
     replay.held = held
     return replay
@@ -337,15 +337,15 @@ def _direct_launcher(compiled):
         from triton.backends.nvidia import driver as nvidia
     except ImportError:
         return None
-    launcher = compiled.run
-    if (type(launcher) is not getattr(nvidia, "CudaLauncher", None)
+    c_launcher = compiled.run
+    if (type(c_launcher) is not getattr(nvidia, "CudaLauncher", None)
             or getattr(nvidia, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO"
-            or getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1)):
+            or getattr(c_launcher, "global_scratch_size", 1) or getattr(c_launcher, "profile_scratch_size", 1)):
         return None
-    launch, make = launcher.launch, getattr(nvidia, "make_tensordesc_arg", None)
+    launch, make = c_launcher.launch, getattr(nvidia, "make_tensordesc_arg", None)
     code = getattr(launch, "__code__", None)
     if code is None:  # the C launcher itself: the kernel takes no descriptors
-        return launch, {}, make, launcher.launch_cooperative_grid, launcher.launch_pdl
+        return launch, {}, make, c_launcher.launch_cooperative_grid, c_launcher.launch_pdl
     # wrap_handle_tensordesc's inner(*args): its closure holds the C launcher and the descriptors' places.
     cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in launch.__closure__ or ())))
     if set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"} or make is None:
@@ -354,8 +354,8 @@ def _direct_launcher(compiled):
     meta = cells["tensordesc_meta"]
     if len(meta) != len(indices) or any(m is None for m in meta):
         return None
-    return (cells["launcher"], dict(zip(indices, meta)), make, launcher.launch_cooperative_grid,
-            launcher.launch_pdl)
+    return (cells["launcher"], dict(zip(indices, meta)), make, c_launcher.launch_cooperative_grid,
+            c_launcher.launch_pdl)
 
 
 def _rebaser(proto):
