@@ -122,6 +122,9 @@ class OpAbi:
     # Arguments whose values select constexprs ({argument: values}): the assumption-free specializations
     # cover every combination of them (with no K split), so any call finds a cubin.
     call_flags: dict = field(default_factory=dict)
+    # Bench shape files (kdsl.bench.shapes) this op exports for: {bench op: (case) -> {exported op: problems}}.
+    bench_problems: dict = field(default_factory=dict)
+    in_forward: bool = True  # a model's forward runs it (False: a load-time conversion, exported when named)
 
 
 # The representative problems of each op: its M values (the shipped definitions' tile buckets, each reached at
@@ -200,6 +203,7 @@ ACT_QUANT = OpAbi(
         ),
     },
     problems=_act_quant_problems,
+    bench_problems={"act_quant": lambda case: {"act_quant": act_quant_problems([case.k], ms=(case.m,))}},
 )
 
 FP8_GEMM = OpAbi(
@@ -287,6 +291,10 @@ FP8_GEMM = OpAbi(
         ),
     },
     problems=_fp8_gemm_problems,
+    # A model quantizes its activations before each such GEMM: act_quant's (M, K) too.
+    bench_problems={"fp8_gemm": lambda case: {
+        "fp8_gemm": fp8_gemm_problems([(case.n, case.k)], ms=(case.m,)),
+        "act_quant": act_quant_problems([case.k], ms=(case.m,))}},
 )
 
 # ---- fp8_bmm: the batched block-FP8 GEMM (MLA), strided views passed as they are -------------------------
@@ -424,6 +432,8 @@ FP8_BMM = OpAbi(
         ),
     },
     problems=_fp8_bmm_problems,
+    bench_problems={"fp8_bmm": lambda case: {
+        "fp8_bmm": fp8_bmm_problems((case.batch,), [(case.n, case.k)], ms=(case.m,))}},
 )
 
 
@@ -491,6 +501,8 @@ GPTQ_DEQUANT = OpAbi(
         ),
     },
     problems=_gptq_dequant_problems,
+    bench_problems={"gptq_dequant": lambda case: {"gptq_dequant": gptq_dequant_problems([(case.n, case.k)])}},
+    in_forward=False,
 )
 
 # ---- w4a16_gemm: the W4A16 GEMM on prepared weights (kdsl.ops.gptq_prepare / awq_prepare) ---------------
@@ -693,6 +705,7 @@ W4A16_GEMM = OpAbi(
         ),
     },
     problems=_w4a16_problems,
+    bench_problems={"gptq_gemm": lambda case: {"w4a16_gemm": w4a16_problems([(case.n, case.k)], ms=(case.m,))}},
     call_flags={"perm": (0, 1), "contiguous_groups": (0, 1)},
 )
 

@@ -192,12 +192,8 @@ def from_checkpoint(folder: Path) -> Needs:
     return needs
 
 
-# Which exported op runs a shape file's op (kdsl.bench.shapes); any other (weight_dequant, the MoE ops) has no
-# C description in kdsl/aot/abi.py yet.
-_SHAPE_OPS = {"fp8_gemm": "fp8_gemm", "act_quant": "act_quant", "gptq_gemm": "w4a16_gemm",
-              "gptq_dequant": "gptq_dequant", "fp8_bmm": "fp8_bmm"}
-# Ops a model's forward runs; gptq_dequant is a load-time conversion, exported when --op names it.
-FORWARD_OPS = ("act_quant", "fp8_gemm", "fp8_bmm", "w4a16_gemm")
+# Ops a model's forward runs; the others (gptq_dequant: a load-time conversion) are exported when --op names them.
+FORWARD_OPS = tuple(op for op, abi in abis.OPS.items() if abi.in_forward)
 
 
 def from_shapes(spec: str) -> Needs:
@@ -213,22 +209,14 @@ def from_shapes(spec: str) -> Needs:
     problems = {}
     needs = Needs(source=f"shapes {spec}")
     for case in cases:
-        op = _SHAPE_OPS.get(case.op)
-        if op is None:
+        makers = [abi.bench_problems[case.op] for abi in abis.OPS.values() if case.op in abi.bench_problems]
+        if not makers:
             if f"{case.op}:" not in " ".join(needs.found):
                 needs.found.append(f"{case.op}: not exported yet (no C description in kdsl/aot/abi.py); left out")
             continue
-        if op == "fp8_gemm":
-            problems.setdefault(op, []).extend(abis.fp8_gemm_problems([(case.n, case.k)], ms=(case.m,)))
-            problems.setdefault("act_quant", []).extend(abis.act_quant_problems([case.k], ms=(case.m,)))
-        elif op == "act_quant":
-            problems.setdefault(op, []).extend(abis.act_quant_problems([case.k], ms=(case.m,)))
-        elif op == "w4a16_gemm":
-            problems.setdefault(op, []).extend(abis.w4a16_problems([(case.n, case.k)], ms=(case.m,)))
-        elif op == "gptq_dequant":
-            problems.setdefault(op, []).extend(abis.gptq_dequant_problems([(case.n, case.k)]))
-        else:
-            problems.setdefault(op, []).extend(abis.fp8_bmm_problems((case.batch,), [(case.n, case.k)], ms=(case.m,)))
+        for make in makers:
+            for op, items in make(case).items():
+                problems.setdefault(op, []).extend(items)
     if not problems:
         raise ModelError(f"{spec}: no shapes of an exportable op ({', '.join(abis.OPS)})")
     needs.problems = {op: _problems(items) for op, items in problems.items()}
