@@ -15,14 +15,13 @@ constexprs and returns them; everything that happens to a launch after that happ
 """
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
 import torch
 
 from kdsl.kernels.base import Launch
+from kdsl.kernels.host import INTERPRETING as _INTERPRETING  # read once, where the units read it
 
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 _COMPILED: dict = {}
 _COMPILED_LIMIT = 1024  # keys hold exact sizes: a server's many prefill lengths must not grow it forever
 _BACKENDS: list = []  # launch -> True where the backend ran it
