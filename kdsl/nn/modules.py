@@ -11,6 +11,8 @@ op. Inference only: an input that requires grad while grad mode is on is refused
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import nn
 
@@ -253,7 +255,7 @@ class W4A16Linear(_QuantizedLinear):
         if torch.compiler.is_compiling():
             return self._prepare(tensors)
         cached = self.__dict__.get("_prepared_cache")
-        if cached is None or any(a is not b for a, b in zip(cached[0], tensors)):
+        if cached is None or any(map(operator.is_not, cached[0], tensors)):
             cached = (tensors, self._prepare(tensors))
             self.__dict__["_prepared_cache"] = cached
         return cached[1]
