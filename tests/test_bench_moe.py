@@ -7,6 +7,7 @@ runs (benchmarks/README.md).
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -141,3 +142,52 @@ def test_moe_w4a16_case_on_the_cpu(cpu_moe_bench, tokens):
     assert routed % expert == 0 and 1 <= routed // expert <= 4
     copies = 2 if decode else 1
     assert moe.kdsl.eager_ms == pytest.approx(0.25 / copies) == moe.baselines["bf16_loop"].eager_ms
+
+
+@pytest.fixture
+def flaggems_import():
+    """moe_fp8's FlagGems import, tried afresh (it is cached once per process)."""
+    from kdsl.bench.cases import moe_fp8
+
+    load = moe_fp8.flaggems_fused_experts  # held: a test may replace the module's name
+    load.cache_clear()
+    yield moe_fp8
+    load.cache_clear()
+
+
+def test_moe_fp8_without_flaggems_drops_its_baseline_and_says_why_once(cpu_moe_bench, flaggems_import, monkeypatch,
+                                                                       capsys):
+    monkeypatch.setitem(sys.modules, "flag_gems", None)  # not importable, as on a machine without it
+    for tokens in (1, 2):
+        results = run_case(Case("moe_fp8", m=tokens, experts=4, topk=2, hidden=128, inter=128), host_time=False)
+        assert all(r.status == OK for r in results) and "flaggems" not in results[0].baselines
+    said = [line for line in capsys.readouterr().err.splitlines() if "flaggems" in line]
+    assert len(said) == 1 and said[0].startswith(
+        "kdsl bench: moe_fp8 runs without the flaggems baseline: ModuleNotFoundError: No module named 'flag_gems")
+
+
+@pytest.mark.parametrize("gate_first", [True, False], ids=["right", "gate-up-swapped"])
+def test_moe_fp8_flaggems_baseline_is_checked_and_timed(cpu_moe_bench, flaggems_import, monkeypatch, gate_first):
+    """A stand-in for FlagGems' fused_experts_impl (5.0.2's contract, in torch): the bench passes it kdsl's block-FP8
+    layer; its result is checked against the fp32 reference, and one outside the tolerance is said under the table."""
+    from kdsl.bench import moe, timing
+
+    def fused_experts(x, w1, w2, topk_weights, topk_ids, *, use_fp8_w8a8, w1_scale, w2_scale, block_shape):
+        experts, inter = w1.shape[0], w2.shape[2]
+        assert use_fp8_w8a8 and block_shape == [128, 128] and w1.dtype == w2.dtype == timing.FP8
+        assert w1_scale.shape == (experts, 2 * inter // 128, x.shape[1] // 128) and w1_scale.dtype == torch.float32
+        assert w2_scale.shape == (experts, x.shape[1] // 128, inter // 128)
+        if not gate_first:
+            w1, w1_scale = w1.roll(inter, 1), w1_scale.roll(inter // 128, 1)
+        layer = (w1, w1_scale, w2, w2_scale)
+        return flaggems_import._reference(x, layer, moe.routed_rows(topk_ids, experts), topk_weights, inter).to(x.dtype)
+
+    monkeypatch.setattr(flaggems_import, "flaggems_fused_experts", lambda: fused_experts)
+    results = run_case(Case("moe_fp8", m=3, experts=4, topk=2, hidden=128, inter=256), host_time=False)
+    peer = results[0].baselines["flaggems"]
+    assert results[0].status == OK and peer.eager_ms == pytest.approx(0.25 / 2)  # two copies, as kdsl's calls
+    note = "baseline flaggems outside the tolerance 0.02 for EXPERTS=4 TOPK=2 M=3 HIDDEN=128 INTER=256: rel err"
+    if gate_first:
+        assert peer.rel_err < 1e-2 and note not in report.format_table(results)
+    else:
+        assert peer.rel_err > 2e-2 and note in report.format_table(results)

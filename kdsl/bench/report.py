@@ -137,7 +137,24 @@ def format_op_table(op: str, results: list[Result]) -> str:
                 seen.setdefault((name, t.error), []).append(r.case.label())
     notes += [f"  baseline {name} unavailable for {labels[0]}" + (f" (+{len(labels) - 1} more)" if len(labels) > 1 else "")
               + f": {err}" for (name, err), labels in seen.items()]
-    return "\n".join([*lines, *notes])
+    return "\n".join([*lines, *notes, *_inexact_baseline_notes(results)])
+
+
+def _inexact_baseline_notes(results: list[Result]) -> list[str]:
+    """One line per checked baseline outside the case's tolerance somewhere: its times are still compared, so the
+    table says so."""
+    outside: dict[str, dict[str, tuple[float, float]]] = {}  # name -> label -> (rel err, tolerance)
+    for r in results:  # a case's kdsl rows share its baselines: each label once
+        for name, t in r.baselines.items():
+            if t.rel_err is not None and r.tolerance is not None and not t.rel_err <= r.tolerance:
+                outside.setdefault(name, {})[r.case.label()] = (t.rel_err, r.tolerance)
+    notes = []
+    for name, found in outside.items():
+        labels, checks = list(found), list(found.values())
+        notes.append(f"  baseline {name} outside the tolerance {checks[0][1]:g} for {labels[0]}"
+                     + (f" (+{len(labels) - 1} more)" if len(labels) > 1 else "")
+                     + f": rel err up to {max(err for err, _ in checks):.3g}")
+    return notes
 
 
 def format_table(results: list[Result]) -> str:

@@ -1,11 +1,17 @@
 """moe_fp8: the block-FP8 MoE layer, T tokens each routed to top-k of E experts (hidden H, intermediate I).
 
 Rows: moe_fp8, and at decode moe_fp8[check_ids=False] (eager decode without the ids check's host sync; captured
-graphs skip it anyway). Baselines: bf16 per-expert loops and torch._grouped_mm on the dequantized weights; the
-roofline counts the routed experts' bytes (decode) and the FLOPs (prefill). Inputs and baselines:
+graphs skip it anyway). Baselines: bf16 per-expert loops and torch._grouped_mm on the dequantized weights, and
+FlagGems' fused MoE (vLLM's Triton kernels) on the same block-FP8 experts where the flag_gems package imports; the
+roofline counts the routed experts' bytes (decode) and the FLOPs (prefill). Inputs and the bf16 baselines:
 kdsl.bench.moe.
 """
 from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from collections.abc import Callable
 
 import torch
 
@@ -16,8 +22,8 @@ from kdsl.schema import BlockFP8
 DIMS = ("experts", "topk", "m", "hidden", "inter")  # m: tokens, each routed to topk of the experts
 HELP = """\
 the MoE layer (T tokens, top-k of E experts) vs bf16 per-expert loops and torch._grouped_mm
-on the dequantized weights; the roofline counts the routed experts' bytes (decode) and
-the FLOPs (prefill)"""
+on the dequantized weights, and FlagGems' fused MoE where flag_gems imports; the roofline
+counts the routed experts' bytes (decode) and the FLOPs (prefill)"""
 MULTIPLES = {"hidden": GROUP_MULTIPLE, "inter": GROUP_MULTIPLE}
 
 
@@ -42,6 +48,27 @@ def _reference(x, layer, routed, topk_weights, inter: int) -> torch.Tensor:
     return ref
 
 
+@functools.cache
+def flaggems_fused_experts() -> Callable | None:
+    """FlagGems' fused MoE, flag_gems.fused.fused_experts_impl (5.x), imported once per process; None where
+    flag_gems is not installed or fails to import (it wants a GPU, sqlalchemy and pyyaml), said once on stderr."""
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # it may print while importing; stdout is the table's
+            from flag_gems.fused import fused_experts_impl
+    except Exception as exc:  # noqa: BLE001 - a missing or broken optional peer only drops its baseline
+        print(f"kdsl bench: moe_fp8 runs without the flaggems baseline: {timing.describe(exc)}", file=sys.stderr)
+        return None
+    return fused_experts_impl
+
+
+def flaggems_baseline(fused_experts: Callable, x, layers, topk_weights, topk_ids) -> Callable[[], object]:
+    """FlagGems on each copy of the block-FP8 layer, as given to kdsl: w13 [E, 2I, H] gate then up (it applies
+    silu to the first half), w2 [E, H, I], e4m3, with fp32 multipliers per 128x128 block [E, N/128, K/128]; it
+    quantizes x and the activation in 1x128 groups itself and weighs each expert's output by its router weight."""
+    return lambda: [fused_experts(x, q13, q2, topk_weights, topk_ids, use_fp8_w8a8=True, w1_scale=s13,
+                                  w2_scale=s2, block_shape=[GROUP, GROUP]) for q13, s13, q2, s2 in layers]
+
+
 def setup(case: Case) -> timing.CaseSetup:
     layer = timing.kdsl_op("moe_fp8")
     experts, topk, tokens, hidden, inter = case.experts, case.topk, case.m, case.hidden, case.inter
@@ -58,6 +85,12 @@ def setup(case: Case) -> timing.CaseSetup:
     ref = _reference(x, layers[0], routed, topk_weights, inter)
 
     baselines = moe.bf16_baselines(x, bf16_layers, routed, topk_weights, topk_ids, experts, inter)
+    check = lambda outs: timing.check_close(outs[-1], ref, moe.MOE_TOL)  # noqa: E731
+    baseline_checks = {}
+    fused_experts = flaggems_fused_experts()
+    if fused_experts is not None:  # checked as kdsl is: it computes the same block-FP8 product
+        baselines["flaggems"] = flaggems_baseline(fused_experts, x, layers, topk_weights, topk_ids)
+        baseline_checks["flaggems"] = check
 
     flops = 6 * tokens * topk * hidden * inter
     bytes_moved = len(routed) * expert_bytes + 2 * 2 * tokens * hidden + 8 * tokens * topk
@@ -66,9 +99,8 @@ def setup(case: Case) -> timing.CaseSetup:
         kdsl["moe_fp8[check_ids=False]"] = lambda: [layer(x, *weights, topk_weights, topk_ids, check_ids=False)
                                                     for weights in layers]
     return timing.CaseSetup(
-        kdsl=kdsl, check=lambda outs: timing.check_close(outs[-1], ref, moe.MOE_TOL), baselines=baselines,
-        tolerance=moe.MOE_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies,
-        roofline_ms=moe.roofline_ms(bytes_moved, flops))
+        kdsl=kdsl, check=check, baselines=baselines, baseline_checks=baseline_checks, tolerance=moe.MOE_TOL,
+        flops=flops, bytes_moved=bytes_moved, calls=copies, roofline_ms=moe.roofline_ms(bytes_moved, flops))
 
 
 def tune_problem(entry, shape) -> timing.Problem:
