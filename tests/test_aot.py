@@ -1658,7 +1658,7 @@ class _FakeCuda:
 
 def _served_from_cubins(folder, manifest, entry, launches, monkeypatch):
     """Serve each recorded (kernel, grid, params, options) from the loaded export (an AotKernel), the driver
-    faked: every one must run its exported specialization (exactly the JIT's), each descriptor encoded as
+    faked: every one must run its exported specialization (exactly the JIT's), each descriptor (if any) encoded as
     Triton's launcher encodes it, and the kernel parameters laid out as kdsl__launch lays them out."""
     TensorDescriptor = _descriptor_types()
     specs = manifest["specializations"]
@@ -1712,6 +1712,10 @@ def _served_from_cubins(folder, manifest, entry, launches, monkeypatch):
         assert len(fake.encodes) == encoded and fake.launches[-1][4] == got
         after = aot_runtime.stats()
         assert (after["aot"] - before["aot"], after["jit"] - before["jit"]) == (len(launches) + 1, 0)
+        if not descriptors:  # plain pointers (the grouped GEMMs): launch options never exported go to the JIT
+            assert not kernels[kernel].serve(grid, params, {**options, "num_warps": 2 * options["num_warps"]})
+            assert aot_runtime.stats()["jit"] - after["jit"] == 1
+            return
         # A descriptor the export does not describe (a block no tile has, or NaN padding) goes to the JIT.
         index = next(i for i, p in enumerate(params) if isinstance(p, TensorDescriptor))
         desc = params[index]
@@ -1784,6 +1788,34 @@ def test_python_serves_fp8_bmm_tma_launches_from_cubins(exported_bmm, monkeypatc
     assert len(launches) >= 4, len(launches)
     print(f"{len(launches)} fp8_bmm launches, {pdl} of pdl tiles")
     _served_from_cubins(out, manifest, entry, launches, monkeypatch)
+
+
+def test_python_serves_grouped_gemm_launches_from_cubins(exported_grouped, monkeypatch):
+    """kdsl.aot.load: recorded launches of both grouped GEMMs (every tile; the int32 group ids and row counts as
+    pointers) run their exported cubins from Python with the parameters kdsl__launch passes."""
+    out, _ = exported_grouped
+    manifest = json.loads((out / "aot_manifest.json").read_text())
+    base = 1 << 24
+    for op, problems, tensors in (("fp8_grouped_gemm", _grouped_ci_problems, _grouped_tensors),
+                                  ("fp8_grouped_gemm_masked", _masked_ci_problems, _masked_tensors)):
+        kdsl.registry.reset()
+        entry = kdsl.registry.select(op, arch=90)
+        module, calls = _recording_module(entry)
+        launches = []
+        for problem in problems():
+            if problem["out_dtype"] != "bf16":
+                continue
+            call = dict(problem, a=base, a_s=2 * base, b=3 * base, b_s=4 * base, group_ids=5 * base,
+                        masked_m=5 * base, c=6 * base)
+            tile = entry.tile_for(max(1, -(-call["M"] // call["E"])) if "M" in call else
+                                  call["expected_m"] or call["max_m"], call["N"])
+            calls.clear()
+            module.launch(*tensors(call), tile)
+            [(grid, params, options)] = calls
+            bucket = next(i for i, bt in enumerate(entry.tiles) if bt.params is tile)
+            launches.append((Path(entry.module_path).stem, grid, params, options, bucket, "bf16"))
+        assert {bucket for *_, bucket, _ in launches} == set(range(len(entry.tiles))), op
+        _served_from_cubins(out, manifest, entry, launches, monkeypatch)
 
 
 def test_gluon_descriptors_are_keyed_by_their_default_layout():
