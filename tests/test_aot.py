@@ -1602,6 +1602,17 @@ def test_grouped_gemm_refusals_name_the_problem(exported_grouped, tmp_path):
     assert older == "error 2 fp8_grouped_gemm: this library has kernels for sm_89, sm_90 only; the device is sm_80"
 
 
+@needs_cc
+def test_moe_example_compiles_against_the_exported_headers(exported_grouped):
+    """examples/aot/moe_example.c (run on a GPU by run_moe_example.py) calls the functions as the headers declare
+    them: checked here without linking (no libcuda on the CPU runners)."""
+    out, _ = exported_grouped
+    example = Path(__file__).resolve().parents[1] / "examples" / "aot" / "moe_example.c"
+    done = subprocess.run([CC, "-std=gnu11", "-fsyntax-only", "-Wall", "-Wextra", "-Werror", f"-I{out / 'include'}",
+                           f"-I{CUDA_INCLUDE}", str(example)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
 def test_grouped_gemm_buckets_are_the_ops_rows_per_expert():
     """The bucket M the plan and the dispatcher use is what kdsl.ops passes tile_for: ceil(M / E) for the contiguous
     layout, expected_m or max_m for the masked one; a tile no problem reaches is compiled at its bound."""
