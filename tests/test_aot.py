@@ -1445,7 +1445,7 @@ def exported_grouped(tmp_path_factory):
 
 
 def _grouped_cases():
-    """kdsl_fp8_grouped_gemm calls: (E, M, N, K) over every tile bucket (M / E of 1 to 300), M not a multiple of
+    """kdsl_fp8_grouped_gemm calls: (E, M, N, K) over every tile bucket (M / E of 1 to 16384), M not a multiple of
     the padding too, row strides padded or not, a misaligned output, an expert stride 0 (one weight for all)."""
     base = 1 << 24
     for experts in (1, 8, 256):
