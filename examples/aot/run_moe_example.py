@@ -1,6 +1,6 @@
 """Write MoE inputs for moe_example, run it, and compare its outputs with kdsl.ops (on the GPU).
 
-    python examples/aot/run_moe_example.py --exe ./moe_example [--work /tmp/aot_moe_data] [--quick] [--calls N]
+    python examples/aot/run_moe_example.py --exe ./moe_example [--export DIR] [--work /tmp/aot_moe_data] [--quick]
 
 Cases: DeepSeek-V3's routed experts (256, top-8) at its TP-8 slice's projections (gate-up N x K = 512 x 7168,
 down 7168 x 256), tokens routed at random. Contiguous layout (kdsl_fp8_grouped_gemm): each expert's rows padded to
@@ -11,8 +11,10 @@ c from C == kdsl.ops.fp8_grouped_gemm[_masked] bit for bit on the rows the op de
 masked_m[e]) where the call is shaped like the export's representative problems (padded rows; the unpadded case
 runs a specialization that assumes less: its bits are printed, not required), and the relative error against an
 fp32 per-expert reference below 1e-2; masked cases also run from a CUDA graph captured by the C program, replayed
-with a second routing copied into masked_m: == kdsl.ops with that routing. Prints host time per call of kdsl.ops
-beside the C program's. Exit 1 on any mismatch.
+with a second routing copied into masked_m: == kdsl.ops with that routing. With --export (the folder the program
+was built from): kdsl.ops with kdsl.aot.load(DIR) == the JIT, bit for bit, and the padded and masked cases served
+from the exported cubins (kdsl.aot.stats()). Prints host time per call of kdsl.ops beside the C program's. Exit 1
+on any mismatch.
 """
 from __future__ import annotations
 
@@ -109,9 +111,35 @@ def per_expert_reference(layout: str, a, a_s, b, b_s, routed, shape) -> tuple[to
     return reference, defined
 
 
+def served_from_export(folder: Path, cases, inputs, weights, jit_outputs) -> int:
+    """kdsl.ops again with the exported cubins loaded: the same bits as the JIT; the calls shaped like the export's
+    representative problems (padded contiguous rows, masked) run from cubins. Returns the failures."""
+    import kdsl.aot
+
+    kdsl.aot.load(folder)
+    failures = 0
+    try:
+        for index, ((layout, experts, tokens, n, k, option), (a, a_s, ids, _, expected_m), jit) in enumerate(
+                zip(cases, inputs, jit_outputs)):
+            b, b_s = weights[experts, n, k]
+            before = kdsl.aot.stats()
+            out = grouped_call(layout, a, a_s, b, b_s, ids, expected_m)
+            after = kdsl.aot.stats()
+            served = after["aot"] - before["aot"]
+            same = torch.equal(bits(out), bits(jit))
+            exported_shape = option if layout == "c" else True
+            print(f"case {index}: kdsl.ops through kdsl.aot.load == the JIT, bit for bit: {same}; launches from "
+                  f"cubins {served}, through the JIT {after['jit'] - before['jit']}")
+            failures += (not same) + (exported_shape and served == 0)
+    finally:
+        kdsl.aot.unload()
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--exe", type=Path, required=True)
+    parser.add_argument("--export", type=Path, help="the kdsl aot folder: also check kdsl.ops under kdsl.aot.load")
     parser.add_argument("--work", type=Path, default=Path("/tmp/aot_moe_data"))
     parser.add_argument("--quick", action="store_true", help="three small cases (for compute-sanitizer)")
     parser.add_argument("--calls", type=int, default=200)
@@ -159,7 +187,7 @@ def main() -> int:
         print(done.stderr, file=sys.stderr)
         return 1
 
-    failures = 0
+    failures, jit_outputs = 0, []
     arch = registry.device_arch()
     for index, ((layout, experts, tokens, n, k, option), (a, a_s, ids, second, expected_m)) in enumerate(
             zip(cases, inputs)):
@@ -175,6 +203,8 @@ def main() -> int:
                                   dtype=torch.uint8)
             from_c = raw.view(torch.bfloat16).view(*shape).to(DEVICE)
             from_ops = grouped_call(layout, a, a_s, b, b_s, routed, expected_m)
+            if not suffix:
+                jit_outputs.append(from_ops)
             reference, defined = per_expert_reference(layout, a, a_s, b, b_s, routed, shape)
             same = torch.equal(bits(from_c[defined]), bits(from_ops[defined]))
             rel = ((from_c[defined].float() - reference[defined]).norm() / reference[defined].norm()).item()
@@ -185,6 +215,8 @@ def main() -> int:
             failures += (exact_required and not same) + (rel > 1e-2)
         python_us = host_us(lambda: grouped_call(layout, a, a_s, b, b_s, ids, expected_m), args.calls)
         print(f"case {index}: host us/call kdsl.ops.{op} {python_us:.2f}")
+    if args.export:
+        failures += served_from_export(args.export, cases, inputs, weights, jit_outputs)
     print("FAILED" if failures else "all checks passed")
     return 1 if failures else 0
 
