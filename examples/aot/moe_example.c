@@ -162,6 +162,7 @@ int main(int argc, char **argv) {
   CHECK_CU(cuDeviceGet(&device, 0));
   CHECK_CU(cuDevicePrimaryCtxRetain(&context, device));
   CHECK_CU(cuCtxSetCurrent(context));
+  printf("kdsl AOT library for %s (Triton %s)\n", kdsl_aot_archs(), kdsl_aot_triton_version());
   char path[4096];
   snprintf(path, sizeof path, "%s/moe_cases.txt", argv[1]);
   FILE *cases = fopen(path, "r");
