@@ -517,6 +517,15 @@ def _masked_bench_problems(case) -> dict:
             "act_quant": act_quant_problems([case.k], ms=(case.experts * case.m,))}
 
 
+# Both grouped GEMMs take the experts' weights alike.
+_EXPERT_WEIGHTS = (
+    CArg("b", "ptr", "b [E, N, K] float8_e4m3fn, strides (stride_be, stride_bn, 1): the experts' weights"),
+    CArg("stride_be", "i64", "b's expert stride in elements (>= 0)"),
+    CArg("stride_bn", "i64", "b's row stride in elements (>= K)"),
+    CArg("b_s", "ptr", "b_s [E, ceil(N / block_n), K / block_k] float32, strides (stride_bse, stride_bsn, 1)"),
+    CArg("stride_bse", "i64", "b_s's expert stride in elements (>= 0)"),
+    CArg("stride_bsn", "i64", "b_s's row stride in elements (>= K / block_k)"),
+)
 _GROUPED_STRIDES = ("lda", "lda_s", "stride_be", "stride_bn", "stride_bse", "stride_bsn", "ldc")
 
 FP8_GROUPED_GEMM = OpAbi(
@@ -529,12 +538,7 @@ FP8_GROUPED_GEMM = OpAbi(
         CArg("lda", "i64", "row stride of a in elements (>= K)"),
         CArg("a_s", "ptr", "a_s [M, K / act_group] float32, row stride lda_s, unit stride along K"),
         CArg("lda_s", "i64", "row stride of a_s in elements (>= K / act_group)"),
-        CArg("b", "ptr", "b [E, N, K] float8_e4m3fn, strides (stride_be, stride_bn, 1): the experts' weights"),
-        CArg("stride_be", "i64", "b's expert stride in elements (>= 0)"),
-        CArg("stride_bn", "i64", "b's row stride in elements (>= K)"),
-        CArg("b_s", "ptr", "b_s [E, ceil(N / block_n), K / block_k] float32, strides (stride_bse, stride_bsn, 1)"),
-        CArg("stride_bse", "i64", "b_s's expert stride in elements (>= 0)"),
-        CArg("stride_bsn", "i64", "b_s's row stride in elements (>= K / block_k)"),
+        *_EXPERT_WEIGHTS,
         CArg("group_ids", "ptr", "group_ids int32 [M], contiguous: the expert of each row of a, -1 for a padding "
                                  "row (its row of c is not written); ids outside [-1, E) are not checked (kdsl.ops "
                                  "refuses them with check_ids): their rows are not written either"),
@@ -605,12 +609,7 @@ FP8_GROUPED_GEMM_MASKED = OpAbi(
         CArg("a_s", "ptr", "a_s [E, max_m, K / act_group] float32, strides (stride_ase, stride_asm, 1)"),
         CArg("stride_ase", "i64", "a_s's expert stride in elements (>= 0)"),
         CArg("stride_asm", "i64", "a_s's row stride in elements (>= K / act_group)"),
-        CArg("b", "ptr", "b [E, N, K] float8_e4m3fn, strides (stride_be, stride_bn, 1): the experts' weights"),
-        CArg("stride_be", "i64", "b's expert stride in elements (>= 0)"),
-        CArg("stride_bn", "i64", "b's row stride in elements (>= K)"),
-        CArg("b_s", "ptr", "b_s [E, ceil(N / block_n), K / block_k] float32, strides (stride_bse, stride_bsn, 1)"),
-        CArg("stride_bse", "i64", "b_s's expert stride in elements (>= 0)"),
-        CArg("stride_bsn", "i64", "b_s's row stride in elements (>= K / block_k)"),
+        *_EXPERT_WEIGHTS,
         CArg("masked_m", "ptr", "masked_m int32 [E], contiguous, on the device: the rows of each expert, read by the "
                                 "kernel (no host sync: one CUDA graph serves any routing), clamped to [0, max_m]"),
         CArg("c", "ptr", "c [E, max_m, N] of out_dtype, strides (stride_ce, stride_cm, 1) (output; rows past "
