@@ -141,12 +141,20 @@ def test_shape_file_needs_its_sizes_and_act_quant_for_each_fp8_gemm(tmp_path):
 
 
 def test_a_preset_with_ops_aot_does_not_export_leaves_them_out_by_name():
-    """The deepseek-v3 preset holds the MoE ops, which kdsl/aot/abi.py does not describe: each is named as left
-    out, and the ops it does describe are planned (this raised KeyError: 'moe_fp8')."""
+    """The deepseek-v3 preset holds the MoE layers, which kdsl/aot/abi.py does not describe: each is named as left
+    out, and the ops it does describe are planned (this raised KeyError: 'moe_fp8'), the grouped GEMMs at the
+    preset's routing: T tokens' T * 8 slots over min(T * 8, 256) experts, each expert's rows padded to 128."""
     needs = from_shapes("deepseek-v3")
-    for op in ("moe_fp8", "fp8_grouped_gemm", "fp8_grouped_gemm_masked", "moe_w4a16", "weight_dequant"):
+    for op in ("moe_fp8", "moe_w4a16", "weight_dequant"):
         assert any(line.startswith(f"{op}: not exported yet") for line in needs.found), needs.found
-    assert {"fp8_gemm", "act_quant", "w4a16_gemm", "fp8_bmm"} <= set(needs.problems)
+    assert {"fp8_gemm", "act_quant", "w4a16_gemm", "fp8_bmm", "fp8_grouped_gemm",
+            "fp8_grouped_gemm_masked"} <= set(needs.problems)
+    gate_up = {p["M"] for p in needs.problems["fp8_grouped_gemm"]() if (p["E"], p["N"], p["K"]) == (256, 4096, 7168)}
+    assert gate_up == {8 * 128, 128 * 128, 256 * 128}  # T = 1, 16, and 64 .. 4096 (at most 128 slots an expert)
+    masked = needs.problems["fp8_grouped_gemm_masked"]()
+    assert {(p["max_m"], p["expected_m"]) for p in masked if p["N"] == 4096} == {
+        (1, 0), (1, 1), (16, 0), (16, 1), (64, 0), (64, 2), (128, 0), (128, 4)}
+    assert {(256 * 16, 7168), (8 * 128, 7168)} <= {(p["M"], p["K"]) for p in needs.problems["act_quant"]()}
 
 
 @pytest.mark.parametrize("change, message", [

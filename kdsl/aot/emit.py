@@ -70,12 +70,13 @@ def _bucket_code(abi: abis.OpAbi, entry, scheme_values: dict) -> list:
     to "entry" sends the call to the fallback; where tiles served but all refused, the entry's last tile; else
     (no tile served) the fallback. bucket -1: the fallback's (or, without one, an error)."""
     exported = exported_buckets(abi, entry)
+    m = _bucket_m(abi)
     lines = ["  int bucket = -1, served = 0, routed_away = 0;"]
     for index in exported:
         bucket = entry.tiles[index]
         conditions = ["bucket < 0", "!routed_away"]
         if bucket.m_max is not None:
-            conditions.append(f"{abi.m} <= {bucket.m_max}")
+            conditions.append(f"{m} <= {bucket.m_max}")
         if bucket.n_min is not None:
             conditions.append(f"{abi.n} >= {bucket.n_min}" if abi.n else "0")
         launch = launch_of(abi, entry, index)
@@ -96,6 +97,11 @@ def _bucket_code(abi: abis.OpAbi, entry, scheme_values: dict) -> list:
         lines.append(f"  if (bucket < 0 && !routed_away && served) bucket = {last};  /* every serving tile refused */")
     lines.append("  (void)served;")
     return lines
+
+
+def _bucket_m(abi: abis.OpAbi) -> str:
+    """The C of the M the registry buckets by: an argument, or an expression (parenthesized)."""
+    return abi.m if abi.m.isidentifier() else f"({_c_expression(abi.m)})"
 
 
 def _spec_table(function: str, tag: str, arch: int, specs: list, dtype_arg, out: list, embedded: set) -> tuple:
@@ -154,7 +160,7 @@ def _entry_function(abi: abis.OpAbi, function: str, name: str, tag: str, arch: i
         out += ["  if (bucket < 0)",
                 f'    return kdsl__fail(KDSL_ERR_INVALID_ARGUMENT, "{abi.op}: no exported tile of {entry.name} takes '
                 f'this call (M = %lld): the tiles serving it are left out or refuse it (TMA kernels need 16-byte '
-                f'aligned bases and strides)", (long long){abi.m});']
+                f'aligned bases and strides)", (long long){_bucket_m(abi)});']
     buckets = exported_buckets(abi, entry)
     launches = {i: abis.launch_for(abi, entry, tile_impl(entry, entry.tiles[i].params)) for i in buckets}
     nparams = max(len(launch.params) for launch in launches.values())

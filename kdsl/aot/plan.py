@@ -278,7 +278,7 @@ def route(abi: abis.OpAbi, entry, call: dict, exact: bool = True) -> int | None:
     tile_for(m, n, call) with the left-out tiles disabled: the first serving tile that does not refuse the
     call, else the last tile. A tile with EXACT constexprs also refuses a call whose value of them was not
     exported (exact=False: not, the rule that decides which values are)."""
-    m, n = call[abi.m], call[abi.n] if abi.n else None
+    m, n = bucket_m(abi, call), call[abi.n] if abi.n else None
     scheme = abis.scheme_values(entry)
     exported = exported_buckets(abi, entry)
     served = False
@@ -297,6 +297,11 @@ def route(abi: abis.OpAbi, entry, call: dict, exact: bool = True) -> int | None:
         return index
     last = len(entry.tiles) - 1
     return last if served and last in exported else None
+
+
+def bucket_m(abi: abis.OpAbi, call: dict) -> int:
+    """The M the registry buckets this call by (abi.OpAbi.m: an argument, or an expression of the arguments)."""
+    return call[abi.m] if abi.m in call else abis.evaluate(abi.m, _call_values(abi, call))
 
 
 def _call_values(abi: abis.OpAbi, call: dict) -> dict:
@@ -411,8 +416,6 @@ def _enumerate(abi: abis.OpAbi, entry, arch: int, dtypes, generic_only: bool, pr
             problem_dtypes = {a: problem[a] for a in abi.dtype_choices}
             if problem_dtypes not in combos:
                 continue
-            m = problem[abi.m]
-            n = problem[abi.n] if abi.n else None
             if route(abi, entry, problem) != bucket_index:
                 continue
             # Pointers as the deployments' allocators give them: 16-byte aligned (misaligned ones take the
@@ -484,5 +487,6 @@ def _moved(abi: abis.OpAbi, entry, index: int, problems: list) -> list:
     bucket = entry.tiles[index]
     m = bucket.m_max if bucket.m_max is not None else 1 + max(
         [b.m_max for b in entry.tiles if b.m_max is not None], default=0)
-    return [{**p, abi.m: m, **({abi.n: max(p[abi.n], bucket.n_min)} if abi.n and bucket.n_min is not None else {})}
+    at_m = abi.with_m or (lambda problem, value: {**problem, abi.m: value})
+    return [{**at_m(p, m), **({abi.n: max(p[abi.n], bucket.n_min)} if abi.n and bucket.n_min is not None else {})}
             for p in problems]
