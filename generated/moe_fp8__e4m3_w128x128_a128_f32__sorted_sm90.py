@@ -3,7 +3,7 @@
 # kernel: moe_fp8__e4m3_w128x128_a128_f32__sorted_sm90 (moe_fp8/sorted: tokens sorted by expert on the device, gate-up GEMM (+ silu * up + 1x128 quant), down GEMM, weighted combine)
 # scheme: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: b7eb59152c20e71a (sha256 of this kernel's scheme, variant and templates)
+# digest: c96396431e65ee2d (sha256 of this kernel's scheme, variant and templates)
 import torch
 import triton
 import triton.language as tl

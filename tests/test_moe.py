@@ -388,9 +388,10 @@ def test_moe_on_sm80_raises_no_kernel(monkeypatch):
 
 def test_moe_decode_and_prefill_tiles():
     entry = registry.select("moe_fp8", kdsl.BlockFP8(), arch="sm_90")
-    decode, prefill = entry.tile_for(1), entry.tile_for(128 + 1)
+    decode, rows_128, prefill = entry.tile_for(1), entry.tile_for(128), entry.tile_for(128 + 1)
     assert decode["BLOCK_M"] == 16 and decode["fuse_act"] is False
-    assert prefill["BLOCK_M"] == 128 and prefill["fuse_act"] is True and prefill["BLOCK_N"] == 128
+    assert rows_128["BLOCK_M"] == 64 and rows_128["fuse_act"] is False  # tuned on an H200 at T = 4096
+    assert prefill["BLOCK_M"] == 64 and prefill["fuse_act"] is True and prefill["BLOCK_N"] == 128
 
 
 def test_fused_activation_needs_block_n_of_one_group():
