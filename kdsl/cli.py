@@ -146,6 +146,10 @@ def _list(args: argparse.Namespace) -> int:
         print(f"{entry.name}")
         print(f"    op {entry.op}  impl {entry.impl}  scheme {entry.scheme}  arch {entry.arch_range()}  "
               f"from {entry.origin}")
+        # Its modules serve every scheme of the definition that differs only in these constexprs.
+        passed = "".join(f" {name}={value}" for name, value in entry.constexprs.items())
+        print(f"    modules {', '.join(m.path.name for m in entry.modules.values())}"
+              + (f"  constexprs{passed}" if passed else ""))
         previous = None
         for bucket in entry.tiles:
             bound = f"M <= {bucket.m_max}" if bucket.m_max is not None else "M rest"
