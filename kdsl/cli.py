@@ -64,7 +64,7 @@ def generate_out(defs: Path, out: Path | None, check: bool = False, into_package
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from kdsl.codegen import OutputError, PlanError, compare, plan_kernels, render_all, write
+    from kdsl.codegen import OutputError, PlanError, RenderError, compare, plan_kernels, render_all, write
     from kdsl.schema import DefinitionError, DefinitionGroupError, load_definitions
 
     if not args.defs.is_dir():
@@ -79,11 +79,13 @@ def _generate(args: argparse.Namespace) -> int:
             print(f"error: {each}", file=sys.stderr)
         print(f"nothing written to {out}/", file=sys.stderr)
         return 1
-    except (DefinitionError, PlanError) as error:
+    except (DefinitionError, PlanError, RenderError) as error:
         print(f"error: {error}\nnothing written to {out}/", file=sys.stderr)
         return 1
     names = ", ".join(d.path.name for d in definitions)
-    print(f"{len(kernels)} kernels from {len(definitions)} definition(s): {names}", file=sys.stderr)
+    modules = sum(name.endswith(".py") for name in files)
+    print(f"{len(kernels)} kernels in {modules} modules from {len(definitions)} definition(s): {names}",
+          file=sys.stderr)
     if args.check:
         if not out.is_dir():
             print(f"error: --out {out}: the folder does not exist, so there is nothing to check "
@@ -144,6 +146,10 @@ def _list(args: argparse.Namespace) -> int:
         print(f"{entry.name}")
         print(f"    op {entry.op}  impl {entry.impl}  scheme {entry.scheme}  arch {entry.arch_range()}  "
               f"from {entry.origin}")
+        # Its modules serve every scheme of the definition that differs only in these constexprs.
+        passed = "".join(f" {name}={value}" for name, value in entry.constexprs.items())
+        print(f"    modules {', '.join(m.path.name for m in entry.modules.values())}"
+              + (f"  constexprs{passed}" if passed else ""))
         previous = None
         for bucket in entry.tiles:
             bound = f"M <= {bucket.m_max}" if bucket.m_max is not None else "M rest"

@@ -39,6 +39,18 @@ def gptq_scheme_name(bits: int, group_size: int, checkpoint_format: str) -> str:
     return f"gptq.int{bits}.{group}.{checkpoint_format}"
 
 
+def gptq_module_scheme_name(bits: int) -> str:
+    """The part of a GPTQ scheme its generated modules are rendered for, e.g. 'gptq.int4': group size and
+    checkpoint format are constexpr arguments of the kernels, so one module serves every GPTQ scheme of its bits."""
+    return f"gptq.int{bits}"
+
+
+def w4a16_module_scheme_name(bits: int) -> str:
+    """The part of a W4A16 scheme its generated modules are rendered for, e.g. 'w4a16.int4' (the group size is a
+    constexpr argument)."""
+    return f"w4a16.int{bits}"
+
+
 def w4a16_scheme_name(bits: int, group_size: int) -> str:
     """Prepared W4A16 weights, whatever checkpoint they came from (GPTQ v1/v2, AWQ), e.g. 'w4a16.int4.g128'.
 

@@ -62,20 +62,21 @@ def repo_root() -> Path:
 
 def wrap_launch(monkeypatch, kernel_module, wrapper) -> None:
     """Make entry.launch call wrapper(original) for kernel_module (a kdsl.runtime KernelModule) until the test
-    ends: KernelModule.launch hands out the function manifest._LAUNCHES keeps for its module."""
-    monkeypatch.setitem(manifest._LAUNCHES, kernel_module.path, wrapper(kernel_module.launch))
+    ends: KernelModule.launch hands out the function manifest._LAUNCHES keeps for its module and scheme."""
+    monkeypatch.setitem(manifest._LAUNCHES, kernel_module.key, wrapper(kernel_module.launch))
 
 
 @pytest.fixture
 def launched(monkeypatch):
-    """Record the name of every generated module the ops launch (wraps each module's launch function)."""
+    """Record the kernel name (scheme and implementation: KernelModule.kernel_name) of every generated module the
+    ops launch (wraps each module's launch function, per scheme)."""
     names: list[str] = []
     # A launch plan's replay does not call launch() (kdsl/ops/_plan.py): none is kept while names are watched.
     kdsl.registry.plans.clear()
     monkeypatch.setattr(kdsl.ops._plan, "RECORD", False)
     for entry in kdsl.registry.entries():
         for kernel_module in entry.modules.values():
-            def spy(original, _name=kernel_module.path.stem):
+            def spy(original, _name=kernel_module.kernel_name):
                 def launch(*args, **kwargs):
                     names.append(_name)
                     return original(*args, **kwargs)

@@ -430,7 +430,7 @@ def _recording_module(entry, path=None):
                 Fake((tiles,), (1,), torch.int32, 0x7100000))
 
     unit = next(m.unit for m in entry.modules.values() if m.path.name == path.name)
-    generated = Generated(module, path.stem)
+    generated = Generated(module, path.stem, entry.constexprs)  # the entry's scheme's GROUP_SIZE, ...
 
     def launch(*args):
         saved = host.sm_count, host.splitk_scratch
@@ -1081,7 +1081,9 @@ def test_w4a16_gluon_kernels_are_exported_and_every_call_has_a_cubin(exported_w4
     gluon = [s for s in m90["specializations"] if s["impl"] == "gemv_mma_gluon"]
     assert {(s["bucket"], s["constexprs"]["K"], s["constexprs"]["HAS_PERM"]) for s in gluon} == {
         (b, 4096, p) for b in (0, 2, 5) for p in (False, True)}
-    assert {s["symbol"] for s in gluon} == {"w4a16_gemm__int4_g128__gemv_mma_gluon_sm90"}
+    # The module's kernel serves every group size: the export is specialized on the scheme's GROUP_SIZE constexpr.
+    assert {s["symbol"] for s in gluon} == {"w4a16_gemm__int4__gemv_mma_gluon_sm90"}
+    assert all(s["constexprs"]["GROUP_SIZE"] == 128 for s in m90["specializations"])
     assert all(s["hidden"] == 2 and s["constexprs"]["num_warps"] == s["options"]["num_warps"] for s in gluon)
     m80 = json.loads((outs[80] / "aot_manifest.json").read_text())
     assert {s["impl"] for s in m80["specializations"]} == {"mma", "gemv"} and not m80["not_exported"]

@@ -169,6 +169,10 @@ def test_list_says_where_each_kernel_comes_from(capsys, monkeypatch, tmp_path):
     code, out, _ = run(capsys, "list")
     assert code == 0
     assert out.count("  from shipped\n") == len(registry.entries())
+    # A kernel names the modules it launches, shared by the schemes that differ only in the constexprs it passes.
+    assert ("gptq_gemm__int4_g32_gptq_v2__splitk_sm80\n    op gptq_gemm  impl splitk  scheme gptq.int4.g32.gptq_v2  "
+            "arch sm_80+  from shipped\n    modules gptq_gemm__int4__splitk_sm80.py  constexprs GROUP_SIZE=32 "
+            "ZERO_OFFSET=0\n") in out
     # A user folder (here a copy of the shipped kernels) shadows them: list names it.
     user = tmp_path / "mine"
     shutil.copytree(shipped_dir(), user, ignore=shutil.ignore_patterns("__pycache__"))

@@ -162,10 +162,13 @@ def test_manifest_entries(rendered):
     for entry in kernels:
         assert required <= set(entry), entry.get("name")
         assert all((rendered / module["module"]).is_file() for module in entry["modules"])
-        # One module per implementation the tiles name, the variant's own first, named after it.
+        # One module per implementation the tiles name, the variant's own first, named after op, implementation
+        # and arch (not after the scheme's numbers, which its kernels take as constexpr arguments).
         assert [m["impl"] for m in entry["modules"]][0] == entry["impl"]
         assert {m["impl"] for m in entry["modules"]} == {entry["impl"]} | {t["impl"] for t in entry["tiles"]}
-        assert entry["modules"][0]["module"] == entry["name"] + ".py"
+        for module in entry["modules"]:
+            assert module["module"].startswith(entry["op"] + "__")
+            assert module["module"].endswith(f"__{module['impl']}_sm{entry['min_arch']}.py")
         assert entry["max_arch"] is None or entry["max_arch"] >= entry["min_arch"]
         assert entry["tiles"], entry["name"]
         assert entry["tiles"][-1]["m_max"] is None and entry["tiles"][-1]["n_min"] is None
@@ -191,6 +194,19 @@ def test_manifest_entries(rendered):
                                      "fp8_linear"}
     # Every module on disk is in the manifest.
     assert {p.name for p in rendered.glob("*.py")} == {m["module"] for e in kernels for m in e["modules"]}
+    # One module per (op, implementation, arch): the schemes sharing one pass different constexprs.
+    served = {}
+    for entry in kernels:
+        for module in entry["modules"]:
+            served.setdefault(module["module"], set()).add((entry["op"], module["impl"], entry["min_arch"]))
+    assert all(len(keys) == 1 for keys in served.values())
+    assert len({key for keys in served.values() for key in keys}) == len(served)
+    for name in served:
+        users = [e for e in kernels if any(m["module"] == name for m in e["modules"])]
+        constexprs = [json.dumps(e["constexprs"], sort_keys=True) for e in users]
+        assert len(set(constexprs)) == len(users), name
+    assert by_name["gptq_gemm__int4_g32_gptq_v2__splitk_sm80"]["constexprs"] == {"GROUP_SIZE": 32, "ZERO_OFFSET": 0}
+    assert by_name["w4a16_gemm__int4_gall__mma_sm80"]["constexprs"] == {"GROUP_SIZE": 2**30}
 
 
 BAD_DEFINITION = """

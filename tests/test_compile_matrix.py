@@ -48,7 +48,8 @@ FULL_GPTQ_SCHEMES = ("gptq.int4.g128.gptq", "w4a16.int4.g128")
 #
 # args:       runtime argument -> Triton type; "{KEY}" is filled from the tile's launch parameters
 #             and "{out}" with the output element type, e.g. "tensordesc<fp8e4nv[{BLOCK_M}, {BLOCK_K}]>".
-# constexprs: constexpr parameter -> the tile key launch() passes to it, or a function of the tile.
+# constexprs: constexpr parameter -> the tile key launch() passes to it, or a function of the tile; the
+#             entry's scheme constexprs (GROUP_SIZE, ZERO_OFFSET) are keys of the tile here too.
 # options:    tile keys launch() passes as compile options (num_warps, num_stages).
 
 TileFn = Callable[[dict], object]
@@ -102,7 +103,7 @@ MOE_W4A16_WEIGHTS = {"qw_ptr": "*i32", "z_ptr": "*{out}", "s_ptr": "*{out}", "ro
                      "stride_qwe": I32, "stride_qwk": I32, "stride_ze": I32, "stride_zg": I32,
                      "stride_se": I32, "stride_sg": I32}
 MOE_W4A16_CONSTEXPRS = {
-    **GEMM_BLOCKS, "UNIFORM_GROUP": lambda tile: tile["BLOCK_M"] > 16,
+    **GEMM_BLOCKS, "UNIFORM_GROUP": lambda tile: tile["BLOCK_M"] > 16, "GROUP_SIZE": "GROUP_SIZE",
     "MAGIC_BITS": lambda tile: 0x6400 if tile["out"] == "fp16" else 0x4300,
     "MAGIC_BIAS": lambda tile: 1024 if tile["out"] == "fp16" else 128,
     "FP32_MATH": lambda tile: False, "ASM_DEQUANT": lambda tile: tile["BLOCK_M"] >= 64}
@@ -208,6 +209,7 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
               "y_ptr": "*fp32", "M": I32, "N": I32, "K": I32,
               "stride_xm": I32, "stride_qwk": I32, "stride_qzg": I32, "stride_sg": I32, "stride_ym": I32},
         constexprs={"HAS_G_IDX": lambda tile: True, "UNIFORM_GROUP": lambda tile: False,
+                    "GROUP_SIZE": "GROUP_SIZE", "ZERO_OFFSET": "ZERO_OFFSET",
                     "BLOCK_M": "BLOCK_M", "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K", "GROUP_M": "GROUP_M",
                     "SPLIT_K": lambda tile: max(tile["SPLIT_K"], 2), "UPCAST_DOT": lambda tile: False},
         options=("num_warps", "num_stages"),
@@ -217,7 +219,7 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
     # split-K of at least 2 so the in-kernel reduction is in the compiled code.
     ("w4a16_gemm", "mma"): KernelSignature(
         args=W4A16_ARGS,
-        constexprs={"HAS_PERM": lambda tile: True, "UNIFORM_GROUP": lambda tile: True,
+        constexprs={"HAS_PERM": lambda tile: True, "UNIFORM_GROUP": lambda tile: True, "GROUP_SIZE": "GROUP_SIZE",
                     "BLOCK_M": "BLOCK_M", "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K", "GROUP_M": "GROUP_M",
                     "SPLIT_K": lambda tile: max(tile["SPLIT_K"], 2),
                     "MAGIC_BITS": lambda tile: 0x6400, "MAGIC_BIAS": lambda tile: 1024,
@@ -228,7 +230,7 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
     ("w4a16_gemm", "planes_mma"): KernelSignature(
         args={name: kind for name, kind in W4A16_ARGS.items() if name != "stride_qwk"},
         constexprs={"HAS_PERM": lambda tile: True, "UNIFORM_GROUP": lambda tile: True,
-                    "WORD_GROUPS": lambda tile: True,
+                    "WORD_GROUPS": lambda tile: True, "GROUP_SIZE": "GROUP_SIZE",
                     "BLOCK_M": "BLOCK_M", "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K", "GROUP_M": "GROUP_M",
                     "SPLIT_K": lambda tile: max(tile["SPLIT_K"], 2),
                     "MAGIC_BITS": lambda tile: 0x6400, "MAGIC_BIAS": lambda tile: 1024,
@@ -241,7 +243,7 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
     ("w4a16_gemm", "gemv"): KernelSignature(
         args=W4A16_ARGS,
         constexprs={"HAS_PERM": lambda tile: True, "UNIFORM_GROUP": lambda tile: True,
-                    "WORD_GROUPS": lambda tile: tile["weights"] != "k_planes",
+                    "WORD_GROUPS": lambda tile: tile["weights"] != "k_planes", "GROUP_SIZE": "GROUP_SIZE",
                     "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K", "SPLIT_K": lambda tile: max(tile["SPLIT_K"], 2),
                     "MAGIC_BIAS": lambda tile: 1024, "FP32_MATH": lambda tile: False,
                     "HALF2_DOT": lambda tile: tile["out"] == "fp16" and tile["weights"] != "k_planes"},
@@ -254,7 +256,7 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
               "p_desc": "tensordesc<i32[1, {BLOCK_N}]>", "y_ptr": "*{out}", "ws_ptr": F32, "count_ptr": "*i32",
               "M": I32, "N": I32, "K": I32, "stride_ym": I32},
         constexprs={"GROUP_M": "GROUP_M", "SPLIT_K": lambda tile: max(tile["SPLIT_K"], 2),
-                    "NUM_STAGES": "num_stages", "num_warps": "num_warps"},
+                    "NUM_STAGES": "num_stages", "num_warps": "num_warps", "GROUP_SIZE": "GROUP_SIZE"},
         out_types=("fp16", "bf16"),
         gluon=True,
     ),
@@ -264,7 +266,7 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
         # K unrolls at compile time: one that is not a whole number of plane tiles, so the masks past K and
         # past the last warp's tiles are in the code, with act-order's gather of x.
         constexprs={"K": lambda tile: 4160, "CHUNK_TILES": lambda tile: tile["BLOCK_K"] // 128,
-                    "HAS_PERM": lambda tile: True, "num_warps": "num_warps"},
+                    "HAS_PERM": lambda tile: True, "GROUP_SIZE": "GROUP_SIZE", "num_warps": "num_warps"},
         out_types=("fp16", "bf16"),
         gluon=True,
     ),
@@ -313,6 +315,7 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
         args={"qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*{out}", "g_ptr": "*i32", "w_ptr": "*{out}",
               "N": I32, "K": I32, "stride_qwk": I32, "stride_qzg": I32, "stride_sg": I32},
         constexprs={"HAS_G_IDX": lambda tile: False, "UNIFORM_GROUP": lambda tile: True,
+                    "GROUP_SIZE": "GROUP_SIZE", "ZERO_OFFSET": "ZERO_OFFSET",
                     "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K"},
         out_types=("fp16", "bf16"),
     ),
@@ -324,7 +327,8 @@ SIGNATURES: dict[tuple[str, str], KernelSignature] = {
         args={"qw_ptr": "*i32", "z_ptr": "*{out}", "s_ptr": "*{out}", "g_ptr": "*i32", "w_ptr": "*{out}",
               "perm_ptr": "*i32", "N": I32, "K": I32, "stride_qwk": I32, "stride_zg": I32, "stride_sg": I32,
               "stride_wn": I32},
-        constexprs={"HAS_PERM": lambda tile: False, "UNIFORM_GROUP": lambda tile: tile["out"] == "fp16", "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K",
+        constexprs={"HAS_PERM": lambda tile: False, "UNIFORM_GROUP": lambda tile: tile["out"] == "fp16",
+                    "GROUP_SIZE": "GROUP_SIZE", "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K",
                     "MAGIC_BITS": lambda tile: 0x6400 if tile["out"] == "fp16" else 0x4300,
                     "MAGIC_BIAS": lambda tile: 1024 if tile["out"] == "fp16" else 128,
                     "FP32_MATH": lambda tile: False},
@@ -476,7 +480,9 @@ def compile_job(job: Job):
     spec, function, path = signature_of(entry, tile, job.kernel)
     kernel = jit_kernel(path, function)
     # Signatures may read the prepared layout's weights order (the GEMV's packed half2 dot).
-    signature, constexprs, options = spec.build({**tile, "weights": (entry.layout or {}).get("weights")}, job.out)
+    # and the scheme's constexprs (GROUP_SIZE, ZERO_OFFSET), which launch() passes from the entry.
+    signature, constexprs, options = spec.build(
+        {**tile, **entry.constexprs, "weights": (entry.layout or {}).get("weights")}, job.out)
     params = list(kernel.arg_names)
     missing = [p for p in params if p not in signature]
     extra = [p for p in signature if p not in params]

@@ -324,7 +324,9 @@ def test_explain_shows_the_tiles_the_kernel_passes_over_at_run_time():
     runs = entry.tile_for(4, 4096, registry.Call(m=4, n=4096))
     ran = next(i for i, bucket in enumerate(entry.tiles) if bucket.params is runs)
     assert ran != gemv
-    assert f"CHOSEN (sm_90..sm_90), tile bucket {ran}: planes_mma (w4a16_gemm__int4_g64__planes_mma_sm90)" in text
+    # The module serves every group size: explain names it with the group size this kernel passes.
+    assert (f"CHOSEN (sm_90..sm_90), tile bucket {ran}: planes_mma (w4a16_gemm__int4__planes_mma_sm90, "
+            "GROUP_SIZE=64)") in text
     assert f"tile bucket {gemv} (gemv_mma_gluon) passed over at run time" in text and "plane tile" in text
     plain = registry.explain("w4a16_gemm", "w4a16.int4.g128", arch="sm_90", m=4, n=4096)
     assert f"tile bucket {gemv}:" in plain and "passed over" not in plain
@@ -366,3 +368,26 @@ def test_explain_on_a_gpu_names_its_arch():
     major, minor = torch.cuda.get_device_capability()
     last = registry.explain("fp8_gemm", FP8_SCHEME, arch="sm_89").splitlines()[-1]
     assert last.startswith(f"  on this machine: CUDA tensors run the generated kernels selected for sm_{major}{minor};")
+
+
+def test_schemes_sharing_a_module_launch_its_kernel_with_their_own_constexprs():
+    """One module serves every GPTQ group size and checkpoint format: two schemes' kernels launch the same @jit
+    kernel, each with its own GROUP_SIZE and ZERO_OFFSET (constexprs, which the launcher's compiled-kernel cache keys
+    on, so each gets its own binary as each copied module did)."""
+    g128 = registry.select("gptq_dequant", "gptq.int4.g128.gptq", arch="sm_80")
+    g32 = registry.select("gptq_dequant", "gptq.int4.g32.gptq_v2", arch="sm_80")
+    assert g128.name != g32.name and g128.module_path == g32.module_path
+    k, n = 256, 64
+    qweight = torch.zeros((k // 8, n), dtype=torch.int32)
+    w = torch.empty((n, k), dtype=torch.float16)
+    launches = []
+    for entry in (g128, g32):
+        groups = k // entry.constexprs["GROUP_SIZE"]
+        qzeros, scales = torch.zeros((groups, n // 8), dtype=torch.int32), torch.ones((groups, n), dtype=torch.float16)
+        module = entry.modules[entry.impl]
+        launches.append(module.unit.launch(module.generated(), qweight, qzeros, scales, None, w, entry.tile_for(None)))
+    assert launches[0].kernel is launches[1].kernel
+    assert {name: launches[0].constexprs[name] for name in ("GROUP_SIZE", "ZERO_OFFSET")} == {"GROUP_SIZE": 128,
+                                                                                            "ZERO_OFFSET": 1}
+    assert {name: launches[1].constexprs[name] for name in ("GROUP_SIZE", "ZERO_OFFSET")} == {"GROUP_SIZE": 32,
+                                                                                            "ZERO_OFFSET": 0}

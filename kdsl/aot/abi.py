@@ -23,6 +23,8 @@ import functools
 import operator
 from dataclasses import dataclass, field
 
+from kdsl.schema.scheme import group_rows
+
 # The dtypes the ABI names (kdsl_dtype in kdsl_aot.h): C enum name, Triton pointer type, torch dtype name.
 DTYPES = {
     "bf16": ("KDSL_BF16", "bf16", "bfloat16"),
@@ -70,7 +72,7 @@ class ImplLaunch:
     grid: tuple[str, str, str]
     constexprs: callable  # (tile params, scheme fields) -> {name: value}, as launch() passes them
     options: callable  # (tile params) -> {num_warps: .., num_stages: ..}, only those launch() passes
-    kernel: str = "{entry}"  # the @triton.jit function in the implementation's module ({entry}, {impl})
+    kernel: str = "{module}"  # the @triton.jit function in the implementation's module ({module}, {entry}, {impl})
     # Constexprs launch() computes from the call's arguments: (name, expression, the values it can take).
     # Each value is a separate compile; the dispatcher computes the expression and matches it. The values
     # SPLIT (at most one entry, the last) are a K split: the expression is the split launch() would choose,
@@ -1003,8 +1005,8 @@ def scheme_values(entry) -> dict:
         values["block_n"], values["block_k"] = fields["weight_block"]
     if "group_size" in fields:
         values["group_size"] = fields["group_size"]
-        # The modules' GROUP_SIZE: group_size -1 (one group over all of K) is rendered as 2**30.
-        values["group_rows"] = 2 ** 30 if fields["group_size"] == -1 else fields["group_size"]
+        # The kernels' GROUP_SIZE constexpr (group_size -1, one group over all of K, is 2**30).
+        values["group_rows"] = group_rows(fields["group_size"])
     return values
 
 

@@ -466,7 +466,9 @@ def _enumerate(abi: abis.OpAbi, entry, arch: int, dtypes, generic_only: bool, pr
         for dtype_choice, values, runtime, generic in generic_calls + calls:
             params = spec_params(launch, values, dtype_choice, generic, runtime.get(split, 1) if split else 1,
                                  tile)
-            constexprs = {**launch.constexprs(tile, scheme), **runtime}
+            # The scheme's numbers (GROUP_SIZE, ...) are constexprs of the kernels of every scheme sharing the module:
+            # an exported kernel is specialized per scheme.
+            constexprs = {**launch.constexprs(tile, scheme), **getattr(entry, "constexprs", {}), **runtime}
             if launch.dtype_constexprs:
                 constexprs.update(launch.dtype_constexprs(dtype_choice))
             fixed = dict(constexprs=constexprs, options=launch.options(tile))

@@ -3,6 +3,9 @@
 One planned kernel per (scheme, variant), the unit the registry picks by arch; it picks a tile by
 M and N at run time. Each implementation the variant's tiles use renders into a module of its own
 (one module, one algorithm), so a variant whose tiles name several implementations has several.
+A module is rendered once per (op, implementation, arch) and the part of the scheme it bakes in
+(scheme.module_scheme): the schemes of a definition that differ only in numbers the kernels take as
+constexpr arguments (scheme.constexprs: group size, zero offset) share it.
 """
 from __future__ import annotations
 
@@ -18,11 +21,13 @@ from kdsl.schema import LoadedDefinition, Tile
 
 @dataclass(frozen=True)
 class PlannedModule:
-    """One generated module: one implementation's kernel, with the variant's tiles it serves."""
+    """One generated module: one implementation's kernel, with the variant's tiles it serves, shared by the
+    kernels of every scheme it serves (`schemes`, their names)."""
 
     name: str
     impl: KernelImpl
     tiles: tuple[Tile, ...]
+    schemes: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -37,12 +42,19 @@ class PlannedKernel:
     layout: object | None  # a GPTQLayout for kernels that read prepared weights
     source: str  # definition file, as a path relative to where generate ran
     definition_digest: str  # sha256 of what renders it: its scheme and variant (not the whole file)
+    variant_digest: str  # sha256 of its variant alone: what its modules share with the other schemes' kernels
     dequant: dict | None = None  # {"op", "min_m"}: the dequantize + cuBLAS path from min_m rows (dequant_min_m)
 
     @property
     def name(self) -> str:
-        """The variant's kernel, named after its own implementation, whose module comes first and shares it."""
-        return self.modules[0].name
+        """The variant's kernel for this scheme, named after its own implementation (its module, modules[0],
+        serves every scheme that shares the variant and module_scheme, so it drops the constexpr numbers)."""
+        return kernel_name(self.op, self.scheme.name, self.impl.impl, self.min_arch)
+
+    @property
+    def constexprs(self) -> dict[str, int]:
+        """The scheme's numbers its modules' kernels take as constexpr arguments (GROUP_SIZE, ...)."""
+        return self.scheme.constexprs
 
     @property
     def impl(self) -> KernelImpl:
@@ -62,9 +74,11 @@ def plan_kernels(definitions: list[LoadedDefinition]) -> list[PlannedKernel]:
                 assert None not in tile_impls, "validated definitions name catalogued implementations"
                 modules = tuple(
                     PlannedModule(
-                        name=kernel_name(variant.op, scheme.name, impl_name, variant.min_cc),
+                        name=kernel_name(variant.op, scheme.module_scheme, impl_name, variant.min_cc),
                         impl=find_impl(variant.op, impl_name),
                         tiles=tuple(t for t, i in zip(variant.tiles, tile_impls) if i.impl == impl_name),
+                        schemes=tuple(s.name for s in loaded.definition.schemes
+                                      if s.module_scheme == scheme.module_scheme),
                     )
                     for impl_name in variant.impls
                 )
@@ -73,6 +87,7 @@ def plan_kernels(definitions: list[LoadedDefinition]) -> list[PlannedKernel]:
                     min_arch=variant.min_cc, max_arch=variant.max_cc,
                     tiles=tuple(variant.tiles), tile_impls=tile_impls, modules=modules,
                     layout=variant.layout, source=source, definition_digest=digest,
+                    variant_digest=_variant_digest(variant),
                     dequant=None if variant.dequant_min_m is None else {
                         "op": dequant_op_for(variant.op), "min_m": variant.dequant_min_m,
                         **({} if variant.dequant_max_n is None else {"max_n": variant.dequant_max_n})},
@@ -91,17 +106,30 @@ def _render_inputs_digest(scheme, variant) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def _variant_digest(variant) -> str:
+    canonical = json.dumps(variant.model_dump(mode="json", exclude={"dequant_min_m", "dequant_max_n"}),
+                           sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
 class PlanError(Exception):
     """Two definitions would generate the same kernel."""
 
 
 def _refuse_name_clashes(planned: list[PlannedKernel]) -> None:
-    seen: dict[str, str] = {}
+    """Kernel names are unique, and the kernels sharing a module are one variant's, of one definition file, for
+    schemes rendered alike (their module_scheme): another variant or file generating the module is a clash."""
+    kernels: dict[str, str] = {}
+    modules: dict[str, tuple] = {}
     for kernel in planned:
+        if kernel.name in kernels:
+            raise PlanError(
+                f"{kernel.source}: kernel {kernel.name} is also generated by {kernels[kernel.name]}; "
+                "give one of the variants a different min_arch or impl, or drop the duplicate scheme")
+        kernels[kernel.name] = kernel.source
         for module in kernel.modules:
-            if module.name in seen:
+            renders = (kernel.source, kernel.variant_digest, module)
+            if modules.setdefault(module.name, renders) != renders:
                 raise PlanError(
-                    f"{kernel.source}: module {module.name} is also generated by {seen[module.name]}; "
-                    "give one of the variants a different min_arch or impl, or drop the duplicate scheme"
-                )
-            seen[module.name] = kernel.source
+                    f"{kernel.source}: module {module.name} is also generated by {modules[module.name][0]}; "
+                    "give one of the variants a different min_arch or impl, or drop the duplicate scheme")

@@ -24,8 +24,10 @@ MANIFEST = "manifest.json"
 # 7: split_min_steps; 8: mma_gemv; 9: w4a16_gemm keyed by layout, zero_bias and refusal declared,
 # tiles carry only their implementation's options; 10: a variant's tiles name their implementation, one
 # module each, and a refusal takes the call's facts; 11: a module is device code, its implementation's unit
-# launches it (kdsl.kernels.base.KernelImpl.launch), so modules name no launch or refusal function
-MANIFEST_FORMAT = 11
+# launches it (kdsl.kernels.base.KernelImpl.launch), so modules name no launch or refusal function; 12: one module
+# per (op, implementation, arch), shared by the schemes of a definition, which pass their numbers as the entry's
+# "constexprs"
+MANIFEST_FORMAT = 12
 
 
 @lru_cache(maxsize=1)
@@ -55,8 +57,12 @@ def _template_sources(name: str) -> list[str]:
     return [seen[key] for key in sorted(seen)]
 
 
-def module_digest(kernel: PlannedKernel, module: PlannedModule) -> str:
-    digest = hashlib.sha256(kernel.definition_digest.encode())
+def module_digest(kernels: list[PlannedKernel], module: PlannedModule) -> str:
+    """sha256 of what renders the module: the definitions of the kernels sharing it (their schemes and their
+    common variant) and its templates."""
+    digest = hashlib.sha256()
+    for definition_digest in sorted(k.definition_digest for k in kernels):
+        digest.update(definition_digest.encode())
     for source in _template_sources(module.impl.template):
         digest.update(source.encode())
     return digest.hexdigest()[:16]
@@ -75,14 +81,17 @@ def tile_params(tile, impl) -> dict:
     }
 
 
-def render_module(kernel: PlannedKernel, module: PlannedModule) -> str:
+def render_module(kernel: PlannedKernel, module: PlannedModule, digest: str) -> str:
+    """The module as the kernel of one of the schemes it serves renders it (every one renders the same text)."""
     template = _environment().get_template(module.impl.template)
     return template.render(
         kernel=kernel,
         impl=module.impl,
         name=module.name,
         scheme=kernel.scheme,
-        digest=module_digest(kernel, module),
+        schemes=", ".join(module.schemes),
+        constexprs=", ".join(kernel.constexprs),
+        digest=digest,
         arch_range=f"sm_{kernel.min_arch}" + (f" .. sm_{kernel.max_arch}" if kernel.max_arch else " and up"),
         tiles=[(tile.m_max, tile.n_min, tile_params(tile, module.impl)) for tile in module.tiles],
         layout=kernel.layout,
@@ -94,13 +103,15 @@ def render_module(kernel: PlannedKernel, module: PlannedModule) -> str:
     )
 
 
-def manifest_entry(kernel: PlannedKernel) -> dict:
+def manifest_entry(kernel: PlannedKernel, digests: dict[str, str]) -> dict:
     return {
         "name": kernel.name,
         "op": kernel.op,
         "impl": kernel.impl.impl,
         "scheme": kernel.scheme.name,
         "scheme_definition": kernel.scheme.model_dump(mode="json"),
+        # The scheme's numbers its modules' kernels take as constexpr arguments (the modules are shared by schemes).
+        "constexprs": kernel.constexprs,
         "min_arch": kernel.min_arch,
         "max_arch": kernel.max_arch,
         "tiles": [{"m_max": tile.m_max, "n_min": tile.n_min, **tile_params(tile, impl)}
@@ -111,7 +122,7 @@ def manifest_entry(kernel: PlannedKernel) -> dict:
         "modules": [{
             "impl": module.impl.impl,
             "module": f"{module.name}.py",
-            "digest": module_digest(kernel, module),
+            "digest": digests[module.name],
         } for module in kernel.modules],
         "source": kernel.source,
         # Only where the variant sets dequant_min_m: from "min_m" rows up the op runs the "op" kernel serving its
@@ -120,14 +131,31 @@ def manifest_entry(kernel: PlannedKernel) -> dict:
     }
 
 
+class RenderError(Exception):
+    """A module renders differently for two of the schemes sharing it."""
+
+
 def render_all(kernels: list[PlannedKernel]) -> dict[str, str]:
-    """{file name inside generated/: text}, including the manifest."""
-    files = {f"{m.name}.py": render_module(k, m) for k in kernels for m in k.modules}
+    """{file name inside generated/: text}, including the manifest. A module shared by several schemes' kernels
+    is rendered for each and must come out the same: a number that differs between them belongs in
+    scheme.constexprs, not in the template's text."""
+    sharing: dict[str, tuple[PlannedModule, list[PlannedKernel]]] = {}
+    for kernel in kernels:
+        for module in kernel.modules:
+            sharing.setdefault(module.name, (module, []))[1].append(kernel)
+    digests = {name: module_digest(users, module) for name, (module, users) in sharing.items()}
+    files = {}
+    for name, (module, users) in sharing.items():
+        texts = {kernel.scheme.name: render_module(kernel, module, digests[name]) for kernel in users}
+        if len(set(texts.values())) > 1:
+            raise RenderError(f"{name} renders differently for schemes {', '.join(texts)}: a number that differs "
+                              "between them must be a constexpr argument (the scheme's `constexprs`)")
+        files[f"{name}.py"] = next(iter(texts.values()))
     manifest = {
         "format": MANIFEST_FORMAT,
         "generator": "kdsl",
         "note": "generated by kdsl — do not edit; run `python -m kdsl generate`",
-        "kernels": [manifest_entry(k) for k in kernels],
+        "kernels": [manifest_entry(k, digests) for k in kernels],
     }
     files[MANIFEST] = json.dumps(manifest, indent=2, ensure_ascii=False) + "\n"
     return files

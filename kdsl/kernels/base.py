@@ -27,14 +27,17 @@ class Launch(NamedTuple):
 
 
 class Generated:
-    """A generated module as its implementation's launch reads it: `kernel`, the @jit kernel named after the
-    module; `kernels`, each kernel named after it by the rest of its name ("" for `kernel`, "_down", ...);
-    `module`, for the constants the template rendered (GROUP, BLOCK_N, ...). Built once per module."""
+    """A generated module as its implementation's launch reads it for one scheme: `kernel`, the @jit kernel named
+    after the module; `kernels`, each kernel named after it by the rest of its name ("" for `kernel`, "_down",
+    ...); `module`, for the constants the template rendered (PACK, LAYOUT, ...); `constexprs`, the scheme's
+    numbers its kernels take as constexpr arguments ({"GROUP_SIZE": 128, ...}: the module serves several schemes).
+    Built once per module and scheme."""
 
-    __slots__ = ("module", "kernel", "kernels")
+    __slots__ = ("module", "kernel", "kernels", "constexprs")
 
-    def __init__(self, module, name: str):
+    def __init__(self, module, name: str, constexprs: dict | None = None):
         self.module = module
+        self.constexprs = constexprs or {}
         self.kernels = {attr[len(name):]: value for attr, value in vars(module).items()
                         if attr.startswith(name) and hasattr(value, "arg_names")}
         self.kernel = self.kernels.get("")

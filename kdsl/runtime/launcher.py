@@ -63,6 +63,8 @@ def run(launch: Launch) -> None:
         if _recording is not None:
             _recording.append((kernel, grid, params, options, False))
         return
+    # Every constexpr is in the key, the scheme's numbers (GROUP_SIZE, ZERO_OFFSET) too: the schemes sharing a
+    # generated module each get their own compiled kernel.
     key = (kernel, torch.cuda.current_device(), *options.items(), *map(_specialization, params))
     cached = _COMPILED.get(key)
     if cached is not None:

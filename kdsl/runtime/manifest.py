@@ -13,11 +13,12 @@ from types import ModuleType
 import kdsl.schema  # noqa: F401  (before kdsl.kernels: the schema's definitions import the units, theirs first)
 from kdsl.kernels import find_impl
 from kdsl.kernels.base import Generated, KernelImpl, Launch
+from kdsl.naming import kernel_name
 from kdsl.runtime import launcher
 
 GENERATED_ENV = "KDSL_GENERATED"  # replaces the shipped kernels' folder
 KERNEL_PATH_ENV = "KDSL_KERNEL_PATH"  # extra folders of generated kernels, searched before the shipped ones
-SUPPORTED_FORMAT = 11
+SUPPORTED_FORMAT = 12
 SHIPPED = "shipped"
 
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -88,12 +89,21 @@ class Call:
 @dataclass(frozen=True, eq=False)
 class KernelModule:
     """One generated module of a kernel: one implementation's algorithm. Its device code is the module; its
-    host code (launch and refusal) is the implementation's unit (kdsl.kernels.base.KernelImpl)."""
+    host code (launch and refusal) is the implementation's unit (kdsl.kernels.base.KernelImpl). The module is
+    shared by the kernels of several schemes: each kernel's KernelModule carries its scheme's constexprs, which
+    the unit passes to the module's kernels."""
 
     impl: str
     path: Path
     unit: KernelImpl | None  # None: the manifest names an implementation this kdsl does not have
     import_name: str
+    constexprs: tuple = ()  # the kernel's scheme's (name, value) constexpr arguments, e.g. (("GROUP_SIZE", 128),)
+    kernel_name: str = ""  # the kernel's name for this implementation and scheme (the entry's name for its own)
+
+    @property
+    def key(self) -> tuple:
+        """What a launch binds to: the module and the scheme's constexprs (one module serves several schemes)."""
+        return self.path, self.constexprs
 
     def load(self) -> ModuleType:
         module = _MODULES.get(self.path)
@@ -104,16 +114,17 @@ class KernelModule:
         return module
 
     def generated(self) -> Generated:
-        """The loaded module as its unit's launch and refusal read it (built once)."""
-        generated = _GENERATED.get(self.path)
+        """The loaded module as its unit's launch and refusal read it, with the scheme's constexprs (built once
+        per scheme)."""
+        generated = _GENERATED.get(self.key)
         if generated is None:
-            generated = _GENERATED[self.path] = Generated(self.load(), self.path.stem)
+            generated = _GENERATED[self.key] = Generated(self.load(), self.path.stem, dict(self.constexprs))
         return generated
 
     @property
     def launch(self):
         """launch(*args, tile): the call's launches, as the unit describes them, run by kdsl.runtime.launcher."""
-        bound = _LAUNCHES.get(self.path)
+        bound = _LAUNCHES.get(self.key)
         if bound is None:
             if self.unit is None:
                 raise ManifestError(f"{self.path}: implementation {self.impl!r} is not one this kdsl has: "
@@ -128,7 +139,7 @@ class KernelModule:
                 else:
                     for launch in described:
                         run(launch)
-            _LAUNCHES[self.path] = bound
+            _LAUNCHES[self.key] = bound
         return bound
 
     def run(self, describe, *args) -> None:
@@ -168,6 +179,8 @@ class KernelEntry:
     origin: str = SHIPPED  # "shipped", or the folder a user added it from
     zero_bias: dict | None = field(default=None, hash=False, compare=False)  # per dtype name, biased-zero layouts
     scheme_fields: dict = field(default_factory=dict, hash=False, compare=False)  # the scheme as the manifest lists it
+    # The scheme's numbers its modules' kernels take as constexpr arguments ({"GROUP_SIZE": 128, ...})
+    constexprs: dict = field(default_factory=dict, hash=False, compare=False)
     # {"op": dequantizer op, "min_m": rows}: from min_m rows up, dequantize + torch.matmul (registry.dequant_for)
     dequant: dict | None = field(default=None, hash=False, compare=False)
 
@@ -229,8 +242,8 @@ class KernelEntry:
 
 
 _MODULES: dict[Path, ModuleType] = {}
-_LAUNCHES: dict = {}  # module path -> its unit's launch function, bound to the loaded module once
-_GENERATED: dict = {}  # module path -> the loaded module as its unit reads it (kdsl.kernels.base.Generated)
+_LAUNCHES: dict = {}  # KernelModule.key -> its unit's launch function, bound to the loaded module once per scheme
+_GENERATED: dict = {}  # KernelModule.key -> the loaded module as its unit reads it (kdsl.kernels.base.Generated)
 # Called with (KernelModule, module) after a generated module is imported. A package that must act then
 # (kdsl.aot: KDSL_AOT=DIR is loaded with the first module) adds itself when it is imported; the runtime imports none.
 _MODULE_HOOKS: list = []
@@ -277,15 +290,18 @@ def load_manifest(folder: Path | None = None, origin: str = SHIPPED) -> tuple[Ke
         )
         package = "kdsl_generated" if origin == SHIPPED else (
             "kdsl_user_" + hashlib.sha256(origin.encode()).hexdigest()[:12])
+        constexprs = raw.get("constexprs", {})
         modules = {
             m["impl"]: KernelModule(impl=m["impl"], path=folder / m["module"], unit=find_impl(raw["op"], m["impl"]),
-                                    import_name=f"{package}.{m['module'].removesuffix('.py')}")
+                                    import_name=f"{package}.{m['module'].removesuffix('.py')}",
+                                    constexprs=tuple(constexprs.items()),
+                                    kernel_name=kernel_name(raw["op"], raw["scheme"], m["impl"], raw["min_arch"]))
             for m in raw["modules"]
         }
         entries.append(KernelEntry(
             name=raw["name"], op=raw["op"], impl=raw["impl"], scheme=raw["scheme"],
             min_arch=raw["min_arch"], max_arch=raw["max_arch"], tiles=tiles, modules=modules,
             source=raw["source"], layout=raw.get("layout"), origin=origin, zero_bias=raw.get("zero_bias"),
-            scheme_fields=raw.get("scheme_definition", {}), dequant=raw.get("dequant"),
+            scheme_fields=raw.get("scheme_definition", {}), dequant=raw.get("dequant"), constexprs=constexprs,
         ))
     return tuple(entries)

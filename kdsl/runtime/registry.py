@@ -317,6 +317,12 @@ def select(op: str, scheme=None, arch: str | int | None = None, m: int | None = 
     return chosen
 
 
+def _module_label(kernel_module) -> str:
+    """The module's name, with the scheme's constexprs it passes (the module serves several schemes)."""
+    passed = "".join(f", {name}={value}" for name, value in kernel_module.constexprs)
+    return kernel_module.path.stem + passed
+
+
 def explain(op: str, scheme=None, arch: str | int | None = None, m: int | None = None, n: int | None = None,
             batch: int = 1) -> str:
     """The selection trace as text: every candidate, the verdict on it, and the tile (M, N) picks (for a
@@ -338,7 +344,7 @@ def explain(op: str, scheme=None, arch: str | int | None = None, m: int | None =
                          f"(prepared K order, x's dtype), then torch.matmul(x, w.T) (cuBLAS)")
         else:
             lines.append(f"  {chosen.label}: CHOSEN ({chosen.arch_range()}), tile bucket {bucket}: {tile.params['impl']} "
-                         f"({chosen.modules[tile.params['impl']].path.stem}) {tile.params}")
+                         f"({_module_label(chosen.modules[tile.params['impl']])}) {tile.params}")
             lines += [f"    tile bucket {index} ({chosen.tiles[index].params['impl']}) passed over at run time "
                       f"(GPU, fp16, no act-order): {reason}" for index, reason in passed_over]
             if dequant is not None:

@@ -1,7 +1,10 @@
 """Quantization schemes: what the numbers in a checkpoint mean.
 
 A scheme says nothing about tiling or architectures; it fixes the constants a
-kernel bakes in (block sizes, group size, pack factor, fp8 format).
+kernel bakes in (block sizes, group size, pack factor, fp8 format). Those that
+differ between the schemes a template serves (group size, zero offset) are
+constexpr arguments of the kernels (`constexprs`), so one generated module
+serves them all; the rest are rendered into the module (`module_scheme`).
 """
 from __future__ import annotations
 
@@ -12,8 +15,10 @@ from pydantic import AfterValidator, BeforeValidator, Field, PositiveInt, field_
 from kdsl.naming import (
     awq_scheme_name,
     block_fp8_scheme_name,
+    gptq_module_scheme_name,
     gptq_scheme_name,
     is_gptq_group_size,
+    w4a16_module_scheme_name,
     w4a16_scheme_name,
 )
 from kdsl.schema._base import StrictModel
@@ -64,6 +69,16 @@ class BlockFP8(StrictModel):
         return (self.name,)
 
     @property
+    def module_scheme(self) -> str:
+        """The scheme its modules are rendered for: all of it (only one block-FP8 scheme is served)."""
+        return self.name
+
+    @property
+    def constexprs(self) -> dict[str, int]:
+        """Scheme numbers its kernels take as constexpr arguments: none (its modules render them)."""
+        return {}
+
+    @property
     def quant_group_k(self) -> int:
         """The K extent every GEMM K-step must stay inside (one scale per step)."""
         return min(self.weight_block[1], self.act_group)
@@ -82,6 +97,15 @@ def _group_size(value: int) -> int:
     if not is_gptq_group_size(value):
         raise ValueError(f"group_size = {value} must be a power of two >= 16, or -1 for one group over K")
     return value
+
+
+# group_size -1 (one group over all of K) as the kernels' GROUP_SIZE: every row k // 2**30 is in group 0.
+ONE_GROUP_ROWS = 2**30
+
+
+def group_rows(group_size: int) -> int:
+    """The kernels' GROUP_SIZE: rows of K per group."""
+    return ONE_GROUP_ROWS if group_size == -1 else group_size
 
 
 IntBits = Annotated[int, AfterValidator(_supported_bits)]
@@ -111,6 +135,17 @@ class GPTQ(StrictModel):
         return self.name, w4a16_scheme_name(self.bits, self.group_size)
 
     @property
+    def module_scheme(self) -> str:
+        """The scheme its modules are rendered for: the bits; group size and format are constexpr arguments."""
+        return gptq_module_scheme_name(self.bits)
+
+    @property
+    def constexprs(self) -> dict[str, int]:
+        """GROUP_SIZE (group_rows) and ZERO_OFFSET: "gptq" checkpoints store zero - 1, "gptq_v2" the zero."""
+        return {"GROUP_SIZE": group_rows(self.group_size),
+                "ZERO_OFFSET": 1 if self.checkpoint_format == "gptq" else 0}
+
+    @property
     def pack_factor(self) -> int:
         return 32 // self.bits
 
@@ -137,6 +172,15 @@ class W4A16(StrictModel):
     @property
     def kernel_schemes(self) -> tuple[str, ...]:
         return (self.name,)
+
+    @property
+    def module_scheme(self) -> str:
+        """The scheme its modules are rendered for: the bits; the group size is a constexpr argument."""
+        return w4a16_module_scheme_name(self.bits)
+
+    @property
+    def constexprs(self) -> dict[str, int]:
+        return {"GROUP_SIZE": group_rows(self.group_size)}
 
 
 def _awq_group_size(value: int) -> int:

@@ -29,8 +29,8 @@ def launch_gemm(generated, x, qweight, qzeros, scales, g_idx, y, tile):
         x, qweight, qzeros, scales, qweight if g_idx is None else g_idx, out,
         M, N, K, x.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0),
     ), dict(
-        HAS_G_IDX=g_idx is not None, UNIFORM_GROUP=g_idx is None and generated.module.GROUP_SIZE.value % bk == 0,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tile["GROUP_M"], SPLIT_K=split_k,
+        HAS_G_IDX=g_idx is not None, UNIFORM_GROUP=g_idx is None and generated.constexprs["GROUP_SIZE"] % bk == 0,
+        **generated.constexprs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tile["GROUP_M"], SPLIT_K=split_k,
         UPCAST_DOT=x.device.type == "cpu" and x.dtype == torch.bfloat16,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"],
     ))
@@ -52,8 +52,8 @@ def launch_dequant(generated, qweight, qzeros, scales, g_idx, w, tile):
         qweight, qzeros, scales, qweight if g_idx is None else g_idx, w,
         N, K, qweight.stride(0), qzeros.stride(0), scales.stride(0),
     ), dict(
-        HAS_G_IDX=g_idx is not None, UNIFORM_GROUP=g_idx is None and generated.module.GROUP_SIZE.value % bk == 0,
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=tile["num_warps"],
+        HAS_G_IDX=g_idx is not None, UNIFORM_GROUP=g_idx is None and generated.constexprs["GROUP_SIZE"] % bk == 0,
+        **generated.constexprs, BLOCK_N=bn, BLOCK_K=bk, num_warps=tile["num_warps"],
     ))
 
 

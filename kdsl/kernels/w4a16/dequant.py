@@ -25,11 +25,13 @@ def launch(generated, qweight, zeros, scales, groups, contiguous_groups, perm, w
     N, K = w.shape if perm is None else w.shape[::-1]
     bn, bk = tile["BLOCK_N"], tile["BLOCK_K"]
     magic_bits, magic_bias = MAGIC[w.dtype]
+    group_size = generated.constexprs["GROUP_SIZE"]
     return Launch(generated.kernel, (cdiv(K, bk), cdiv(N, bn), 1), (
         qweight, zeros, scales, groups, w, qweight if perm is None else perm,
         N, K, qweight.stride(0), zeros.stride(0), scales.stride(0), w.stride(0),
     ), dict(
-        HAS_PERM=perm is not None, UNIFORM_GROUP=contiguous_groups and generated.module.GROUP_SIZE.value % bk == 0, BLOCK_N=bn, BLOCK_K=bk,
+        HAS_PERM=perm is not None, UNIFORM_GROUP=contiguous_groups and group_size % bk == 0, GROUP_SIZE=group_size,
+        BLOCK_N=bn, BLOCK_K=bk,
         MAGIC_BITS=magic_bits, MAGIC_BIAS=magic_bias, FP32_MATH=w.device.type == "cpu",
         num_warps=tile["num_warps"],
     ))

@@ -44,7 +44,7 @@ def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups
     module, kernel = generated.module, generated.kernel
     programs = M * cdiv(N, bn)
     split_k, workspace, counters = split_with_scratch(kernel, y, tile, cdiv(K, bk), programs, None, bn)
-    group_size = module.GROUP_SIZE.value
+    group_size = generated.constexprs["GROUP_SIZE"]
     if module.LAYOUT["weights"] == "k_planes":
         # A k_planes word spans its whole plane tile, so only a uniform group gives it one scale.
         uniform = contiguous_groups and group_size % module.PLANE_TILE_K.value == 0
@@ -59,7 +59,7 @@ def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups
         y, workspace, counters,
         M, N, K, x.stride(0), qweight.stride(0), zeros.stride(0), scales.stride(0), y.stride(0),
     ), dict(
-        HAS_PERM=perm is not None, UNIFORM_GROUP=uniform, WORD_GROUPS=word_groups,
+        HAS_PERM=perm is not None, UNIFORM_GROUP=uniform, WORD_GROUPS=word_groups, GROUP_SIZE=group_size,
         BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split_k,
         MAGIC_BIAS=MAGIC[x.dtype][1], FP32_MATH=x.device.type == "cpu", HALF2_DOT=half2,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"],

@@ -33,7 +33,7 @@ def refusal(generated, tile, call):
     """Why this GEMV should not serve `call` (a kdsl.runtime Call), None where it should; the definition's
     next tile serving M and N then runs instead."""
     plane_tile_k = generated.module.PLANE_TILE_K.value
-    if not call.contiguous_groups or generated.module.GROUP_SIZE.value % plane_tile_k:
+    if not call.contiguous_groups or generated.constexprs["GROUP_SIZE"] % plane_tile_k:
         return f"a group changes inside a {plane_tile_k}-row plane tile, which the GEMV scales as one"
     if call.m > MMA_GEMV_MAX_M:
         return f"M = {call.m}: the GEMV takes at most {MMA_GEMV_MAX_M} rows (x is the MMA's 8-wide operand)"
@@ -52,7 +52,7 @@ def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups
         x, qweight if perm is None else perm, qweight, pairs, y,
         M, N, x.stride(0), pairs.stride(0), y.stride(0),
     ), dict(K=K, CHUNK_TILES=tile["BLOCK_K"] // generated.module.PLANE_TILE_K.value, HAS_PERM=perm is not None,
-            num_warps=tile["num_warps"]))
+            GROUP_SIZE=generated.constexprs["GROUP_SIZE"], num_warps=tile["num_warps"]))
 
 IMPL = KernelImpl(
     "w4a16", "w4a16_gemm", "gemv_mma_gluon", "w4a16/gemv_mma_gluon.py.j2", 80, None,

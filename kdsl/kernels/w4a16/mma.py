@@ -26,7 +26,8 @@ def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups
     sms = host.sm_count(x.device) if x.device.type == "cuda" else None
     split_k, workspace, counters = split_with_scratch(kernel, y, tile, cdiv(K, bk), tiles, sms, bm * bn)
     magic_bits, magic_bias = MAGIC[x.dtype]
-    uniform = contiguous_groups and generated.module.GROUP_SIZE.value % bk == 0  # every K tile inside one group
+    group_size = generated.constexprs["GROUP_SIZE"]
+    uniform = contiguous_groups and group_size % bk == 0  # every K tile inside one group
     # One scale per packed word, from 64-row tiles up; below that its join/permute costs more than it
     # saves (H200 sweep).
     asm = x.device.type == "cuda" and uniform and bm >= 64
@@ -35,7 +36,7 @@ def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups
         y, workspace, counters,
         M, N, K, x.stride(0), qweight.stride(0), zeros.stride(0), scales.stride(0), y.stride(0),
     ), dict(
-        HAS_PERM=perm is not None, UNIFORM_GROUP=uniform,
+        HAS_PERM=perm is not None, UNIFORM_GROUP=uniform, GROUP_SIZE=group_size,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tile["GROUP_M"], SPLIT_K=split_k,
         MAGIC_BITS=magic_bits, MAGIC_BIAS=magic_bias, FP32_MATH=x.device.type == "cpu", ASM_DEQUANT=asm,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"],

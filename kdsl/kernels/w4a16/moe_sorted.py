@@ -66,8 +66,10 @@ def launch(generated, x, w13_qweight, w13_zeros, w13_scales, w13_perm, w2_qweigh
     rows, block_expert, meta, max_rows, max_blocks = yield from route(generated, topk_ids, E, block_m, on_routed)
 
     magic_bits, magic_bias = MAGIC[x.dtype]
-    uniform = generated.module.GROUP_SIZE.value % block_k == 0  # every K tile inside one group
-    gemm = dict(UNIFORM_GROUP=uniform, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=tile["GROUP_M"],
+    group_size = generated.constexprs["GROUP_SIZE"]
+    uniform = group_size % block_k == 0  # every K tile inside one group
+    gemm = dict(UNIFORM_GROUP=uniform, GROUP_SIZE=group_size,
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=tile["GROUP_M"],
                 N_MAJOR=tile["tile_order"] == "n_major", MAGIC_BITS=magic_bits, MAGIC_BIAS=magic_bias,
                 FP32_MATH=cpu, ASM_DEQUANT=not cpu and uniform and block_m >= 64,  # as w4a16_gemm/mma
                 num_warps=tile["num_warps"], num_stages=tile["num_stages"])

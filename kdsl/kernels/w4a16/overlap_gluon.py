@@ -27,7 +27,7 @@ def refusal(generated, tile, call):
         return "a Gluon kernel, which runs on the GPU only"
     if call.act_order:
         return "act-order gathers x's columns, which the kernel's TMA loads of x cannot"
-    if not call.contiguous_groups or generated.module.GROUP_SIZE.value % tile["BLOCK_K"]:
+    if not call.contiguous_groups or generated.constexprs["GROUP_SIZE"] % tile["BLOCK_K"]:
         return f"a group changes inside a {tile['BLOCK_K']}-row K block, which the kernel scales as one"
     if call.align < 16:
         return "TMA reads rows that start 16-byte aligned, and x's or the (scale, zero) pairs' do not"
@@ -53,7 +53,8 @@ def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups
         gluon_descriptor(x, (bm, bk)), gluon_descriptor(words, (bn, plane_rows)),
         gluon_descriptor(pairs, (1, bn)), y, workspace, counters,
         M, N, K, y.stride(0),
-    ), dict(GROUP_M=tile["GROUP_M"], SPLIT_K=split_k, NUM_STAGES=tile["num_stages"], num_warps=tile["num_warps"]))
+    ), dict(GROUP_M=tile["GROUP_M"], SPLIT_K=split_k, NUM_STAGES=tile["num_stages"], num_warps=tile["num_warps"],
+            GROUP_SIZE=generated.constexprs["GROUP_SIZE"]))
 
 IMPL = KernelImpl(
     "w4a16", "w4a16_gemm", "overlap_gluon", "w4a16/overlap_gluon.py.j2", 90, 90,

@@ -27,7 +27,7 @@ def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups
     sms = host.sm_count(x.device) if x.device.type == "cuda" else None
     split_k, workspace, counters = split_with_scratch(kernel, y, tile, cdiv(K, bk), tiles, sms, bm * bn)
     magic_bits, magic_bias = MAGIC[x.dtype]
-    group_size = module.GROUP_SIZE.value
+    group_size = generated.constexprs["GROUP_SIZE"]
     uniform = contiguous_groups and group_size % module.PLANE_TILE_K.value == 0  # every plane tile in one group
     # Contiguous groups of whole nibble-pair spans: one group per plane (a word spans the tile).
     word_groups = contiguous_groups and group_size % module.PAIR_SPAN.value == 0
@@ -41,7 +41,7 @@ def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups
         y, workspace, counters,
         M, N, K, x.stride(0), zeros.stride(0), scales.stride(0), y.stride(0),
     ), dict(
-        HAS_PERM=perm is not None, UNIFORM_GROUP=uniform, WORD_GROUPS=word_groups,
+        HAS_PERM=perm is not None, UNIFORM_GROUP=uniform, WORD_GROUPS=word_groups, GROUP_SIZE=group_size,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tile["GROUP_M"], SPLIT_K=split_k,
         MAGIC_BITS=magic_bits, MAGIC_BIAS=magic_bias, FP32_MATH=x.device.type == "cpu",
         ASM_DEQUANT=asm, SCALE_AFTER=scale_after,
