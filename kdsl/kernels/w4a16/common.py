@@ -5,7 +5,8 @@ from pydantic import Field, PositiveInt
 
 from kdsl.kernels.base import Launch
 from kdsl.kernels.block_fp8.fp8_gemm_tma_persistent import SPLIT_FILL_HELP, SPLIT_MIN_STEPS_HELP
-from kdsl.kernels.host import cdiv
+from kdsl.kernels import host
+from kdsl.kernels.host import cdiv, split_with_scratch
 from kdsl.packing import PLANE_TILE_K, PLANE_TILE_N
 from kdsl.schema._base import StrictModel
 
@@ -68,3 +69,13 @@ def gather_columns(generated, x, perm, out):
     return Launch(generated.module._gather_columns, (M, cdiv(K, block_k), 1),
                   (x, perm, out, K, x.stride(0), out.stride(0)),
                   dict(K_POW2=k_pow2, BLOCK_K=block_k, num_warps=8 if k_pow2 >= 8192 else 4))
+
+
+def mma_split(generated, x, y, tile) -> tuple:
+    """(output tiles, split_k, workspace, counters) of an MMA launch over y [M, N] = x [M, K] @ w: the K split
+    that fills the GPU's SMs (host.split_for) and the split-K scratch it needs."""
+    (M, K), N = x.shape, y.shape[1]
+    bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
+    tiles = cdiv(M, bm) * cdiv(N, bn)
+    sms = host.sm_count(x.device) if x.device.type == "cuda" else None
+    return (tiles, *split_with_scratch(generated.kernel, y, tile, cdiv(K, bk), tiles, sms, bm * bn))

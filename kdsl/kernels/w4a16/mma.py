@@ -3,11 +3,9 @@
 tl.dot on tiles dequantized in registers (magic-number dequant, LOP3 in PTX from 64-row tiles up), one
 load per 8 weights, split-K reduced in-kernel. Serves every arch from sm_80 and the interpreter.
 """
-from kdsl.kernels import host
 from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
 from kdsl.kernels.gptq.checkpoint import w4a16_operand_bytes
-from kdsl.kernels.host import cdiv, split_with_scratch
-from kdsl.kernels.w4a16.common import MAGIC, SplitOptions, needs_layout
+from kdsl.kernels.w4a16.common import MAGIC, SplitOptions, mma_split, needs_layout
 
 
 def problems(where: str, scheme, variant, tile, options: SplitOptions) -> list[str]:
@@ -22,9 +20,7 @@ def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups
     N = y.shape[1]
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
     kernel = generated.kernel
-    tiles = cdiv(M, bm) * cdiv(N, bn)
-    sms = host.sm_count(x.device) if x.device.type == "cuda" else None
-    split_k, workspace, counters = split_with_scratch(kernel, y, tile, cdiv(K, bk), tiles, sms, bm * bn)
+    tiles, split_k, workspace, counters = mma_split(generated, x, y, tile)
     magic_bits, magic_bias = MAGIC[x.dtype]
     group_size = generated.constexprs["GROUP_SIZE"]
     uniform = contiguous_groups and group_size % bk == 0  # every K tile inside one group

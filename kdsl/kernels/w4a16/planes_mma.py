@@ -4,11 +4,9 @@ The dequantized weights are the MMA's register operand (Hopper's wgmma reads it 
 weight tile never makes a shared-memory round trip; LOP3 turns each nibble pair into the operand's half2.
 Decode tiles (block_m <= 16) apply the scale to each K tile's fp32 partial instead of each weight.
 """
-from kdsl.kernels import host
 from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
 from kdsl.kernels.gptq.checkpoint import w4a16_operand_bytes
-from kdsl.kernels.host import cdiv, split_with_scratch
-from kdsl.kernels.w4a16.common import MAGIC, SplitOptions, needs_layout, plane_tile_problems
+from kdsl.kernels.w4a16.common import MAGIC, SplitOptions, mma_split, needs_layout, plane_tile_problems
 
 
 def problems(where: str, scheme, variant, tile, options: SplitOptions) -> list[str]:
@@ -23,9 +21,7 @@ def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups
     N = y.shape[1]
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
     module, kernel = generated.module, generated.kernel
-    tiles = cdiv(M, bm) * cdiv(N, bn)
-    sms = host.sm_count(x.device) if x.device.type == "cuda" else None
-    split_k, workspace, counters = split_with_scratch(kernel, y, tile, cdiv(K, bk), tiles, sms, bm * bn)
+    tiles, split_k, workspace, counters = mma_split(generated, x, y, tile)
     magic_bits, magic_bias = MAGIC[x.dtype]
     group_size = generated.constexprs["GROUP_SIZE"]
     uniform = contiguous_groups and group_size % module.PLANE_TILE_K.value == 0  # every plane tile in one group
