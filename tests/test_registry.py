@@ -145,7 +145,7 @@ def test_tile_for_passes_over_refused_tiles(m, n, refused, index):
         return "refused" if params["index"] in refused else None
 
     tiled = dataclasses.replace(entry, tiles=_buckets((8, 16384), (8, None), (16, None), (None, None)),
-                                modules={"tested": types.SimpleNamespace(refusal=refusal)})
+                                modules={"tested": types.SimpleNamespace(refusal_reason=refusal)})
     assert tiled.tile_for(m, n, registry.Call(m=m, n=n))["index"] == index
     assert all(tiled.tiles[i].serves(m, n) for i in asked), "only tiles serving M and N are asked"
 

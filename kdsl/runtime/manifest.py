@@ -147,14 +147,10 @@ class KernelModule:
         (act-order's gather of x, kdsl.kernels.w4a16.common) launching a kernel of this module."""
         launcher.run_all(describe(self.generated(), *args))
 
-    @property
-    def refusal(self):
-        """(tile params, Call) -> why the tile should not serve the call, or None; None where it serves every call."""
+    def refusal_reason(self, params: dict, call: Call) -> str | None:
+        """Why the tile (its params) should not serve the call, or None: the unit's refusal, where it has one."""
         refusal = None if self.unit is None else self.unit.refusal
-        if refusal is None:
-            return None
-        generated = self.generated()
-        return lambda params, call: refusal(generated, params, call)
+        return None if refusal is None else refusal(self.generated(), params, call)
 
     @property
     def refuses(self) -> bool:
@@ -205,8 +201,7 @@ class KernelEntry:
 
     def refusal_reason(self, params: dict, call: Call) -> str | None:
         """Why the tile's module passes it over for this call (None: it serves it)."""
-        refusal = self.modules[params["impl"]].refusal
-        return None if refusal is None else refusal(params, call)
+        return self.modules[params["impl"]].refusal_reason(params, call)
 
     def bucket_index(self, m: int | None, n: int | None = None) -> int:
         """The first tile serving M (None: the last bucket) and N (None: the bucket's tile for every N)."""
