@@ -338,3 +338,22 @@ def test_packed_zeros_layout(tmp_path, monkeypatch):
     for m in (1, 33, 70):
         x = torch.randn(m, 256).half()
         assert ref.rel_fro_error(kdsl.ops.gptq_gemm(x, prepared), _ref(x, ck, 32, "gptq")) < TOL
+
+
+def test_plan_key_is_computed_once_and_not_copied():
+    """The weights' part of the launch-plan key is kept on the (frozen) prepared weights; a copy or an unpickled
+    instance, whose tensors may live elsewhere, works it out again from its own tensors."""
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    ck = kdsl.ops.gptq_quantize(torch.randn(256, 256, dtype=torch.float16), bits=4, group_size=128)
+    prepared = gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], None, group_size=128)
+    key = prepared.plan_key
+    assert prepared.plan_key is key
+    assert prepared.qweight.shape in key and prepared.scales.stride() in key
+    for other in (copy.deepcopy(prepared), pickle.loads(pickle.dumps(prepared))):
+        assert "plan_key" not in vars(other)
+        assert other.plan_key == key
+        x = torch.randn(3, 256, dtype=torch.float16)
+        assert torch.equal(kdsl.ops.w4a16_gemm(x, other), kdsl.ops.w4a16_gemm(x, prepared))

@@ -73,6 +73,10 @@ class W4A16Prepared:
             key += (None,) if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
         return key
 
+    def __getstate__(self) -> dict:
+        # A copy or an unpickled instance (torch.load may map its tensors elsewhere) works its key out again.
+        return {name: value for name, value in self.__dict__.items() if name != "plan_key"}
+
     def __repr__(self) -> str:
         return (f"W4A16Prepared({self.source} -> {self.scheme}, K={self.k}, N={self.n}, "
                 f"dtype={check.dtype_name(self.dtype)}, layout={self.layout}, act_order={self.perm is not None})")
