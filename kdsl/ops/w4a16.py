@@ -65,8 +65,9 @@ class W4A16Prepared:
     @cached_property
     def plan_key(self) -> tuple:
         """The part of a launch plan's key (_plan_key) these weights make: the fields the kernels read and each
-        tensor's metadata. Computed once: the fields and tensors of a frozen instance cannot be replaced, and
-        building it took a quarter of W4A16Linear's eager host time per call (cProfile on an H200 host, 4096x4096, M = 1)."""
+        tensor's metadata. Computed once: the fields and tensors of a frozen instance cannot be replaced (resizing or
+        re-pointing its tensors in place is not supported), and building the key took a quarter of W4A16Linear's
+        eager host time per call (cProfile on an H200 host, 4096x4096, M = 1)."""
         key = (self.scheme, self.bits, self.group_size, self.dtype, self.k, self.n, self.contiguous_groups,
                self.zero_bias, len(self.layout), self.layout["zeros"], self.layout.get("weights"))
         for t in (self.qweight, self.zeros, self.scales, self.groups, self.perm):
