@@ -3,7 +3,7 @@
 # module: fp8_bmm__e4m3_w128x128_a128_f32__portable_sm89 (fp8_bmm/portable: batched, strided pointer loads, fp32 accumulation with per-step scales)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 8cb9103cd32ce05b (sha256 of its schemes, variant and templates)
+# digest: abf239549e1e86aa (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl

@@ -3,7 +3,7 @@
 # module: fp8_grouped_gemm__e4m3_w128x128_a128_f32__portable_sm89 (fp8_grouped_gemm/portable: contiguous layout (an expert id per row), pointer loads, one pass over K per expert in a tile)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: c4cf827e72a82a53 (sha256 of its schemes, variant and templates)
+# digest: 5ca7ced87ffa6db2 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl

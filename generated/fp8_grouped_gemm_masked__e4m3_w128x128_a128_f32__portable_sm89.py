@@ -3,7 +3,7 @@
 # module: fp8_grouped_gemm_masked__e4m3_w128x128_a128_f32__portable_sm89 (fp8_grouped_gemm_masked/portable: masked layout (rows per expert read on the device), pointer loads)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 0f9bcffc120329db (sha256 of its schemes, variant and templates)
+# digest: 73ce97a2fc07e97a (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl

@@ -3,7 +3,7 @@
 # module: moe_w4a16__int4__sorted_sm80 (moe_w4a16/sorted: tokens sorted by expert on the device, int4 gate-up GEMM (+ silu * up), int4 down GEMM, weighted combine)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_80 and up
-# digest: 5cf820a302e990bd (sha256 of its schemes, variant and templates)
+# digest: b50a036905c7f2c2 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl

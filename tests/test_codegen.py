@@ -159,16 +159,20 @@ def test_manifest_entries(rendered):
     required = {"op", "scheme", "min_arch", "max_arch", "tiles", "modules", "name"}
     names = [entry["name"] for entry in kernels]
     assert len(names) == len(set(names))
+    lowest: dict[str, int] = {}  # module -> the lowest min_arch of the kernels it serves
     for entry in kernels:
         assert required <= set(entry), entry.get("name")
         assert all((rendered / module["module"]).is_file() for module in entry["modules"])
         # One module per implementation the tiles name, the variant's own first, named after op, implementation
-        # and arch (not after the scheme's numbers, which its kernels take as constexpr arguments).
+        # and the lowest arch of the variants sharing it (not after the scheme's numbers, which its kernels take as
+        # constexpr arguments).
         assert [m["impl"] for m in entry["modules"]][0] == entry["impl"]
         assert {m["impl"] for m in entry["modules"]} == {entry["impl"]} | {t["impl"] for t in entry["tiles"]}
         for module in entry["modules"]:
             assert module["module"].startswith(entry["op"] + "__")
-            assert module["module"].endswith(f"__{module['impl']}_sm{entry['min_arch']}.py")
+            stem, arch = module["module"].removesuffix(".py").rsplit("_sm", 1)
+            assert stem.endswith(f"__{module['impl']}") and int(arch) <= entry["min_arch"]
+            lowest[module["module"]] = min(lowest.get(module["module"], entry["min_arch"]), entry["min_arch"])
         assert entry["max_arch"] is None or entry["max_arch"] >= entry["min_arch"]
         assert entry["tiles"], entry["name"]
         assert entry["tiles"][-1]["m_max"] is None and entry["tiles"][-1]["n_min"] is None
@@ -192,19 +196,23 @@ def test_manifest_entries(rendered):
     assert (tma["min_arch"], tma["max_arch"]) == (90, 90)
     assert {e["op"] for e in fp8} == {"act_quant", "weight_quant", "weight_dequant", "fp8_gemm", "fp8_bmm",
                                      "fp8_linear"}
-    # Every module on disk is in the manifest.
+    # Every module on disk is in the manifest, named after the lowest arch it serves.
     assert {p.name for p in rendered.glob("*.py")} == {m["module"] for e in kernels for m in e["modules"]}
-    # One module per (op, implementation, arch): the schemes sharing one pass different constexprs.
+    assert all(name.removesuffix(".py").endswith(f"_sm{arch}") for name, arch in lowest.items())
+    # One module per (op, implementation, layout): the schemes and arch variants sharing one pass different
+    # constexprs or tiles.
     served = {}
     for entry in kernels:
         for module in entry["modules"]:
-            served.setdefault(module["module"], set()).add((entry["op"], module["impl"], entry["min_arch"]))
+            layout = json.dumps(entry.get("layout"), sort_keys=True)
+            served.setdefault(module["module"], set()).add((entry["source"], entry["op"], module["impl"], layout))
     assert all(len(keys) == 1 for keys in served.values())
     assert len({key for keys in served.values() for key in keys}) == len(served)
     for name in served:
         users = [e for e in kernels if any(m["module"] == name for m in e["modules"])]
-        constexprs = [json.dumps(e["constexprs"], sort_keys=True) for e in users]
-        assert len(set(constexprs)) == len(users), name
+        # Kernels sharing a module differ in their scheme's numbers or in their variant's archs.
+        keys = [(json.dumps(e["constexprs"], sort_keys=True), e["min_arch"], e["max_arch"]) for e in users]
+        assert len(set(keys)) == len(users), name
     assert by_name["gptq_gemm__int4_g32_gptq_v2__splitk_sm80"]["constexprs"] == {"GROUP_SIZE": 32, "ZERO_OFFSET": 0}
     assert by_name["w4a16_gemm__int4_gall__mma_sm80"]["constexprs"] == {"GROUP_SIZE": 2**30}
 

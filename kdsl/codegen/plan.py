@@ -3,9 +3,10 @@
 One planned kernel per (scheme, variant), the unit the registry picks by arch; it picks a tile by
 M and N at run time. Each implementation the variant's tiles use renders into a module of its own
 (one module, one algorithm), so a variant whose tiles name several implementations has several.
-A module is rendered once per (op, implementation, arch) and the part of the scheme it bakes in
-(scheme.module_scheme): the schemes of a definition that differ only in numbers the kernels take as
-constexpr arguments (scheme.constexprs: group size, zero offset) share it.
+A module is rendered once per (op, implementation, prepared layout) and the part of the scheme it bakes in
+(scheme.module_scheme), and named after the lowest arch it serves: the schemes of a definition that differ only
+in numbers the kernels take as constexpr arguments (scheme.constexprs: group size, zero offset) share it, and so
+do the definition's variants for several archs that differ only in their tiles (the manifest carries those).
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ class PlannedModule:
 
     name: str
     impl: KernelImpl
-    tiles: tuple[Tile, ...]
     schemes: tuple[str, ...]
+    arch_range: str  # the archs of the variants sharing it, e.g. "sm_80 and up"
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,6 @@ class PlannedKernel:
     layout: object | None  # a GPTQLayout for kernels that read prepared weights
     source: str  # definition file, as a path relative to where generate ran
     definition_digest: str  # sha256 of what renders it: its scheme and variant (not the whole file)
-    variant_digest: str  # sha256 of its variant alone: what its modules share with the other schemes' kernels
     dequant: dict | None = None  # {"op", "min_m"}: the dequantize + cuBLAS path from min_m rows (dequant_min_m)
 
     @property
@@ -67,27 +67,28 @@ def plan_kernels(definitions: list[LoadedDefinition]) -> list[PlannedKernel]:
     for loaded in definitions:
         # "kernel_defs/block_fp8.toml" whatever the working directory: headers stay byte-stable.
         source = f"{loaded.path.parent.name}/{loaded.path.name}"
+        archs = _module_archs(loaded.definition.variants)
         for scheme in loaded.definition.schemes:
             for variant in loaded.definition.variants:
                 digest = _render_inputs_digest(scheme, variant)
                 tile_impls = tuple(find_impl(variant.op, variant.impl_of(tile)) for tile in variant.tiles)
                 assert None not in tile_impls, "validated definitions name catalogued implementations"
-                modules = tuple(
-                    PlannedModule(
-                        name=kernel_name(variant.op, scheme.module_scheme, impl_name, variant.min_cc),
+                modules = []
+                for impl_name in variant.impls:
+                    min_cc, max_cc = archs[_module_key(variant, impl_name)]
+                    modules.append(PlannedModule(
+                        name=kernel_name(variant.op, scheme.module_scheme, impl_name, min_cc),
                         impl=find_impl(variant.op, impl_name),
-                        tiles=tuple(t for t, i in zip(variant.tiles, tile_impls) if i.impl == impl_name),
                         schemes=tuple(s.name for s in loaded.definition.schemes
                                       if s.module_scheme == scheme.module_scheme),
-                    )
-                    for impl_name in variant.impls
-                )
+                        arch_range=f"sm_{min_cc}" + (f" .. sm_{max_cc}" if max_cc else " and up"),
+                    ))
+                modules = tuple(modules)
                 planned.append(PlannedKernel(
                     op=variant.op, scheme=scheme,
                     min_arch=variant.min_cc, max_arch=variant.max_cc,
                     tiles=tuple(variant.tiles), tile_impls=tile_impls, modules=modules,
                     layout=variant.layout, source=source, definition_digest=digest,
-                    variant_digest=_variant_digest(variant),
                     dequant=None if variant.dequant_min_m is None else {
                         "op": dequant_op_for(variant.op), "min_m": variant.dequant_min_m,
                         **({} if variant.dequant_max_n is None else {"max_n": variant.dequant_max_n})},
@@ -96,18 +97,32 @@ def plan_kernels(definitions: list[LoadedDefinition]) -> list[PlannedKernel]:
     return sorted(planned, key=lambda k: k.name)
 
 
+def _module_key(variant, impl_name: str) -> tuple:
+    """What a module's device code depends on besides the scheme: the op, the implementation's template and the
+    prepared layout it reads (the tiles are the manifest's, not the module's)."""
+    layout = None if variant.layout is None else json.dumps(variant.layout.model_dump(mode="json"), sort_keys=True)
+    return variant.op, impl_name, layout
+
+
+def _module_archs(variants) -> dict[tuple, tuple[int, int | None]]:
+    """For each module of a definition (_module_key), the archs of the variants rendering it: (lowest min_cc,
+    highest max_cc or None where one variant has no cap)."""
+    archs: dict[tuple, tuple[int, int | None]] = {}
+    for variant in variants:
+        for impl_name in variant.impls:
+            key = _module_key(variant, impl_name)
+            low, high = archs.get(key, (variant.min_cc, variant.max_cc))
+            uncapped = high is None or variant.max_cc is None
+            archs[key] = (min(low, variant.min_cc), None if uncapped else max(high, variant.max_cc))
+    return archs
+
+
 def _render_inputs_digest(scheme, variant) -> str:
     """sha256 of the validated scheme and variant: an edit elsewhere in the file (another variant, a
     comment) leaves this kernel's digest, and so its module, unchanged. dequant_min_m is left out: it is run-time
     dispatch the manifest carries, not rendered into any module."""
     canonical = json.dumps({"scheme": scheme.model_dump(mode="json"),
                             "variant": variant.model_dump(mode="json", exclude={"dequant_min_m", "dequant_max_n"})},
-                           sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def _variant_digest(variant) -> str:
-    canonical = json.dumps(variant.model_dump(mode="json", exclude={"dequant_min_m", "dequant_max_n"}),
                            sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -128,7 +143,7 @@ def _refuse_name_clashes(planned: list[PlannedKernel]) -> None:
                 "give one of the variants a different min_arch or impl, or drop the duplicate scheme")
         kernels[kernel.name] = kernel.source
         for module in kernel.modules:
-            renders = (kernel.source, kernel.variant_digest, module)
+            renders = (kernel.source, module)
             if modules.setdefault(module.name, renders) != renders:
                 raise PlanError(
                     f"{kernel.source}: module {module.name} is also generated by {modules[module.name][0]}; "

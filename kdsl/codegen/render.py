@@ -25,9 +25,10 @@ MANIFEST = "manifest.json"
 # tiles carry only their implementation's options; 10: a variant's tiles name their implementation, one
 # module each, and a refusal takes the call's facts; 11: a module is device code, its implementation's unit
 # launches it (kdsl.kernels.base.KernelImpl.launch), so modules name no launch or refusal function; 12: one module
-# per (op, implementation, arch), shared by the schemes of a definition, which pass their numbers as the entry's
-# "constexprs"
-MANIFEST_FORMAT = 12
+# per (op, implementation, arch variant), shared by the schemes of a definition, which pass their numbers as the entry's
+# "constexprs"; 13: a module is shared by the definition's variants for several archs that render it alike (same op,
+# implementation and layout), named after the lowest arch
+MANIFEST_FORMAT = 13
 
 
 @lru_cache(maxsize=1)
@@ -92,8 +93,7 @@ def render_module(kernel: PlannedKernel, module: PlannedModule, digest: str) -> 
         schemes=", ".join(module.schemes),
         constexprs=", ".join(kernel.constexprs),
         digest=digest,
-        arch_range=f"sm_{kernel.min_arch}" + (f" .. sm_{kernel.max_arch}" if kernel.max_arch else " and up"),
-        tiles=[(tile.m_max, tile.n_min, tile_params(tile, module.impl)) for tile in module.tiles],
+        arch_range=module.arch_range,
         layout=kernel.layout,
         layout_dict=None if kernel.layout is None else kernel.layout.model_dump(mode="json"),
         plane_tile_n=PLANE_TILE_N,

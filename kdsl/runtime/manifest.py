@@ -18,7 +18,7 @@ from kdsl.runtime import launcher
 
 GENERATED_ENV = "KDSL_GENERATED"  # replaces the shipped kernels' folder
 KERNEL_PATH_ENV = "KDSL_KERNEL_PATH"  # extra folders of generated kernels, searched before the shipped ones
-SUPPORTED_FORMAT = 12
+SUPPORTED_FORMAT = 13
 SHIPPED = "shipped"
 
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -102,8 +102,9 @@ class KernelModule:
 
     @property
     def key(self) -> tuple:
-        """What a launch binds to: the module and the scheme's constexprs (one module serves several schemes)."""
-        return self.path, self.constexprs
+        """What a launch binds to: the module, the scheme's constexprs (one module serves several schemes) and the
+        kernel (one module serves the variants for several archs), so a launch says which kernel it is."""
+        return self.path, self.constexprs, self.kernel_name
 
     def load(self) -> ModuleType:
         module = _MODULES.get(self.path)
