@@ -604,3 +604,30 @@ def test_compiled_modules_refuse_inputs_that_require_grad_with_the_same_message(
         torch.ops.kdsl.act_quant(x.clone().requires_grad_(), 128)
     with torch.no_grad():
         assert compiled(x.clone().requires_grad_()).shape == (40, 128)
+
+
+@pytest.mark.gpu
+def test_an_eager_fused_call_first_warms_the_path_a_captured_graph_records(monkeypatch):
+    """Eager calls of few rows run fp8_linear; a CUDA graph captured afterwards records act_quant + fp8_gemm. The
+    first eager call of each row count runs those two once as well, so the capture finds their kernels compiled
+    and fp8_gemm's split-K scratch allocated (scratch allocated inside a capture adds a memset to every replay):
+    the capture allocates no scratch of its own, and its replays give the eager result."""
+    from kdsl.kernels import host
+
+    layer = kdsl.nn.FP8Linear.from_float(nn.Linear(4096, 4096, bias=False, dtype=torch.bfloat16, device="cuda"))
+    x = torch.randn(1, 4096, dtype=torch.bfloat16, device="cuda")
+    called = _watch_ops(monkeypatch)
+    with torch.no_grad():
+        want = layer(x)
+        assert called == ["act_quant", "fp8_gemm", "fp8_linear"]
+        called.clear()
+        layer(x)
+        assert called == ["fp8_linear"]
+        scratch = dict(host.SPLITK_SCRATCH)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = layer(x)
+        assert host.SPLITK_SCRATCH == scratch
+        graph.replay()
+    torch.cuda.synchronize()
+    assert fp8_ref.rel_fro_error(y, want) < 2e-2  # fused and unfused differ in split-K order and rounding only

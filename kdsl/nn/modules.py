@@ -166,7 +166,19 @@ class FP8Linear(_QuantizedLinear):
         few = x.dim() > 0 and x.numel() <= FUSED_MAX_ROWS * x.shape[-1]
         if self.fused and few and not torch.compiler.is_compiling() and not (
                 x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            rows = x.numel() // x.shape[-1]
+            if x.is_cuda and rows not in self._unfused_warm_rows:
+                # A CUDA graph captured later records the two ops below, not this launch: run them once now, outside
+                # the capture, so their kernels are compiled and fp8_gemm's split-K scratch exists (scratch first
+                # allocated inside a capture adds a memset to every replay: 12 per forward of 4 Llama layers).
+                self._unfused_warm_rows = self._unfused_warm_rows | {rows}
+                self._unfused(x, out_dtype)
             return ops.fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, out_dtype=out_dtype)
+        return self._unfused(x, out_dtype)
+
+    _unfused_warm_rows: frozenset = frozenset()  # row counts whose unfused path ran once eagerly (see forward)
+
+    def _unfused(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         a, a_s = ops.act_quant(x, group_size=self.scheme.act_group)
         y = ops.fp8_gemm(a, a_s, self.weight, self.weight_scale_inv, out_dtype=out_dtype)
         return y if self.bias is None else y + self.bias.to(y.dtype)
