@@ -428,6 +428,19 @@ def test_host_time_is_measured_for_graph_timed_cases_unless_turned_off(cpu_bench
     assert parse("--no-host-time").host_time is False and parse().host_time is True
 
 
+def test_host_time_batches_about_host_calls_calls_whatever_a_callable_makes(cpu_bench):
+    """A callable cycling through 64 weight copies makes 64 calls: its host-time batches hold 2 of them (128 calls),
+    not HOST_CALLS of them, so the launch queue never fills behind cold-weight kernels."""
+    from kdsl.bench import timing
+
+    invocations = []
+    t = timing.measure(lambda: invocations.append(1), graph=True, calls=64)
+    assert t.host_us is not None and len(invocations) == 1 + 3 * 2  # do_bench's one, then three batches of two
+    invocations.clear()
+    timing.measure(lambda: invocations.append(1), graph=True)
+    assert len(invocations) == 1 + 3 * timing.HOST_CALLS
+
+
 def test_gptq_prepared_row_appears_with_gptq_prepare(cpu_bench):
     from kdsl.bench.cases import run_case
 
