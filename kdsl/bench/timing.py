@@ -302,18 +302,3 @@ def cycling_problem(outs: list[torch.Tensor], ref: torch.Tensor, tolerance: floa
         return check_close(out, ref, tolerance)
 
     return Problem(launch=launch, check=check)
-
-
-def kernel_problem(out: torch.Tensor, ref: torch.Tensor, tolerance: float, run: Callable[[dict], None]) -> Problem:
-    """The Problem of a kernel that writes out: run(params) launches it."""
-    def launch(params: dict) -> torch.Tensor:
-        run(params)
-        return out
-
-    def check(params: dict) -> Check:
-        out.fill_(float("nan"))  # a kernel that writes nothing must not pass on an earlier result
-        run(params)
-        torch.cuda.synchronize()
-        return check_close(out, ref, tolerance)
-
-    return Problem(launch=launch, check=check)
