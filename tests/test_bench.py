@@ -361,6 +361,7 @@ def cpu_bench(monkeypatch):
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, return_mode: (fn(), 0.25)[1])
     monkeypatch.setattr(triton.testing, "do_bench_cudagraph", cudagraph)
     monkeypatch.setattr(timing, "environment", lambda: {"gpu": "cpu stand-in", "torch": torch.__version__})
+    monkeypatch.setattr(timing, "machine_ceilings", lambda: (1e12, 1e15))  # 1 TB/s, 1 PFLOP/s
 
     def install(ops) -> None:
         monkeypatch.setitem(sys.modules, "kdsl.ops", ops)
@@ -370,20 +371,22 @@ def cpu_bench(monkeypatch):
 
 
 def test_run_case_checks_times_and_flags_on_cpu_stand_ins(cpu_bench):
+    from kdsl.bench import timing
     from kdsl.bench.cases import run_case
 
     cpu_bench(fake_ops(wrong_dequant=True))
     (gemm,) = run_case(Case("fp8_gemm", m=3, n=200, k=256))
-    assert gemm.status == OK and gemm.rel_err < 1e-2 and gemm.kdsl.eager_ms == 0.25
+    copies = timing.MAX_COPIES  # 50 KB of weights: the copies cap decides; times are per call
+    assert gemm.status == OK and gemm.rel_err < 1e-2 and gemm.kdsl.eager_ms == pytest.approx(0.25 / copies)
     assert gemm.kdsl.graph_ms is None  # a failing CUDA-graph capture is recorded as None
-    assert gemm.baselines["bf16_matmul"].eager_ms == 0.25
+    assert gemm.baselines["bf16_matmul"].eager_ms == pytest.approx(0.25 / copies)
     assert gemm.baselines["cublas_blockwise"].error or gemm.baselines["cublas_blockwise"].eager_ms
     (quant,) = run_case(Case("act_quant", m=4, k=256))
     assert quant.status == OK and quant.bytes_moved == 4 * 256 * 3 + 4 * 4 * 2 and quant.ratio("copy") == 1.0
     (dequant,) = run_case(Case("weight_dequant", n=130, k=200))
     assert dequant.status == WRONG and "rel err" in dequant.detail and dequant.kdsl.eager_ms == 0.25
     (gptq,) = run_case(Case("gptq_gemm", m=2, n=16, k=256))
-    assert gptq.status == OK and gptq.rel_err < 1e-2 and set(gptq.baselines) == {"fp16_matmul"}
+    assert gptq.status == OK and gptq.rel_err < 1e-2 and set(gptq.baselines) == {"fp16_matmul", "roofline"}
     (gptq_deq,) = run_case(Case("gptq_dequant", n=16, k=256))
     # int32 words (K/8 x N), qzeros (G x N/8), fp16 scales (G x N), fp16 output (N x K)
     assert gptq_deq.status == OK and gptq_deq.bytes_moved == 4 * 32 * 16 + 4 * 2 * 2 + 2 * 2 * 16 + 2 * 16 * 256
@@ -392,14 +395,13 @@ def test_run_case_checks_times_and_flags_on_cpu_stand_ins(cpu_bench):
     assert [r.memory_bound for r in (gemm, quant, dequant, gptq, gptq_deq)] == [False, True, True, False, True]
 
 
-def test_fp8_bmm_case_on_cpu_stand_ins(cpu_bench, monkeypatch):
+def test_fp8_bmm_case_on_cpu_stand_ins(cpu_bench):
     """fp8_bmm: three baselines checked against the fp32 reference where they compute the quantized product,
     a roofline from the (stand-in) machine ceilings, and graph-timed cases cycling through copies of the weights."""
     from kdsl.bench import timing
     from kdsl.bench.cases import run_case
 
     cpu_bench(fake_ops(wrong_dequant=False))
-    monkeypatch.setattr(timing, "machine_ceilings", lambda: (1e12, 1e15))  # 1 TB/s, 1 PFLOP/s
     (small,) = run_case(Case("fp8_bmm", batch=2, m=3, n=128, k=256))
     assert small.status == OK and small.rel_err < 1e-2
     assert set(small.baselines) == {"bf16_bmm", "cublas_blockwise_loop", "fp8_gemm_loop", "roofline"}
@@ -417,15 +419,83 @@ def test_fp8_bmm_case_on_cpu_stand_ins(cpu_bench, monkeypatch):
     assert large.status == OK and large.kdsl.eager_ms == 0.25
 
 
+def test_fp8_gemm_and_gptq_gemm_calls_read_cold_weight_copies(cpu_bench, monkeypatch):
+    """Up to COLD_MAX_M every callable, kdsl's rows and the baselines, cycles through distinct copies of the weights
+    (one prepared object per copy), so a CUDA graph of one call reads each copy once; times are per call, and the
+    roofline is bytes / copy rate or FLOPs / the FP8 rate (fp8_gemm), half of it (gptq_gemm's fp16)."""
+    from kdsl.bench import timing
+    from kdsl.bench.cases import run_case
+
+    ops = fake_ops(wrong_dequant=False)
+    seen: dict[str, list[int]] = {}
+
+    def spy(name, fn, weight):
+        def call(*args, **kwargs):
+            seen.setdefault(name, []).append(weight(args).data_ptr())
+            return fn(*args, **kwargs)
+        return call
+
+    plain_gemm = ops.gptq_gemm
+    ops.fp8_gemm = spy("fp8_gemm", ops.fp8_gemm, lambda args: args[2])
+    ops.gptq_prepare = lambda qweight, qzeros, scales, g_idx=None, **kw: (qweight.clone(), qzeros, scales)
+    ops.gptq_gemm = spy("gptq_gemm", lambda x, w, *args, **kw: plain_gemm(x, *w) if isinstance(w, tuple)
+                        else plain_gemm(x, w, *args, **kw),
+                        lambda args: args[1][0] if isinstance(args[1], tuple) else args[1])
+    matmul = torch.matmul
+    monkeypatch.setattr(torch, "matmul", spy("matmul", matmul, lambda args: args[1]))
+    cpu_bench(ops)
+    monkeypatch.setattr(timing, "COLD_BYTES", 3 * 128 * 256)  # three copies of a 128 x 256 fp8 weight
+
+    (gemm,) = run_case(Case("fp8_gemm", m=2, n=128, k=256), host_time=False)
+    assert gemm.status == OK and gemm.kdsl.eager_ms == pytest.approx(0.25 / 3)
+    assert len(set(seen["fp8_gemm"])) == len(set(seen["matmul"])) == 3  # kdsl's and bf16's weights
+    bytes_moved = 2 * 256 + 128 * 256 + 4 * (2 * 2 + 1 * 2) + 2 * 2 * 128
+    assert gemm.bytes_moved == bytes_moved
+    assert gemm.baselines["roofline"].eager_ms == pytest.approx(1e3 * bytes_moved / 1e12)
+    assert "of roofline" in report.format_table([gemm])
+
+    seen.clear()
+    monkeypatch.setattr(timing, "COLD_BYTES", 2 * 768 * 128 // 2)  # two copies of a K = 768, N = 128 int4 weight
+    results = run_case(Case("gptq_gemm", m=2, n=128, k=768), host_time=False)
+    assert [r.impl for r in results] == ["gptq_gemm", "gptq_gemm[prepared]", "gptq_gemm[prepared,desc_act]"]
+    # (the stand-in gptq_prepare ignores g_idx, so its desc_act row is WRONG: timed all the same)
+    assert [r.status for r in results[:2]] == [OK, OK]
+    assert all(r.kdsl.eager_ms == pytest.approx(0.25 / 2) for r in results)
+    # two copies of the checkpoint, one prepared object per copy, and two prepared copies of the desc_act one
+    assert len(set(seen["gptq_gemm"])) == 6
+    assert len(set(seen["matmul"])) == 2
+    flops = 2 * 2 * 128 * 768
+    assert results[0].baselines["roofline"].eager_ms == pytest.approx(
+        1e3 * max(results[0].bytes_moved / 1e12, flops / 0.5e15))
+
+    seen.clear()  # past COLD_MAX_M: one call each
+    (prefill,) = run_case(Case("fp8_gemm", m=timing.COLD_MAX_M + 1, n=128, k=256), host_time=False)
+    assert prefill.kdsl.eager_ms == 0.25 and len(seen["fp8_gemm"]) == 2  # the check's call and the timed one
+
+
 def test_host_time_is_measured_for_graph_timed_cases_unless_turned_off(cpu_bench):
     from kdsl.bench.cases import run_case
 
     cpu_bench(fake_ops(wrong_dequant=False))
     (timed,) = run_case(Case("gptq_gemm", m=1, n=16, k=128))
     assert timed.kdsl.host_us > 0 and timed.baselines["fp16_matmul"].host_us > 0
+    assert "of roofline" in report.format_table([timed]) and "host us (x fp16_matmul)" in report.format_table([timed])
     (skipped,) = run_case(Case("gptq_gemm", m=1, n=16, k=128), host_time=False)
     assert skipped.status == OK and skipped.kdsl.host_us is None and skipped.baselines["fp16_matmul"].host_us is None
     assert parse("--no-host-time").host_time is False and parse().host_time is True
+
+
+def test_host_time_batches_about_host_calls_calls_whatever_a_callable_makes(cpu_bench):
+    """A callable cycling through 64 weight copies makes 64 calls: its host-time batches hold 2 of them (128 calls),
+    not HOST_CALLS of them, so the launch queue never fills behind cold-weight kernels."""
+    from kdsl.bench import timing
+
+    invocations = []
+    t = timing.measure(lambda: invocations.append(1), graph=True, calls=64)
+    assert t.host_us is not None and len(invocations) == 1 + 3 * 2  # do_bench's one, then three batches of two
+    invocations.clear()
+    timing.measure(lambda: invocations.append(1), graph=True)
+    assert len(invocations) == 1 + 3 * timing.HOST_CALLS
 
 
 def test_gptq_prepared_row_appears_with_gptq_prepare(cpu_bench):

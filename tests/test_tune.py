@@ -481,6 +481,44 @@ def test_fp8_bmm_is_timed_by_graphs_at_every_m_and_writes_an_output_per_weight_c
     assert shape.label() == "B=3 M=4 N=64 K=256"
 
 
+@pytest.mark.parametrize("op,weight_arg,copies", [("fp8_gemm", 2, 3), ("gptq_gemm", 1, 6), ("w4a16_gemm", 2, 6)])
+def test_gemm_problems_read_cold_weight_copies_up_to_cold_max_m(interpreted, definitions, monkeypatch, op,
+                                                               weight_arg, copies):
+    """Up to timing.COLD_MAX_M rows the GEMM problems take turns over copies of the weights (each launch its own
+    weights and output), as kdsl bench's calls do, so decode tiles are picked on weights read from DRAM; above it
+    one copy."""
+    from kdsl.bench import timing
+    from kdsl.runtime import registry
+    from kdsl.tune import problems
+
+    chosen = target.select_target(op, definitions, arch=registry.INTERPRETER_ARCH)
+    seen = []
+
+    class Spy:
+        layout, name = chosen.entry.layout, chosen.entry.name
+
+        def launch(self, *args):
+            seen.append((args[weight_arg].data_ptr(), args[-2].data_ptr()))  # (weights, output)
+            chosen.entry.launch(*args)
+
+    monkeypatch.setattr(timing, "COLD_BYTES", 3 * 64 * 256)  # three 64 x 256 fp8 weights, six int4 ones
+    bucket = space.buckets(chosen.variant)[0]
+    tile = tile_params(bucket.tile, find_impl(op, chosen.variant.impl))
+    shape = Shape(bucket.m_max, 64, 256)
+    problem = problems.problem_factory(op, Spy())(shape)
+    err, why = problem.check(tile)
+    assert why is None and err < 2e-2
+    for _ in range(copies):
+        problem.launch(tile)
+    assert len({w for w, _ in seen}) == copies and len({y for _, y in seen}) == copies
+    seen.clear()
+    monkeypatch.setattr(timing, "COLD_MAX_M", shape.m - 1)
+    prefill = problems.problem_factory(op, Spy())(shape)
+    prefill.launch(tile)
+    prefill.launch(tile)
+    assert len(set(seen)) == 1
+
+
 @pytest.mark.parametrize("op", MOE_OPS)
 def test_moe_problems_read_cold_layer_copies_at_decode(interpreted, definitions, op):
     """At decode the MoE problems take turns over copies of the layer (each launch its own weights and output), as

@@ -35,7 +35,8 @@ and check every kdsl result against an fp32 reference on fresh random data.
 """ + _op_lines() + """
 
 Times are medians of triton.testing.do_bench (L2 flushed), plus do_bench_cudagraph for M <= 128
-(at every M where said above).
+(at every M where said above). Where the calls cycle through copies of the weights, one timed
+callable (and one graph) makes a call per copy, so each call reads its weights cold; times are per call.
 Ratios are baseline time / kdsl time (> 1: kdsl faster). A result outside tolerance is marked
 WRONG and the command exits 1.
 

@@ -99,14 +99,18 @@ def _render(header: list[str], rows: list[list[str]], left: int) -> list[str]:
 
 
 def format_roofline_table(op: str, results: list[Result]) -> list[str]:
-    """GEMMs held against a measured roofline (fp8_bmm): rates and fraction on CUDA-graph times where taken."""
+    """Ops held against a measured roofline (fp8_gemm, gptq_gemm, fp8_bmm, the MoE ops): rates and fraction on
+    CUDA-graph times where taken; the host-time column where any row measured host time."""
     names = [n for n in baseline_names(results) if n != ROOFLINE]
+    host = any(r.kdsl.host_us is not None for r in results)
+    host_header = [f"host us (x {names[0]})" if names else "host us"] if host else []
     header = ["shape", "impl", "kdsl ms", "graph ms", "TB/s", "TFLOP/s", "of roofline", *(f"vs {n}" for n in names),
-              "rel err", "status"]
+              *host_header, "rel err", "status"]
     rows = [[r.case.label(), r.impl, _num(r.kdsl.eager_ms, ".4f"), _num(r.kdsl.graph_ms, ".4f"),
              _num(r.tbps(r.best_ms), ".2f"), _num(r.tflops(r.best_ms), ".1f"),
              _num(None if r.ceiling_fraction() is None else 100 * r.ceiling_fraction(), ".0f", "%"),
-             *(_ratio_cell(r, n) for n in names), _num(r.rel_err, ".2e"), _STATUS_CELL[r.status]] for r in results]
+             *(_ratio_cell(r, n) for n in names), *([_host_cell(r, names[0] if names else None)] if host else []),
+             _num(r.rel_err, ".2e"), _STATUS_CELL[r.status]] for r in results]
     return [f"== {op} ==  ratios = baseline time / kdsl time (>1: kdsl faster), eager / cuda-graph; "
             "TB/s, TFLOP/s and roofline on cuda-graph times where taken", *_render(header, rows, left=2)]
 

@@ -66,7 +66,8 @@ class Result:
 
     def ceiling_fraction(self) -> float | None:
         """Memory-bound ops: share of the copy bandwidth measured for the same bytes.
-        GEMMs with a roofline (fp8_bmm): its share, on CUDA-graph times where measured.
+        Ops with a roofline (fp8_gemm, gptq_gemm, fp8_bmm, the MoE ops): its share, on CUDA-graph times where
+        measured.
         Other GEMMs: time of the fastest baseline / kdsl time (no roofline is measured for them)."""
         if self.memory_bound:
             return self.ratio(COPY)

@@ -201,8 +201,9 @@ COLD_MAX_M = 512  # above it the output alone (17-537 MB at MLA's shapes) sweeps
 
 def cold_copies(m: int, weights: torch.Tensor) -> int:
     """How many copies of `weights` a callable cycles through so each call reads them cold from DRAM (one above
-    COLD_MAX_M rows, where the output alone sweeps L2)."""
-    return min(MAX_COPIES, -(-COLD_BYTES // weights.numel())) if m <= COLD_MAX_M else 1
+    COLD_MAX_M rows, where the output alone sweeps L2). Counted in bytes: GPTQ's int32 words hold eight weights."""
+    size = weights.numel() * weights.element_size()
+    return min(MAX_COPIES, -(-COLD_BYTES // max(1, size))) if m <= COLD_MAX_M else 1
 
 
 @contextlib.contextmanager
@@ -234,7 +235,10 @@ def host_time_us(fn: Callable[[], object], calls: int = HOST_CALLS) -> float:
     return statistics.median(times)
 
 
-def measure(fn: Callable[[], object], graph: bool, host: bool = True) -> Timing:
+def measure(fn: Callable[[], object], graph: bool, host: bool = True, calls: int = 1) -> Timing:
+    """fn's times (per invocation of fn; per_call divides them among the `calls` calls it makes). Host time batches
+    about HOST_CALLS calls however many fn makes: more could fill the launch queue where the GPU is slower than the
+    host (cold weights), and the host would then wait on the GPU."""
     try:
         eager = triton.testing.do_bench(fn, return_mode="median")
     except Exception as exc:  # noqa: BLE001 - a failing implementation is a row, not a crash
@@ -245,7 +249,7 @@ def measure(fn: Callable[[], object], graph: bool, host: bool = True) -> Timing:
             graph_ms = triton.testing.do_bench_cudagraph(fn, return_mode="median")
         except Exception:  # noqa: BLE001 - not every op can be captured; eager still counts
             graph_ms = None
-    host_us = host_time_us(fn) if graph and host else None
+    host_us = host_time_us(fn, -(-HOST_CALLS // calls)) if graph and host else None
     return Timing(eager_ms=float(eager), graph_ms=None if graph_ms is None else float(graph_ms), host_us=host_us)
 
 
@@ -300,21 +304,6 @@ def cycling_problem(outs: list[torch.Tensor], ref: torch.Tensor, tolerance: floa
     def check(params: dict) -> Check:
         outs[turn[0] % len(outs)].fill_(float("nan"))  # a kernel that writes nothing must not pass on an earlier result
         out = launch(params)
-        torch.cuda.synchronize()
-        return check_close(out, ref, tolerance)
-
-    return Problem(launch=launch, check=check)
-
-
-def kernel_problem(out: torch.Tensor, ref: torch.Tensor, tolerance: float, run: Callable[[dict], None]) -> Problem:
-    """The Problem of a kernel that writes out: run(params) launches it."""
-    def launch(params: dict) -> torch.Tensor:
-        run(params)
-        return out
-
-    def check(params: dict) -> Check:
-        out.fill_(float("nan"))  # a kernel that writes nothing must not pass on an earlier result
-        run(params)
         torch.cuda.synchronize()
         return check_close(out, ref, tolerance)
 

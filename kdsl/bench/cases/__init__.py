@@ -80,7 +80,7 @@ def run_case(case: Case, host_time: bool = True) -> list[Result]:
         except Exception as exc:  # noqa: BLE001 - e.g. _scaled_mm refusing a shape: baseline unavailable
             baselines[name] = Timing(error=timing.describe(exc))
             continue
-        baselines[name] = timing.per_call(timing.measure(fn, graph, host), setup.calls)
+        baselines[name] = timing.per_call(timing.measure(fn, graph, host, setup.calls), setup.calls)
         baselines[name].rel_err = None if math.isnan(err) else err
     if setup.roofline_ms is not None:
         baselines[ROOFLINE] = Timing(eager_ms=setup.roofline_ms, graph_ms=setup.roofline_ms if graph else None)
@@ -99,7 +99,7 @@ def run_case(case: Case, host_time: bool = True) -> list[Result]:
         if why is not None:
             result.status, result.detail = WRONG, why
         # a wrong kernel is still timed, and flagged
-        result.kdsl = timing.per_call(timing.measure(fn, graph, host), setup.calls)
+        result.kdsl = timing.per_call(timing.measure(fn, graph, host, setup.calls), setup.calls)
         if result.kdsl.error and result.status == OK:
             result.status, result.detail = ERROR, result.kdsl.error
         results.append(result)

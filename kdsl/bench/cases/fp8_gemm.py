@@ -1,7 +1,10 @@
 """fp8_gemm: C [M, N] = A [M, K] @ B [N, K]^T with DeepSeek-V3 block scales (1x128 activations, 128x128 weights).
 
 Baselines: cuBLAS blockwise FP8 through torch._scaled_mm (checked too) and bf16 torch.matmul on the unquantized
-weights. `kdsl tune` tunes its kernel on these cases (block FP8 128x128).
+weights; the roofline (bytes / measured copy rate, FLOPs / measured FP8 rate). Up to M = 512 (timing.COLD_MAX_M)
+every callable cycles through copies of the weights (CaseSetup.calls) so each call reads them cold from DRAM, as a
+model's layers do, CUDA graphs included; activations stay as a previous layer leaves them. `kdsl tune` tunes its
+kernel on these cases (block FP8 128x128), timed the same way.
 """
 from __future__ import annotations
 
@@ -14,7 +17,10 @@ from kdsl.bench.case import GROUP_MULTIPLE, Case
 from kdsl.schema import BlockFP8
 
 DIMS = ("m", "n", "k")
-HELP = "vs torch._scaled_mm with DeepSeek block scales (cuBLAS) and bf16 torch.matmul"
+HELP = """\
+vs torch._scaled_mm with DeepSeek block scales (cuBLAS) and bf16 torch.matmul; the
+fraction of the roofline (bytes / measured copy rate, FLOPs / measured FP8 rate); up to
+M = 512 its calls cycle through copies of the weights so that each reads them cold"""
 MULTIPLES = {"k": GROUP_MULTIPLE}
 
 
@@ -46,22 +52,35 @@ def setup(case: Case) -> timing.CaseSetup:
     inputs = fp8_gemm_inputs(m, n, k)
     x, a, a_s, b, b_s, ref = inputs.x, inputs.a, inputs.a_s, inputs.b, inputs.b_s, inputs.ref
     w_kn = inputs.w.t().contiguous()
+    copies = timing.cold_copies(m, b)
+    weights = [(b, b_s, w_kn)] + [(b.clone(), b_s.clone(), w_kn.clone()) for _ in range(copies - 1)]
+    scaled = [timing.scaled_mm_baseline(a, a_s, bq, bs) for bq, bs, _ in weights]
+    # every copy holds the same weights: the last call's output stands for all
+    last = lambda outs: timing.check_close(outs[-1], ref, timing.GEMM_TOL)  # noqa: E731
+    bytes_moved = a.numel() + b.numel() + 4 * (a_s.numel() + b_s.numel()) + 2 * m * n
+    flops = 2 * m * n * k
+    copy_rate, fp8_rate = timing.machine_ceilings()
     return timing.CaseSetup(
-        kdsl={"fp8_gemm": lambda: gemm(a, a_s, b, b_s, out_dtype=torch.bfloat16)},
-        check=lambda out: timing.check_close(out, ref, timing.GEMM_TOL),
-        baselines={"cublas_blockwise": timing.scaled_mm_baseline(a, a_s, b, b_s),
-                   "bf16_matmul": lambda: torch.matmul(x, w_kn)},
-        baseline_checks={"cublas_blockwise": lambda out: timing.check_close(out, ref, timing.GEMM_TOL)},
-        tolerance=timing.GEMM_TOL, flops=2 * m * n * k,
-        bytes_moved=a.numel() + b.numel() + 4 * (a_s.numel() + b_s.numel()) + 2 * m * n)
+        kdsl={"fp8_gemm": lambda: [gemm(a, a_s, bq, bs, out_dtype=torch.bfloat16) for bq, bs, _ in weights]},
+        check=last,
+        baselines={"cublas_blockwise": lambda: [fn() for fn in scaled],
+                   "bf16_matmul": lambda: [torch.matmul(x, w16) for _, _, w16 in weights]},
+        baseline_checks={"cublas_blockwise": last},
+        tolerance=timing.GEMM_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies,
+        roofline_ms=1e3 * max(bytes_moved / copy_rate, flops / fp8_rate))
 
 
 def tune_problem(entry, shape) -> timing.Problem:
-    """The generated kernel's launch on this case's inputs at a tune Shape (M, N, K)."""
+    """The generated kernel's launch on this case's inputs at a tune Shape (M, N, K). Up to timing.COLD_MAX_M rows
+    each launch takes the next of several copies of the weights and writes its own output, so a CUDA graph of
+    launches reads the weights cold from DRAM, as the bench's calls do (decode tiles are picked on cold weights)."""
     inputs = fp8_gemm_inputs(shape.m, shape.n, shape.k)
     a, a_s, b, b_s = inputs.a, inputs.a_s, inputs.b, inputs.b_s
-    c = torch.empty(shape.m, shape.n, dtype=torch.bfloat16, device=a.device)
-    return timing.kernel_problem(c, inputs.ref, timing.GEMM_TOL, lambda p: entry.launch(a, a_s, b, b_s, c, p))
+    copies = timing.cold_copies(shape.m, b)
+    weights = [(b, b_s)] + [(b.clone(), b_s.clone()) for _ in range(copies - 1)]
+    outs = [torch.empty(shape.m, shape.n, dtype=torch.bfloat16, device=a.device) for _ in range(copies)]
+    return timing.cycling_problem(outs, inputs.ref, timing.GEMM_TOL,
+                                  lambda i, c, params: entry.launch(a, a_s, *weights[i], c, params))
 
 
 TUNES = {"fp8_gemm": timing.Tune(BlockFP8(), tune_problem)}
