@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kdsl.bench import add_parser, cli, report
+from kdsl.bench import add_parser, cli, report, timing
 from kdsl.bench.results import ERROR, OK, UNAVAILABLE, WRONG, Result, Timing
 from kdsl.bench.shapes import OPS, Case, ShapeFileError, load_shape_file, preset_cases, resolve_shapes
 
@@ -578,3 +578,14 @@ def test_table_shows_host_time_and_its_multiple_of_the_first_baseline():
     doc = report.build_document(hand_made_results(), shapes="deepseek-v3", ops=["fp8_gemm"], command="c",
                                 environment={})
     assert doc["results"][0]["kdsl"]["host_us"] == 50.0
+
+
+def test_the_cublas_blockwise_baseline_is_refused_where_its_scale_rows_are_not_16_byte_aligned():
+    """K = 128 gives 128x128 block scales one float per row, which torch._scaled_mm accepted and cuBLAS read past
+    (an illegal address on an H200): that baseline is a row with the reason, not a fault."""
+    a = torch.zeros(1, 128, dtype=torch.float8_e4m3fn)
+    a_s = torch.ones(1, 1)
+    b = torch.zeros(256, 128, dtype=torch.float8_e4m3fn)
+    b_s = torch.ones(2, 1)
+    with pytest.raises(ValueError, match=r"K / 128 a multiple of 4 .*K = 128"):
+        timing.scaled_mm_baseline(a, a_s, b, b_s)()

@@ -161,13 +161,12 @@ def scaled_mm_baseline(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s:
         a = torch.cat([a.view(torch.uint8), a.new_zeros(pad, k, dtype=torch.uint8)]).view(FP8)
         a_s = torch.cat([a_s, a_s.new_ones(pad, a_s.shape[1])])
     scale_a = a_s.t().contiguous().t()  # column-major
-    # cuBLAS reads the 128x128 block scales with a leading dimension rounded up to 4 (16 bytes): a tensor whose
-    # rows are K / 128 < 4 floats apart had it read past its end (an illegal address at K = 128 on an H200,
-    # fp8_bmm's per-head loop), so the scales go into rows padded to that width.
-    width = -(-b_s.shape[1] // 4) * 4
-    padded = b_s.new_zeros(b_s.shape[0], width)
-    padded[:, : b_s.shape[1]] = b_s
-    b_t, scale_b = b.t(), padded[:, : b_s.shape[1]].t()
+    if b_s.shape[1] % 4:
+        # torch._scaled_mm takes 128x128 block scales whose rows are K / 128 floats apart only where that is a
+        # multiple of 16 bytes; at K = 128 (fp8_bmm's per-head loop) it accepted the unaligned layout and cuBLAS
+        # read past the scales (an illegal address on an H200), and a padded layout is refused. No baseline there.
+        return raising(ValueError(f"cuBLAS blockwise needs K / 128 a multiple of 4 (16-byte scale rows); K = {k}"))
+    b_t, scale_b = b.t(), b_s.t()
     return lambda: torch._scaled_mm(a, b_t, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)[:m]
 
 
