@@ -567,7 +567,7 @@ def test_tiny_fp8_gemm_bench_end_to_end(tmp_path, capsys):
     (result,) = doc["results"]
     assert result["status"] == "ok" and result["rel_err"] < 2e-2
     assert result["kdsl"]["eager_ms"] > 0 and result["flops"] == 2 * 16 * 256 * 512
-    assert set(result["baselines"]) == {"cublas_blockwise", "bf16_matmul"}
+    assert set(result["baselines"]) == {"cublas_blockwise", "bf16_matmul", "roofline"}
     assert result["baselines"]["bf16_matmul"]["ratio_eager"] > 0
 
 
