@@ -14,13 +14,13 @@ triton.language's own helpers included, into an interpreted one that cannot be c
 module-scoped fixture sends the selected compile jobs to two workers (one per core), which write
 each kernel's PTX to a folder; the tests then assert on the results.
 
-The signatures are derived, not written down: launch() runs on an example call of the op
-(EXAMPLE_CALLS: meta tensors, so its GPU paths) and each parameter it passes gets Triton's own type
-(mangle_type), its keyword arguments split into constexprs and compile options. The kernels a module
-launches beside its own (the MoE layers') are the ones its launch() makes. Written by hand are only
-what a launch cannot say: the example calls, the ops compiled with a split K (SPLIT_PATH_OPS) and the
-integers compiled as multiples of 16 (ALIGNED_INTS). A launch that leaves a kernel parameter out,
-or an op without an example call, fails loudly (test_every_entry_launch_can_be_derived).
+The signatures are derived, not written down: launch() runs on the op's example call (its spec's
+example, kdsl.ops.spec.OpSpec, on meta tensors: the GPU paths) and each parameter it passes gets
+Triton's own type (mangle_type), its keyword arguments split into constexprs and compile options.
+The kernels a module launches beside its own (the MoE layers') are the ones its launch() makes.
+Written here are only what a launch cannot say: the ops compiled with a split K (SPLIT_PATH_OPS)
+and the integers compiled as multiples of 16 (ALIGNED_INTS). A launch that leaves a kernel
+parameter out, or an op without an example, fails loudly (test_every_entry_launch_can_be_derived).
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ import torch
 from kdsl.codegen.render import tile_params
 from kdsl.kernels import find_impl
 from kdsl.kernels.base import Launch
+from kdsl.ops.library import declared_specs
 from kdsl.runtime.manifest import KernelEntry, load_manifest
 from kdsl.schema.tiling import Tile
 
@@ -50,8 +51,8 @@ FULL_GPTQ_SCHEMES = ("gptq.int4.g128.gptq", "w4a16.int4.g128")
 # ---------------------------------------------------------------------------------------------
 # Signatures, as each implementation's launch() describes them (kdsl.kernels.base.Launch).
 #
-# A compile job's launches are described by the implementation itself: its launch() is called on an example
-# call of the op (EXAMPLE_CALLS) whose tensors are meta tensors (shapes, dtypes and strides, no memory). The
+# A compile job's launches are described by the implementation itself: its launch() is called on the op's example
+# call (EXAMPLE_CALLS, from the op's spec) on meta tensors (shapes, dtypes and strides, no memory). The
 # launch functions treat only the CPU as Triton's interpreter, so on meta tensors they take their GPU paths (no
 # ROUND_FIRST, FP32_MATH or UPCAST_DOT; the asm unpack and half2 dots where the GPU gets them; SM counts as an
 # H100's, kdsl.kernels.host.DESCRIBED_SM_COUNT), and this process never imports Triton's interpreter for them.
@@ -60,164 +61,12 @@ FULL_GPTQ_SCHEMES = ("gptq.int4.g128.gptq", "w4a16.int4.g128")
 # the Launch's keyword arguments that are kernel parameters, its compile options those that are Triton's.
 
 GPU = "meta"  # the device of the example calls' tensors: launch() takes its GPU paths on any device but the CPU
-FP8 = torch.float8_e4m3fn
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _empty(*shape, dtype):
-    return torch.empty(shape, dtype=dtype, device=GPU)
-
-
-def _split_steps(tile: dict) -> int:
-    """K steps enough that launch() takes the tile's whole split: host.split_for caps a split at K steps over
-    split_min_steps and, with SMs to fill, takes the smallest of the splits that finish soonest, so each split up
-    to the tile's must shorten its programs by a step."""
-    split = tile.get("SPLIT_K") or 1
-    return split * min(split, 32) * (tile.get("split_min_steps") or 1)
-
-
-def _fp8_operands(lead: tuple, m: int, n: int, k: int, out):
-    """a [*lead, m, k], a_s, b [*lead, n, k], b_s, c [*lead, m, n] of the block-FP8 GEMMs (128-wide scale groups)."""
-    return (_empty(*lead, m, k, dtype=FP8), _empty(*lead, m, k // 128, dtype=torch.float32),
-            _empty(*lead, n, k, dtype=FP8), _empty(*lead, -(-n // 128), k // 128, dtype=torch.float32),
-            _empty(*lead, m, n, dtype=out))
-
-
-def _gemm_shape(tile: dict) -> tuple[int, int, int]:
-    """M, N, K of a GEMM call: one row of tiles, N one and a half tiles (a half-width last column, which the
-    deferred Gluon kernel's edge_tiles give tiles of their own) and K long enough for the tile's split."""
-    bm, bn = tile["BLOCK_M"], tile["BLOCK_N"]
-    return bm, bn + bn // 2, max(tile.get("BLOCK_K") or 128, 128) * _split_steps(tile)
-
-
-def _int4_weights(*lead, k: int, n: int, out):
-    """qweight int32 [*lead, K / 8, N], zeros and scales [*lead, G, N] in the activation dtype; scales are the
-    low halves of (scale, zero) pairs (the paired layout's view: any layout's launch reads their strides only)."""
-    groups = max(1, k // 32)
-    pairs = _empty(*lead, groups, n, 2, dtype=out)
-    return _empty(*lead, k // 8, n, dtype=torch.int32), _empty(*lead, groups, n, dtype=out), pairs[..., 0]
-
-
-def _moe_routing(tokens: int = 4, topk: int = 8):
-    """topk_weights fp32 [T, k] and topk_ids int32 [T, k]."""
-    return _empty(tokens, topk, dtype=torch.float32), _empty(tokens, topk, dtype=torch.int32)
-
-
-# MoE layers as DeepSeek-V3's: 256 experts (the routing kernel pads them to 512), hidden size 7168.
-MOE_EXPERTS, MOE_HIDDEN, MOE_INTER = 256, 7168, 2048
-
-
-def _example_moe_fp8(generated, tile, out):
-    e, h, i = MOE_EXPERTS, MOE_HIDDEN, MOE_INTER
-    weights, ids = _moe_routing()
-    w13, w13_s = _empty(e, 2 * i, h, dtype=FP8), _empty(e, 2 * i // 128, h // 128, dtype=torch.float32)
-    w2, w2_s = _empty(e, h, i, dtype=FP8), _empty(e, h // 128, i // 128, dtype=torch.float32)
-    yield _empty(4, h, dtype=out), w13, w13_s, w2, w2_s, weights, ids, _empty(4, h, dtype=out), None
-
-
-def _example_moe_w4a16(generated, tile, out):
-    """Act-order on gate-up (its gate and up halves permuted apart): the gather and the GATHERED GEMM compile."""
-    e, h, i = MOE_EXPERTS, MOE_HIDDEN, MOE_INTER
-    weights, ids = _moe_routing()
-    yield (_empty(4, h, dtype=out), *_int4_weights(e, k=h, n=2 * i, out=out), _empty(e, 2, h, dtype=torch.int32),
-           *_int4_weights(e, k=i, n=h, out=out), None, weights, ids, _empty(4, h, dtype=out), None)
-
-
-def _example_w4a16_gemm(generated, tile, out):
-    """Act-order first (perm given, groups in order); an implementation that refuses it (ValueError) takes the
-    plain call. K: 64 past a whole number of 4096-row chunks (the K-unrolled Gluon GEMV's masks past K)."""
-    m, n = tile["BLOCK_M"], tile["BLOCK_N"]
-    k = max(4096, tile["BLOCK_K"] * _split_steps(tile)) + 64
-    x, y = _empty(m, k, dtype=out), _empty(m, n, dtype=out)
-    weights = _int4_weights(k=k, n=n, out=out)
-    groups = _empty(k, dtype=torch.int32)
-    for perm in (_empty(k, dtype=torch.int32), None):
-        yield x, perm, *weights, groups, True, y
-
-
-def _example_w4a16_dequant(generated, tile, out):
-    """w [N, K]; fp16 calls with their groups in order (one group per tile), bf16 calls with act-order's groups
-    out of order (the per-row group lookup): both group paths compile."""
-    n, k = 4096, 4096
-    yield (*_int4_weights(k=k, n=n, out=out), _empty(k, dtype=torch.int32), out == torch.float16, None,
-           _empty(n, k, dtype=out))
-
-
-def _example_gptq_gemm(generated, tile, out):
-    """g_idx given (the act-order path compiles); K long enough for the tile's split."""
-    m, n = tile["BLOCK_M"], tile["BLOCK_N"]
-    k = tile["BLOCK_K"] * _split_steps(tile)
-    groups = k // 32
-    yield (_empty(m, k, dtype=out), _empty(k // 8, n, dtype=torch.int32), _empty(groups, n // 8, dtype=torch.int32),
-           _empty(groups, n, dtype=out), _empty(k, dtype=torch.int32), _empty(m, n, dtype=out))
-
-
-def _example_gptq_dequant(generated, tile, out):
-    n, k = 4096, 4096
-    yield (_empty(k // 8, n, dtype=torch.int32), _empty(k // 32, n // 8, dtype=torch.int32),
-           _empty(k // 32, n, dtype=out), None, _empty(n, k, dtype=out))
-
-
-def _example_fp8_gemm(generated, tile, out):
-    yield _fp8_operands((), *_gemm_shape(tile), out)
-
-
-def _example_fp8_bmm(generated, tile, out):
-    """16 heads of MLA's per-head GEMM."""
-    yield _fp8_operands((16,), *_gemm_shape(tile), out)
-
-
-def _example_fp8_linear(generated, tile, out):
-    """x in the output's dtype, with a bias."""
-    m, n, k = _gemm_shape(tile)
-    _, _, b, b_s, c = _fp8_operands((), m, n, k, out)
-    yield _empty(m, k, dtype=out), b, b_s, _empty(n, dtype=out), c
-
-
-def _example_fp8_grouped_gemm(generated, tile, out):
-    m, n, k = _gemm_shape(tile)
-    a, a_s, b, b_s, c = _fp8_operands((), m, n, k, out)
-    yield a, a_s, _empty(8, n, k, dtype=FP8), _empty(8, -(-n // 128), k // 128, dtype=torch.float32), \
-        _empty(m, dtype=torch.int32), c
-
-
-def _example_fp8_grouped_gemm_masked(generated, tile, out):
-    a, a_s, b, b_s, c = _fp8_operands((8,), *_gemm_shape(tile), out)
-    yield a, a_s, b, b_s, _empty(8, dtype=torch.int32), c
-
-
-def _example_quant(generated, tile, out):
-    """act_quant (x, q, s), over 4 groups of 128."""
-    yield _empty(64, 512, dtype=out), _empty(64, 512, dtype=FP8), _empty(64, 4, dtype=torch.float32)
-
-
-def _example_weight_quant(generated, tile, out):
-    yield _empty(512, 512, dtype=out), _empty(512, 512, dtype=FP8), _empty(4, 4, dtype=torch.float32)
-
-
-def _example_weight_dequant(generated, tile, out):
-    yield _empty(512, 512, dtype=FP8), _empty(4, 4, dtype=torch.float32), _empty(512, 512, dtype=out)
-
-
-def _example_silu_mul(generated, tile, out):
-    yield _empty(64, 1024, dtype=out), _empty(64, 512, dtype=out)
-
-
-def _example_silu_mul_quant(generated, tile, out):
-    yield _empty(64, 1024, dtype=out), _empty(64, 512, dtype=FP8), _empty(64, 4, dtype=torch.float32)
-
-
-# op -> example(generated, tile params, output dtype): its launch() arguments after `generated` and before the
-# tile, on meta tensors; several where an implementation may refuse the first (launch() raises ValueError).
-EXAMPLE_CALLS = {
-    "act_quant": _example_quant, "silu_mul": _example_silu_mul, "silu_mul_quant": _example_silu_mul_quant,
-    "weight_quant": _example_weight_quant, "weight_dequant": _example_weight_dequant,
-    "fp8_gemm": _example_fp8_gemm, "fp8_bmm": _example_fp8_bmm, "fp8_linear": _example_fp8_linear,
-    "fp8_grouped_gemm": _example_fp8_grouped_gemm, "fp8_grouped_gemm_masked": _example_fp8_grouped_gemm_masked,
-    "moe_fp8": _example_moe_fp8, "moe_w4a16": _example_moe_w4a16,
-    "gptq_gemm": _example_gptq_gemm, "gptq_dequant": _example_gptq_dequant,
-    "w4a16_gemm": _example_w4a16_gemm, "w4a16_dequant": _example_w4a16_dequant,
-}
+# op -> example(tile params, dtype, device): its launch functions' arguments for calls that reach the whole of a
+# tile's code, from the op's spec (kdsl.ops.spec.OpSpec.example, beside the op in its family file).
+EXAMPLE_CALLS = {spec.name: spec.example for spec in declared_specs() if spec.example is not None}
 
 # Ops whose every tile compiles its split-K path (the in-kernel reduction): launched with split_k of at least 2.
 SPLIT_PATH_OPS = ("fp8_linear", "gptq_gemm", "w4a16_gemm")
@@ -241,7 +90,7 @@ def described_launches(entry: KernelEntry, tile: dict, out: str):
     if entry.op in SPLIT_PATH_OPS:
         tile = {**tile, "SPLIT_K": max(tile["SPLIT_K"], 2)}
     refused = None
-    for args in EXAMPLE_CALLS[entry.op](generated, tile, DTYPES[out]):
+    for args in EXAMPLE_CALLS[entry.op](tile, DTYPES[out], GPU):
         try:
             described = module.unit.launch(generated, *args, tile)
         except ValueError as error:  # the implementation refuses this call: take the next
@@ -516,7 +365,7 @@ def test_every_entry_launch_can_be_derived():
     """Every entry's every tile: its launch() describes the module's kernel on the op's example call, every
     kernel parameter described (the signature the matrix compiles); and it claims an arch the matrix compiles."""
     missing = sorted({entry.op for entry in ENTRIES.values()} - set(EXAMPLE_CALLS))
-    assert not missing, f"add an example call to EXAMPLE_CALLS for {missing}"
+    assert not missing, f"give the OpSpec of {missing} an example (kdsl.ops.spec)"
     for entry in ENTRIES.values():
         assert archs_of(entry), f"{entry.name} claims no arch the matrix compiles for"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
