@@ -1,8 +1,8 @@
 """Every generated kernel compiles, ahead of time and on the CPU, for every arch it claims.
 
 For each manifest entry, each arch in {sm_80, sm_86, sm_89, sm_90} inside the entry's
-[min_arch, max_arch], and each of its tile buckets, build the Triton signature the entry's
-launch() would produce and run
+[min_arch, max_arch], and each of its tile buckets, take the launches the tile's implementation
+describes (its launch(), kdsl.kernels.base.Launch) for an example call of the op, and run
 
     triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", cc, 32))
 
@@ -14,27 +14,32 @@ triton.language's own helpers included, into an interpreted one that cannot be c
 module-scoped fixture sends the selected compile jobs to two workers (one per core), which write
 each kernel's PTX to a folder; the tests then assert on the results.
 
-The signatures are data (SIGNATURES below): one row per (op, impl), naming every runtime argument
-with its Triton type and every constexpr with where launch() takes it from. A row that no longer
-matches the kernel's parameters fails loudly, so a template change cannot silently skip this test.
+The signatures are derived, not written down: launch() runs on the op's example call (its spec's
+example, kdsl.ops.spec.OpSpec, on meta tensors: the GPU paths) and each parameter it passes gets
+Triton's own type (mangle_type), its keyword arguments split into constexprs and compile options.
+The kernels a module launches beside its own (the MoE layers') are the ones its launch() makes.
+Written here are only what a launch cannot say: the ops compiled with a split K (SPLIT_PATH_OPS)
+and the integers compiled as multiples of 16 (ALIGNED_INTS). A launch that leaves a kernel
+parameter out, or an op without an example, fails loudly (test_every_entry_launch_can_be_derived).
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
+import torch
 
 from kdsl.codegen.render import tile_params
 from kdsl.kernels import find_impl
+from kdsl.kernels.base import Launch
+from kdsl.ops.library import declared_specs
 from kdsl.runtime.manifest import KernelEntry, load_manifest
 from kdsl.schema.tiling import Tile
 
@@ -44,361 +49,105 @@ COMPILE_ARCHS = (80, 86, 89, 90)
 FULL_GPTQ_SCHEMES = ("gptq.int4.g128.gptq", "w4a16.int4.g128")
 
 # ---------------------------------------------------------------------------------------------
-# Signatures, as launch() in each generated module calls the kernel.
+# Signatures, as each implementation's launch() describes them (kdsl.kernels.base.Launch).
 #
-# args:       runtime argument -> Triton type; "{KEY}" is filled from the tile's launch parameters
-#             and "{out}" with the output element type, e.g. "tensordesc<fp8e4nv[{BLOCK_M}, {BLOCK_K}]>".
-# constexprs: constexpr parameter -> the tile key launch() passes to it, or a function of the tile; the
-#             entry's scheme constexprs (GROUP_SIZE, ZERO_OFFSET) are keys of the tile here too.
-# options:    tile keys launch() passes as compile options (num_warps, num_stages).
+# A compile job's launches are described by the implementation itself: its launch() is called on the op's example
+# call (EXAMPLE_CALLS, from the op's spec) on meta tensors (shapes, dtypes and strides, no memory). The
+# launch functions treat only the CPU as Triton's interpreter, so on meta tensors they take their GPU paths (no
+# ROUND_FIRST, FP32_MATH or UPCAST_DOT; the asm unpack and half2 dots where the GPU gets them; SM counts as an
+# H100's, kdsl.kernels.host.DESCRIBED_SM_COUNT), and this process never imports Triton's interpreter for them.
+# The kernel's Triton signature is then Triton's own type of each parameter (triton.runtime.jit.mangle_type:
+# "*bf16", "i32", "tensordesc<fp8e4nv[64, 128]>", a Gluon descriptor's with its shared layout), its constexprs
+# the Launch's keyword arguments that are kernel parameters, its compile options those that are Triton's.
 
-TileFn = Callable[[dict], object]
-
-
-@dataclass(frozen=True)
-class KernelSignature:
-    args: dict[str, str]
-    constexprs: dict[str, str | TileFn] = field(default_factory=dict)
-    options: tuple[str, ...] = ("num_warps",)
-    out_types: tuple[str, ...] = ("bf16",)  # "{out}" values that launch() may be given
-    # Integer arguments the op's checks always make multiples of 16, which Triton's JIT specializes
-    # on (and vectorizes loads by); the matrix compiles with that specialization too.
-    aligned_ints: tuple[str, ...] = ()
-    gluon: bool = False  # a Gluon kernel: compiled from a GluonASTSource, descriptors carry their layout
-    fixed: dict = field(default_factory=dict)  # compile options launch() sets itself, not from the tile
-
-    def build(self, tile: dict, out: str) -> tuple[dict, dict, dict]:
-        """(signature, constexprs, compile options) for one tile and output type. An argument's type may be a
-        function of the tile (an output whose dtype an option picks)."""
-        constexprs = {name: (tile[src] if isinstance(src, str) else src({**tile, "out": out}))
-                      for name, src in self.constexprs.items()}
-        # An edge tile's descriptors are the whole tile's when the kernel has no edge (EDGE_N = 0).
-        blocks = {"EDGE_BLOCK_N": constexprs.get("EDGE_N") or tile.get("BLOCK_N")}
-        signature = {name: (kind if isinstance(kind, str) else kind(tile)).format(out=out, **tile, **blocks)
-                     for name, kind in self.args.items()}
-        signature.update({name: "constexpr" for name in constexprs})
-        options = {**{key: tile[key] for key in self.options}, **self.fixed}
-        return signature, constexprs, options
+GPU = "meta"  # the device of the example calls' tensors: launch() takes its GPU paths on any device but the CPU
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-FP8 = "*fp8e4nv"
-F32 = "*fp32"
-I32 = "i32"
-# The TMA descriptors of the sm_90 FP8 GEMM, shared by its Triton and Gluon kernels.
-FP8_GEMM_DESCRIPTORS = {"a_desc": "tensordesc<fp8e4nv[{BLOCK_M}, {BLOCK_K}]>",
-                        "b_desc": "tensordesc<fp8e4nv[{BLOCK_N}, {BLOCK_K}]>",
-                        "c_desc": "tensordesc<{out}[{BLOCK_M}, {BLOCK_N}]>"}
-GEMM_BLOCKS = {"BLOCK_M": "BLOCK_M", "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K", "GROUP_M": "GROUP_M",
-               "N_MAJOR": lambda tile: tile["tile_order"] == "n_major"}
+# op -> example(tile params, dtype, device): its launch functions' arguments for calls that reach the whole of a
+# tile's code, from the op's spec (kdsl.ops.spec.OpSpec.example, beside the op in its family file).
+EXAMPLE_CALLS = {spec.name: spec.example for spec in declared_specs() if spec.example is not None}
 
-# The prepared W4A16 kernels' pointer and integer arguments ("{out}" is the activation dtype).
-W4A16_ARGS = {"x_ptr": "*{out}", "perm_ptr": "*i32", "qw_ptr": "*i32", "z_ptr": "*{out}", "s_ptr": "*{out}",
-              "g_ptr": "*i32", "y_ptr": "*{out}", "ws_ptr": F32, "count_ptr": "*i32",
-              "M": I32, "N": I32, "K": I32,
-              "stride_xm": I32, "stride_qwk": I32, "stride_zg": I32, "stride_sg": I32, "stride_ym": I32}
+# Ops whose every tile compiles its split-K path (the in-kernel reduction): launched with split_k of at least 2.
+SPLIT_PATH_OPS = ("fp8_linear", "gptq_gemm", "w4a16_gemm")
 
-# The W4A16 MoE GEMMs' weight, routing and integer arguments, and their constexprs ("{out}" is the activation dtype).
-MOE_W4A16_WEIGHTS = {"qw_ptr": "*i32", "z_ptr": "*{out}", "s_ptr": "*{out}", "rows_ptr": "*i32",
-                     "block_expert_ptr": "*i32", "meta_ptr": "*i32", "N": I32, "K": I32, "max_blocks": I32,
-                     "stride_qwe": I32, "stride_qwk": I32, "stride_ze": I32, "stride_zg": I32,
-                     "stride_se": I32, "stride_sg": I32}
-MOE_W4A16_CONSTEXPRS = {
-    **GEMM_BLOCKS, "UNIFORM_GROUP": lambda tile: tile["BLOCK_M"] > 16, "GROUP_SIZE": "GROUP_SIZE",
-    "MAGIC_BITS": lambda tile: 0x6400 if tile["out"] == "fp16" else 0x4300,
-    "MAGIC_BIAS": lambda tile: 1024 if tile["out"] == "fp16" else 128,
-    "FP32_MATH": lambda tile: False, "ASM_DEQUANT": lambda tile: tile["BLOCK_M"] >= 64}
-
-SIGNATURES: dict[tuple[str, str], KernelSignature] = {
-    ("act_quant", "rowwise"): KernelSignature(
-        args={"x_ptr": "*bf16", "q_ptr": FP8, "s_ptr": F32, "M": I32, "K": I32, "stride_xm": I32},
-        constexprs={"BLOCK_M": "BLOCK_M", "ROUND_FIRST": lambda tile: False},
-    ),
-    # The gated MLP's activation (kernel_defs/silu_mul.toml): "{out}" is gate_up's dtype (and h's).
-    ("silu_mul", "rowwise"): KernelSignature(
-        args={"gu_ptr": "*{out}", "h_ptr": "*{out}", "M": I32, "I": I32, "stride_gum": I32, "stride_hm": I32},
-        constexprs={"BLOCK_M": "BLOCK_M", "BLOCK_N": "BLOCK_N"},
-        out_types=("bf16", "fp16", "fp32"),
-    ),
-    ("silu_mul_quant", "rowwise"): KernelSignature(
-        args={"gu_ptr": "*{out}", "q_ptr": FP8, "s_ptr": F32, "M": I32, "I": I32, "stride_gum": I32,
-              "stride_qm": I32, "stride_sm": I32},
-        constexprs={"BLOCK_M": "BLOCK_M", "ROUND_FIRST": lambda tile: False},
-        out_types=("bf16", "fp16", "fp32"),
-    ),
-    ("weight_quant", "blockwise"): KernelSignature(
-        args={"w_ptr": "*bf16", "q_ptr": FP8, "s_ptr": F32, "N": I32, "K": I32, "stride_wn": I32, "stride_sn": I32},
-        constexprs={"ROUND_FIRST": lambda tile: False},
-    ),
-    ("weight_dequant", "blockwise"): KernelSignature(
-        args={"q_ptr": FP8, "s_ptr": F32, "w_ptr": "*{out}", "N": I32, "K": I32,
-              "stride_qn": I32, "stride_sn": I32, "stride_sk": I32},
-        out_types=("bf16", "fp16", "fp32"),
-    ),
-    ("fp8_gemm", "portable"): KernelSignature(
-        args={"a_ptr": FP8, "b_ptr": FP8, "c_ptr": "*{out}", "as_ptr": F32, "bs_ptr": F32,
-              "M": I32, "N": I32, "K": I32,
-              "stride_am": I32, "stride_bn": I32, "stride_cm": I32, "stride_asm": I32, "stride_bsn": I32},
-        constexprs=GEMM_BLOCKS,
-        options=("num_warps", "num_stages"),
-        out_types=("bf16", "fp16", "fp32"),
-    ),
-    # x in the output's dtype (bf16, fp16, fp32 alike); bias and split K taken, so both are in the compiled code.
-    ("fp8_linear", "portable"): KernelSignature(
-        args={"x_ptr": "*{out}", "b_ptr": FP8, "c_ptr": "*{out}", "bs_ptr": F32, "bias_ptr": "*{out}",
-              "ws_ptr": F32, "count_ptr": "*i32", "M": I32, "N": I32, "K": I32,
-              "stride_xm": I32, "stride_bn": I32, "stride_cm": I32, "stride_bsn": I32},
-        constexprs={"BLOCK_M": "BLOCK_M", "BLOCK_N": "BLOCK_N", "GROUP_M": "GROUP_M",
-                    "N_MAJOR": lambda tile: tile["tile_order"] == "n_major",
-                    "SPLIT_K": lambda tile: max(tile["SPLIT_K"], 2), "HAS_BIAS": lambda tile: True,
-                    "ROUND_FIRST": lambda tile: False},
-        options=("num_warps", "num_stages"),
-        out_types=("bf16", "fp16", "fp32"),
-    ),
-    ("fp8_bmm", "portable"): KernelSignature(
-        args={"a_ptr": FP8, "b_ptr": FP8, "c_ptr": "*{out}", "as_ptr": F32, "bs_ptr": F32,
-              "M": I32, "N": I32, "K": I32,
-              "stride_ab": I32, "stride_am": I32, "stride_bb": I32, "stride_bn": I32, "stride_cb": I32,
-              "stride_cm": I32, "stride_asb": I32, "stride_asm": I32, "stride_ask": I32,
-              "stride_bsb": I32, "stride_bsn": I32, "stride_bsk": I32},
-        constexprs=GEMM_BLOCKS,
-        options=("num_warps", "num_stages"),
-        out_types=("bf16", "fp16", "fp32"),
-    ),
-    # a, b and c as 3-D boxes [1, rows, cols] of their [B, rows, cols] views.
-    ("fp8_bmm", "tma_persistent"): KernelSignature(
-        args={"a_desc": "tensordesc<fp8e4nv[1, {BLOCK_M}, {BLOCK_K}]>",
-              "b_desc": "tensordesc<fp8e4nv[1, {BLOCK_N}, {BLOCK_K}]>",
-              "c_desc": "tensordesc<{out}[1, {BLOCK_M}, {BLOCK_N}]>",
-              "as_ptr": F32, "bs_ptr": F32, "b_ptr": FP8, "c_ptr": "*{out}", "B": I32, "M": I32, "N": I32, "K": I32,
-              "stride_asb": I32, "stride_asm": I32, "stride_ask": I32,
-              "stride_bsb": I32, "stride_bsn": I32, "stride_bsk": I32,
-              "stride_bb": I32, "stride_bn": I32, "stride_cb": I32, "stride_cm": I32, "num_programs": I32},
-        constexprs={**GEMM_BLOCKS, "BATCH_INNER": "batch_inner", "SWAP_AB": "swap_ab", "FLATTEN": "flatten",
-                    "WARP_SPECIALIZE": "warp_specialize", "PDL": "pdl", "PREFETCH_WEIGHTS": "prefetch_weights",
-                    "POINTER_STORE": lambda tile: tile["epilogue"] == "pointer"},
-        options=("num_warps", "num_stages"),
-        out_types=("bf16", "fp16", "fp32"),
-    ),
-    ("fp8_gemm", "tma_persistent"): KernelSignature(
-        args={**FP8_GEMM_DESCRIPTORS,
-              "as_ptr": F32, "bs_ptr": F32, "c_ptr": "*{out}", "ws_ptr": F32, "count_ptr": "*i32",
-              "M": I32, "N": I32, "K": I32,
-              "stride_asm": I32, "stride_bsn": I32, "stride_cm": I32, "num_programs": I32},
-        constexprs={**GEMM_BLOCKS, "NUM_STAGES": "num_stages", "SPLIT_K": "SPLIT_K",
-                    "WARP_SPECIALIZE": "warp_specialize", "SWAP_AB": "swap_ab"},
-        options=("num_warps",),
-        out_types=("bf16", "fp16", "fp32"),
-    ),
-    # The Gluon kernel: edge_tiles tiles compile with a half-width edge (N = 2112's), the others without one.
-    ("fp8_gemm", "deferred_gluon"): KernelSignature(
-        args={**FP8_GEMM_DESCRIPTORS,
-              "edge_b_desc": "tensordesc<fp8e4nv[{EDGE_BLOCK_N}, {BLOCK_K}]>",
-              "edge_c_desc": "tensordesc<{out}[{BLOCK_M}, {EDGE_BLOCK_N}]>",
-              "as_ptr": F32, "bs_ptr": F32, "M": I32, "N": I32, "K": I32, "stride_asm": I32, "stride_bsn": I32,
-              "num_programs": I32, "edge_first": I32},
-        constexprs={"GROUP_M": "GROUP_M", "NUM_STAGES": "num_stages",
-                    "EDGE_N": lambda tile: tile["BLOCK_N"] // 2 if tile["edge_tiles"] else 0,
-                    "num_warps": "num_warps"},
-        out_types=("bf16", "fp16", "fp32"),
-        gluon=True,
-    ),
-    # GPTQ: "{out}" is the activation dtype (x, scales and y share it); g_idx is taken
-    # (HAS_G_IDX) so the act-order path compiles too; split-K atomics land in fp32.
-    ("gptq_gemm", "splitk"): KernelSignature(
-        args={"x_ptr": "*{out}", "qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*{out}", "g_ptr": "*i32",
-              "y_ptr": "*fp32", "M": I32, "N": I32, "K": I32,
-              "stride_xm": I32, "stride_qwk": I32, "stride_qzg": I32, "stride_sg": I32, "stride_ym": I32},
-        constexprs={"HAS_G_IDX": lambda tile: True, "UNIFORM_GROUP": lambda tile: False,
-                    "GROUP_SIZE": "GROUP_SIZE", "ZERO_OFFSET": "ZERO_OFFSET",
-                    "BLOCK_M": "BLOCK_M", "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K", "GROUP_M": "GROUP_M",
-                    "SPLIT_K": lambda tile: max(tile["SPLIT_K"], 2), "UPCAST_DOT": lambda tile: False},
-        options=("num_warps", "num_stages"),
-        out_types=("fp16", "bf16"),
-    ),
-    # Prepared W4A16: act-order resolved (HAS_PERM, groups contiguous) with the GPU's asm unpack;
-    # split-K of at least 2 so the in-kernel reduction is in the compiled code.
-    ("w4a16_gemm", "mma"): KernelSignature(
-        args=W4A16_ARGS,
-        constexprs={"HAS_PERM": lambda tile: True, "UNIFORM_GROUP": lambda tile: True, "GROUP_SIZE": "GROUP_SIZE",
-                    "BLOCK_M": "BLOCK_M", "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K", "GROUP_M": "GROUP_M",
-                    "SPLIT_K": lambda tile: max(tile["SPLIT_K"], 2),
-                    "MAGIC_BITS": lambda tile: 0x6400, "MAGIC_BIAS": lambda tile: 1024,
-                    "FP32_MATH": lambda tile: False, "ASM_DEQUANT": lambda tile: True},
-        options=("num_warps", "num_stages"),
-        out_types=("fp16", "bf16"),
-    ),
-    ("w4a16_gemm", "planes_mma"): KernelSignature(
-        args={name: kind for name, kind in W4A16_ARGS.items() if name != "stride_qwk"},
-        constexprs={"HAS_PERM": lambda tile: True, "UNIFORM_GROUP": lambda tile: True,
-                    "WORD_GROUPS": lambda tile: True, "GROUP_SIZE": "GROUP_SIZE",
-                    "BLOCK_M": "BLOCK_M", "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K", "GROUP_M": "GROUP_M",
-                    "SPLIT_K": lambda tile: max(tile["SPLIT_K"], 2),
-                    "MAGIC_BITS": lambda tile: 0x6400, "MAGIC_BIAS": lambda tile: 1024,
-                    "FP32_MATH": lambda tile: False, "ASM_DEQUANT": lambda tile: True,
-                    "SCALE_AFTER": lambda tile: tile["BLOCK_M"] <= 16},
-        options=("num_warps", "num_stages"),
-        out_types=("fp16", "bf16"),
-    ),
-    # The CUDA-core GEMV: packed half2 dots for fp16 checkpoint-order words, as its launcher picks.
-    ("w4a16_gemm", "gemv"): KernelSignature(
-        args=W4A16_ARGS,
-        constexprs={"HAS_PERM": lambda tile: True, "UNIFORM_GROUP": lambda tile: True,
-                    "WORD_GROUPS": lambda tile: tile["weights"] != "k_planes", "GROUP_SIZE": "GROUP_SIZE",
-                    "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K", "SPLIT_K": lambda tile: max(tile["SPLIT_K"], 2),
-                    "MAGIC_BIAS": lambda tile: 1024, "FP32_MATH": lambda tile: False,
-                    "HALF2_DOT": lambda tile: tile["out"] == "fp16" and tile["weights"] != "k_planes"},
-        options=("num_warps", "num_stages"),
-        out_types=("fp16", "bf16"),
-    ),
-    # x, the k_planes words (PLANE_ROWS = 16 per column) and the (scale, zero) pairs come by TMA.
-    ("w4a16_gemm", "overlap_gluon"): KernelSignature(
-        args={"x_desc": "tensordesc<{out}[{BLOCK_M}, {BLOCK_K}]>", "w_desc": "tensordesc<i32[{BLOCK_N}, 16]>",
-              "p_desc": "tensordesc<i32[1, {BLOCK_N}]>", "y_ptr": "*{out}", "ws_ptr": F32, "count_ptr": "*i32",
-              "M": I32, "N": I32, "K": I32, "stride_ym": I32},
-        constexprs={"GROUP_M": "GROUP_M", "SPLIT_K": lambda tile: max(tile["SPLIT_K"], 2),
-                    "NUM_STAGES": "num_stages", "num_warps": "num_warps", "GROUP_SIZE": "GROUP_SIZE"},
-        out_types=("fp16", "bf16"),
-        gluon=True,
-    ),
-    ("w4a16_gemm", "gemv_mma_gluon"): KernelSignature(
-        args={"x_ptr": "*{out}", "perm_ptr": "*i32", "w_ptr": "*i32", "p_ptr": "*i32", "y_ptr": "*{out}",
-              "M": I32, "N": I32, "stride_xm": I32, "stride_pg": I32, "stride_ym": I32},
-        # K unrolls at compile time: one that is not a whole number of plane tiles, so the masks past K and
-        # past the last warp's tiles are in the code, with act-order's gather of x.
-        constexprs={"K": lambda tile: 4160, "CHUNK_TILES": lambda tile: tile["BLOCK_K"] // 128,
-                    "HAS_PERM": lambda tile: True, "GROUP_SIZE": "GROUP_SIZE", "num_warps": "num_warps"},
-        out_types=("fp16", "bf16"),
-        gluon=True,
-    ),
-    # The MoE kernels (kernel_defs/moe_fp8.toml): grouped GEMMs in both layouts, and the MoE layer's gate-up GEMM
-    # ("{out}" is x's dtype there); the layer's other kernels are in BESIDE.
-    ("fp8_grouped_gemm", "portable"): KernelSignature(
-        args={"a_ptr": FP8, "b_ptr": FP8, "c_ptr": "*{out}", "as_ptr": F32, "bs_ptr": F32, "group_ptr": "*i32",
-              "M": I32, "N": I32, "K": I32, "E": I32, "stride_am": I32, "stride_be": I32, "stride_bn": I32,
-              "stride_cm": I32, "stride_asm": I32, "stride_bse": I32, "stride_bsn": I32},
-        constexprs=GEMM_BLOCKS,
-        options=("num_warps", "num_stages"),
-        out_types=("bf16", "fp16", "fp32"),
-    ),
-    ("fp8_grouped_gemm_masked", "portable"): KernelSignature(
-        args={"a_ptr": FP8, "b_ptr": FP8, "c_ptr": "*{out}", "as_ptr": F32, "bs_ptr": F32, "count_ptr": "*i32",
-              "MAX_M": I32, "N": I32, "K": I32, "stride_ae": I32, "stride_am": I32, "stride_be": I32, "stride_bn": I32,
-              "stride_ce": I32, "stride_cm": I32, "stride_ase": I32, "stride_asm": I32, "stride_bse": I32,
-              "stride_bsn": I32},
-        constexprs=GEMM_BLOCKS,
-        options=("num_warps", "num_stages"),
-        out_types=("bf16", "fp16", "fp32"),
-    ),
-    ("moe_fp8", "sorted"): KernelSignature(
-        args={"xq_ptr": FP8, "xs_ptr": F32, "w_ptr": FP8, "ws_ptr": F32,
-              "h_ptr": lambda tile: FP8 if tile["fuse_act"] else F32, "hs_ptr": F32,
-              "rows_ptr": "*i32", "block_expert_ptr": "*i32", "meta_ptr": "*i32",
-              "N": I32, "K": I32, "topk": I32, "max_blocks": I32, "stride_xm": I32, "stride_xsm": I32,
-              "stride_we": I32, "stride_wn": I32, "stride_wse": I32, "stride_wsn": I32, "stride_hm": I32,
-              "stride_hsm": I32},
-        constexprs={**GEMM_BLOCKS, "FUSE_ACT": "fuse_act", "ROUND_FIRST": lambda tile: False},
-        options=("num_warps", "num_stages"),
-        out_types=("bf16", "fp16"),
-    ),
-    # The W4A16 MoE layer (kernel_defs/moe_w4a16.toml): its gate-up GEMM ("{out}" is x's dtype, h's and the scales');
-    # routing, act-order's gather, down GEMM and combine are in BESIDE. Act-order's gathered rows are compiled in
-    # (GATHERED, gate and up apart); the decode tile compiles the per-row group lookup (group_size < block_k), the
-    # others one group per K tile and, from 64 rows, the PTX unpack, as launch() picks them.
-    ("moe_w4a16", "sorted"): KernelSignature(
-        args={**MOE_W4A16_WEIGHTS, "x_ptr": "*{out}", "h_ptr": "*{out}", "topk": I32, "stride_xm": I32,
-              "stride_xup": I32, "stride_hm": I32},
-        constexprs={**MOE_W4A16_CONSTEXPRS, "GATHERED": lambda tile: True, "UP_APART": lambda tile: True},
-        options=("num_warps", "num_stages"),
-        out_types=("fp16", "bf16"),
-    ),
-    ("gptq_dequant", "blockwise"): KernelSignature(
-        args={"qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*{out}", "g_ptr": "*i32", "w_ptr": "*{out}",
-              "N": I32, "K": I32, "stride_qwk": I32, "stride_qzg": I32, "stride_sg": I32},
-        constexprs={"HAS_G_IDX": lambda tile: False, "UNIFORM_GROUP": lambda tile: True,
-                    "GROUP_SIZE": "GROUP_SIZE", "ZERO_OFFSET": "ZERO_OFFSET",
-                    "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K"},
-        out_types=("fp16", "bf16"),
-    ),
-    # Prepared weights to w [N, K] (w4a16_gemm's dequantize + cuBLAS path). bf16 (the matrix) compiles the
-    # per-row groups, fp16 one group per tile (test_w4a16_dequant_stores_16_bytes_at_a_time). N and K (so the
-    # words' and w's row strides) are multiples of 16 on real shapes: the JIT specializes them, loads and stores
-    # vectorize by them.
-    ("w4a16_dequant", "blockwise"): KernelSignature(
-        args={"qw_ptr": "*i32", "z_ptr": "*{out}", "s_ptr": "*{out}", "g_ptr": "*i32", "w_ptr": "*{out}",
-              "perm_ptr": "*i32", "N": I32, "K": I32, "stride_qwk": I32, "stride_zg": I32, "stride_sg": I32,
-              "stride_wn": I32},
-        constexprs={"HAS_PERM": lambda tile: False, "UNIFORM_GROUP": lambda tile: tile["out"] == "fp16",
-                    "GROUP_SIZE": "GROUP_SIZE", "BLOCK_N": "BLOCK_N", "BLOCK_K": "BLOCK_K",
-                    "MAGIC_BITS": lambda tile: 0x6400 if tile["out"] == "fp16" else 0x4300,
-                    "MAGIC_BIAS": lambda tile: 1024 if tile["out"] == "fp16" else 128,
-                    "FP32_MATH": lambda tile: False},
-        out_types=("fp16", "bf16"),
-        aligned_ints=("N", "K", "stride_qwk", "stride_wn"),
-    ),
+# Integer arguments the op's checks always make multiples of 16, which Triton's JIT specializes on (and
+# vectorizes loads and stores by); the matrix compiles with that specialization too. Not derived from the example
+# values: elsewhere the matrix compiles without it, as it always has. (op, kernel) -> argument names.
+ALIGNED_INTS = {
+    # Prepared weights to w [N, K]: N and K (so the words' and w's row strides) are multiples of 16 on real shapes.
+    ("w4a16_dequant", ""): ("N", "K", "stride_qwk", "stride_wn"),
+    # Act-order's gather of x's rows: K and every stride, on DeepSeek-V3's H = 7168.
+    ("moe_w4a16", "gather"): ("K", "stride_sm", "stride_pe", "stride_ps", "stride_ds", "stride_dm"),
 }
 
 
-# Kernels a module launches beside its main one (named after the module), as `<module>_<name>`: per (op, impl),
-# name -> signature. Compiled for every tile of the entry too (their blocks come from it).
-MOE_INDEX = {"rows_ptr": "*i32", "meta_ptr": "*i32"}
-# The MoE layers' routing and combine (common/moe_routing_kernels.py.j2), the same in moe_fp8 and moe_w4a16.
-MOE_ALIGN = KernelSignature(
-    args={"ids_ptr": "*i32", **MOE_INDEX, "block_expert_ptr": "*i32", "num_assignments": I32, "topk": I32,
-          "num_experts": I32, "max_rows": I32, "max_blocks": I32, "stride_it": I32, "stride_ik": I32},
-    constexprs={"BLOCK_M": "BLOCK_M", "EXPERTS_PAD": lambda tile: 512, "CHUNK": lambda tile: 1024,
-                "CHUNK_BLOCKS": lambda tile: 16},
-    options=(), fixed={"num_warps": 4}, out_types=("bf16", "fp16"))
-MOE_COMBINE = KernelSignature(
-    args={"out_ptr": "*{out}", "weights_ptr": F32, "ids_ptr": "*i32", "y_ptr": "*{out}", "N": I32,
-          "topk": I32, "num_experts": I32, "stride_om": I32, "stride_wt": I32, "stride_wk": I32,
-          "stride_it": I32, "stride_ik": I32, "stride_ym": I32},
-    constexprs={"BLOCK_N": lambda tile: 512}, options=(), fixed={"num_warps": 4}, out_types=("bf16", "fp16"))
-BESIDE: dict[tuple[str, str], dict[str, KernelSignature]] = {
-    ("moe_fp8", "sorted"): {
-        "align": MOE_ALIGN,
-        "quant": KernelSignature(
-            args={"x_ptr": "*{out}", "q_ptr": FP8, "s_ptr": F32, "M": I32, "K": I32, "stride_xm": I32},
-            constexprs={"BLOCK_M": lambda tile: 8, "ROUND_FIRST": lambda tile: False},
-            options=(), fixed={"num_warps": 2}, out_types=("bf16", "fp16")),
-        "act": KernelSignature(
-            args={"gu_ptr": F32, "q_ptr": FP8, "s_ptr": F32, **MOE_INDEX, "inter": I32, "stride_gum": I32,
-                  "stride_qm": I32, "stride_sm": I32},
-            constexprs={"BLOCK_M": "BLOCK_M", "ROUND_FIRST": lambda tile: False},
-            options=(), fixed={"num_warps": 4}, out_types=("bf16", "fp16")),
-        "down": KernelSignature(
-            args={"h_ptr": FP8, "hs_ptr": F32, "w_ptr": FP8, "ws_ptr": F32, "out_ptr": "*{out}", "rows_ptr": "*i32",
-                  "block_expert_ptr": "*i32", "meta_ptr": "*i32", "N": I32, "K": I32, "max_blocks": I32,
-                  "stride_hm": I32, "stride_hsm": I32, "stride_we": I32, "stride_wn": I32, "stride_wse": I32,
-                  "stride_wsn": I32, "stride_om": I32},
-            constexprs=GEMM_BLOCKS, options=("num_warps", "num_stages"), out_types=("bf16", "fp16")),
-        "combine": MOE_COMBINE,
-    },
-    ("moe_w4a16", "sorted"): {
-        "align": MOE_ALIGN,
-        # Act-order: x's rows through gate's and up's permutations at DeepSeek-V3's H = 7168 (padded to 8192).
-        "gather": KernelSignature(
-            args={"src_ptr": "*{out}", "perm_ptr": "*i32", "dst_ptr": "*{out}", **MOE_INDEX, "block_expert_ptr": "*i32",
-                  "K": I32, "topk": I32, "stride_sm": I32, "stride_pe": I32, "stride_ps": I32, "stride_ds": I32,
-                  "stride_dm": I32},
-            constexprs={"SEGMENTS": lambda tile: 2, "BY_TOKEN": lambda tile: True, "BLOCK_M": "BLOCK_M",
-                        "K_PAD": lambda tile: 8192},
-            options=(), fixed={"num_warps": 8}, out_types=("bf16", "fp16"),
-            aligned_ints=("K", "stride_sm", "stride_pe", "stride_ps", "stride_ds", "stride_dm")),
-        "down": KernelSignature(
-            args={**MOE_W4A16_WEIGHTS, "h_ptr": "*{out}", "out_ptr": "*{out}", "stride_hm": I32, "stride_om": I32},
-            constexprs=MOE_W4A16_CONSTEXPRS, options=("num_warps", "num_stages"), out_types=("fp16", "bf16")),
-        "combine": MOE_COMBINE,
-    },
-}
-
-
-def signature_of(entry: KernelEntry, tile: dict, kernel: str = "") -> tuple[KernelSignature, str, Path]:
-    """(signature, kernel function name, module path) of the kernel the tile's implementation launches (kernel:
-    the name of one launched beside it, BESIDE)."""
+def described_launches(entry: KernelEntry, tile: dict, out: str):
+    """The launches the tile's implementation describes for the example call of entry's op (outputs of dtype
+    out), one at a time (the MoE layers' launch functions are generators)."""
     module = entry.modules[tile["impl"]]
-    if kernel:
-        return BESIDE[(entry.op, tile["impl"])][kernel], f"{module.path.stem}_{kernel}", module.path
-    return SIGNATURES[(entry.op, tile["impl"])], module.path.stem, module.path
+    generated = module.generated()
+    if entry.op in SPLIT_PATH_OPS:
+        tile = {**tile, "SPLIT_K": max(tile["SPLIT_K"], 2)}
+    refused = None
+    for args in EXAMPLE_CALLS[entry.op](tile, DTYPES[out], GPU):
+        try:
+            described = module.unit.launch(generated, *args, tile)
+        except ValueError as error:  # the implementation refuses this call: take the next
+            refused = error
+            continue
+        if isinstance(described, Launch):
+            yield described
+        else:
+            yield from described
+        return
+    raise AssertionError(f"{module.path.name} refuses every example call of {entry.op}: {refused}")
+
+
+def beside_kernels(entry: KernelEntry, tile: dict) -> list[str]:
+    """The kernels the tile's launch makes beside the module's main one (the MoE layers' routing, quantization,
+    activation, down GEMM and combine), by the rest of their names, in launch order. Called while collecting,
+    under the interpreter: a module of one kernel is not asked (its launch may key a cache by the kernel, and a
+    Gluon kernel cannot be hashed there)."""
+    kernels = entry.modules[tile["impl"]].generated().kernels
+    if len(kernels) == 1:
+        return []
+    launched = []  # by identity: a JIT function's hash is its source's
+    for launch in described_launches(entry, tile, "bf16"):
+        name = next(name for name, kernel in kernels.items() if kernel is launch.kernel)
+        if name and name not in launched:
+            launched.append(name)
+    return [name.lstrip("_") for name in launched]
+
+
+def compile_options() -> frozenset:
+    """Triton's compile options for CUDA (num_warps, num_stages, launch_pdl, ...)."""
+    from dataclasses import fields
+
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    return frozenset(field.name for field in fields(CUDAOptions))
+
+
+def derive(entry: KernelEntry, tile: dict, out: str, kernel: str = ""):
+    """(kernel, signature, constexprs, compile options) of the launch of `kernel` ("": the module's own) that the
+    tile's implementation describes, the signature in parameter order."""
+    from triton.runtime.jit import mangle_type
+
+    generated = entry.modules[tile["impl"]].generated()
+    function = generated.kernels[f"_{kernel}" if kernel else ""]
+    launch = next((launch for launch in described_launches(entry, tile, out) if launch.kernel is function), None)
+    assert launch is not None, f"{entry.name}: the tile's launch() makes no launch of kernel {kernel or 'main'!r}"
+    _, _, params, keywords = launch
+    names = list(function.arg_names)
+    signature = {name: mangle_type(value) for name, value in zip(names, params)}
+    constexprs = {name: value for name, value in keywords.items() if name in names}
+    signature.update({name: "constexpr" for name in constexprs})
+    missing = [name for name in names if name not in signature]
+    assert not missing, f"{entry.name}: launch() of {kernel or 'the main kernel'} leaves parameters {missing} out"
+    option_names = compile_options()
+    options = {name: value for name, value in keywords.items() if name in option_names}
+    return function, {name: signature[name] for name in names}, constexprs, options
 
 
 def pointer_attrs(signature: dict, arg_names: list[str], aligned_ints: tuple[str, ...] = ()) -> dict:
@@ -439,7 +188,7 @@ class Job:
     cc: int
     tile: int | str  # index into the entry's tile buckets, or a name in EXTRA_TILES
     out: str = "bf16"
-    kernel: str = ""  # a kernel the module launches beside its main one (BESIDE), by name
+    kernel: str = ""  # a kernel the module launches beside its main one (beside_kernels), by name
 
     @property
     def params(self) -> dict:
@@ -452,56 +201,20 @@ class Job:
         return f"{self.entry}-sm{self.cc}-tile{self.tile}-{self.out}" + (f"-{self.kernel}" if self.kernel else "")
 
 
-def jit_kernel(path: Path, function: str):
-    """The @triton.jit `function` of the generated module at path, from a fresh import of it (worker
-    process only)."""
-    import triton
-
-    name = f"kdsl_compile_matrix.{path.stem}"
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    kernel = getattr(module, function)
-    assert isinstance(kernel, triton.runtime.JITFunction), f"{function} is not a JIT function: {type(kernel)}"
-    return kernel
-
-
 def compile_job(job: Job):
-    """triton.compile the job's kernel for its arch; the worker's whole purpose."""
+    """(triton.compile of the job's kernel for its arch, the compile options its launch asked for); the worker's
+    whole purpose."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
     entry = ENTRIES[job.entry]
-    tile = job.params
-    spec, function, path = signature_of(entry, tile, job.kernel)
-    kernel = jit_kernel(path, function)
-    # Signatures may read the prepared layout's weights order (the GEMV's packed half2 dot).
-    # and the scheme's constexprs (GROUP_SIZE, ZERO_OFFSET), which launch() passes from the entry.
-    signature, constexprs, options = spec.build(
-        {**tile, **entry.constexprs, "weights": (entry.layout or {}).get("weights")}, job.out)
-    params = list(kernel.arg_names)
-    missing = [p for p in params if p not in signature]
-    extra = [p for p in signature if p not in params]
-    if missing or extra:
-        raise AssertionError(
-            f"the signature of {function} is out of date with {path.name}: "
-            f"kernel parameters not described {missing}, described but not parameters {extra}"
-        )
-    signature = {p: signature[p] for p in params}  # in parameter order
-    attrs = pointer_attrs(signature, params, spec.aligned_ints)
-    if spec.gluon:
-        from triton.experimental.gluon._runtime import GluonASTSource
-
-        from kdsl.aot.worker import gluon_descriptor_types
-
-        source = GluonASTSource(kernel, gluon_descriptor_types(signature), constexprs, attrs)
-    else:
-        source = ASTSource(kernel, signature, constexprs, attrs)
-    return triton.compile(source, target=GPUTarget("cuda", job.cc, 32), options=options)
+    kernel, signature, constexprs, options = derive(entry, job.params, job.out, job.kernel)
+    attrs = pointer_attrs(signature, list(signature), ALIGNED_INTS.get((entry.op, job.kernel), ()))
+    source_type = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
+    source = source_type(kernel, signature, constexprs, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", job.cc, 32), options=options), options
 
 
 def worker(out_dir: Path, jobs: list[Job]) -> None:
@@ -511,7 +224,7 @@ def worker(out_dir: Path, jobs: list[Job]) -> None:
     for job in jobs:
         start = time.perf_counter()
         try:
-            compiled = compile_job(job)
+            compiled, options = compile_job(job)
         except Exception as error:  # reported by the test that owns the job
             results[job.key] = {"ok": False, "error": f"{type(error).__name__}: {error}"}
             continue
@@ -521,6 +234,7 @@ def worker(out_dir: Path, jobs: list[Job]) -> None:
             "seconds": time.perf_counter() - start,
             "cubin_bytes": len(compiled.asm.get("cubin") or b""),
             "num_warps": compiled.metadata.num_warps,
+            "launch_num_warps": options.get("num_warps"),
         }
     (out_dir / f"results-{os.getpid()}.json").write_text(json.dumps(results), encoding="utf-8")
 
@@ -558,23 +272,20 @@ def archs_of(entry: KernelEntry) -> list[int]:
 
 
 def _matrix():
-    """Every entry x every arch it claims x every tile bucket (one skipped param per entry without a signature)."""
+    """Every entry x every arch it claims x every tile bucket, and each kernel the tile's launch makes beside the
+    module's own."""
     for entry in ENTRIES.values():
-        unsigned = sorted(impl for impl in entry.modules if (entry.op, impl) not in SIGNATURES)
-        if unsigned:
-            reason = f"no signature for {entry.op}/{unsigned}: add rows to SIGNATURES in tests/test_compile_matrix.py"
-            yield pytest.param(Job(entry.name, 0, 0), id=f"{entry.name}-no-signature", marks=pytest.mark.skip(reason=reason))
-            continue
         if entry.scheme.startswith(("gptq.", "w4a16.")) and entry.scheme not in FULL_GPTQ_SCHEMES:
             # The GPTQ schemes differ only in baked constants: one scheme gets the whole
             # matrix, the others one compile each (newest arch, prefill tile) to keep CI short.
             cc, index = archs_of(entry)[-1], len(entry.tiles) - 1
             yield pytest.param(Job(entry.name, cc, index), id=f"{entry.name}-sm{cc}-tile{index}")
             continue
+        beside = [beside_kernels(entry, bucket.params) for bucket in entry.tiles]
         for cc in archs_of(entry):
             for index in range(len(entry.tiles)):
                 yield pytest.param(Job(entry.name, cc, index), id=f"{entry.name}-sm{cc}-tile{index}")
-                for kernel in BESIDE.get((entry.op, entry.tiles[index].params["impl"]), {}):
+                for kernel in beside[index]:
                     yield pytest.param(Job(entry.name, cc, index, kernel=kernel),
                                        id=f"{entry.name}-sm{cc}-tile{index}-{kernel}")
 
@@ -632,16 +343,37 @@ def test_compiles(job, compiled):
     result = compiled[0][job.key]
     assert f".target sm_{job.cc}" in ptx
     assert result["cubin_bytes"] > 0, "ptxas produced no cubin"
-    spec = signature_of(ENTRIES[job.entry], job.params, job.kernel)[0]
-    assert result["num_warps"] == spec.fixed.get("num_warps", job.params["num_warps"])
+    assert result["num_warps"] == result["launch_num_warps"], "not compiled with the warps launch() asks for"
+    if not job.kernel:
+        assert result["num_warps"] == job.params["num_warps"]
 
 
-def test_every_block_fp8_entry_has_a_signature():
-    fp8 = [e for e in ENTRIES.values() if e.scheme.startswith("block_fp8.")]
-    missing = sorted({(e.op, impl) for e in fp8 for impl in e.modules} - set(SIGNATURES))
-    assert not missing, f"add rows to SIGNATURES for {missing}"
-    for entry in fp8:
+def underivable() -> dict:
+    """entry name -> why the launch of one of its tiles cannot be derived (worker process: the Gluon kernels' split
+    scratch is keyed by kernel, and hashing a Gluon kernel fails under the interpreter)."""
+    failures = {}
+    for entry in ENTRIES.values():
+        for index, bucket in enumerate(entry.tiles):
+            try:
+                derive(entry, bucket.params, "bf16")
+            except Exception as error:  # reported by the test
+                failures[f"{entry.name} tile {index}"] = f"{type(error).__name__}: {error}"
+    return failures
+
+
+def test_every_entry_launch_can_be_derived():
+    """Every entry's every tile: its launch() describes the module's kernel on the op's example call, every
+    kernel parameter described (the signature the matrix compiles); and it claims an arch the matrix compiles."""
+    missing = sorted({entry.op for entry in ENTRIES.values()} - set(EXAMPLE_CALLS))
+    assert not missing, f"give the OpSpec of {missing} an example (kdsl.ops.spec)"
+    for entry in ENTRIES.values():
         assert archs_of(entry), f"{entry.name} claims no arch the matrix compiles for"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, __file__, "--derive"], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    failures = json.loads(proc.stdout.splitlines()[-1])
+    assert not failures, "\n".join(f"{where}: {why}" for where, why in failures.items())
 
 
 def first_mma(entry: KernelEntry) -> int:
@@ -791,8 +523,6 @@ def test_moe_w4a16_act_order_gather_is_coalesced(job, compiled):
     Job(DEQUANT.name, 89, last(DEQUANT), "fp16"), Job(DEQUANT.name, 89, last(DEQUANT), "fp32"),
 ], ids=lambda job: f"{ENTRIES[job.entry].op}-{ENTRIES[job.entry].impl}-{job.out}" + (f"-{job.kernel}" if job.kernel else ""))
 def test_other_output_dtypes_compile(job, compiled):
-    entry = ENTRIES[job.entry]
-    assert job.out in signature_of(entry, job.params, job.kernel)[0].out_types
     ptx = ptx_of(compiled, job)
     assert f".target sm_{job.cc}" in ptx
 
@@ -811,3 +541,5 @@ def test_w4a16_dequant_stores_16_bytes_at_a_time(job, compiled):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     worker(Path(sys.argv[2]), [Job(**raw) for raw in json.loads(sys.stdin.read())])
+elif __name__ == "__main__" and sys.argv[1:2] == ["--derive"]:
+    print(json.dumps(underivable()))

@@ -1,5 +1,8 @@
 """Host arithmetic the implementations' launch functions share: ceil division, the SM count, the K split and its
-scratch, persistent grids and Gluon TMA descriptors. Pure Python over torch; nothing here launches a kernel."""
+scratch, persistent grids and Gluon TMA descriptors. Pure Python over torch; nothing here launches a kernel.
+
+Launch functions take the CPU for Triton's interpreter and any other device for the GPU: CUDA, or meta, where a
+launch is only described (tests/test_compile_matrix.py compiles the kernels of launches described on meta tensors)."""
 from __future__ import annotations
 
 import functools
@@ -25,9 +28,12 @@ def cdiv(n: int, d: int) -> int:
 
 
 _SM_COUNT: dict = {}
+DESCRIBED_SM_COUNT = 132  # the SMs a launch described on meta tensors plans for: an H100's
 
 
 def sm_count(device) -> int:
+    if device.type == "meta":
+        return DESCRIBED_SM_COUNT
     if device.type != "cuda":
         return 4  # Triton's CPU interpreter: a few programs still exercise the loops
     if device.index not in _SM_COUNT:

@@ -16,6 +16,7 @@ import torch
 
 from kdsl.ops import _checks as check
 from kdsl.ops import _plan, fallback
+from kdsl.ops._examples import empty
 from kdsl.ops.block_fp8 import FLOAT_INPUTS, FP8, _scheme
 from kdsl.ops.spec import OpSpec
 from kdsl.runtime import registry
@@ -147,8 +148,17 @@ def _silu_mul_quant_fake(gate_up, group_size):
     return q, s
 
 
+def _silu_mul_example(tile, dtype, device):
+    yield empty(device, 64, 1024, dtype=dtype), empty(device, 64, 512, dtype=dtype)
+
+
+def _silu_mul_quant_example(tile, dtype, device):
+    yield (empty(device, 64, 1024, dtype=dtype), empty(device, 64, 512, dtype=FP8),
+           empty(device, 64, 4, dtype=torch.float32))
+
+
 SPECS = (
-    OpSpec("silu_mul", "(Tensor gate_up) -> Tensor", _silu_mul_impl, _silu_mul_fake),
+    OpSpec("silu_mul", "(Tensor gate_up) -> Tensor", _silu_mul_impl, _silu_mul_fake, example=_silu_mul_example),
     OpSpec("silu_mul_quant", "(Tensor gate_up, int group_size) -> (Tensor, Tensor)", _silu_mul_quant_impl,
-           _silu_mul_quant_fake),
+           _silu_mul_quant_fake, example=_silu_mul_quant_example),
 )

@@ -9,6 +9,7 @@ import torch
 
 from kdsl.ops import _checks as check
 from kdsl.ops import _plan, fallback
+from kdsl.ops._examples import empty, fp8_operands, gemm_shape
 from kdsl.ops.spec import OpSpec
 from kdsl.runtime import registry
 
@@ -627,16 +628,48 @@ def _fp8_linear_fake(x, w, w_s, bias, out_dtype):
     return _fp8_linear_outputs(x, w, w_s, bias, out_dtype, symbolic=True)[-1]
 
 
+# Example calls (kdsl.ops.spec): the quantizers over 512 x 512 (4 groups, 4 x 4 weight blocks), the GEMMs as
+# kdsl.ops._examples.gemm_shape, fp8_bmm over MLA's 16 heads, fp8_linear with x in the output's dtype and a bias.
+def _act_quant_example(tile, dtype, device):
+    yield (empty(device, 64, 512, dtype=dtype), empty(device, 64, 512, dtype=FP8),
+           empty(device, 64, 4, dtype=torch.float32))
+
+
+def _weight_quant_example(tile, dtype, device):
+    yield (empty(device, 512, 512, dtype=dtype), empty(device, 512, 512, dtype=FP8),
+           empty(device, 4, 4, dtype=torch.float32))
+
+
+def _weight_dequant_example(tile, dtype, device):
+    yield (empty(device, 512, 512, dtype=FP8), empty(device, 4, 4, dtype=torch.float32),
+           empty(device, 512, 512, dtype=dtype))
+
+
+def _fp8_gemm_example(tile, dtype, device):
+    yield fp8_operands(device, (), *gemm_shape(tile), dtype)
+
+
+def _fp8_bmm_example(tile, dtype, device):
+    yield fp8_operands(device, (16,), *gemm_shape(tile), dtype)
+
+
+def _fp8_linear_example(tile, dtype, device):
+    m, n, k = gemm_shape(tile)
+    _, _, b, b_s, c = fp8_operands(device, (), m, n, k, dtype)
+    yield empty(device, m, k, dtype=dtype), b, b_s, empty(device, n, dtype=dtype), c
+
+
 SPECS = (
-    OpSpec("act_quant", "(Tensor x, int group_size) -> (Tensor, Tensor)", _act_quant_impl, _act_quant_fake),
+    OpSpec("act_quant", "(Tensor x, int group_size) -> (Tensor, Tensor)", _act_quant_impl, _act_quant_fake,
+           example=_act_quant_example),
     OpSpec("weight_quant", "(Tensor w, int block_n, int block_k) -> (Tensor, Tensor)", _weight_quant_impl,
-           _weight_quant_fake),
+           _weight_quant_fake, example=_weight_quant_example),
     OpSpec("weight_dequant", "(Tensor q, Tensor s, int block_n, int block_k, ScalarType out_dtype) -> Tensor",
-           _weight_dequant_impl, _weight_dequant_fake),
+           _weight_dequant_impl, _weight_dequant_fake, example=_weight_dequant_example),
     OpSpec("fp8_gemm", "(Tensor a, Tensor a_s, Tensor b, Tensor b_s, ScalarType out_dtype) -> Tensor",
-           _fp8_gemm_impl, _fp8_gemm_fake),
+           _fp8_gemm_impl, _fp8_gemm_fake, example=_fp8_gemm_example),
     OpSpec("fp8_bmm", "(Tensor a, Tensor a_s, Tensor b, Tensor b_s, ScalarType out_dtype) -> Tensor",
-           _fp8_bmm_op, _fp8_bmm_fake),
+           _fp8_bmm_op, _fp8_bmm_fake, example=_fp8_bmm_example),
     OpSpec("fp8_linear", "(Tensor x, Tensor w, Tensor w_s, Tensor? bias, ScalarType? out_dtype) -> Tensor",
-           _fp8_linear_impl, _fp8_linear_fake),
+           _fp8_linear_impl, _fp8_linear_fake, example=_fp8_linear_example),
 )

@@ -6,6 +6,7 @@ import torch
 from kdsl.naming import gptq_scheme_name
 from kdsl.ops import _checks as check
 from kdsl.ops import fallback
+from kdsl.ops._examples import empty, split_steps
 from kdsl.ops.gptq_checkpoint import (
     ACTIVATIONS,
     ZERO_OFFSET,
@@ -189,11 +190,26 @@ def _gptq_dequant_fake(qweight, qzeros, scales, g_idx, bits, group_size, checkpo
                                  values=False)[1]
 
 
+def _gptq_gemm_example(tile, dtype, device):
+    """With g_idx (act-order); K long enough for the tile's split."""
+    m, n = tile["BLOCK_M"], tile["BLOCK_N"]
+    k = tile["BLOCK_K"] * split_steps(tile)
+    yield (empty(device, m, k, dtype=dtype), empty(device, k // 8, n, dtype=torch.int32),
+           empty(device, k // 32, n // 8, dtype=torch.int32), empty(device, k // 32, n, dtype=dtype),
+           empty(device, k, dtype=torch.int32), empty(device, m, n, dtype=dtype))
+
+
+def _gptq_dequant_example(tile, dtype, device):
+    """Without g_idx: gptq_gemm's dequantize + cuBLAS path takes plain checkpoints only."""
+    yield (empty(device, 512, 4096, dtype=torch.int32), empty(device, 128, 512, dtype=torch.int32),
+           empty(device, 128, 4096, dtype=dtype), None, empty(device, 4096, 4096, dtype=dtype))
+
+
 SPECS = (
     OpSpec("gptq_gemm", "(Tensor x, Tensor qweight, Tensor qzeros, Tensor scales, Tensor? g_idx, int bits, "
                         "int group_size, str checkpoint_format) -> Tensor",
-           _gptq_gemm_impl, _gptq_gemm_fake, host_syncing=True),
+           _gptq_gemm_impl, _gptq_gemm_fake, host_syncing=True, example=_gptq_gemm_example),
     OpSpec("gptq_dequant", "(Tensor qweight, Tensor qzeros, Tensor scales, Tensor? g_idx, int bits, int group_size, "
                            "str checkpoint_format) -> Tensor",
-           _gptq_dequant_impl, _gptq_dequant_fake, host_syncing=True),
+           _gptq_dequant_impl, _gptq_dequant_fake, host_syncing=True, example=_gptq_dequant_example),
 )

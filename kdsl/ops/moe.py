@@ -23,6 +23,7 @@ import torch
 
 from kdsl.ops import _checks as check
 from kdsl.ops import fallback
+from kdsl.ops._examples import MOE_EXPERTS, MOE_HIDDEN, MOE_INTER, empty, fp8_operands, gemm_shape, moe_routing
 from kdsl.ops.block_fp8 import FP8, _gemm_scheme, _interpreter_lost_nan, _matching, _refuse_unserved
 from kdsl.ops.spec import OpSpec
 from kdsl.runtime import registry
@@ -365,14 +366,35 @@ def _moe_fp8_fake(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, check_ids):
     return _moe_fp8_outputs(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, symbolic=True)[-1]
 
 
+# Example calls (kdsl.ops.spec): the grouped GEMMs over 8 experts, the MoE layer as DeepSeek-V3's.
+def _fp8_grouped_gemm_example(tile, dtype, device):
+    m, n, k = gemm_shape(tile)
+    a, a_s, _, _, c = fp8_operands(device, (), m, n, k, dtype)
+    _, _, b, b_s, _ = fp8_operands(device, (8,), m, n, k, dtype)
+    yield a, a_s, b, b_s, empty(device, m, dtype=torch.int32), c
+
+
+def _fp8_grouped_gemm_masked_example(tile, dtype, device):
+    a, a_s, b, b_s, c = fp8_operands(device, (8,), *gemm_shape(tile), dtype)
+    yield a, a_s, b, b_s, empty(device, 8, dtype=torch.int32), c
+
+
+def _moe_fp8_example(tile, dtype, device):
+    e, h, i = MOE_EXPERTS, MOE_HIDDEN, MOE_INTER
+    w13, w13_s = empty(device, e, 2 * i, h, dtype=FP8), empty(device, e, 2 * i // 128, h // 128, dtype=torch.float32)
+    w2, w2_s = empty(device, e, h, i, dtype=FP8), empty(device, e, h // 128, i // 128, dtype=torch.float32)
+    yield (empty(device, 4, h, dtype=dtype), w13, w13_s, w2, w2_s, *moe_routing(device),
+           empty(device, 4, h, dtype=dtype), None)
+
+
 SPECS = (
     OpSpec("fp8_grouped_gemm", "(Tensor a, Tensor a_s, Tensor b, Tensor b_s, Tensor group_ids, "
                                "ScalarType out_dtype, bool check_ids) -> Tensor",
-           _fp8_grouped_gemm_impl, _fp8_grouped_gemm_fake),
+           _fp8_grouped_gemm_impl, _fp8_grouped_gemm_fake, example=_fp8_grouped_gemm_example),
     OpSpec("fp8_grouped_gemm_masked", "(Tensor a, Tensor a_s, Tensor b, Tensor b_s, Tensor masked_m, "
                                       "ScalarType out_dtype, int? expected_m) -> Tensor",
-           _fp8_grouped_gemm_masked_impl, _fp8_grouped_gemm_masked_fake),
+           _fp8_grouped_gemm_masked_impl, _fp8_grouped_gemm_masked_fake, example=_fp8_grouped_gemm_masked_example),
     OpSpec("moe_fp8", "(Tensor x, Tensor w13, Tensor w13_s, Tensor w2, Tensor w2_s, Tensor topk_weights, "
                       "Tensor topk_ids, bool check_ids) -> Tensor",
-           _moe_fp8_impl, _moe_fp8_fake),
+           _moe_fp8_impl, _moe_fp8_fake, example=_moe_fp8_example),
 )

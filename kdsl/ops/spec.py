@@ -38,6 +38,13 @@ What a spec holds and why:
   preparing its weights on every call, awq_dequant's nibble order): a CUDA graph cannot capture it, so the op is
   tagged cudagraph_unsafe and torch.compile(mode="reduce-overhead") leaves it out. An op that reads the host only
   while no graph is being captured (the MoE ops' check_ids) stays capturable: it is not host_syncing.
+- example: example(tile params, dtype, device) yields the arguments of a call of the op as its kernels' launch
+  functions take them (kdsl.kernels.base.KernelImpl.launch, between `generated` and the tile), for a call that
+  reaches the whole of the tile's code: every optional argument given (bias, g_idx, act-order's perm), K long
+  enough for the tile's whole split, a partial last column; dtype is the activations' or the output's. Where an
+  implementation refuses a call (its launch raises ValueError), the next call yielded is the one for it. On meta
+  tensors it describes launches without running them: tests/test_compile_matrix.py compiles their kernels for
+  every arch from it (shared helpers: kdsl/ops/_examples.py).
 """
 from __future__ import annotations
 
@@ -47,13 +54,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class OpSpec:
-    """torch.ops.kdsl.<name>: its schema, implementation and fake kernel (see the module docstring)."""
+    """torch.ops.kdsl.<name>: its schema, implementation and fake kernel, and an example call of its kernels (see the
+    module docstring)."""
 
     name: str
     schema: str
     impl: Callable
     fake: Callable
     host_syncing: bool = False
+    example: Callable | None = None  # (tile params, dtype, device) -> launch arguments of example calls
 
     @property
     def qualified_name(self) -> str:

@@ -19,6 +19,7 @@ from kdsl.kernels.w4a16.common import gather_columns
 from kdsl.naming import w4a16_scheme_name
 from kdsl.ops import _checks as check
 from kdsl.ops import _plan, fallback
+from kdsl.ops._examples import empty, int4_weights, split_steps
 from kdsl.ops.gptq_checkpoint import ACTIVATIONS, default_g_idx, pack_rows, unpack_rows, unpack_zeros
 from kdsl.ops.spec import OpSpec
 from kdsl.packing import PLANE_ROWS, PLANE_TILE_K, PLANE_TILE_N
@@ -402,14 +403,33 @@ def _w4a16_dequant_fake(*fields):
     return _w4a16_dequant_outputs(prepared_from_args(*fields))
 
 
+def _w4a16_gemm_example(tile, dtype, device):
+    """Act-order (perm given, groups in order), then the plain call for an implementation that refuses act-order.
+    K: 64 past a whole number of 4096-row chunks (the K-unrolled Gluon GEMV's masks past K), or longer for the
+    tile's split."""
+    m, n = tile["BLOCK_M"], tile["BLOCK_N"]
+    k = max(4096, tile["BLOCK_K"] * split_steps(tile)) + 64
+    x, y = empty(device, m, k, dtype=dtype), empty(device, m, n, dtype=dtype)
+    weights, groups = int4_weights(device, k=k, n=n, out=dtype), empty(device, k, dtype=torch.int32)
+    for perm in (empty(device, k, dtype=torch.int32), None):
+        yield x, perm, *weights, groups, True, y
+
+
+def _w4a16_dequant_example(tile, dtype, device):
+    """w [N, K]: fp16 with its groups in order (one group per tile where the group size allows), bf16 with
+    act-order's groups out of order (the per-row group lookup), so the two dtypes reach both group paths."""
+    yield (*int4_weights(device, k=4096, n=4096, out=dtype), empty(device, 4096, dtype=torch.int32),
+           dtype == torch.float16, None, empty(device, 4096, 4096, dtype=dtype))
+
+
 SPECS = (
     OpSpec("w4a16_gemm", "(Tensor x, Tensor qweight, Tensor zeros, Tensor scales, Tensor groups, Tensor? perm, "
                          "str scheme, str source, int bits, int group_size, str layout_zeros, str layout_weights, "
                          "int k, int n, bool contiguous_groups, int zero_bias) -> Tensor",
-           _w4a16_gemm_op, _w4a16_gemm_fake),
+           _w4a16_gemm_op, _w4a16_gemm_fake, example=_w4a16_gemm_example),
     # The same fields without x: the prepared weights as w [N, K].
     OpSpec("w4a16_dequant", "(Tensor qweight, Tensor zeros, Tensor scales, Tensor groups, Tensor? perm, str scheme, "
                             "str source, int bits, int group_size, str layout_zeros, str layout_weights, int k, "
                             "int n, bool contiguous_groups, int zero_bias) -> Tensor",
-           _w4a16_dequant_op, _w4a16_dequant_fake),
+           _w4a16_dequant_op, _w4a16_dequant_fake, example=_w4a16_dequant_example),
 )

@@ -32,6 +32,7 @@ import torch
 from kdsl.naming import w4a16_scheme_name
 from kdsl.ops import _checks as check
 from kdsl.ops import fallback
+from kdsl.ops._examples import MOE_EXPERTS, MOE_HIDDEN, MOE_INTER, empty, int4_weights, moe_routing
 from kdsl.ops.awq import unpack_columns
 from kdsl.ops.gptq_checkpoint import ACTIVATIONS, ZERO_OFFSET, default_g_idx, pack_rows, scheme_args, unpack_rows
 from kdsl.ops.moe import _capturing, _check_ids, _refuse_ids, tokens_per_expert
@@ -393,10 +394,18 @@ def _moe_w4a16_fake(x, *args):
     return _moe_w4a16_outputs(x, *_experts(*fields), topk_weights, topk_ids)
 
 
+def _moe_w4a16_example(tile, dtype, device):
+    """DeepSeek-V3's sizes; act-order on gate-up, its gate and up halves permuted apart (the gather kernel)."""
+    e, h, i = MOE_EXPERTS, MOE_HIDDEN, MOE_INTER
+    yield (empty(device, 4, h, dtype=dtype), *int4_weights(device, e, k=h, n=2 * i, out=dtype),
+           empty(device, e, 2, h, dtype=torch.int32), *int4_weights(device, e, k=i, n=h, out=dtype), None,
+           *moe_routing(device), empty(device, 4, h, dtype=dtype), None)
+
+
 SPECS = (
     OpSpec("moe_w4a16", "(Tensor x, Tensor w13_qweight, Tensor w13_zeros, Tensor w13_scales, Tensor? w13_perm, "
                         "Tensor w2_qweight, Tensor w2_zeros, Tensor w2_scales, Tensor? w2_perm, str scheme, "
                         "str source, int bits, int group_size, str layout_zeros, str layout_weights, int zero_bias, "
                         "Tensor topk_weights, Tensor topk_ids, bool check_ids) -> Tensor",
-           _moe_w4a16_op, _moe_w4a16_fake),
+           _moe_w4a16_op, _moe_w4a16_fake, example=_moe_w4a16_example),
 )

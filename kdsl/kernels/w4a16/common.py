@@ -77,5 +77,5 @@ def mma_split(generated, x, y, tile) -> tuple:
     (M, K), N = x.shape, y.shape[1]
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
     tiles = cdiv(M, bm) * cdiv(N, bn)
-    sms = host.sm_count(x.device) if x.device.type == "cuda" else None
+    sms = None if x.device.type == "cpu" else host.sm_count(x.device)  # the CPU: the interpreter
     return (tiles, *split_with_scratch(generated.kernel, y, tile, cdiv(K, bk), tiles, sms, bm * bn))

@@ -53,7 +53,7 @@ def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups
     else:
         uniform = contiguous_groups and group_size % bk == 0  # every K block inside one group
         word_groups = contiguous_groups and group_size % module.PACK.value == 0  # one group per word
-        half2 = x.dtype == torch.float16 and x.device.type == "cuda" and (uniform or word_groups)
+        half2 = x.dtype == torch.float16 and x.device.type != "cpu" and (uniform or word_groups)
     return Launch(kernel, (programs, split_k, 1), (
         x, qweight if perm is None else perm, qweight, zeros, scales, groups,
         y, workspace, counters,

@@ -26,7 +26,7 @@ def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups
     uniform = contiguous_groups and group_size % bk == 0  # every K tile inside one group
     # One scale per packed word, from 64-row tiles up; below that its join/permute costs more than it
     # saves (H200 sweep).
-    asm = x.device.type == "cuda" and uniform and bm >= 64
+    asm = x.device.type != "cpu" and uniform and bm >= 64
     return Launch(kernel, (tiles, split_k, 1), (
         x, qweight if perm is None else perm, qweight, zeros, scales, groups,
         y, workspace, counters,

@@ -27,7 +27,7 @@ def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups
     uniform = contiguous_groups and group_size % module.PLANE_TILE_K.value == 0  # every plane tile in one group
     # Contiguous groups of whole nibble-pair spans: one group per plane (a word spans the tile).
     word_groups = contiguous_groups and group_size % module.PAIR_SPAN.value == 0
-    asm = x.device.type == "cuda" and uniform
+    asm = x.device.type != "cpu" and uniform
     # Decode tiles: the MMA is small and the unpacking dominates, so the scale moves onto the fp32
     # partial of each K tile (H200, M = 16, vs fp16: 1.08/1.97/2.13/2.27 -> 1.20/2.21/2.52/2.49).
     # From 64 rows up the extra wait on every K tile's MMA costs more (M = 64: 1.20 -> 0.97).
