@@ -1098,3 +1098,21 @@ def test_real_moe_search_on_a_tiny_layer_writes_a_valid_definition(op, defs_copy
     assert "shape 1/1 E=8 TOPK=2 T=4 H=256 I=128 candidate 2/2" in captured.err
     reloaded = target.select_target(op, load_definitions(defs_copy))
     assert reloaded.variant.tiles[0] in space.candidates(chosen.variant, first, chosen.loaded.definition.schemes, 2)
+
+
+def test_every_implementations_tune_grid_names_kinds_of_bucket_and_options_of_its_own():
+    """An implementation's tune_grid (kdsl.kernels.base.KernelImpl) gives values for its own options only, per kind
+    of bucket that kdsl.tune.space knows, and every value validates as that option."""
+    from kdsl.kernels import CATALOGUE
+    from kdsl.tune.space import GRIDS
+
+    declared = 0
+    for impl in CATALOGUE:
+        for kind, knobs in impl.tune_grid.items():
+            assert kind in GRIDS, f"{impl.op}/{impl.impl}: tune_grid kind {kind!r}"
+            for knob, values in knobs.items():
+                assert knob in impl.options.model_fields, f"{impl.op}/{impl.impl}: {knob!r} is not one of its options"
+                for value in values:
+                    impl.options.model_validate({knob: value})
+                declared += 1
+    assert declared >= 10  # fp8_bmm's, fp8_gemm's and moe_fp8's sweeps are declared

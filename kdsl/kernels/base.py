@@ -4,13 +4,13 @@ An implementation is one module under kdsl/kernels/<family>/: its `Options` mode
 it honours, validated there), the common tile fields it reads, its arch range, its shared-memory
 estimate, its own validation rules, its template (device code only), its launch (the host code: from a
 call's arguments to the launches it makes, as data that kdsl.runtime.launcher runs) and its run-time
-refusal. Tile geometry every GEMM shares (block sizes, warps, stages, group_m, split_k) lives in
+refusal, and the values `kdsl tune` tries for its options. Tile geometry every GEMM shares (block sizes, warps, stages, group_m, split_k) lives in
 kdsl.schema.Tile; everything else is an option of one implementation.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import Callable, Mapping, NamedTuple
 
 from kdsl.schema._base import StrictModel
 
@@ -78,6 +78,9 @@ class KernelImpl:
     refusal: Callable | None = None
     # A dequantizer: the op whose dequantize + cuBLAS path it serves (that op's variants set dequant_min_m).
     dequant_for: str | None = None
+    # `kdsl tune`'s values for its options, per kind of bucket (kdsl.tune.space: "decode", "mid", "prefill",
+    # "gemv"): {"prefill": {"persistent": (False, True)}}. An option left out keeps the current tile's value.
+    tune_grid: Mapping[str, Mapping[str, tuple]] = field(default_factory=dict)
 
     def resolve(self, tile) -> StrictModel:
         """The tile's options, validated by this implementation's model, defaults filled."""

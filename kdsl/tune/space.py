@@ -51,25 +51,18 @@ GEMV, DECODE, MID, PREFILL = "gemv", "decode", "mid", "prefill"
 DECODE_MAX_M = 16
 MID_MAX_M = 128
 
-# Values tried per knob and kind of bucket; knobs not listed keep the current tile's value.
+# Values tried per common tile field and kind of bucket; an implementation's own options take the values its unit
+# declares (KernelImpl.tune_grid). Knobs not listed keep the current tile's value.
 GRIDS: dict[str, dict[str, tuple]] = {
     # block_n 16: one mma.sync's columns per program (the mma.sync GEMV's only width).
     GEMV: {"block_m": (1,), "block_n": (16, 32, 64, 128), "block_k": (128, 256, 512), "split_k": (1, 2, 4, 8),
            "num_warps": (4, 8)},
-    # fp8_bmm's sm_90 kernel (its options only): programs per SM, the flattened pipeline, programmatic
-    # dependent launch and its weight prefetch, the epilogue's stores.
-    # moe_fp8's sorted kernel: the activation in the gate-up GEMM's epilogue or in a kernel of its own (fuse_act).
     DECODE: {"block_n": (32, 64, 128), "block_k": (64, 128, 256), "split_k": (1, 2, 4, 8),
-             "num_warps": (4,), "num_stages": (3, 4, 5), "programs_per_sm": (4, 8), "flatten": (False, True),
-             "pdl": (False, True), "prefetch_weights": (False, True), "fuse_act": (False, True)},
+             "num_warps": (4,), "num_stages": (3, 4, 5)},
     MID: {"block_n": (64, 128, 256), "block_k": (64, 128), "split_k": (1, 2, 4),
-          "num_warps": (4, 8), "num_stages": (3, 4), "flatten": (False, True),
-          "pdl": (False, True), "prefetch_weights": (False, True), "epilogue": ("tma", "pointer"),
-          "fuse_act": (False, True)},
+          "num_warps": (4, 8), "num_stages": (3, 4)},
     PREFILL: {"block_m": (64, 128, 256), "block_n": (64, 128, 256), "block_k": (64, 128), "split_k": (1, 2),
-              "num_warps": (4, 8), "num_stages": (3, 4, 5), "persistent": (False, True),
-              "edge_tiles": (False, True), "pdl": (False, True), "epilogue": ("tma", "pointer"),
-              "fuse_act": (False, True)},
+              "num_warps": (4, 8), "num_stages": (3, 4, 5)},
 }
 
 
@@ -161,7 +154,7 @@ def _mma_rows(bucket: Bucket, impl: KernelImpl, kind: str) -> tuple[int, ...]:
 def knob_values(bucket: Bucket, impl: KernelImpl, kind: str) -> dict[str, tuple]:
     """Values per honoured knob (the grid's and the current tile's, where the candidate is of its kind);
     knobs the impl ignores are absent."""
-    grid = dict(GRIDS[kind])
+    grid = {**GRIDS[kind], **impl.tune_grid.get(kind, {})}
     if kind in (DECODE, MID):
         grid["block_m"] = _mma_rows(bucket, impl, kind)
     honoured = impl.tile_knobs | BASE_KNOBS | set(impl.options.model_fields)

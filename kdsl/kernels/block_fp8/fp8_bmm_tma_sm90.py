@@ -132,4 +132,11 @@ IMPL = KernelImpl(
     "batched, 3-D TMA descriptors (transposed activations without a copy), persistent grid over "
     "(batch, m-tile, n-tile), wgmma through Triton; refuses strides TMA cannot take",
     tile_knobs=GEMM_KNOBS, options=Options, shared_bytes=shared_bytes, problems=problems, min_block_m=16,
-    launch=launch, refusal=refusal)
+    launch=launch, refusal=refusal,
+    # Programs per SM, the flattened pipeline, programmatic dependent launch and its weight prefetch, the
+    # epilogue's stores: the knobs its tiles were swept over (benchmarks/results/fp8_bmm_sweep*).
+    tune_grid={"decode": {"programs_per_sm": (4, 8), "flatten": (False, True), "pdl": (False, True),
+                          "prefetch_weights": (False, True)},
+               "mid": {"flatten": (False, True), "pdl": (False, True), "prefetch_weights": (False, True),
+                       "epilogue": ("tma", "pointer")},
+               "prefill": {"persistent": (False, True), "pdl": (False, True), "epilogue": ("tma", "pointer")}})

@@ -97,4 +97,4 @@ IMPL = KernelImpl(
     "Gluon, TMA ring: block k's wgmma overlaps block k-1's rescale; one warpgroup per 64 rows; GPU only",
     tile_knobs=frozenset({"block_m", "block_n", "block_k", "group_m", "num_stages", "n_min"}), options=Options,
     shared_bytes=shared_bytes, problems=problems, min_block_m=64, launch=launch,
-    refusal=refusal)
+    refusal=refusal, tune_grid={"prefill": {"persistent": (False, True), "edge_tiles": (False, True)}})

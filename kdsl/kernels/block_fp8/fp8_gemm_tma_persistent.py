@@ -76,4 +76,4 @@ IMPL = KernelImpl(
     "block_fp8", "fp8_gemm", "tma_persistent", "block_fp8/fp8_gemm_tma_persistent.py.j2", 90, 90,
     "TMA tensor descriptors, optionally a persistent grid over SMs, wgmma through Triton, split K in-kernel",
     tile_knobs=GEMM_KNOBS | {"split_k"}, options=Options, shared_bytes=shared_bytes, problems=problems,
-    min_block_m=16, launch=launch)
+    min_block_m=16, launch=launch, tune_grid={"prefill": {"persistent": (False, True)}})

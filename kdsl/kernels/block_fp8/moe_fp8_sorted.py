@@ -106,4 +106,4 @@ IMPL = KernelImpl(
     "block_fp8", "moe_fp8", "sorted", "block_fp8/moe_fp8_sorted.py.j2", 89, None,
     "tokens sorted by expert on the device, gate-up GEMM (+ silu * up + 1x128 quant), down GEMM, weighted combine",
     tile_knobs=GEMM_KNOBS, options=Options, shared_bytes=shared_bytes, problems=problems, min_block_m=16,
-    launch=launch)
+    launch=launch, tune_grid={kind: {"fuse_act": (False, True)} for kind in ("decode", "mid", "prefill")})
