@@ -58,7 +58,7 @@ GRIDS: dict[str, dict[str, tuple]] = {
     GEMV: {"block_m": (1,), "block_n": (16, 32, 64, 128), "block_k": (128, 256, 512), "split_k": (1, 2, 4, 8),
            "num_warps": (4, 8)},
     DECODE: {"block_n": (32, 64, 128), "block_k": (64, 128, 256), "split_k": (1, 2, 4, 8),
-             "num_warps": (4,), "num_stages": (3, 4, 5)},
+             "num_warps": (4,), "num_stages": (3, 4, 5, 6)},
     MID: {"block_n": (64, 128, 256), "block_k": (64, 128), "split_k": (1, 2, 4),
           "num_warps": (4, 8), "num_stages": (3, 4)},
     PREFILL: {"block_m": (64, 128, 256), "block_n": (64, 128, 256), "block_k": (64, 128), "split_k": (1, 2),

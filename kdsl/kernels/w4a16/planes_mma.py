@@ -48,4 +48,7 @@ IMPL = KernelImpl(
     "w4a16", "w4a16_gemm", "planes_mma", "w4a16/planes_mma.py.j2", 80, None,
     "W4A16 MMA on k_planes words, y^T = w^T x^T with the weights as the register operand, split-K in-kernel",
     tile_knobs=GEMM_KNOBS | {"split_k"}, options=SplitOptions, shared_bytes=w4a16_operand_bytes,
-    problems=problems, reads_prepared_weights=True, min_block_m=16, launch=launch)
+    problems=problems, reads_prepared_weights=True, min_block_m=16, launch=launch,
+    # Decode programs are short: how many share an SM and how few K steps a split may leave them decide how
+    # many weight bytes are in flight.
+    tune_grid={"decode": {"split_fill": (1, 2, 3), "split_min_steps": (4, 8, 16)}})
