@@ -20,6 +20,7 @@ import torch
 
 import kdsl
 from kdsl.aot import abi as abis
+from kdsl.ops import moe as moe_ops
 from kdsl.aot import runtime as aot_runtime
 from kdsl.aot.export import export
 from kdsl.aot.plan import int_key, plan
@@ -691,7 +692,7 @@ def test_fp8_gemm_gluon_tiles_route_to_their_alternatives():
 
     kdsl.registry.reset()
     entry = kdsl.registry.select("fp8_gemm", arch=90)
-    abi = abis.FP8_GEMM
+    abi = abis.OPS["fp8_gemm"]
     gluon = [i for i, t in enumerate(entry.tiles) if t.params["impl"] == "deferred_gluon"]
     assert gluon and all("Gluon" in left_out_reason(abi, entry, i) for i in gluon)
     assert not set(gluon) & set(exported_buckets(abi, entry)) and needs_fallback(abi, entry)
@@ -741,7 +742,7 @@ def test_dispatcher_refusals_name_the_problem(probe):
 
     def line(**changes):
         values = {**good, **changes}
-        return "kdsl_fp8_gemm " + " ".join(str(values[a.name]) for a in abis.FP8_GEMM.args)
+        return "kdsl_fp8_gemm " + " ".join(str(values[a.name]) for a in abis.OPS["fp8_gemm"].args)
     answers = probe(90, [line(N=60), line(K=200), line(lda=100), line(out_dtype=7), line(c=0), line(M=0),
                          line(ldb_s=1)])
     assert answers[0] == "error 1 fp8_gemm: N = 60 must be a multiple of 8"
@@ -985,7 +986,7 @@ def test_gptq_dequant_dispatcher_matches_the_registry_and_the_generated_launch(e
                                 scales=3 * base, lds=n + pad, scales_dtype=dtype,
                                 g_idx=4 * base if act_order else 0, w=5 * base, N=n, K=k), groups))
     answers = run(80, [" ".join([functions[scheme], *(str(abis.DTYPE_CODES[call[a.name]]) if a.ctype == "dtype"
-                                                      else str(call[a.name]) for a in abis.GPTQ_DEQUANT.args)])
+                                                      else str(call[a.name]) for a in abis.OPS["gptq_dequant"].args)])
                        for scheme, call, _ in cases])
     assert len(answers) == len(cases)
     dt = {"f16": torch.float16, "bf16": torch.bfloat16}
@@ -1017,7 +1018,7 @@ def test_gptq_dequant_dispatcher_matches_the_registry_and_the_generated_launch(e
 
     def line(**changes):
         values = {**good, **changes}
-        return "kdsl_gptq_dequant__gptq_int4_g128_gptq " + " ".join(str(values[a.name]) for a in abis.GPTQ_DEQUANT.args)
+        return "kdsl_gptq_dequant__gptq_int4_g128_gptq " + " ".join(str(values[a.name]) for a in abis.OPS["gptq_dequant"].args)
     k_bad, dtype_bad = run(80, [line(K=192), line(scales_dtype=2)])
     assert k_bad == "error 1 gptq_dequant: K = 192 must be a multiple of the group size 128"
     assert dtype_bad == "error 1 gptq_dequant: scales_dtype = 2 is not one of KDSL_F16, KDSL_BF16"
@@ -1137,10 +1138,10 @@ def test_w4a16_dispatcher_matches_the_registry_and_the_generated_launch(exported
     cases = list(_w4a16_cases(arch))
     answers = run(arch, ["kdsl_gptq_gemm " + " ".join(
         str(abis.DTYPE_CODES[call[a.name]]) if a.ctype == "dtype" else str(call[a.name])
-        for a in abis.W4A16_GEMM.args) for call in cases])
+        for a in abis.OPS["w4a16_gemm"].args) for call in cases])
     assert len(answers) == len(cases)
     entry = kdsl.registry.select("w4a16_gemm", scheme, arch=arch)
-    exported = exported_buckets(abis.W4A16_GEMM, entry)
+    exported = exported_buckets(abis.OPS["w4a16_gemm"], entry)
     recorders = _w4a16_recorders(entry, {entry.tiles[i].params["impl"] for i in exported})
     group = entry.scheme_fields["group_size"]
     dt = {"f16": torch.float16, "bf16": torch.bfloat16}
@@ -1255,7 +1256,7 @@ def test_w4a16_refusals_and_scratch_reuse(exported_w4a16, tmp_path):
 
     def line(**changes):
         values = {**good, **changes}
-        return "kdsl_gptq_gemm " + " ".join(str(values[a.name]) for a in abis.W4A16_GEMM.args)
+        return "kdsl_gptq_gemm " + " ".join(str(values[a.name]) for a in abis.OPS["w4a16_gemm"].args)
     answers = run(90, [line(N=60), line(K=0), line(contiguous_groups=2), line(ldx=100), line(groups=0),
                        line(x_dtype=2), line(M=0), line(), line(M=12)])
     assert answers[0] == "error 1 w4a16_gemm: N = 60 and K = 4096 must be multiples of 8"
@@ -1347,7 +1348,7 @@ def test_fp8_bmm_dispatcher_matches_the_registry_and_the_generated_launch(export
     run = build_probe(out, tmp_path)
     cases = list(_fp8_bmm_cases())
     answers = run(arch, ["kdsl_fp8_bmm " + " ".join(
-        str(abis.DTYPE_CODES[call[a.name]]) if a.ctype == "dtype" else str(call[a.name]) for a in abis.FP8_BMM.args)
+        str(abis.DTYPE_CODES[call[a.name]]) if a.ctype == "dtype" else str(call[a.name]) for a in abis.OPS["fp8_bmm"].args)
         for call in cases])
     assert len(answers) == len(cases)
     kdsl.registry.reset()
@@ -1397,7 +1398,7 @@ def test_fp8_bmm_refusals_name_the_problem(exported_bmm, tmp_path):
 
     def line(**changes):
         values = {**good, **changes}
-        return "kdsl_fp8_bmm " + " ".join(str(values[a.name]) for a in abis.FP8_BMM.args)
+        return "kdsl_fp8_bmm " + " ".join(str(values[a.name]) for a in abis.OPS["fp8_bmm"].args)
     answers = run(90, [line(N=24), line(K=100), line(stride_am=-1), line(b_s=0), line(B=0), line(M=2 ** 31)])
     assert answers[0] == "error 1 fp8_bmm: N = 24 must be a multiple of 16"
     assert answers[1] == "error 1 fp8_bmm: K = 100 must be a multiple of 128"
@@ -1414,13 +1415,13 @@ def test_fp8_bmm_refusals_name_the_problem(exported_bmm, tmp_path):
 def _grouped_ci_problems():
     """A CI-sized subset of fp8_grouped_gemm's problems: DeepSeek-V3's TP-8 slice (256 experts), rows per expert
     1, 64 and 128 (each of the three tiles), bf16 and f32."""
-    return abis.fp8_grouped_gemm_problems(((256, 512, 7168), (256, 7168, 256)), ms=(128, 16384, 32768),
+    return moe_ops.fp8_grouped_gemm_problems(((256, 512, 7168), (256, 7168, 256)), ms=(128, 16384, 32768),
                                           dtypes=("bf16", "f32"))
 
 
 def _masked_ci_problems():
     """The same for the masked layout: max_m 1, 64 and 256 with expected_m 0 and top-8's share."""
-    return abis.fp8_grouped_gemm_masked_problems(((256, 512, 7168), (256, 7168, 256)), max_ms=(1, 64, 256),
+    return moe_ops.fp8_grouped_gemm_masked_problems(((256, 512, 7168), (256, 7168, 256)), max_ms=(1, 64, 256),
                                                  dtypes=("bf16", "f32"))
 
 
@@ -1621,10 +1622,10 @@ def test_grouped_gemm_buckets_are_the_ops_rows_per_expert():
     from kdsl.aot.plan import _moved, bucket_m, route
 
     kdsl.registry.reset()
-    grouped, masked = abis.FP8_GROUPED_GEMM, abis.FP8_GROUPED_GEMM_MASKED
-    [problem] = abis.fp8_grouped_gemm_problems([(256, 512, 7168)], ms=(4096,), dtypes=("bf16",))
+    grouped, masked = abis.OPS["fp8_grouped_gemm"], abis.OPS["fp8_grouped_gemm_masked"]
+    [problem] = moe_ops.fp8_grouped_gemm_problems([(256, 512, 7168)], ms=(4096,), dtypes=("bf16",))
     assert bucket_m(grouped, problem) == 16
-    [default, hinted] = abis.fp8_grouped_gemm_masked_problems([(256, 512, 7168)], max_ms=(128,), dtypes=("bf16",))
+    [default, hinted] = moe_ops.fp8_grouped_gemm_masked_problems([(256, 512, 7168)], max_ms=(128,), dtypes=("bf16",))
     assert (default["expected_m"], hinted["expected_m"]) == (0, 4)
     assert (bucket_m(masked, default), bucket_m(masked, hinted)) == (128, 4)
     for abi, problem in ((grouped, problem), (masked, default)):
@@ -1633,7 +1634,7 @@ def test_grouped_gemm_buckets_are_the_ops_rows_per_expert():
             [moved] = _moved(abi, entry, index, [problem])
             assert route(abi, entry, moved) == index
             assert bucket_m(abi, moved) == (tile.m_max or 1 + max(t.m_max for t in entry.tiles if t.m_max))
-    assert abis.contiguous_rows(1, 8, 256) == 8 * 128 and abis.contiguous_rows(4096, 8, 256) == 256 * 128
+    assert moe_ops.contiguous_rows(1, 8, 256) == 8 * 128 and moe_ops.contiguous_rows(4096, 8, 256) == 256 * 128
 
 
 # ---- Python's side with TMA descriptors: fp8_gemm / fp8_bmm tma_persistent launches from the cubins -------
@@ -1888,3 +1889,18 @@ def test_gluon_descriptor_launch_is_encoded_as_tritons(monkeypatch):
     [(name, grid, threads, shared, values)] = fake.launches
     assert (name, grid, threads, shared) == ("overlap_like", (5, 1, 1), 128, 1024)
     assert values == [("map", 1), *expanded, y.data_ptr(), 17, 0, 0]
+
+
+def test_every_c_launch_belongs_to_an_exported_op_and_a_known_layout():
+    """A unit's C launch (KernelImpl.c_launches) is read only through its op's C ABI (OpSpec.c_abi), keyed by a
+    prepared weights layout some definition declares ("" for any): one elsewhere would be dead description."""
+    from kdsl.kernels import CATALOGUE
+
+    layouts = {""} | {(entry.layout or {}).get("weights") for entry in kdsl.registry.entries()} - {None}
+    described = [(unit.op, unit.impl, key) for unit in CATALOGUE for key in unit.c_launches]
+    assert len(described) >= 13  # the block-FP8, grouped, GPTQ-dequant and W4A16 units
+    for op, impl, key in described:
+        assert op in abis.OPS, f"{op}/{impl} has a C launch, but {op}'s OpSpec has no c_abi"
+        assert key in layouts, f"{op}/{impl}: c_launches key {key!r} is no prepared weights layout ({layouts})"
+    for op, abi in abis.OPS.items():
+        assert any(unit.op == op and unit.c_launches for unit in CATALOGUE), f"{op} is exported with no C launch"

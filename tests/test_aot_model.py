@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kdsl.aot import abi as abis
+from kdsl.ops import block_fp8 as block_fp8_ops
 from kdsl.aot import export as export_module
 from kdsl.aot.export import ExportError, compile_specs, export
 from kdsl.aot.plan import exact_values, plan
@@ -88,7 +88,7 @@ def test_fp8_checkpoint_needs_act_quant_and_fp8_gemm_at_its_sizes(tmp_path):
     assert {(p["N"], p["K"]) for p in needs.problems["fp8_gemm"]()} == {(384, 256), (256, 384)}
     assert {p["K"] for p in needs.problems["act_quant"]()} == {256, 384}
     # Every M bucket of the kernels gets its representative M values.
-    assert {p["M"] for p in needs.problems["fp8_gemm"]()} == set(abis.FP8_GEMM_MS)
+    assert {p["M"] for p in needs.problems["fp8_gemm"]()} == set(block_fp8_ops.FP8_GEMM_MS)
     assert "2 quantized linear(s), 2 N x K: 256x384, 384x256" in needs.found[0]
 
 

@@ -114,10 +114,10 @@ def main() -> int:
         call = dict(M=m, N=n, K=k, lda=k, ldb=k, ldc=n, lda_s=k // 128, ldb_s=k // 128, out_dtype="bf16",
                     a=16, b=16, c=16, a_s=16, b_s=16)  # the C program's allocations: aligned
         entry = by_name[record["entry"]]
-        bucket = route(abis.FP8_GEMM, entry, call)
+        bucket = route(abis.OPS["fp8_gemm"], entry, call)
         if bucket is None:
             entry = by_name[record["fallback"]["entry"]]
-            bucket = route(abis.FP8_GEMM, entry, call)
+            bucket = route(abis.OPS["fp8_gemm"], entry, call)
         tile = entry.tiles[bucket].params
         c_same = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         entry.launch(q, s, w, ws, c_same, tile)

@@ -120,7 +120,7 @@ def main() -> int:
         # which the export gptq_example runs used): the registry's, with tiles left out of the export passed over
         # as the registry passes over a tile whose module refuses the call; the Gluon GEMV serves M <= 8.
         lds = 2 * N if p.layout["zeros"] == "paired" else N
-        index = route(abis.W4A16_GEMM, entry, dict(
+        index = route(abis.OPS["w4a16_gemm"], entry, dict(
             M=m, N=N, K=K, ldx=K, ldqw=N, ldz=lds, lds=lds, ldy=N, perm=int(p.perm is not None),
             contiguous_groups=int(p.contiguous_groups), x_dtype="f16"))
         tile = entry.tiles[index].params

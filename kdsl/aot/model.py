@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kdsl.aot import abi as abis
+from kdsl.ops import block_fp8, gptq, w4a16
 
 # torch dtype names in config.json -> the ABI's dtype names (abi.DTYPES)
 _CONFIG_DTYPES = {torch_name: name for name, (_, _, torch_name) in abis.DTYPES.items()}
@@ -172,23 +173,23 @@ def from_checkpoint(folder: Path) -> Needs:
     if isinstance(scheme, BlockFP8):
         dtype = config.get("torch_dtype", config.get("dtype"))
         needs.dtypes = [_CONFIG_DTYPES[dtype]] if dtype in _CONFIG_DTYPES else None
-        needs.problems["act_quant"] = _problems(abis.act_quant_problems(sorted({k for _, k in nks})))
-        needs.problems["fp8_gemm"] = _problems(abis.fp8_gemm_problems(nks))
+        needs.problems["act_quant"] = _problems(block_fp8.act_quant_problems(sorted({k for _, k in nks})))
+        needs.problems["fp8_gemm"] = _problems(block_fp8.fp8_gemm_problems(nks))
         mla = [config.get(key) for key in ("num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim")]
         if all(isinstance(value, int) and value > 0 for value in mla):
             # DeepSeek's MLA with absorbed weights: per head, q_nope [.., qk_nope] times W_UK -> [.., kv_lora_rank],
             # then [.., kv_lora_rank] times W_UV -> [.., v_head]: two batched GEMMs over the heads (one GPU's).
             heads, rank, nope, v_head = mla
-            needs.problems["fp8_bmm"] = _problems(abis.fp8_bmm_problems((heads,), ((rank, nope), (v_head, rank))))
+            needs.problems["fp8_bmm"] = _problems(block_fp8.fp8_bmm_problems((heads,), ((rank, nope), (v_head, rank))))
             needs.found.append(f"{config_path}: MLA, {heads} heads: fp8_bmm at N x K {rank}x{nope} and {v_head}x{rank}")
     else:
         needs.dtypes = sorted(scale_dtypes)
         # With and without act-order whatever the checkpoint's desc_act: the tiles that only act-order calls reach
         # (the alternatives of tiles that refuse them) would otherwise get every constexpr combination compiled,
         # more than the act-order problems add.
-        needs.problems["w4a16_gemm"] = _problems(abis.w4a16_problems(nks))
+        needs.problems["w4a16_gemm"] = _problems(w4a16.w4a16_problems(nks))
         # Not in a model's forward (load-time dequantization): exported only when --op names it.
-        needs.problems["gptq_dequant"] = _problems(abis.gptq_dequant_problems(nks))
+        needs.problems["gptq_dequant"] = _problems(gptq.gptq_dequant_problems(nks))
     return needs
 
 
@@ -212,7 +213,7 @@ def from_shapes(spec: str) -> Needs:
         makers = [abi.bench_problems[case.op] for abi in abis.OPS.values() if case.op in abi.bench_problems]
         if not makers:
             if f"{case.op}:" not in " ".join(needs.found):
-                needs.found.append(f"{case.op}: not exported yet (no C description in kdsl/aot/abi.py); left out")
+                needs.found.append(f"{case.op}: not exported yet (its OpSpec has no c_abi); left out")
             continue
         for make in makers:
             for op, items in make(case).items():

@@ -238,10 +238,10 @@ def left_out_reason(abi: abis.OpAbi, entry, index: int) -> str | None:
     launch = launch_of(abi, entry, index)
     if launch is None:
         if _is_gluon(entry, impl):  # e.g. a Gluon unit split out of a module whose Triton kernel is exported
-            return (f"implementation {impl} is a Gluon kernel with no C launch description in kdsl/aot/abi.py (the "
-                    f"exporter compiles Gluon kernels, e.g. w4a16_gemm's gemv_mma_gluon and overlap_gluon, once their "
-                    f"launch() is described there)")
-        return f"implementation {impl} has no C launch description in kdsl/aot/abi.py"
+            return (f"implementation {impl} is a Gluon kernel with no C launch description (its unit's c_launches; "
+                    f"the exporter compiles Gluon kernels, e.g. w4a16_gemm's gemv_mma_gluon and overlap_gluon, once "
+                    f"their unit describes its launch() there)")
+        return f"implementation {impl} has no C launch description (its unit's c_launches)"
     return None
 
 

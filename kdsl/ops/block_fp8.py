@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from kdsl.kernels.c_abi import DTYPES, CArg, Check, OpAbi
 from kdsl.ops import _checks as check
 from kdsl.ops import _plan, fallback
 from kdsl.ops._examples import empty, fp8_operands, gemm_shape
@@ -659,17 +660,201 @@ def _fp8_linear_example(tile, dtype, device):
     yield empty(device, m, k, dtype=dtype), b, b_s, empty(device, n, dtype=dtype), c
 
 
+# ---- the C ABI of `kdsl aot` (kdsl.kernels.c_abi): what the exported C function takes and checks, which calls the
+# export compiles for (representative problems: M over every tile bucket, the layers' N and K), and each kernel
+# unit's C_LAUNCH says how it is launched from there.
+
+# The representative problems of each op: its M values (the shipped definitions' tile buckets, each reached at
+# least once, and their edges) times the sizes given. The full export uses the sizes of DeepSeek-V3 and Llama
+# layers below; `kdsl aot --model` passes one model's (kdsl.aot.model).
+ACT_QUANT_MS = (1, 2, 7, 16, 17, 32, 100, 128, 4096, 4097)
+FP8_GEMM_MS = (1, 2, 7, 16, 17, 32, 100, 128, 129, 1024, 4096, 4097)
+FP8_BMM_MS = (1, 4, 16, 17, 64, 128, 1024, 4096)
+
+
+def act_quant_problems(ks, ms=ACT_QUANT_MS, dtypes=tuple(DTYPES)):
+    for m in ms:
+        for k in ks:
+            for dtype in dtypes:
+                yield dict(M=m, K=k, ldx=k, x_dtype=dtype)
+
+
+def _act_quant_problems():
+    return act_quant_problems((512, 1536, 2048, 7168))
+
+
+def fp8_gemm_problems(nks, ms=FP8_GEMM_MS, dtypes=tuple(DTYPES)):
+    """nks: the (N, K) of the weights."""
+    for m in ms:
+        for n, k in nks:
+            for dtype in dtypes:
+                yield dict(M=m, N=n, K=k, lda=k, ldb=k, ldc=n, lda_s=k // 128, ldb_s=k // 128, out_dtype=dtype)
+
+
+def _fp8_gemm_problems():
+    return fp8_gemm_problems([(n, k) for n in (2112, 7168, 576, 24) for k in (2048, 7168)])
+
+
+ACT_QUANT_ABI = OpAbi(
+    op="act_quant",
+    function="kdsl_act_quant",
+    summary="Per-token, per-group activation quantization to e4m3: s = amax(|group|) / 448, q = e4m3(x / s).",
+    args=(
+        CArg("x", "ptr", "x [M, K] of x_dtype, row stride ldx elements, unit stride along K"),
+        CArg("x_dtype", "dtype", "KDSL_BF16, KDSL_F16 or KDSL_F32"),
+        CArg("ldx", "i64", "row stride of x in elements (>= K)"),
+        CArg("q", "ptr", "q [M, K] float8_e4m3fn, contiguous (output)", const=False),
+        CArg("s", "ptr", "s [M, K / act_group] float32, contiguous (output)", const=False),
+        CArg("M", "i64", "rows (tokens), >= 0"),
+        CArg("K", "i64", "columns, a multiple of act_group"),
+    ),
+    dtype_choices={"x_dtype": ("bf16", "f16", "f32")},
+    checks=(
+        Check("M < 0 || K < 0", "act_quant: M = %lld and K = %lld must be >= 0", ("M", "K")),
+        Check("K % {act_group} != 0", "act_quant: K = %lld must be a multiple of the group size {act_group}", ("K",)),
+        Check("ldx < K", "act_quant: ldx = %lld must be >= K = %lld", ("ldx", "K")),
+        Check("M > 2147483647 || K > 2147483647 || ldx > 2147483647",
+              "act_quant: M, K and ldx must fit in 32 bits (M = %lld, K = %lld, ldx = %lld)", ("M", "K", "ldx")),
+        Check("M > 0 && K > 0 && (x == 0 || q == 0 || s == 0)", "act_quant: x, q and s must not be NULL"),
+    ),
+    nothing_to_do="M == 0 || K == 0",
+    m="M",
+    n=None,
+    problems=_act_quant_problems,
+    bench_problems={"act_quant": lambda case: {"act_quant": act_quant_problems([case.k], ms=(case.m,))}},
+)
+
+FP8_GEMM_ABI = OpAbi(
+    op="fp8_gemm",
+    function="kdsl_fp8_gemm",
+    summary="C = (a * a_s) @ (b * b_s)^T with DeepSeek-V3 block scaling, fp32 accumulation.",
+    args=(
+        CArg("a", "ptr", "a [M, K] float8_e4m3fn, row stride lda, unit stride along K"),
+        CArg("lda", "i64", "row stride of a in elements (>= K)"),
+        CArg("a_s", "ptr", "a_s [M, K / act_group] float32, row stride lda_s, unit stride along K"),
+        CArg("lda_s", "i64", "row stride of a_s in elements (>= K / act_group)"),
+        CArg("b", "ptr", "b [N, K] float8_e4m3fn, row stride ldb, unit stride along K (the weight)"),
+        CArg("ldb", "i64", "row stride of b in elements (>= K)"),
+        CArg("b_s", "ptr", "b_s [ceil(N / block_n), K / block_k] float32, row stride ldb_s, unit stride along K"),
+        CArg("ldb_s", "i64", "row stride of b_s in elements (>= K / block_k)"),
+        CArg("c", "ptr", "c [M, N] of out_dtype, row stride ldc, unit stride along N (output)", const=False),
+        CArg("ldc", "i64", "row stride of c in elements (>= N)"),
+        CArg("out_dtype", "dtype", "KDSL_BF16, KDSL_F16 or KDSL_F32"),
+        CArg("M", "i64", "rows of a and c, >= 0"),
+        CArg("N", "i64", "rows of b, columns of c: a multiple of 8"),
+        CArg("K", "i64", "a multiple of act_group, > 0"),
+    ),
+    dtype_choices={"out_dtype": ("bf16", "f16", "f32")},
+    checks=(
+        Check("M < 0 || N < 0 || K <= 0", "fp8_gemm: M = %lld and N = %lld must be >= 0, K = %lld > 0",
+              ("M", "N", "K")),
+        Check("K % {act_group} != 0", "fp8_gemm: K = %lld must be a multiple of {act_group}", ("K",)),
+        Check("N % 8 != 0", "fp8_gemm: N = %lld must be a multiple of 8", ("N",)),
+        Check("lda < K || ldb < K", "fp8_gemm: lda = %lld and ldb = %lld must be >= K = %lld", ("lda", "ldb", "K")),
+        Check("ldc < N", "fp8_gemm: ldc = %lld must be >= N = %lld", ("ldc", "N")),
+        Check("lda_s < K / {act_group} || ldb_s < K / {block_k}",
+              "fp8_gemm: lda_s = %lld must be >= K / {act_group} and ldb_s = %lld >= K / {block_k}",
+              ("lda_s", "ldb_s")),
+        Check("M > 2147483647 || N > 2147483647 || K > 2147483647 || lda > 2147483647 || ldb > 2147483647"
+              " || ldc > 2147483647 || lda_s > 2147483647 || ldb_s > 2147483647",
+              "fp8_gemm: sizes and strides must fit in 32 bits"),
+        Check("M > 0 && N > 0 && (a == 0 || a_s == 0 || b == 0 || b_s == 0 || c == 0)",
+              "fp8_gemm: a, a_s, b, b_s and c must not be NULL"),
+    ),
+    nothing_to_do="M == 0 || N == 0",
+    m="M",
+    n="N",
+    problems=_fp8_gemm_problems,
+    # A model quantizes its activations before each such GEMM: act_quant's (M, K) too.
+    bench_problems={"fp8_gemm": lambda case: {
+        "fp8_gemm": fp8_gemm_problems([(case.n, case.k)], ms=(case.m,)),
+        "act_quant": act_quant_problems([case.k], ms=(case.m,))}},
+)
+
+# ---- fp8_bmm: the batched block-FP8 GEMM (MLA), strided views passed as they are -------------------------
+
+def fp8_bmm_problems(batches, nks, ms=FP8_BMM_MS, dtypes=tuple(DTYPES)):
+    """batches: the batch counts (MLA's heads per GPU); nks: the per-head (N, K). Activations arrive as
+    [tokens, heads, K], so a is the transposed view (strides K, heads * K, 1), and so are its scales."""
+    for heads in batches:
+        for m in ms:
+            for n, k in nks:
+                for dtype in dtypes:
+                    yield dict(B=heads, M=m, N=n, K=k, stride_ab=k, stride_am=heads * k, stride_bb=n * k, stride_bn=k,
+                               stride_cb=m * n, stride_cm=n, stride_asb=k // 128, stride_asm=heads * k // 128,
+                               stride_ask=1, stride_bsb=-(-n // 128) * (k // 128), stride_bsn=k // 128, stride_bsk=1,
+                               out_dtype=dtype)
+
+
+def _fp8_bmm_problems():
+    # DeepSeek-V3's MLA: heads 128 (TP 1) or 16 (TP 8); (N, K) = (512, 128) or (128, 512).
+    return fp8_bmm_problems((16, 128), ((512, 128), (128, 512)))
+
+
+_BMM_STRIDE_NAMES = ("stride_ab", "stride_am", "stride_bb", "stride_bn", "stride_cb", "stride_cm", "stride_asb",
+                     "stride_asm", "stride_ask", "stride_bsb", "stride_bsn", "stride_bsk")
+
+FP8_BMM_ABI = OpAbi(
+    op="fp8_bmm",
+    function="kdsl_fp8_bmm",
+    summary="c[g] = (a[g] * a_s[g]) @ (b[g] * b_s[g])^T for each batch g, block scaling as kdsl_fp8_gemm.",
+    args=(
+        CArg("a", "ptr", "a [B, M, K] float8_e4m3fn, strides (stride_ab, stride_am, 1): MLA's [tokens, heads, K] "
+                         "activations are (K, heads * K, 1)"),
+        CArg("stride_ab", "i64", "a's batch stride in elements"),
+        CArg("stride_am", "i64", "a's row stride in elements"),
+        CArg("a_s", "ptr", "a_s [B, M, K / act_group] float32, strides (stride_asb, stride_asm, stride_ask)"),
+        CArg("stride_asb", "i64", "a_s's batch stride"),
+        CArg("stride_asm", "i64", "a_s's row stride"),
+        CArg("stride_ask", "i64", "a_s's stride along K"),
+        CArg("b", "ptr", "b [B, N, K] float8_e4m3fn, strides (stride_bb, stride_bn, 1) (the weights)"),
+        CArg("stride_bb", "i64", "b's batch stride"),
+        CArg("stride_bn", "i64", "b's row stride"),
+        CArg("b_s", "ptr", "b_s [B, ceil(N / block_n), K / block_k] float32, strides (stride_bsb, stride_bsn, stride_bsk)"),
+        CArg("stride_bsb", "i64", "b_s's batch stride"),
+        CArg("stride_bsn", "i64", "b_s's row stride"),
+        CArg("stride_bsk", "i64", "b_s's stride along K"),
+        CArg("c", "ptr", "c [B, M, N] of out_dtype, strides (stride_cb, stride_cm, 1) (output)", const=False),
+        CArg("stride_cb", "i64", "c's batch stride"),
+        CArg("stride_cm", "i64", "c's row stride"),
+        CArg("out_dtype", "dtype", "KDSL_BF16, KDSL_F16 or KDSL_F32"),
+        CArg("B", "i64", "batches (heads), >= 0"),
+        CArg("M", "i64", "rows of a and c (tokens), >= 0"),
+        CArg("N", "i64", "rows of b, columns of c: a multiple of 16"),
+        CArg("K", "i64", "a multiple of act_group, > 0"),
+    ),
+    dtype_choices={"out_dtype": ("bf16", "f16", "f32")},
+    checks=(
+        Check("B < 0 || M < 0 || N < 0 || K <= 0", "fp8_bmm: B = %lld, M = %lld and N = %lld must be >= 0, K = %lld > 0",
+              ("B", "M", "N", "K")),
+        Check("K % {act_group} != 0", "fp8_bmm: K = %lld must be a multiple of {act_group}", ("K",)),
+        Check("N % 16 != 0", "fp8_bmm: N = %lld must be a multiple of 16", ("N",)),
+        Check(" || ".join(f"{name} < 0" for name in _BMM_STRIDE_NAMES), "fp8_bmm: strides must be >= 0"),
+        Check(" || ".join(f"{name} > 2147483647" for name in ("B", "M", "N", "K", *_BMM_STRIDE_NAMES)),
+              "fp8_bmm: sizes and strides must fit in 32 bits"),
+        Check("B > 0 && M > 0 && N > 0 && (a == 0 || a_s == 0 || b == 0 || b_s == 0 || c == 0)",
+              "fp8_bmm: a, a_s, b, b_s and c must not be NULL"),
+    ),
+    nothing_to_do="B == 0 || M == 0 || N == 0",
+    m="M",
+    n="N",
+    problems=_fp8_bmm_problems,
+    bench_problems={"fp8_bmm": lambda case: {
+        "fp8_bmm": fp8_bmm_problems((case.batch,), [(case.n, case.k)], ms=(case.m,))}},
+)
+
+
 SPECS = (
     OpSpec("act_quant", "(Tensor x, int group_size) -> (Tensor, Tensor)", _act_quant_impl, _act_quant_fake,
-           example=_act_quant_example),
+           example=_act_quant_example, c_abi=ACT_QUANT_ABI),
     OpSpec("weight_quant", "(Tensor w, int block_n, int block_k) -> (Tensor, Tensor)", _weight_quant_impl,
            _weight_quant_fake, example=_weight_quant_example),
     OpSpec("weight_dequant", "(Tensor q, Tensor s, int block_n, int block_k, ScalarType out_dtype) -> Tensor",
            _weight_dequant_impl, _weight_dequant_fake, example=_weight_dequant_example),
     OpSpec("fp8_gemm", "(Tensor a, Tensor a_s, Tensor b, Tensor b_s, ScalarType out_dtype) -> Tensor",
-           _fp8_gemm_impl, _fp8_gemm_fake, example=_fp8_gemm_example),
+           _fp8_gemm_impl, _fp8_gemm_fake, example=_fp8_gemm_example, c_abi=FP8_GEMM_ABI),
     OpSpec("fp8_bmm", "(Tensor a, Tensor a_s, Tensor b, Tensor b_s, ScalarType out_dtype) -> Tensor",
-           _fp8_bmm_op, _fp8_bmm_fake, example=_fp8_bmm_example),
+           _fp8_bmm_op, _fp8_bmm_fake, example=_fp8_bmm_example, c_abi=FP8_BMM_ABI),
     OpSpec("fp8_linear", "(Tensor x, Tensor w, Tensor w_s, Tensor? bias, ScalarType? out_dtype) -> Tensor",
            _fp8_linear_impl, _fp8_linear_fake, example=_fp8_linear_example),
 )

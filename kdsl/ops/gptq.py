@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from kdsl.naming import gptq_scheme_name
+from kdsl.kernels.c_abi import CArg, Check, OpAbi
 from kdsl.ops import _checks as check
 from kdsl.ops import fallback
 from kdsl.ops._examples import empty, split_steps
@@ -205,11 +206,68 @@ def _gptq_dequant_example(tile, dtype, device):
            empty(device, 128, 4096, dtype=dtype), None, empty(device, 4096, 4096, dtype=dtype))
 
 
+# ---- the C ABI of `kdsl aot` (kdsl.kernels.c_abi): what the exported C function takes and checks, which calls the
+# export compiles for (representative problems: M over every tile bucket, the layers' N and K), and each kernel
+# unit's C_LAUNCH says how it is launched from there.
+
+def gptq_dequant_problems(nks, dtypes=("f16", "bf16"), g_idx=(0, 4096)):
+    """nks: the (N, K) of the weights; g_idx: 0 (none) and/or an address (act-order)."""
+    for n, k in nks:
+        for dtype in dtypes:
+            for address in g_idx:
+                yield dict(N=n, K=k, ldqw=n, ldqz=n // 8, lds=n, scales_dtype=dtype, g_idx=address)
+
+
+def _gptq_dequant_problems():
+    return gptq_dequant_problems([(n, k) for n in (4096, 11008, 24) for k in (4096, 11008)])
+
+
+GPTQ_DEQUANT_ABI = OpAbi(
+    op="gptq_dequant",
+    function="kdsl_gptq_dequant",
+    summary="A GPTQ checkpoint's int4 weight dequantized to w [N, K] (nn.Linear's layout) in the scales' dtype.",
+    args=(
+        CArg("qweight", "ptr", "qweight int32 [K / 8, N] (8 rows packed per int32), row stride ldqw, unit stride along N"),
+        CArg("ldqw", "i64", "row stride of qweight in int32 elements (>= N)"),
+        CArg("qzeros", "ptr", "qzeros int32 [G, N / 8], row stride ldqz, unit stride along N"),
+        CArg("ldqz", "i64", "row stride of qzeros in int32 elements (>= N / 8)"),
+        CArg("scales", "ptr", "scales [G, N] of scales_dtype, row stride lds, unit stride along N"),
+        CArg("lds", "i64", "row stride of scales in elements (>= N)"),
+        CArg("scales_dtype", "dtype", "KDSL_F16 or KDSL_BF16 (also w's dtype)"),
+        CArg("g_idx", "ptr", "g_idx int32 [K], the group of each input row (act-order), or NULL for row k in "
+                             "group k / group_size; its values must lie in [0, G) (not checked)"),
+        CArg("w", "ptr", "w [N, K] of scales_dtype, contiguous (output)", const=False),
+        CArg("N", "i64", "output features, a multiple of 8"),
+        CArg("K", "i64", "input features, a multiple of 8 and of the group size"),
+    ),
+    dtype_choices={"scales_dtype": ("f16", "bf16")},
+    checks=(
+        Check("N < 0 || K < 0", "gptq_dequant: N = %lld and K = %lld must be >= 0", ("N", "K")),
+        Check("N % 8 != 0 || K % 8 != 0", "gptq_dequant: N = %lld and K = %lld must be multiples of 8", ("N", "K")),
+        Check("{group_size} > 0 && K % {group_size} != 0", "gptq_dequant: K = %lld must be a multiple of the group size "
+              "{group_size}", ("K",)),
+        Check("ldqw < N || ldqz < N / 8 || lds < N",
+              "gptq_dequant: ldqw = %lld and lds = %lld must be >= N = %lld, ldqz = %lld >= N / 8",
+              ("ldqw", "lds", "N", "ldqz")),
+        Check("N > 2147483647 || K > 2147483647 || ldqw > 2147483647 || ldqz > 2147483647 || lds > 2147483647",
+              "gptq_dequant: sizes and strides must fit in 32 bits"),
+        Check("N > 0 && K > 0 && (qweight == 0 || qzeros == 0 || scales == 0 || w == 0)",
+              "gptq_dequant: qweight, qzeros, scales and w must not be NULL (g_idx may be)"),
+    ),
+    nothing_to_do="N == 0 || K == 0",
+    m="N",
+    n=None,
+    problems=_gptq_dequant_problems,
+    bench_problems={"gptq_dequant": lambda case: {"gptq_dequant": gptq_dequant_problems([(case.n, case.k)])}},
+    in_forward=False,
+)
+
+
 SPECS = (
     OpSpec("gptq_gemm", "(Tensor x, Tensor qweight, Tensor qzeros, Tensor scales, Tensor? g_idx, int bits, "
                         "int group_size, str checkpoint_format) -> Tensor",
            _gptq_gemm_impl, _gptq_gemm_fake, host_syncing=True, example=_gptq_gemm_example),
     OpSpec("gptq_dequant", "(Tensor qweight, Tensor qzeros, Tensor scales, Tensor? g_idx, int bits, int group_size, "
                            "str checkpoint_format) -> Tensor",
-           _gptq_dequant_impl, _gptq_dequant_fake, host_syncing=True, example=_gptq_dequant_example),
+           _gptq_dequant_impl, _gptq_dequant_fake, host_syncing=True, example=_gptq_dequant_example, c_abi=GPTQ_DEQUANT_ABI),
 )

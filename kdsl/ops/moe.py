@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import torch
 
+from kdsl.kernels.c_abi import DTYPES, CArg, Check, OpAbi
 from kdsl.ops import _checks as check
 from kdsl.ops import fallback
 from kdsl.ops._examples import MOE_EXPERTS, MOE_HIDDEN, MOE_INTER, empty, fp8_operands, gemm_shape, moe_routing
-from kdsl.ops.block_fp8 import FP8, _gemm_scheme, _interpreter_lost_nan, _matching, _refuse_unserved
+from kdsl.ops.block_fp8 import FP8, _gemm_scheme, _interpreter_lost_nan, _matching, _refuse_unserved, act_quant_problems
 from kdsl.ops.spec import OpSpec
 from kdsl.runtime import registry
 
@@ -387,13 +388,212 @@ def _moe_fp8_example(tile, dtype, device):
            empty(device, 4, h, dtype=dtype), None)
 
 
+# ---- the C ABI of `kdsl aot` (kdsl.kernels.c_abi): what the exported C function takes and checks, which calls the
+# export compiles for (representative problems: M over every tile bucket, the layers' N and K), and each kernel
+# unit's C_LAUNCH says how it is launched from there.
+
+# ---- fp8_grouped_gemm / fp8_grouped_gemm_masked: a MoE layer's projection over its experts -----------------------
+
+# The experts' (E, N, K) the full export targets: DeepSeek-V3 (256 experts, hidden 7168; gate-up 2I x H and down
+# H x I at I = 2048 and at its TP-8 slice I = 256) and Qwen3-30B-A3B (128 experts, hidden 2048, I = 768).
+MOE_PROJECTIONS = tuple((experts, n, k) for experts, hidden, inters in ((256, 7168, (2048, 256)), (128, 2048, (768,)))
+                        for inter in inters for n, k in ((2 * inter, hidden), (hidden, inter)))
+# fp8_grouped_gemm's M: DeepGEMM's contiguous layout pads each expert's rows to 128, and the tile buckets count
+# rows per expert, ceil(M / E): with 256 and with 128 experts these reach every bucket.
+GROUPED_MS = (128, 1024, 4096, 16384, 32768)
+# fp8_grouped_gemm_masked's max_m (decode: the tokens, at most that many per expert), each with expected_m 0 (the
+# default, max_m) and the even share of top-8 routing, ceil(8 * max_m / E).
+MASKED_MS = (1, 16, 64, 128, 256)
+MOE_TOPK = 8
+
+
+def contiguous_rows(tokens: int, topk: int, experts: int, align: int = 128) -> int:
+    """M of the contiguous layout when tokens * topk slots spread evenly over the experts they can reach, each
+    expert's rows padded to `align` (kdsl.bench.moe.contiguous_layout's padding)."""
+    slots = tokens * topk
+    routed = min(slots, experts)
+    per_expert = -(-slots // routed)
+    return routed * (-(-per_expert // align) * align)
+
+
+def fp8_grouped_gemm_problems(projections, ms=GROUPED_MS, dtypes=tuple(DTYPES)):
+    """projections: the experts' (E, N, K); ms: rows of a in the contiguous layout."""
+    for m in ms:
+        for experts, n, k in projections:
+            for dtype in dtypes:
+                yield dict(M=m, N=n, K=k, E=experts, lda=k, lda_s=k // 128, stride_be=n * k, stride_bn=k,
+                           stride_bse=-(-n // 128) * (k // 128), stride_bsn=k // 128, ldc=n, out_dtype=dtype)
+
+
+def fp8_grouped_gemm_masked_problems(projections, max_ms=MASKED_MS, topk=MOE_TOPK, dtypes=tuple(DTYPES)):
+    """projections: the experts' (E, N, K); max_ms: rows per expert of a [E, max_m, K] (contiguous tensors)."""
+    for max_m in max_ms:
+        for experts, n, k in projections:
+            for expected_m in sorted({0, -(-topk * max_m // experts)}):
+                for dtype in dtypes:
+                    yield dict(E=experts, max_m=max_m, N=n, K=k, expected_m=expected_m, stride_ae=max_m * k,
+                               stride_am=k, stride_ase=max_m * (k // 128), stride_asm=k // 128, stride_be=n * k,
+                               stride_bn=k, stride_bse=-(-n // 128) * (k // 128), stride_bsn=k // 128,
+                               stride_ce=max_m * n, stride_cm=n, out_dtype=dtype)
+
+
+def _fp8_grouped_gemm_problems():
+    return fp8_grouped_gemm_problems(MOE_PROJECTIONS)
+
+
+def _fp8_grouped_gemm_masked_problems():
+    return fp8_grouped_gemm_masked_problems(MOE_PROJECTIONS)
+
+
+def _grouped_bench_problems(case) -> dict:
+    """A bench case (T tokens routed to topk of E experts, one projection N x K): its contiguous rows, and
+    act_quant's (M, K), as a layer quantizes its activations before the GEMM."""
+    rows = contiguous_rows(case.m, case.topk, case.experts)
+    return {"fp8_grouped_gemm": fp8_grouped_gemm_problems([(case.experts, case.n, case.k)], ms=(rows,)),
+            "act_quant": act_quant_problems([case.k], ms=(rows,))}
+
+
+def _masked_bench_problems(case) -> dict:
+    """A bench case in the masked layout: a [E, T, K] (kdsl.bench.cases.fp8_grouped_gemm_masked), its activations
+    quantized as [E * T, K]."""
+    return {"fp8_grouped_gemm_masked": fp8_grouped_gemm_masked_problems(
+                [(case.experts, case.n, case.k)], max_ms=(case.m,), topk=case.topk),
+            "act_quant": act_quant_problems([case.k], ms=(case.experts * case.m,))}
+
+
+# Both grouped GEMMs take the experts' weights alike.
+_EXPERT_WEIGHTS = (
+    CArg("b", "ptr", "b [E, N, K] float8_e4m3fn, strides (stride_be, stride_bn, 1): the experts' weights"),
+    CArg("stride_be", "i64", "b's expert stride in elements (>= 0)"),
+    CArg("stride_bn", "i64", "b's row stride in elements (>= K)"),
+    CArg("b_s", "ptr", "b_s [E, ceil(N / block_n), K / block_k] float32, strides (stride_bse, stride_bsn, 1)"),
+    CArg("stride_bse", "i64", "b_s's expert stride in elements (>= 0)"),
+    CArg("stride_bsn", "i64", "b_s's row stride in elements (>= K / block_k)"),
+)
+_GROUPED_STRIDES = ("lda", "lda_s", "stride_be", "stride_bn", "stride_bse", "stride_bsn", "ldc")
+
+FP8_GROUPED_GEMM_ABI = OpAbi(
+    op="fp8_grouped_gemm",
+    function="kdsl_fp8_grouped_gemm",
+    summary="c[m] = (a[m] * a_s[m]) @ (b[g] * b_s[g])^T with g = group_ids[m] (DeepGEMM's contiguous layout), "
+            "block scaling as kdsl_fp8_gemm.",
+    args=(
+        CArg("a", "ptr", "a [M, K] float8_e4m3fn, row stride lda, unit stride along K: the rows grouped by expert"),
+        CArg("lda", "i64", "row stride of a in elements (>= K)"),
+        CArg("a_s", "ptr", "a_s [M, K / act_group] float32, row stride lda_s, unit stride along K"),
+        CArg("lda_s", "i64", "row stride of a_s in elements (>= K / act_group)"),
+        *_EXPERT_WEIGHTS,
+        CArg("group_ids", "ptr", "group_ids int32 [M], contiguous: the expert of each row of a, -1 for a padding "
+                                 "row (its row of c is not written); ids outside [-1, E) are not checked (kdsl.ops "
+                                 "refuses them with check_ids): their rows are not written either"),
+        CArg("c", "ptr", "c [M, N] of out_dtype, row stride ldc, unit stride along N (output; padding rows "
+                         "unspecified)", const=False),
+        CArg("ldc", "i64", "row stride of c in elements (>= N)"),
+        CArg("out_dtype", "dtype", "KDSL_BF16, KDSL_F16 or KDSL_F32"),
+        CArg("M", "i64", "rows of a, c and group_ids, >= 0 (DeepGEMM pads each expert's rows to 128; any M runs)"),
+        CArg("N", "i64", "rows of each expert's b, columns of c, >= 0"),
+        CArg("K", "i64", "a multiple of act_group, > 0"),
+        CArg("E", "i64", "experts, >= 1"),
+    ),
+    dtype_choices={"out_dtype": ("bf16", "f16", "f32")},
+    checks=(
+        Check("M < 0 || N < 0 || K <= 0", "fp8_grouped_gemm: M = %lld and N = %lld must be >= 0, K = %lld > 0",
+              ("M", "N", "K")),
+        Check("E <= 0", "fp8_grouped_gemm: E = %lld: expected at least one expert (b [E, N, K])", ("E",)),
+        Check("K % {act_group} != 0", "fp8_grouped_gemm: K = %lld must be a multiple of {act_group}", ("K",)),
+        Check("lda < K || stride_bn < K", "fp8_grouped_gemm: lda = %lld and stride_bn = %lld must be >= K = %lld",
+              ("lda", "stride_bn", "K")),
+        Check("ldc < N", "fp8_grouped_gemm: ldc = %lld must be >= N = %lld", ("ldc", "N")),
+        Check("lda_s < K / {act_group} || stride_bsn < K / {block_k}",
+              "fp8_grouped_gemm: lda_s = %lld must be >= K / {act_group} and stride_bsn = %lld >= K / {block_k}",
+              ("lda_s", "stride_bsn")),
+        Check("stride_be < 0 || stride_bse < 0", "fp8_grouped_gemm: stride_be = %lld and stride_bse = %lld must be "
+              ">= 0", ("stride_be", "stride_bse")),
+        Check(" || ".join(f"{name} > 2147483647" for name in ("M", "N", "K", "E", *_GROUPED_STRIDES)),
+              "fp8_grouped_gemm: sizes and strides must fit in 32 bits"),
+        Check("M > 0 && N > 0 && (a == 0 || a_s == 0 || b == 0 || b_s == 0 || group_ids == 0 || c == 0)",
+              "fp8_grouped_gemm: a, a_s, b, b_s, group_ids and c must not be NULL"),
+    ),
+    nothing_to_do="M == 0 || N == 0",
+    # kdsl.ops.fp8_grouped_gemm picks the tile by the rows per expert, ceil(M / E).
+    m="cdiv(M, E)",
+    n="N",
+    problems=_fp8_grouped_gemm_problems,
+    bench_problems={"fp8_grouped_gemm": _grouped_bench_problems},
+    with_m=lambda problem, m: {**problem, "M": m * problem["E"]},
+)
+
+_MASKED_STRIDES = ("stride_ae", "stride_am", "stride_ase", "stride_asm", "stride_be", "stride_bn", "stride_bse",
+                   "stride_bsn", "stride_ce", "stride_cm")
+
+FP8_GROUPED_GEMM_MASKED_ABI = OpAbi(
+    op="fp8_grouped_gemm_masked",
+    function="kdsl_fp8_grouped_gemm_masked",
+    summary="c[e, :masked_m[e]] = (a[e] * a_s[e]) @ (b[e] * b_s[e])^T for each expert e (DeepGEMM's masked layout; "
+            "masked_m read on the device), block scaling as kdsl_fp8_gemm.",
+    args=(
+        CArg("a", "ptr", "a [E, max_m, K] float8_e4m3fn, strides (stride_ae, stride_am, 1)"),
+        CArg("stride_ae", "i64", "a's expert stride in elements (>= 0)"),
+        CArg("stride_am", "i64", "a's row stride in elements (>= K)"),
+        CArg("a_s", "ptr", "a_s [E, max_m, K / act_group] float32, strides (stride_ase, stride_asm, 1)"),
+        CArg("stride_ase", "i64", "a_s's expert stride in elements (>= 0)"),
+        CArg("stride_asm", "i64", "a_s's row stride in elements (>= K / act_group)"),
+        *_EXPERT_WEIGHTS,
+        CArg("masked_m", "ptr", "masked_m int32 [E], contiguous, on the device: the rows of each expert, read by the "
+                                "kernel (no host sync: one CUDA graph serves any routing), clamped to [0, max_m]"),
+        CArg("c", "ptr", "c [E, max_m, N] of out_dtype, strides (stride_ce, stride_cm, 1) (output; rows past "
+                         "masked_m[e] unspecified)", const=False),
+        CArg("stride_ce", "i64", "c's expert stride in elements (>= 0)"),
+        CArg("stride_cm", "i64", "c's row stride in elements (>= N)"),
+        CArg("out_dtype", "dtype", "KDSL_BF16, KDSL_F16 or KDSL_F32"),
+        CArg("E", "i64", "experts, >= 0 (at most 65535: one grid row each)"),
+        CArg("max_m", "i64", "rows per expert of a and c, >= 0"),
+        CArg("N", "i64", "rows of each expert's b, columns of c, >= 0"),
+        CArg("K", "i64", "a multiple of act_group, > 0"),
+        CArg("expected_m", "i64", "the rows per expert the tile is chosen for (a hint, as kdsl.ops' and DeepGEMM's "
+                                  "expected_m), or 0 for max_m"),
+    ),
+    dtype_choices={"out_dtype": ("bf16", "f16", "f32")},
+    checks=(
+        Check("E < 0 || max_m < 0 || N < 0 || K <= 0",
+              "fp8_grouped_gemm_masked: E = %lld, max_m = %lld and N = %lld must be >= 0, K = %lld > 0",
+              ("E", "max_m", "N", "K")),
+        Check("K % {act_group} != 0", "fp8_grouped_gemm_masked: K = %lld must be a multiple of {act_group}", ("K",)),
+        Check("expected_m < 0", "fp8_grouped_gemm_masked: expected_m = %lld must be >= 0 (0: max_m)",
+              ("expected_m",)),
+        Check("stride_am < K || stride_bn < K",
+              "fp8_grouped_gemm_masked: stride_am = %lld and stride_bn = %lld must be >= K = %lld",
+              ("stride_am", "stride_bn", "K")),
+        Check("stride_cm < N", "fp8_grouped_gemm_masked: stride_cm = %lld must be >= N = %lld", ("stride_cm", "N")),
+        Check("stride_asm < K / {act_group} || stride_bsn < K / {block_k}",
+              "fp8_grouped_gemm_masked: stride_asm = %lld must be >= K / {act_group} and stride_bsn = %lld >= "
+              "K / {block_k}", ("stride_asm", "stride_bsn")),
+        Check(" || ".join(f"{name} < 0" for name in _MASKED_STRIDES), "fp8_grouped_gemm_masked: strides must be >= 0"),
+        Check(" || ".join(f"{name} > 2147483647" for name in ("max_m", "N", "K", *_MASKED_STRIDES)),
+              "fp8_grouped_gemm_masked: sizes and strides must fit in 32 bits"),
+        # The grid's second dimension is the expert (launch_masked), which CUDA caps at 65535.
+        Check("E > 65535", "fp8_grouped_gemm_masked: E = %lld experts: at most 65535 (one grid row per expert)",
+              ("E",)),
+        Check("E > 0 && max_m > 0 && N > 0 && (a == 0 || a_s == 0 || b == 0 || b_s == 0 || masked_m == 0 || c == 0)",
+              "fp8_grouped_gemm_masked: a, a_s, b, b_s, masked_m and c must not be NULL"),
+    ),
+    nothing_to_do="E == 0 || max_m == 0 || N == 0",
+    # kdsl.ops.fp8_grouped_gemm_masked picks the tile by expected_m, else max_m.
+    m="either(expected_m, max_m)",
+    n="N",
+    problems=_fp8_grouped_gemm_masked_problems,
+    bench_problems={"fp8_grouped_gemm_masked": _masked_bench_problems},
+    with_m=lambda problem, m: {**problem, "expected_m": m},
+)
+
+
 SPECS = (
     OpSpec("fp8_grouped_gemm", "(Tensor a, Tensor a_s, Tensor b, Tensor b_s, Tensor group_ids, "
                                "ScalarType out_dtype, bool check_ids) -> Tensor",
-           _fp8_grouped_gemm_impl, _fp8_grouped_gemm_fake, example=_fp8_grouped_gemm_example),
+           _fp8_grouped_gemm_impl, _fp8_grouped_gemm_fake, example=_fp8_grouped_gemm_example, c_abi=FP8_GROUPED_GEMM_ABI),
     OpSpec("fp8_grouped_gemm_masked", "(Tensor a, Tensor a_s, Tensor b, Tensor b_s, Tensor masked_m, "
                                       "ScalarType out_dtype, int? expected_m) -> Tensor",
-           _fp8_grouped_gemm_masked_impl, _fp8_grouped_gemm_masked_fake, example=_fp8_grouped_gemm_masked_example),
+           _fp8_grouped_gemm_masked_impl, _fp8_grouped_gemm_masked_fake, example=_fp8_grouped_gemm_masked_example, c_abi=FP8_GROUPED_GEMM_MASKED_ABI),
     OpSpec("moe_fp8", "(Tensor x, Tensor w13, Tensor w13_s, Tensor w2, Tensor w2_s, Tensor topk_weights, "
                       "Tensor topk_ids, bool check_ids) -> Tensor",
            _moe_fp8_impl, _moe_fp8_fake, example=_moe_fp8_example),

@@ -63,6 +63,7 @@ class OpSpec:
     fake: Callable
     host_syncing: bool = False
     example: Callable | None = None  # (tile params, dtype, device) -> launch arguments of example calls
+    c_abi: object | None = None  # kdsl.kernels.c_abi.OpAbi: the op as `kdsl aot` exports it (None: not exported)
 
     @property
     def qualified_name(self) -> str:

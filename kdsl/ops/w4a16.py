@@ -17,6 +17,7 @@ import torch
 
 from kdsl.kernels.w4a16.common import gather_columns
 from kdsl.naming import w4a16_scheme_name
+from kdsl.kernels.c_abi import CArg, Check, OpAbi
 from kdsl.ops import _checks as check
 from kdsl.ops import _plan, fallback
 from kdsl.ops._examples import empty, int4_weights, split_steps
@@ -422,11 +423,93 @@ def _w4a16_dequant_example(tile, dtype, device):
            dtype == torch.float16, None, empty(device, 4096, 4096, dtype=dtype))
 
 
+# ---- the C ABI of `kdsl aot` (kdsl.kernels.c_abi): what the exported C function takes and checks, which calls the
+# export compiles for (representative problems: M over every tile bucket, the layers' N and K), and each kernel
+# unit's C_LAUNCH says how it is launched from there.
+
+W4A16_MS = (1, 4, 16, 64, 128, 256, 1024)
+# w4a16_gemm's (perm, contiguous_groups): no act-order; sorted act-order groups (contiguous); a v1 checkpoint's
+# uneven act-order groups (not).
+W4A16_ORDERS = ((0, 1), (1, 1), (1, 0))
+
+
+def w4a16_problems(nks, ms=W4A16_MS, orders=W4A16_ORDERS, dtypes=("f16", "bf16")):
+    """nks: the (N, K) of the weights; orders: (perm, contiguous_groups) pairs, W4A16_ORDERS."""
+    for m in ms:
+        for n, k in nks:
+            for perm, contiguous in orders:
+                for dtype in dtypes:
+                    yield dict(M=m, N=n, K=k, ldx=k, ldqw=n, ldz=n, lds=n, ldy=n, perm=perm,
+                               contiguous_groups=contiguous, x_dtype=dtype)
+
+
+def _w4a16_problems():
+    # M per tile bucket of both variants; N and K of the bench shapes; act-order and groups as checkpoints
+    # give them (sorted act-order groups stay contiguous; a v1 checkpoint's uneven groups do not).
+    return w4a16_problems(((4096, 4096), (14336, 4096), (4096, 14336)))
+
+
+W4A16_GEMM_ABI = OpAbi(
+    op="w4a16_gemm",
+    function="kdsl_gptq_gemm",
+    summary="y = x @ w on int4 weights prepared by kdsl.ops.gptq_prepare / awq_prepare (W4A16), fp32 accumulation.",
+    args=(
+        CArg("x", "ptr", "x [M, K] of x_dtype, row stride ldx, unit stride along K (the activations)"),
+        CArg("ldx", "i64", "row stride of x in elements (>= K)"),
+        CArg("perm", "ptr", "W4A16Prepared.perm: int32 [K], the column of x each prepared row reads (act-order), "
+                            "or NULL (perm is None); its values must lie in [0, K) (not checked)"),
+        CArg("qweight", "ptr", "W4A16Prepared.qweight, int32: [K / 8, N] with row stride ldqw (layout weights = "
+                               "checkpoint, the sm_80 kernels), or [ceil(N/128), ceil(K/128), 128, 16] contiguous "
+                               "(layout k_planes, sm_90; ldqw is then not read)"),
+        CArg("ldqw", "i64", "row stride of qweight in int32 elements (>= N) for the checkpoint layout; for k_planes "
+                            "pass N (not read)"),
+        CArg("zeros", "ptr", "W4A16Prepared.zeros [G, N] of x_dtype (biased zeros), row stride ldz, column stride "
+                             "1 (layout zeros = biased) or 2 (paired: scales + 1 element, one [G, N, 2] tensor)"),
+        CArg("ldz", "i64", "row stride of zeros in elements (>= N; 2 N for a contiguous paired tensor)"),
+        CArg("scales", "ptr", "W4A16Prepared.scales [G, N] of x_dtype, row stride lds, column stride as zeros'"),
+        CArg("lds", "i64", "row stride of scales in elements (>= N)"),
+        CArg("groups", "ptr", "W4A16Prepared.groups: int32 [K], the group of each prepared row (values in [0, G), "
+                              "not checked)"),
+        CArg("contiguous_groups", "i64", "W4A16Prepared.contiguous_groups: 1 if prepared row k is in group "
+                                         "k / group_size, else 0"),
+        CArg("y", "ptr", "y [M, N] of x_dtype, row stride ldy, unit stride along N (output)", const=False),
+        CArg("ldy", "i64", "row stride of y in elements (>= N)"),
+        CArg("x_dtype", "dtype", "KDSL_F16 or KDSL_BF16: x's, y's, scales' and zeros' dtype (W4A16Prepared.dtype)"),
+        CArg("M", "i64", "rows of x and y, >= 0"),
+        CArg("N", "i64", "output features, a multiple of 8"),
+        CArg("K", "i64", "input features, a multiple of 8, > 0"),
+    ),
+    dtype_choices={"x_dtype": ("f16", "bf16")},
+    checks=(
+        Check("M < 0 || N < 0 || K <= 0", "w4a16_gemm: M = %lld and N = %lld must be >= 0, K = %lld > 0",
+              ("M", "N", "K")),
+        Check("N % 8 != 0 || K % 8 != 0", "w4a16_gemm: N = %lld and K = %lld must be multiples of 8", ("N", "K")),
+        Check("contiguous_groups != 0 && contiguous_groups != 1",
+              "w4a16_gemm: contiguous_groups = %lld must be 0 or 1", ("contiguous_groups",)),
+        Check("ldx < K", "w4a16_gemm: ldx = %lld must be >= K = %lld", ("ldx", "K")),
+        Check("ldy < N || ldz < N || lds < N || ldqw < N",
+              "w4a16_gemm: ldy = %lld, ldz = %lld, lds = %lld and ldqw = %lld must be >= N = %lld",
+              ("ldy", "ldz", "lds", "ldqw", "N")),
+        Check("M > 2147483647 || N > 2147483647 || K > 2147483647 || ldx > 2147483647 || ldy > 2147483647"
+              " || ldz > 2147483647 || lds > 2147483647 || ldqw > 2147483647",
+              "w4a16_gemm: sizes and strides must fit in 32 bits"),
+        Check("M > 0 && N > 0 && (x == 0 || qweight == 0 || zeros == 0 || scales == 0 || groups == 0 || y == 0)",
+              "w4a16_gemm: x, qweight, zeros, scales, groups and y must not be NULL (perm may be)"),
+    ),
+    nothing_to_do="M == 0 || N == 0",
+    m="M",
+    n="N",
+    problems=_w4a16_problems,
+    bench_problems={"gptq_gemm": lambda case: {"w4a16_gemm": w4a16_problems([(case.n, case.k)], ms=(case.m,))}},
+    call_flags={"perm": (0, 1), "contiguous_groups": (0, 1)},
+)
+
+
 SPECS = (
     OpSpec("w4a16_gemm", "(Tensor x, Tensor qweight, Tensor zeros, Tensor scales, Tensor groups, Tensor? perm, "
                          "str scheme, str source, int bits, int group_size, str layout_zeros, str layout_weights, "
                          "int k, int n, bool contiguous_groups, int zero_bias) -> Tensor",
-           _w4a16_gemm_op, _w4a16_gemm_fake, example=_w4a16_gemm_example),
+           _w4a16_gemm_op, _w4a16_gemm_fake, example=_w4a16_gemm_example, c_abi=W4A16_GEMM_ABI),
     # The same fields without x: the prepared weights as w [N, K].
     OpSpec("w4a16_dequant", "(Tensor qweight, Tensor zeros, Tensor scales, Tensor groups, Tensor? perm, str scheme, "
                             "str source, int bits, int group_size, str layout_zeros, str layout_weights, int k, "

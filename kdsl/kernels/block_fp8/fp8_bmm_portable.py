@@ -3,7 +3,8 @@
 Grid axis 2 walks the batch; every operand comes with its strides, so a batch of `x.transpose(0, 1)`
 views (MLA's per-head activations) runs without a copy. Tiles and options as fp8_gemm/portable."""
 from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
-from kdsl.kernels.block_fp8.fp8_gemm_portable import Options, operand_ring_bytes, portable_constexprs
+from kdsl.kernels.c_abi import ImplLaunch
+from kdsl.kernels.block_fp8.fp8_gemm_portable import Options, operand_ring_bytes, portable_c_constexprs, portable_c_options, portable_constexprs
 from kdsl.kernels.host import cdiv
 
 
@@ -23,8 +24,24 @@ def launch(generated, a, a_s, b, b_s, c, tile):
     ), portable_constexprs(tile))
 
 
+C_LAUNCH = ImplLaunch(
+    params=(("a_ptr", "a"), ("b_ptr", "b"), ("c_ptr", "c"), ("as_ptr", "a_s"), ("bs_ptr", "b_s"),
+            ("M", "M"), ("N", "N"), ("K", "K"), ("stride_ab", "stride_ab"), ("stride_am", "stride_am"),
+            ("stride_bb", "stride_bb"), ("stride_bn", "stride_bn"), ("stride_cb", "stride_cb"),
+            ("stride_cm", "stride_cm"), ("stride_asb", "stride_asb"), ("stride_asm", "stride_asm"),
+            ("stride_ask", "stride_ask"), ("stride_bsb", "stride_bsb"), ("stride_bsn", "stride_bsn"),
+            ("stride_bsk", "stride_bsk")),
+    pointer_types={"a_ptr": "fp8e4nv", "b_ptr": "fp8e4nv", "c_ptr": "dtype:out_dtype",
+                   "as_ptr": "fp32", "bs_ptr": "fp32"},
+    grid=("cdiv(M, {BLOCK_M}) * cdiv(N, {BLOCK_N})", "1", "B"),
+    constexprs=portable_c_constexprs,
+    options=portable_c_options,
+    kernel="{module}",
+)
+
+
 IMPL = KernelImpl(
     "block_fp8", "fp8_bmm", "portable", "block_fp8/fp8_bmm_portable.py.j2", 89, None,
     "batched, strided pointer loads, fp32 accumulation with per-step scales",
     tile_knobs=GEMM_KNOBS, options=Options, shared_bytes=operand_ring_bytes, min_block_m=16,
-    launch=launch)
+    launch=launch, c_launches={"": C_LAUNCH})

@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import Field, PositiveInt
 
 from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
+from kdsl.kernels.c_abi import ImplLaunch, TmaDescriptor
 from kdsl.kernels.block_fp8.fp8_gemm_portable import TILE_ORDER_HELP, one_scale_per_k_block, operand_ring_bytes
 from kdsl.kernels import host
 from kdsl.kernels.host import INTERPRETING, cdiv, tma_descriptor
@@ -127,6 +128,58 @@ def launch(generated, a, a_s, b, b_s, c, tile):
     ))
 
 
+_BMM_TILES = "B * cdiv(M, {BLOCK_M}) * cdiv(N, {BLOCK_N})"
+_BMM_PROGRAMS = f"programs({_BMM_TILES}, {{persistent}}, {{programs_per_sm}}, sms)"
+
+C_LAUNCH = ImplLaunch(
+    # 3-D descriptors over [B, rows, cols] with the strides as given (_tma_strides: a dimension of size 1
+    # gets the padded row instead, as it is never stepped).
+    # b_ptr, c_ptr and their strides serve the weight prefetch and the pointer epilogue (tile options).
+    params=(("a_desc", "desc"), ("b_desc", "desc"), ("c_desc", "desc"), ("as_ptr", "a_s"), ("bs_ptr", "b_s"),
+            ("b_ptr", "b"), ("c_ptr", "c"),
+            ("B", "B"), ("M", "M"), ("N", "N"), ("K", "K"), ("stride_asb", "stride_asb"),
+            ("stride_asm", "stride_asm"), ("stride_ask", "stride_ask"), ("stride_bsb", "stride_bsb"),
+            ("stride_bsn", "stride_bsn"), ("stride_bsk", "stride_bsk"), ("stride_bb", "stride_bb"),
+            ("stride_bn", "stride_bn"), ("stride_cb", "stride_cb"), ("stride_cm", "stride_cm"),
+            ("num_programs", _BMM_PROGRAMS)),
+    pointer_types={"as_ptr": "fp32", "bs_ptr": "fp32", "b_ptr": "fp8e4nv", "c_ptr": "dtype:out_dtype"},
+    descriptors={
+        "a_desc": TmaDescriptor("a", "fp8e4nv", ("B", "M", "K"),
+                                ("tma_stride(B, stride_ab, K, 1)", "tma_stride(M, stride_am, K, 1)", "1"),
+                                ("1", "{BLOCK_M}", "{BLOCK_K}")),
+        "b_desc": TmaDescriptor("b", "fp8e4nv", ("B", "N", "K"),
+                                ("tma_stride(B, stride_bb, K, 1)", "tma_stride(N, stride_bn, K, 1)", "1"),
+                                ("1", "{BLOCK_N}", "{BLOCK_K}")),
+        "c_desc": TmaDescriptor("c", "dtype:out_dtype", ("B", "M", "N"),
+                                ("tma_stride(B, stride_cb, N, dtype_size(out_dtype))",
+                                 "tma_stride(M, stride_cm, N, dtype_size(out_dtype))", "1"),
+                                ("1", "{BLOCK_M}", "{BLOCK_N}")),
+    },
+    grid=(_BMM_PROGRAMS, "1", "1"),
+    constexprs=lambda tile, scheme: {
+        "BLOCK_M": tile["BLOCK_M"], "BLOCK_N": tile["BLOCK_N"], "BLOCK_K": tile["BLOCK_K"],
+        "GROUP_M": tile["GROUP_M"], "N_MAJOR": tile["tile_order"] == "n_major",
+        "BATCH_INNER": tile["batch_inner"], "SWAP_AB": tile["swap_ab"], "FLATTEN": tile["flatten"],
+        "WARP_SPECIALIZE": tile["warp_specialize"],
+        # The C launcher sets no programmatic-dependent-launch attribute: a pdl tile's grid-dependency
+        # wait then finds its producer finished (stream order), so the same cubin is correct, without
+        # the overlap kdsl.ops gets.
+        "PDL": tile["pdl"], "PREFETCH_WEIGHTS": tile["prefetch_weights"],
+        "POINTER_STORE": tile["epilogue"] == "pointer"},
+    options=lambda tile: {"num_warps": tile["num_warps"], "num_stages": tile["num_stages"]},
+    # The module's refusal: more batches than the tile's batch_max (0: unset), or (call.align < 16) a
+    # base or stepped stride of a, b or c not a non-zero multiple of 16 bytes; its calls go to the tile
+    # after it (another tile's kernel, or the portable alternative).
+    refuses=("nonzero({batch_max}) * (B > {batch_max})"
+             " + nonzero(addr(a) % 16) + nonzero(addr(b) % 16) + nonzero(addr(c) % 16)"
+             " + bad_tma_stride(B, stride_ab, 1) + bad_tma_stride(M, stride_am, 1)"
+             " + bad_tma_stride(B, stride_bb, 1) + bad_tma_stride(N, stride_bn, 1)"
+             " + bad_tma_stride(B, stride_cb, dtype_size(out_dtype))"
+             " + bad_tma_stride(M, stride_cm, dtype_size(out_dtype))"),
+    refused_to="tile",
+)
+
+
 IMPL = KernelImpl(
     "block_fp8", "fp8_bmm", "tma_persistent", "block_fp8/fp8_bmm_tma_sm90.py.j2", 90, 90,
     "batched, 3-D TMA descriptors (transposed activations without a copy), persistent grid over "
@@ -139,4 +192,4 @@ IMPL = KernelImpl(
                           "prefetch_weights": (False, True)},
                "mid": {"flatten": (False, True), "pdl": (False, True), "prefetch_weights": (False, True),
                        "epilogue": ("tma", "pointer")},
-               "prefill": {"persistent": (False, True), "pdl": (False, True), "epilogue": ("tma", "pointer")}})
+               "prefill": {"persistent": (False, True), "pdl": (False, True), "epilogue": ("tma", "pointer")}}, c_launches={"": C_LAUNCH})

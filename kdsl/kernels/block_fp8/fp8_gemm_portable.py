@@ -4,6 +4,7 @@ from typing import Literal
 from pydantic import Field
 
 from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
+from kdsl.kernels.c_abi import ImplLaunch
 from kdsl.kernels.host import cdiv
 from kdsl.schema._base import StrictModel
 
@@ -53,8 +54,30 @@ def launch(generated, a, a_s, b, b_s, c, tile):
     ), portable_constexprs(tile))
 
 
+def portable_c_constexprs(tile: dict, scheme: dict) -> dict:
+    """The portable block-FP8 GEMMs' constexprs as launch() passes them, for the C dispatcher."""
+    return {"BLOCK_M": tile["BLOCK_M"], "BLOCK_N": tile["BLOCK_N"], "BLOCK_K": tile["BLOCK_K"],
+            "GROUP_M": tile["GROUP_M"], "N_MAJOR": tile["tile_order"] == "n_major"}
+
+
+def portable_c_options(tile: dict) -> dict:
+    return {"num_warps": tile["num_warps"], "num_stages": tile["num_stages"]}
+
+
+C_LAUNCH = ImplLaunch(
+    params=(("a_ptr", "a"), ("b_ptr", "b"), ("c_ptr", "c"), ("as_ptr", "a_s"), ("bs_ptr", "b_s"),
+            ("M", "M"), ("N", "N"), ("K", "K"), ("stride_am", "lda"), ("stride_bn", "ldb"),
+            ("stride_cm", "ldc"), ("stride_asm", "lda_s"), ("stride_bsn", "ldb_s")),
+    pointer_types={"a_ptr": "fp8e4nv", "b_ptr": "fp8e4nv", "c_ptr": "dtype:out_dtype",
+                   "as_ptr": "fp32", "bs_ptr": "fp32"},
+    grid=("cdiv(M, {BLOCK_M}) * cdiv(N, {BLOCK_N})", "1", "1"),
+    constexprs=portable_c_constexprs,
+    options=portable_c_options,
+)
+
+
 IMPL = KernelImpl(
     "block_fp8", "fp8_gemm", "portable", "block_fp8/fp8_gemm_portable.py.j2", 89, None,
     "pointer loads, grouped tile order, fp32 accumulation with per-step scales",
     tile_knobs=GEMM_KNOBS, options=Options, shared_bytes=operand_ring_bytes, min_block_m=16,
-    launch=launch)
+    launch=launch, c_launches={"": C_LAUNCH})

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, PositiveInt
 
 from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
+from kdsl.kernels.c_abi import SPLIT, ImplLaunch, TmaDescriptor
 from kdsl.kernels.block_fp8.fp8_gemm_portable import TILE_ORDER_HELP, operand_ring_bytes
 from kdsl.kernels import host
 from kdsl.kernels.host import cdiv, programs_for, split_with_scratch, tma_descriptor
@@ -72,8 +73,45 @@ def launch(generated, a, a_s, b, b_s, c, tile):
     ))
 
 
+# The C launch: tiles, K split and persistent grid, as launch() computes them.
+_FP8_TILES = "cdiv(M, {BLOCK_M}) * cdiv(N, {BLOCK_N})"
+_FP8_SPLIT = f"split_for(cdiv(K, {{BLOCK_K}}), {_FP8_TILES}, {{SPLIT_K}}, {{split_min_steps}}, {{split_fill}}, sms)"
+_FP8_PROGRAMS = (f"programs({_FP8_TILES} * split, {{persistent}}, {{split_fill}} + 2 * ({{split_fill}} == 0), sms)")
+
+C_LAUNCH = ImplLaunch(
+    # launch(): TensorDescriptors over a [M, K], b [N, K] and c [M, N]; a persistent grid from the SM count;
+    # the K split of split_for with its scratch (c itself where there is no split).
+    params=(("a_desc", "desc"), ("b_desc", "desc"), ("c_desc", "desc"), ("as_ptr", "a_s"), ("bs_ptr", "b_s"),
+            ("c_ptr", "c"), ("ws_ptr", "c"), ("count_ptr", "c"), ("M", "M"), ("N", "N"), ("K", "K"),
+            ("stride_asm", "lda_s"), ("stride_bsn", "ldb_s"), ("stride_cm", "ldc"),
+            ("num_programs", _FP8_PROGRAMS)),
+    pointer_types={"as_ptr": "fp32", "bs_ptr": "fp32", "c_ptr": "dtype:out_dtype",
+                   "ws_ptr": "scratch:fp32:out_dtype", "count_ptr": "scratch:i32:out_dtype"},
+    descriptors={
+        "a_desc": TmaDescriptor("a", "fp8e4nv", ("M", "K"), ("lda", "1"), ("{BLOCK_M}", "{BLOCK_K}")),
+        "b_desc": TmaDescriptor("b", "fp8e4nv", ("N", "K"), ("ldb", "1"), ("{BLOCK_N}", "{BLOCK_K}")),
+        "c_desc": TmaDescriptor("c", "dtype:out_dtype", ("M", "N"), ("ldc", "1"), ("{BLOCK_M}", "{BLOCK_N}")),
+    },
+    grid=(_FP8_PROGRAMS, "1", "1"),
+    constexprs=lambda tile, scheme: {
+        "BLOCK_M": tile["BLOCK_M"], "BLOCK_N": tile["BLOCK_N"], "BLOCK_K": tile["BLOCK_K"],
+        "GROUP_M": tile["GROUP_M"], "N_MAJOR": tile["tile_order"] == "n_major",
+        "NUM_STAGES": tile["num_stages"], "WARP_SPECIALIZE": tile["warp_specialize"],
+        "SWAP_AB": tile["swap_ab"]},
+    options=lambda tile: {"num_warps": tile["num_warps"]},  # launch() passes num_stages as a constexpr
+    runtime_constexprs=(("SPLIT_K", _FP8_SPLIT, SPLIT),),
+    scratch=("ws_ptr", "count_ptr", f"{_FP8_TILES} * split * {{BLOCK_M}} * {{BLOCK_N}}", _FP8_TILES),
+    scratch_alias="c",
+    # TMA: 16-byte aligned bases and row strides. kdsl.ops copies other operands to aligned contiguous
+    # ones; C cannot, so such calls run the kernel the registry picks without this one (the portable).
+    refuses="nonzero(addr(a) % 16) + nonzero(addr(b) % 16) + nonzero(addr(c) % 16) + nonzero(lda % 16)"
+            " + nonzero(ldb % 16) + nonzero(ldc * dtype_size(out_dtype) % 16)",
+    refused_to="entry",
+)
+
+
 IMPL = KernelImpl(
     "block_fp8", "fp8_gemm", "tma_persistent", "block_fp8/fp8_gemm_tma_persistent.py.j2", 90, 90,
     "TMA tensor descriptors, optionally a persistent grid over SMs, wgmma through Triton, split K in-kernel",
     tile_knobs=GEMM_KNOBS | {"split_k"}, options=Options, shared_bytes=shared_bytes, problems=problems,
-    min_block_m=16, launch=launch, tune_grid={"prefill": {"persistent": (False, True)}})
+    min_block_m=16, launch=launch, tune_grid={"prefill": {"persistent": (False, True)}}, c_launches={"": C_LAUNCH})

@@ -1,5 +1,6 @@
 """The block-FP8 quantize and dequantize kernels: memory-bound, one program per row group or weight block."""
 from kdsl.kernels.base import KernelImpl, Launch
+from kdsl.kernels.c_abi import ImplLaunch
 from kdsl.kernels.host import cdiv
 
 
@@ -29,9 +30,18 @@ def launch_weight_dequant(generated, q, s, w, tile):
                   dict(num_warps=tile["num_warps"]))
 
 
+ACT_QUANT_C_LAUNCH = ImplLaunch(
+    params=(("x_ptr", "x"), ("q_ptr", "q"), ("s_ptr", "s"), ("M", "M"), ("K", "K"), ("stride_xm", "ldx")),
+    pointer_types={"x_ptr": "dtype:x_dtype", "q_ptr": "fp8e4nv", "s_ptr": "fp32"},
+    grid=("cdiv(M, {BLOCK_M})", "div(K, {act_group})", "1"),
+    constexprs=lambda tile, scheme: {"BLOCK_M": tile["BLOCK_M"], "ROUND_FIRST": False},
+    options=lambda tile: {"num_warps": tile["num_warps"]},
+)
+
+
 ACT_QUANT_ROWWISE = KernelImpl(
     "block_fp8", "act_quant", "rowwise", "block_fp8/act_quant.py.j2", 89, None,
-    "per-token, per-group amax scaling to e4m3", tile_knobs=frozenset({"block_m"}), launch=launch_act_quant)
+    "per-token, per-group amax scaling to e4m3", tile_knobs=frozenset({"block_m"}), launch=launch_act_quant, c_launches={"": ACT_QUANT_C_LAUNCH})
 WEIGHT_QUANT_BLOCKWISE = KernelImpl(
     "block_fp8", "weight_quant", "blockwise", "block_fp8/weight_quant.py.j2", 89, None,
     "one program per weight block, amax scaling to e4m3", tile_knobs=frozenset(), launch=launch_weight_quant)

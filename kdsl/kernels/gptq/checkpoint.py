@@ -2,6 +2,7 @@
 import torch
 
 from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
+from kdsl.kernels.c_abi import ImplLaunch
 from kdsl.kernels.host import cdiv
 
 
@@ -62,7 +63,23 @@ GEMM_SPLITK = KernelImpl(
     "W4A16: unpack int4 in registers, fp16/bf16 tensor-core dot, optional split-K with atomics",
     tile_knobs=GEMM_KNOBS | {"split_k"}, shared_bytes=w4a16_operand_bytes, min_block_m=16,
     launch=launch_gemm)
+DEQUANT_C_LAUNCH = ImplLaunch(
+    params=(("qw_ptr", "qweight"), ("qz_ptr", "qzeros"), ("s_ptr", "scales"), ("g_ptr", "either(g_idx, qweight)"),
+            ("w_ptr", "w"), ("N", "N"), ("K", "K"), ("stride_qwk", "ldqw"), ("stride_qzg", "ldqz"),
+            ("stride_sg", "lds")),
+    pointer_types={"qw_ptr": "i32", "qz_ptr": "i32", "s_ptr": "dtype:scales_dtype", "g_ptr": "i32",
+                   "w_ptr": "dtype:scales_dtype"},
+    grid=("cdiv(K, {BLOCK_K})", "cdiv(N, {BLOCK_N})", "1"),
+    constexprs=lambda tile, scheme: {"BLOCK_N": tile["BLOCK_N"], "BLOCK_K": tile["BLOCK_K"]},
+    options=lambda tile: {"num_warps": tile["num_warps"]},
+    runtime_constexprs=(
+        ("HAS_G_IDX", "nonzero(g_idx)", (False, True)),
+        ("UNIFORM_GROUP", "(1 - nonzero(g_idx)) * ({group_rows} % {BLOCK_K} == 0)", (False, True)),
+    ),
+)
+
+
 DEQUANT_BLOCKWISE = KernelImpl(
     "gptq", "gptq_dequant", "blockwise", "gptq/gptq_dequant.py.j2", 80, None,
     "unpack int4 checkpoint tensors to [N, K]", tile_knobs=frozenset({"block_n", "block_k"}),
-    launch=launch_dequant)
+    launch=launch_dequant, c_launches={"": DEQUANT_C_LAUNCH})

@@ -4,6 +4,7 @@ import torch
 from pydantic import Field, PositiveInt
 
 from kdsl.kernels.base import Launch
+from kdsl.kernels.c_abi import SPLIT, ImplLaunch
 from kdsl.kernels.block_fp8.fp8_gemm_tma_persistent import SPLIT_FILL_HELP, SPLIT_MIN_STEPS_HELP
 from kdsl.kernels import host
 from kdsl.kernels.host import cdiv, split_with_scratch
@@ -79,3 +80,58 @@ def mma_split(generated, x, y, tile) -> tuple:
     tiles = cdiv(M, bm) * cdiv(N, bn)
     sms = None if x.device.type == "cpu" else host.sm_count(x.device)  # the CPU: the interpreter
     return (tiles, *split_with_scratch(generated.kernel, y, tile, cdiv(K, bk), tiles, sms, bm * bn))
+
+
+# ---- how the AOT C dispatcher launches these kernels (kdsl.kernels.c_abi; each unit's C_LAUNCH mirrors its launch())
+
+C_MAGIC = {"f16": (0x6400, 1024), "bf16": (0x4300, 128)}  # MAGIC by the C ABI's dtype names
+C_POINTERS = {"x_ptr": "dtype:x_dtype", "perm_ptr": "i32", "qw_ptr": "i32", "z_ptr": "dtype:x_dtype",
+              "s_ptr": "dtype:x_dtype", "g_ptr": "i32", "y_ptr": "dtype:x_dtype",
+              "ws_ptr": "scratch:fp32:x_dtype", "count_ptr": "scratch:i32:x_dtype"}
+C_HEAD = (("x_ptr", "x"), ("perm_ptr", "either(perm, qweight)"), ("qw_ptr", "qweight"), ("z_ptr", "zeros"),
+          ("s_ptr", "scales"), ("g_ptr", "groups"), ("y_ptr", "y"), ("ws_ptr", "y"), ("count_ptr", "y"),
+          ("M", "M"), ("N", "N"), ("K", "K"), ("stride_xm", "ldx"))
+C_TAIL = (("stride_zg", "ldz"), ("stride_sg", "lds"), ("stride_ym", "ldy"))
+# split_for in kdsl/kernels/host.py: the tile's SPLIT_K capped by split_min_steps, then the split whose
+# programs finish soonest on the device's SMs (gemv passes no SM count: the cap).
+C_TILES = "cdiv(M, {BLOCK_M}) * cdiv(N, {BLOCK_N})"
+C_SPLIT_FOR = f"split_for(cdiv(K, {{BLOCK_K}}), {C_TILES}, {{SPLIT_K}}, {{split_min_steps}}, {{split_fill}}, sms)"
+C_GEMV_PROGRAMS = "M * cdiv(N, {BLOCK_N})"
+C_GEMV_SPLIT = "split_cap(cdiv(K, {BLOCK_K}), {SPLIT_K}, {split_min_steps})"
+C_UNIFORM = "contiguous_groups * ({group_rows} % {BLOCK_K} == 0)"
+C_PLANE_UNIFORM = "contiguous_groups * ({group_rows} % 128 == 0)"  # PLANE_TILE_K (kdsl.packing)
+C_PLANE_WORD_GROUPS = "contiguous_groups * ({group_rows} % 32 == 0)"  # PAIR_SPAN
+
+
+def _c_magic(dtypes):
+    bits, bias = C_MAGIC[dtypes["x_dtype"]]
+    return {"MAGIC_BITS": bits, "MAGIC_BIAS": bias}
+
+
+def mma_c_launch(params, runtime, extra):
+    return ImplLaunch(
+        params=params, pointer_types=C_POINTERS,
+        grid=(C_TILES, "split", "1"),
+        constexprs=lambda tile, scheme: {"BLOCK_M": tile["BLOCK_M"], "BLOCK_N": tile["BLOCK_N"],
+                                         "BLOCK_K": tile["BLOCK_K"], "GROUP_M": tile["GROUP_M"],
+                                         "FP32_MATH": False, **extra},
+        options=lambda tile: {"num_warps": tile["num_warps"], "num_stages": tile["num_stages"]},
+        kernel="{module}", runtime_constexprs=(("HAS_PERM", "nonzero(perm)", (False, True)), *runtime,
+                                               ("SPLIT_K", C_SPLIT_FOR, SPLIT)),
+        dtype_constexprs=_c_magic,
+        scratch=("ws_ptr", "count_ptr", f"{C_TILES} * split * {{BLOCK_M}} * {{BLOCK_N}}", C_TILES), scratch_alias="y")
+
+
+def gemv_c_launch(params, runtime, extra):
+    return ImplLaunch(
+        params=params, pointer_types=C_POINTERS,
+        grid=(C_GEMV_PROGRAMS, "split", "1"),
+        constexprs=lambda tile, scheme: {"BLOCK_N": tile["BLOCK_N"], "BLOCK_K": tile["BLOCK_K"],
+                                         "FP32_MATH": False, **extra},
+        options=lambda tile: {"num_warps": tile["num_warps"], "num_stages": tile["num_stages"]},
+        kernel="{module}", runtime_constexprs=(("HAS_PERM", "nonzero(perm)", (False, True)), *runtime,
+                                               ("SPLIT_K", C_GEMV_SPLIT, SPLIT)),
+        dtype_constexprs=lambda dtypes: {"MAGIC_BIAS": C_MAGIC[dtypes["x_dtype"]][1]},
+        scratch=("ws_ptr", "count_ptr", f"{C_GEMV_PROGRAMS} * split * {{BLOCK_N}}", C_GEMV_PROGRAMS),
+        scratch_alias="y")
+

@@ -11,7 +11,7 @@ import torch
 from kdsl.kernels.base import KernelImpl, Launch
 from kdsl.kernels.block_fp8.fp8_gemm_tma_persistent import SPLIT_MIN_STEPS_HELP
 from kdsl.kernels.host import cdiv, split_with_scratch
-from kdsl.kernels.w4a16.common import MAGIC, weights_layout
+from kdsl.kernels.w4a16.common import C_HEAD, C_PLANE_UNIFORM, C_TAIL, C_UNIFORM, MAGIC, gemv_c_launch, weights_layout
 from kdsl.packing import PLANE_TILE_K, PLANE_TILE_N
 from kdsl.schema._base import StrictModel
 
@@ -65,8 +65,20 @@ def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups
         num_warps=tile["num_warps"], num_stages=tile["num_stages"],
     ))
 
+C_LAUNCH = gemv_c_launch(
+    C_HEAD + (("stride_qwk", "ldqw"),) + C_TAIL,
+    (("UNIFORM_GROUP", C_UNIFORM, (False, True)),
+     ("WORD_GROUPS", "contiguous_groups * ({group_rows} % 8 == 0)", (False, True)),
+     ("HALF2_DOT", f"(x_dtype == KDSL_F16) * nonzero({C_UNIFORM} + contiguous_groups * "
+                   f"({{group_rows}} % 8 == 0))", (False, True))), {})
+K_PLANES_C_LAUNCH = gemv_c_launch(
+    # launch() passes qweight.stride(0) of the 4-D tensor: ceil(K / 128) tiles of 128 x 16 words.
+    C_HEAD + (("stride_qwk", "cdiv(K, 128) * 2048"),) + C_TAIL,
+    (("UNIFORM_GROUP", C_PLANE_UNIFORM, (False, True)),), {"WORD_GROUPS": False, "HALF2_DOT": False})
+
+
 IMPL = KernelImpl(
     "w4a16", "w4a16_gemm", "gemv", "w4a16/gemv.py.j2", 80, None,
     "W4A16 GEMV on CUDA cores, one row per program row, weights kept in registers, split-K in-kernel",
     tile_knobs=frozenset({"block_m", "block_n", "block_k", "split_k", "n_min"}), options=Options,
-    problems=problems, reads_prepared_weights=True, gemv_block_m=True, launch=launch)
+    problems=problems, reads_prepared_weights=True, gemv_block_m=True, launch=launch, c_launches={"": C_LAUNCH, "k_planes": K_PLANES_C_LAUNCH})

@@ -6,8 +6,9 @@ Reads k_planes words with paired (scale, zero). Refuses, at run time, the CPU (G
 groups that change inside a plane tile, and M > 8: the definition's next tile serves those calls.
 """
 from kdsl.kernels.base import KernelImpl, Launch
+from kdsl.kernels.c_abi import EXACT, ImplLaunch
 from kdsl.kernels.host import cdiv
-from kdsl.kernels.w4a16.common import needs_layout, scale_zero_pairs
+from kdsl.kernels.w4a16.common import C_PLANE_UNIFORM, needs_layout, scale_zero_pairs
 from kdsl.packing import PLANE_TILE_K
 
 # x is the MMA's 8-wide operand.
@@ -54,9 +55,30 @@ def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups
     ), dict(K=K, CHUNK_TILES=tile["BLOCK_K"] // generated.module.PLANE_TILE_K.value, HAS_PERM=perm is not None,
             GROUP_SIZE=generated.constexprs["GROUP_SIZE"], num_warps=tile["num_warps"]))
 
+# The Gluon GEMV on mma.sync (M <= 8, k_planes with paired scales and zeros): K and CHUNK_TILES are
+# constexprs, so one cubin per K the problems reach; launch() passes the (scale, zero) pairs as int32
+# [G, N] over the scales' memory (row stride lds / 2 words). Its module's refusal turns down groups that
+# change inside a 128-row plane tile (off the GPU too, which C never is; M > 8 no tile of it serves), and
+# a K with no cubin is refused as well: those calls take the tile after it (the Triton GEMV or MMA).
+C_LAUNCH = ImplLaunch(
+    params=(("x_ptr", "x"), ("perm_ptr", "either(perm, qweight)"), ("w_ptr", "qweight"), ("p_ptr", "scales"),
+            ("y_ptr", "y"), ("M", "M"), ("N", "N"), ("stride_xm", "ldx"), ("stride_pg", "div(lds, 2)"),
+            ("stride_ym", "ldy")),
+    pointer_types={"x_ptr": "dtype:x_dtype", "perm_ptr": "i32", "w_ptr": "i32", "p_ptr": "i32",
+                   "y_ptr": "dtype:x_dtype"},
+    grid=("cdiv(N, 16)", "1", "1"),
+    # num_warps is a parameter of the Gluon kernel as well as the launch option.
+    constexprs=lambda tile, scheme: {"CHUNK_TILES": tile["BLOCK_K"] // 128, "num_warps": tile["num_warps"]},
+    options=lambda tile: {"num_warps": tile["num_warps"]},
+    kernel="{module}",
+    runtime_constexprs=(("K", "K", EXACT), ("HAS_PERM", "nonzero(perm)", (False, True))),
+    refuses=f"1 - {C_PLANE_UNIFORM}",
+)
+
+
 IMPL = KernelImpl(
     "w4a16", "w4a16_gemm", "gemv_mma_gluon", "w4a16/gemv_mma_gluon.py.j2", 80, None,
     "W4A16 GEMV for M <= 8 on mma.sync (Gluon): 16 columns per program, its warps splitting K",
     tile_knobs=frozenset({"block_m", "block_n", "block_k", "n_min"}), problems=problems,
     reads_prepared_weights=True, gemv_block_m=True, gemv_max_m=MMA_GEMV_MAX_M, launch=launch,
-    refusal=refusal)
+    refusal=refusal, c_launches={"": C_LAUNCH})

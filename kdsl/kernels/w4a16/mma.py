@@ -5,7 +5,8 @@ load per 8 weights, split-K reduced in-kernel. Serves every arch from sm_80 and 
 """
 from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
 from kdsl.kernels.gptq.checkpoint import w4a16_operand_bytes
-from kdsl.kernels.w4a16.common import MAGIC, SplitOptions, mma_split, needs_layout
+from kdsl.kernels.w4a16.common import (C_HEAD, C_TAIL, C_UNIFORM, MAGIC, SplitOptions, mma_c_launch, mma_split,
+                                     needs_layout)
 
 
 def problems(where: str, scheme, variant, tile, options: SplitOptions) -> list[str]:
@@ -38,8 +39,15 @@ def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups
         num_warps=tile["num_warps"], num_stages=tile["num_stages"],
     ))
 
+# Layout weights = checkpoint (sm_80+): qweight [K / 8, N].
+C_LAUNCH = mma_c_launch(
+    C_HEAD + (("stride_qwk", "ldqw"),) + C_TAIL,
+    (("UNIFORM_GROUP", C_UNIFORM, (False, True)),
+     ("ASM_DEQUANT", f"{C_UNIFORM} * ({{BLOCK_M}} >= 64)", (False, True))), {})
+
+
 IMPL = KernelImpl(
     "w4a16", "w4a16_gemm", "mma", "w4a16/mma.py.j2", 80, None,
     "W4A16 MMA on checkpoint-order words: tl.dot on tiles dequantized in registers, split-K in-kernel",
     tile_knobs=GEMM_KNOBS | {"split_k"}, options=SplitOptions, shared_bytes=w4a16_operand_bytes,
-    problems=problems, reads_prepared_weights=True, min_block_m=16, launch=launch)
+    problems=problems, reads_prepared_weights=True, min_block_m=16, launch=launch, c_launches={"": C_LAUNCH})

@@ -7,9 +7,11 @@ block sizes) serves those calls.
 """
 from kdsl.kernels import host
 from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch, warpgroup_per_64
+from kdsl.kernels.c_abi import SPLIT, ImplLaunch, TmaDescriptor
 from kdsl.kernels.gptq.checkpoint import w4a16_operand_bytes
 from kdsl.kernels.host import cdiv, gluon_descriptor, split_with_scratch
-from kdsl.kernels.w4a16.common import SplitOptions, needs_layout, plane_tile_problems, scale_zero_pairs
+from kdsl.kernels.w4a16.common import (C_SPLIT_FOR, C_TILES, SplitOptions, needs_layout, plane_tile_problems,
+                                     scale_zero_pairs)
 
 
 def problems(where: str, scheme, variant, tile, options: SplitOptions) -> list[str]:
@@ -56,9 +58,44 @@ def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups
     ), dict(GROUP_M=tile["GROUP_M"], SPLIT_K=split_k, NUM_STAGES=tile["num_stages"], num_warps=tile["num_warps"],
             GROUP_SIZE=generated.constexprs["GROUP_SIZE"]))
 
+# The Gluon wgmma GEMM (sm_90, k_planes): x, the plane words (qweight as [rows, 16]) and the (scale, zero)
+# pairs (int32 [G, N] over the scales, row stride lds / 2) come by TMA through Gluon host descriptors, whose
+# NVMMA shared layout is the default for the block (as launch() builds it; the compiled kernel's
+# tensordesc_meta gives the swizzle and box as for Triton's). Its module's refusal: act-order, a group
+# changing inside a K block, and kdsl.ops' alignment of x and scales below 16 bytes; those calls take the
+# Triton MMA tile after it.
+C_LAUNCH = ImplLaunch(
+    params=(("x_desc", "desc"), ("w_desc", "desc"), ("p_desc", "desc"), ("y_ptr", "y"), ("ws_ptr", "y"),
+            ("count_ptr", "y"), ("M", "M"), ("N", "N"), ("K", "K"), ("stride_ym", "ldy")),
+    pointer_types={"y_ptr": "dtype:x_dtype", "ws_ptr": "scratch:fp32:x_dtype",
+                   "count_ptr": "scratch:i32:x_dtype"},
+    descriptors={
+        "x_desc": TmaDescriptor("x", "dtype:x_dtype", ("M", "K"), ("ldx", "1"), ("{BLOCK_M}", "{BLOCK_K}")),
+        "w_desc": TmaDescriptor("qweight", "i32", ("cdiv(N, 128) * cdiv(K, 128) * 128", "16"), ("16", "1"),
+                                ("{BLOCK_N}", "16")),
+        "p_desc": TmaDescriptor("scales", "i32", ("cdiv(K, {group_rows})", "N"), ("div(lds, 2)", "1"),
+                                ("1", "{BLOCK_N}")),
+    },
+    grid=(C_TILES, "split", "1"),
+    constexprs=lambda tile, scheme: {"GROUP_M": tile["GROUP_M"], "NUM_STAGES": tile["num_stages"],
+                                     "num_warps": tile["num_warps"]},
+    options=lambda tile: {"num_warps": tile["num_warps"]},
+    kernel="{module}",
+    runtime_constexprs=(("SPLIT_K", C_SPLIT_FOR, SPLIT),),
+    scratch=("ws_ptr", "count_ptr", f"{C_TILES} * split * {{BLOCK_M}} * {{BLOCK_N}}", C_TILES),
+    scratch_alias="y",
+    # The last three: Gluon's host descriptors also need qweight 16-byte aligned and every row stride a
+    # multiple of 16 bytes, even of a single row (launch() would fail on them; C takes the alternative).
+    refuses=("nonzero(perm) + (1 - contiguous_groups * ({group_rows} % {BLOCK_K} == 0))"
+             " + nonzero(addr(x) % 16) + nonzero(addr(scales) % 16)"
+             " + bad_tma_stride(M, ldx, dtype_size(x_dtype)) + bad_tma_stride(cdiv(K, {group_rows}), lds, 2)"
+             " + nonzero(addr(qweight) % 16) + nonzero(ldx * dtype_size(x_dtype) % 16) + nonzero(lds * 2 % 16)"),
+)
+
+
 IMPL = KernelImpl(
     "w4a16", "w4a16_gemm", "overlap_gluon", "w4a16/overlap_gluon.py.j2", 90, 90,
     "W4A16 GEMM for Hopper (Gluon): TMA ring, block k+1 dequantized while block k's wgmma runs",
     tile_knobs=GEMM_KNOBS | {"split_k"}, options=SplitOptions, shared_bytes=w4a16_operand_bytes,
     problems=problems, reads_prepared_weights=True, min_block_m=16, launch=launch,
-    refusal=refusal)
+    refusal=refusal, c_launches={"": C_LAUNCH})

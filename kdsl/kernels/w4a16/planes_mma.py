@@ -6,7 +6,8 @@ Decode tiles (block_m <= 16) apply the scale to each K tile's fp32 partial inste
 """
 from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
 from kdsl.kernels.gptq.checkpoint import w4a16_operand_bytes
-from kdsl.kernels.w4a16.common import MAGIC, SplitOptions, mma_split, needs_layout, plane_tile_problems
+from kdsl.kernels.w4a16.common import (C_HEAD, C_PLANE_UNIFORM, C_PLANE_WORD_GROUPS, C_TAIL, MAGIC, SplitOptions,
+                                     mma_c_launch, mma_split, needs_layout, plane_tile_problems)
 
 
 def problems(where: str, scheme, variant, tile, options: SplitOptions) -> list[str]:
@@ -44,6 +45,15 @@ def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups
         num_warps=tile["num_warps"], num_stages=tile["num_stages"],
     ))
 
+# Layout weights = k_planes (sm_90): qweight [N tiles, K tiles, 128, 16], contiguous.
+C_LAUNCH = mma_c_launch(
+    C_HEAD + C_TAIL,
+    (("UNIFORM_GROUP", C_PLANE_UNIFORM, (False, True)),
+     ("WORD_GROUPS", C_PLANE_WORD_GROUPS, (False, True)),
+     ("ASM_DEQUANT", C_PLANE_UNIFORM, (False, True)),
+     ("SCALE_AFTER", f"{C_PLANE_UNIFORM} * ({{BLOCK_M}} <= 16)", (False, True))), {})
+
+
 IMPL = KernelImpl(
     "w4a16", "w4a16_gemm", "planes_mma", "w4a16/planes_mma.py.j2", 80, None,
     "W4A16 MMA on k_planes words, y^T = w^T x^T with the weights as the register operand, split-K in-kernel",
@@ -51,4 +61,4 @@ IMPL = KernelImpl(
     problems=problems, reads_prepared_weights=True, min_block_m=16, launch=launch,
     # Decode programs are short: how many share an SM and how few K steps a split may leave them decide how
     # many weight bytes are in flight.
-    tune_grid={"decode": {"split_fill": (1, 2, 3), "split_min_steps": (4, 8, 16)}})
+    tune_grid={"decode": {"split_fill": (1, 2, 3), "split_min_steps": (4, 8, 16)}}, c_launches={"": C_LAUNCH})

@@ -1,0 +1,119 @@
+"""The C ABI's descriptions: what an op exports (OpAbi, in the op's kdsl.ops family module, on its OpSpec) and how
+the C dispatcher launches a kernel implementation (ImplLaunch, beside the unit's KernelImpl and its Python launch(),
+which the AOT tests compare it with).
+
+Expressions (an ImplLaunch's `params`, `grid`, `runtime_constexprs`, an OpAbi's `m` and checks) are written once in
+the subset both C and Python evaluate: kdsl.aot.abi says which, and evaluates them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The dtypes the ABI names (kdsl_dtype in kdsl_aot.h): C enum name, Triton pointer type, torch dtype name.
+DTYPES = {
+    "bf16": ("KDSL_BF16", "bf16", "bfloat16"),
+    "f16": ("KDSL_F16", "fp16", "float16"),
+    "f32": ("KDSL_F32", "fp32", "float32"),
+}
+DTYPE_CODES = {name: index for index, name in enumerate(DTYPES)}
+
+
+@dataclass(frozen=True)
+class CArg:
+    name: str
+    ctype: str  # "ptr" (a device pointer), "i64" (a size or stride), "dtype" (kdsl_dtype)
+    doc: str
+    const: bool = True  # for pointers: read only
+
+
+@dataclass(frozen=True)
+class Check:
+    """A refusal: when the C condition `fails` holds, return `status` with the message (printf format)."""
+    fails: str
+    message: str
+    values: tuple[str, ...] = ()
+    status: str = "KDSL_ERR_INVALID_ARGUMENT"
+
+
+@dataclass(frozen=True)
+class TmaDescriptor:
+    """A kernel parameter that launch() passes as a host `TensorDescriptor(base, shape, strides, block)`. The C side
+    encodes it with cuTensorMapEncodeTiled; the box, swizzle and element type come from the compiled kernel's
+    metadata (tensordesc_meta), and the kernel parameters it expands to from the compiled kernel's PTX (Triton
+    3.6 and 3.9: the CUtensorMap by value, then the shape as int32s and the strides as int64s)."""
+    base: str  # the op's pointer argument
+    element: str  # Triton element type, or "dtype:ARG"
+    shape: tuple  # expressions, outermost dimension first (elements)
+    strides: tuple  # expressions in elements, the last one 1
+    block: tuple  # expressions (the tile), as launch() passes block_shape
+
+
+@dataclass(frozen=True)
+class ImplLaunch:
+    """How the dispatcher launches one kernel implementation of the op (mirrors the module's launch())."""
+    params: tuple[tuple[str, str], ...]  # (kernel parameter, expression); pointers are the op's "ptr" args
+    pointer_types: dict  # kernel pointer parameter -> Triton element type, or "dtype:ARG" (varies with ARG)
+    grid: tuple[str, str, str]
+    constexprs: callable  # (tile params, scheme fields) -> {name: value}, as launch() passes them
+    options: callable  # (tile params) -> {num_warps: .., num_stages: ..}, only those launch() passes
+    kernel: str = "{module}"  # the @triton.jit function in the implementation's module ({module}, {entry}, {impl})
+    # Constexprs launch() computes from the call's arguments: (name, expression, the values it can take).
+    # Each value is a separate compile; the dispatcher computes the expression and matches it. The values
+    # SPLIT (at most one entry, the last) are a K split: the expression is the split launch() would choose,
+    # the exporter compiles the splits the op's problems reach (and 1), and the dispatcher takes the largest
+    # exported split not above the one asked for; the grid and the scratch sizes may name it as `split`.
+    # The values EXACT: the value itself, compiled for each value the problems reaching the tile give it; other
+    # values are refused by the tile (kdsl.aot.plan.exact_values).
+    runtime_constexprs: tuple = ()
+    # Constexprs that follow the dtype arguments: (dtypes {argument: name}) -> {name: value}.
+    dtype_constexprs: callable = None
+    # Split-K scratch: (kernel pointer parameter of the fp32 workspace, of the int32 counters, workspace
+    # elements, counters) -- expressions that may name `split`. With split 1, launch() passes the output
+    # (`scratch_alias`) for both, so no scratch is taken.
+    scratch: tuple | None = None
+    scratch_alias: str = ""
+    # Parameters launch() passes as host TMA descriptors: {parameter: TmaDescriptor}; in `params` they appear as
+    # (parameter, "desc").
+    descriptors: dict = field(default_factory=dict)
+    # A condition (expression, non-zero = refused) under which the kernel cannot take the call, and where the
+    # call then goes: "tile" -- the registry's refusal function says the same, so the next tile serving the call
+    # (its alternative), else the entry's last tile, as KernelEntry.tile_for(m, n, call) picks; "entry" -- a
+    # condition Python meets by copying the operands (kdsl.ops makes them contiguous and aligned), which C
+    # cannot: the call goes to the kernel the registry picks with this entry disabled.
+    refuses: str = ""
+    refused_to: str = "tile"
+
+
+SPLIT = "split"  # ImplLaunch.runtime_constexprs: the values of a K split (see there)
+# ImplLaunch.runtime_constexprs: a constexpr taking the call's exact value (a Gluon kernel's K, which it unrolls):
+# the values the op's representative problems give it on that tile are compiled, and a call with any other value
+# is refused by the tile (it goes to the next serving tile, its alternative, as a registry refusal sends it).
+EXACT = "exact"
+
+
+@dataclass(frozen=True)
+class OpAbi:
+    op: str
+    function: str  # the C function, e.g. kdsl_fp8_gemm
+    summary: str
+    args: tuple[CArg, ...]
+    dtype_choices: dict  # dtype argument -> allowed dtype names
+    checks: tuple[Check, ...]
+    nothing_to_do: str  # C condition: return KDSL_OK without launching
+    # What the registry buckets by M: an argument's name (rows), or an expression of the launch subset (the grouped
+    # GEMMs bucket by rows per expert, as kdsl.ops computes it); then `with_m` moves a problem to a given bucket M.
+    m: str
+    n: str | None  # and by N (an argument's name), for definitions that tile by N
+    problems: callable  # () -> iterable of {arg: value}: the calls whose specializations are compiled
+    # impl name -> why it is not exported (a unit without a C launch is not exported either).
+    unexportable: dict = field(default_factory=dict)
+    # Arguments whose values select constexprs ({argument: values}): the assumption-free specializations
+    # cover every combination of them (with no K split), so any call finds a cubin.
+    call_flags: dict = field(default_factory=dict)
+    # Bench shape files (kdsl.bench.shapes) this op exports for: {bench op: (case) -> {exported op: problems}}.
+    bench_problems: dict = field(default_factory=dict)
+    in_forward: bool = True  # a model's forward runs it (False: a load-time conversion, exported when named)
+    # (problem, m) -> the problem with `m` evaluating to the given value, where `m` is an expression (None: `m` is
+    # an argument's name, which is set): kdsl.aot.plan compiles a tile that no problem reaches on such problems.
+    with_m: callable = None
+
