@@ -84,7 +84,7 @@ def mma_split(generated, x, y, tile) -> tuple:
 
 # ---- how the AOT C dispatcher launches these kernels (kdsl.kernels.c_abi; each unit's C_LAUNCH mirrors its launch())
 
-C_MAGIC = {"f16": (0x6400, 1024), "bf16": (0x4300, 128)}  # MAGIC by the C ABI's dtype names
+C_MAGIC = {"f16": MAGIC[torch.float16], "bf16": MAGIC[torch.bfloat16]}  # MAGIC by the C ABI's dtype names
 C_POINTERS = {"x_ptr": "dtype:x_dtype", "perm_ptr": "i32", "qw_ptr": "i32", "z_ptr": "dtype:x_dtype",
               "s_ptr": "dtype:x_dtype", "g_ptr": "i32", "y_ptr": "dtype:x_dtype",
               "ws_ptr": "scratch:fp32:x_dtype", "count_ptr": "scratch:i32:x_dtype"}
