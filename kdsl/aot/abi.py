@@ -24,10 +24,10 @@ import ast
 import functools
 import operator
 
-# kdsl.schema first: the schema's definitions import the kernel units, whose package imports the schema.
-from kdsl.schema.scheme import group_rows  # noqa: I001
+from kdsl.kernels import find_impl
 from kdsl.kernels.c_abi import (DTYPE_CODES, DTYPES, EXACT, SPLIT, CArg, Check, ImplLaunch, OpAbi,  # noqa: F401
                                 TmaDescriptor)
+from kdsl.schema.scheme import group_rows
 
 SPLIT_SMS = (108, 132)  # SM counts the exporter compiles K splits for (A100, H100/H200); other counts: see SPLIT
 
@@ -49,8 +49,6 @@ def __getattr__(name: str):
 def launch_for(abi: OpAbi, entry, impl: str) -> ImplLaunch | None:
     """The C launch of a tile's implementation in this entry: the unit's one for the entry's prepared weights
     layout where it has one, else its layout-independent one; None where the unit has no C launch."""
-    from kdsl.kernels import find_impl  # the units import the schema, which imports the units: not at import time
-
     unit = find_impl(abi.op, impl)
     if unit is None:
         return None

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, NamedTuple
 
-from kdsl.schema._base import StrictModel
+from kdsl.strict_model import StrictModel
 
 
 class Launch(NamedTuple):

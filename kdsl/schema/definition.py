@@ -9,7 +9,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from kdsl.kernels import BASE_KNOBS, KernelImpl, dequant_op_for, find_impl, ops_of_family
 from kdsl.naming import format_arch
-from kdsl.schema._base import StrictModel
+from kdsl.strict_model import StrictModel
 from kdsl.schema.arch import archs_in_range
 from kdsl.schema.scheme import BlockFP8, Scheme
 from kdsl.schema.tiling import Tile, Variant

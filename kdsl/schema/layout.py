@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from kdsl.packing import PAIR_SPAN, PLANE_ROWS, PLANE_TILE_K, PLANE_TILE_N, ZERO_BIAS  # noqa: F401
-from kdsl.schema._base import StrictModel
+from kdsl.strict_model import StrictModel
 
 
 class GPTQLayout(StrictModel):

@@ -21,7 +21,7 @@ from kdsl.naming import (
     w4a16_module_scheme_name,
     w4a16_scheme_name,
 )
-from kdsl.schema._base import StrictModel
+from kdsl.strict_model import StrictModel
 
 
 def _list_to_tuple(value: Any) -> Any:

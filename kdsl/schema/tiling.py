@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, PositiveInt, field_validator, model_validator
 
 from kdsl.naming import parse_arch
-from kdsl.schema._base import StrictModel
+from kdsl.strict_model import StrictModel
 from kdsl.schema.layout import GPTQLayout
 
 

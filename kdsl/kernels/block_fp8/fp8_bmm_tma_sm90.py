@@ -19,7 +19,7 @@ from kdsl.kernels.c_abi import ImplLaunch, TmaDescriptor
 from kdsl.kernels.block_fp8.fp8_gemm_portable import TILE_ORDER_HELP, one_scale_per_k_block, operand_ring_bytes
 from kdsl.kernels import host
 from kdsl.kernels.host import INTERPRETING, cdiv, tma_descriptor
-from kdsl.schema._base import StrictModel
+from kdsl.strict_model import StrictModel
 
 
 class Options(StrictModel):

@@ -14,7 +14,7 @@ from kdsl.kernels.block_fp8.fp8_gemm_portable import one_scale_per_k_block, oper
 from kdsl.kernels.block_fp8.fp8_gemm_tma_persistent import SPLIT_FILL_HELP
 from kdsl.kernels import host
 from kdsl.kernels.host import SPLIT_FILL, cdiv, gluon_descriptor, programs_for
-from kdsl.schema._base import StrictModel
+from kdsl.strict_model import StrictModel
 
 
 class Options(StrictModel):

@@ -6,7 +6,7 @@ from pydantic import Field
 from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
 from kdsl.kernels.c_abi import ImplLaunch
 from kdsl.kernels.host import cdiv
-from kdsl.schema._base import StrictModel
+from kdsl.strict_model import StrictModel
 
 TILE_ORDER_HELP = "m_major walks down M inside a group (reuses B); n_major walks along N (reuses A)"
 

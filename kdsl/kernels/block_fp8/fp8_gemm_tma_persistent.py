@@ -13,7 +13,7 @@ from kdsl.kernels.c_abi import SPLIT, ImplLaunch, TmaDescriptor
 from kdsl.kernels.block_fp8.fp8_gemm_portable import TILE_ORDER_HELP, operand_ring_bytes
 from kdsl.kernels import host
 from kdsl.kernels.host import cdiv, programs_for, split_with_scratch, tma_descriptor
-from kdsl.schema._base import StrictModel
+from kdsl.strict_model import StrictModel
 
 SPLIT_FILL_HELP = ("how many of the tile's programs fit on an SM at once (default 2): split K plans for this many "
                    "per SM, and a persistent grid launches this many per SM")

@@ -12,7 +12,7 @@ from kdsl.kernels.block_fp8.fp8_gemm_portable import TILE_ORDER_HELP
 from kdsl.kernels.block_fp8.fp8_gemm_tma_persistent import SPLIT_FILL_HELP, SPLIT_MIN_STEPS_HELP
 from kdsl.kernels import host
 from kdsl.kernels.host import INTERPRETING, cdiv, split_with_scratch
-from kdsl.schema._base import StrictModel
+from kdsl.strict_model import StrictModel
 
 
 class Options(StrictModel):

@@ -9,7 +9,7 @@ from kdsl.kernels.block_fp8.fp8_gemm_tma_persistent import SPLIT_FILL_HELP, SPLI
 from kdsl.kernels import host
 from kdsl.kernels.host import cdiv, split_with_scratch
 from kdsl.packing import PLANE_TILE_K, PLANE_TILE_N
-from kdsl.schema._base import StrictModel
+from kdsl.strict_model import StrictModel
 
 
 class SplitOptions(StrictModel):

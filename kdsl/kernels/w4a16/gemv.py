@@ -13,7 +13,7 @@ from kdsl.kernels.block_fp8.fp8_gemm_tma_persistent import SPLIT_MIN_STEPS_HELP
 from kdsl.kernels.host import cdiv, split_with_scratch
 from kdsl.kernels.w4a16.common import C_HEAD, C_PLANE_UNIFORM, C_TAIL, C_UNIFORM, MAGIC, gemv_c_launch, weights_layout
 from kdsl.packing import PLANE_TILE_K, PLANE_TILE_N
-from kdsl.schema._base import StrictModel
+from kdsl.strict_model import StrictModel
 
 
 class Options(StrictModel):

@@ -1,4 +1,5 @@
-"""The one base class every definition model shares."""
+"""The one base class every validated model shares: the definitions' (kdsl.schema) and the kernel units' options
+(kdsl.kernels), which the schema validates against. Outside both packages, so neither imports the other to get it."""
 from pydantic import BaseModel, ConfigDict
 
 
