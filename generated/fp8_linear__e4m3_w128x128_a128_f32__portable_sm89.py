@@ -3,7 +3,7 @@
 # module: fp8_linear__e4m3_w128x128_a128_f32__portable_sm89 (fp8_linear/portable: act_quant in registers inside fp8_gemm's pointer-load tile, optional deterministic split-K, bias)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: b4a86497072c5f5e (sha256 of its schemes, variant and templates)
+# digest: cb7637d1d3e101a6 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -51,8 +51,8 @@ def _round_to_e4m3_grid(x):
 def _abs_nan_as_zero(x):
     """|x| with NaN elements as 0, for an amax that leaves NaN out: tl.maximum's default (maxnum)
     returns the non-NaN operand, on the GPU and in the interpreter alike; tl.max's own NaN handling,
-    which differs between them, is not relied on. (tl.where(x == x, tl.abs(x), 0.0) gives the same,
-    but made weight_quant 1.2x slower on an H100.)"""
+    which differs between them, is not relied on. (tl.where(x == x, tl.abs(x), 0.0) gives the same but was
+    slower: docs/kernels.md, Template choices.)"""
     return tl.maximum(tl.abs(x), 0.0)
 
 
@@ -155,8 +155,8 @@ def fp8_linear__e4m3_w128x128_a128_f32__portable_sm89(
     x_next = tl.load(x_ptrs, mask=(offs_k < ACT_GROUP * (stop - first))[None, :], other=0.0)  # none past K
     for k in range(first, stop):
         # x is loaded a step ahead (Triton's pipeliner stages B's loads for the MMA, not this one, whose user is
-        # the quantization). On an H100 that changed little either way: the loop is bound by the quantization's
-        # arithmetic, which every program of a row block repeats (benchmarks/results/host_h100/fp8_linear/).
+        # the quantization); the loop is bound by the quantization's arithmetic, which every program of a row
+        # block repeats (docs/kernels.md, Template choices).
         x = x_next.to(tl.float32)
         x_ptrs += ACT_GROUP
         x_next = tl.load(x_ptrs, mask=(offs_k < ACT_GROUP * (stop - k - 1))[None, :], other=0.0)

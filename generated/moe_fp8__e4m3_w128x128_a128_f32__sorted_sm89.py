@@ -3,7 +3,7 @@
 # module: moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89 (moe_fp8/sorted: tokens sorted by expert on the device, gate-up GEMM (+ silu * up + 1x128 quant), down GEMM, weighted combine)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: d6fc62b369d46b5c (sha256 of its schemes, variant and templates)
+# digest: e2796335d94fe9c3 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -51,8 +51,8 @@ def _round_to_e4m3_grid(x):
 def _abs_nan_as_zero(x):
     """|x| with NaN elements as 0, for an amax that leaves NaN out: tl.maximum's default (maxnum)
     returns the non-NaN operand, on the GPU and in the interpreter alike; tl.max's own NaN handling,
-    which differs between them, is not relied on. (tl.where(x == x, tl.abs(x), 0.0) gives the same,
-    but made weight_quant 1.2x slower on an H100.)"""
+    which differs between them, is not relied on. (tl.where(x == x, tl.abs(x), 0.0) gives the same but was
+    slower: docs/kernels.md, Template choices.)"""
     return tl.maximum(tl.abs(x), 0.0)
 
 

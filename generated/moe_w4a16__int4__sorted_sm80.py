@@ -3,7 +3,7 @@
 # module: moe_w4a16__int4__sorted_sm80 (moe_w4a16/sorted: tokens sorted by expert on the device, int4 gate-up GEMM (+ silu * up), int4 down GEMM, weighted combine)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_80 and up
-# digest: b50a036905c7f2c2 (sha256 of its schemes, variant and templates)
+# digest: 2e4df5b8aa263d41 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -152,8 +152,8 @@ mov.b32 {$3, $7}, t3;
 
 
 # As _UNPACK_FP16 / _UNPACK_BF16 without the scale: q - zero, exact; the scale comes after the MMA.
-# Three shifts per word here: the one-shift zeroed_pairs_fp16 measured 2-5% slower on two of the
-# four bench shapes at M = 16 (H200), where it gains 2-4% in the GEMV and at M = 256.
+# Three shifts per word here, not the one of zeroed_pairs_fp16, which was slower on the decode MMA tile
+# (docs/kernels.md, Template choices).
 _UNPACK_ZERO_FP16 = tl.constexpr("""
 {
 .reg .b32 z2, sh, t0, t1, t2, t3;

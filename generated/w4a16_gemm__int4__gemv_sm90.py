@@ -3,7 +3,7 @@
 # module: w4a16_gemm__int4__gemv_sm90 (w4a16_gemm/gemv: W4A16 GEMV on CUDA cores, one row per program row, weights kept in registers, split-K in-kernel)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_90 .. sm_90
-# digest: 89334ef81468ae7a (sha256 of its schemes, variant and templates)
+# digest: 3aa37034ee80cf11 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -299,7 +299,7 @@ def _gemv(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, row, cols, K, first, las
         x_scale, x_unscale = _x_pow2_scale(x_row, perm_ptr, K, first * BLOCK_K,
                                               tl.minimum(last * BLOCK_K, K), HAS_PERM)
     # These loads feed no MMA, so Triton does not pipeline them: fetch the next block's words
-    # into registers while this one is computed (H200 sweep: a few percent).
+    # into registers while this one is computed.
     next_packed, next_scale, next_zero = _gemv_weights(
         qw_ptr, z_ptr, s_ptr, tl.minimum(first, last - 1), cols, K, stride_qwk, stride_zg, stride_sg,
         UNIFORM_GROUP, WORD_GROUPS, BLOCK_K, GROUP_SIZE)

@@ -3,7 +3,7 @@
 # module: w4a16_gemm__int4__mma_sm80 (w4a16_gemm/mma: W4A16 MMA on checkpoint-order words: tl.dot on tiles dequantized in registers, split-K in-kernel)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_80 and up
-# digest: 804b5b26e94fe190 (sha256 of its schemes, variant and templates)
+# digest: a18d75e781423c08 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -144,8 +144,8 @@ mov.b32 {$3, $7}, t3;
 
 
 # As _UNPACK_FP16 / _UNPACK_BF16 without the scale: q - zero, exact; the scale comes after the MMA.
-# Three shifts per word here: the one-shift zeroed_pairs_fp16 measured 2-5% slower on two of the
-# four bench shapes at M = 16 (H200), where it gains 2-4% in the GEMV and at M = 256.
+# Three shifts per word here, not the one of zeroed_pairs_fp16, which was slower on the decode MMA tile
+# (docs/kernels.md, Template choices).
 _UNPACK_ZERO_FP16 = tl.constexpr("""
 {
 .reg .b32 z2, sh, t0, t1, t2, t3;

@@ -3,7 +3,7 @@
 # module: w4a16_gemm__int4__planes_mma_sm90 (w4a16_gemm/planes_mma: W4A16 MMA on k_planes words, y^T = w^T x^T with the weights as the register operand, split-K in-kernel)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_90 .. sm_90
-# digest: e588253abb2f32f7 (sha256 of its schemes, variant and templates)
+# digest: 1f0dfff7ab22d4ff (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -166,8 +166,8 @@ mov.b32 {$3, $7}, t3;
 
 
 # As _UNPACK_FP16 / _UNPACK_BF16 without the scale: q - zero, exact; the scale comes after the MMA.
-# Three shifts per word here: the one-shift zeroed_pairs_fp16 measured 2-5% slower on two of the
-# four bench shapes at M = 16 (H200), where it gains 2-4% in the GEMV and at M = 256.
+# Three shifts per word here, not the one of zeroed_pairs_fp16, which was slower on the decode MMA tile
+# (docs/kernels.md, Template choices).
 _UNPACK_ZERO_FP16 = tl.constexpr("""
 {
 .reg .b32 z2, sh, t0, t1, t2, t3;
