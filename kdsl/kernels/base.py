@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, NamedTuple
 
+from kdsl.kernels.c_abi import ImplLaunch
 from kdsl.strict_model import StrictModel
 
 
@@ -81,9 +82,9 @@ class KernelImpl:
     # `kdsl tune`'s values for its options, per kind of bucket (kdsl.tune.space: "decode", "mid", "prefill",
     # "gemv"): {"prefill": {"persistent": (False, True)}}. An option left out keeps the current tile's value.
     tune_grid: Mapping[str, Mapping[str, tuple]] = field(default_factory=dict)
-    # How the AOT C dispatcher launches it (kdsl.kernels.c_abi.ImplLaunch, mirroring launch()), by the prepared
-    # weights layout of the entry it serves ("": any); none: `kdsl aot` does not export it.
-    c_launches: Mapping[str, object] = field(default_factory=dict)
+    # How the AOT C dispatcher launches it (mirroring launch()), by the prepared weights layout of the entry it
+    # serves ("": any); none: `kdsl aot` does not export it.
+    c_launches: Mapping[str, ImplLaunch] = field(default_factory=dict)
 
     def resolve(self, tile) -> StrictModel:
         """The tile's options, validated by this implementation's model, defaults filled."""

@@ -51,6 +51,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kdsl.kernels.c_abi import OpAbi
+
 
 @dataclass(frozen=True)
 class OpSpec:
@@ -63,7 +65,7 @@ class OpSpec:
     fake: Callable
     host_syncing: bool = False
     example: Callable | None = None  # (tile params, dtype, device) -> launch arguments of example calls
-    c_abi: object | None = None  # kdsl.kernels.c_abi.OpAbi: the op as `kdsl aot` exports it (None: not exported)
+    c_abi: OpAbi | None = None  # the op as `kdsl aot` exports it (None: not exported)
 
     @property
     def qualified_name(self) -> str:
