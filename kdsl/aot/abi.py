@@ -34,7 +34,7 @@ SPLIT_SMS = (108, 132)  # SM counts the exporter compiles K splits for (A100, H1
 
 @functools.cache
 def _op_abis() -> dict:
-    from kdsl.ops.library import declared_specs  # the ops import the kernels and the runtime: not at import time
+    from kdsl.ops.library import declared_specs  # kdsl/__init__ imports kdsl.aot before kdsl.ops: read when asked
 
     return {spec.name: spec.c_abi for spec in declared_specs() if spec.c_abi is not None}
 
