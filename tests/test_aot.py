@@ -1018,7 +1018,8 @@ def test_gptq_dequant_dispatcher_matches_the_registry_and_the_generated_launch(e
 
     def line(**changes):
         values = {**good, **changes}
-        return "kdsl_gptq_dequant__gptq_int4_g128_gptq " + " ".join(str(values[a.name]) for a in abis.OPS["gptq_dequant"].args)
+        args = abis.OPS["gptq_dequant"].args
+        return "kdsl_gptq_dequant__gptq_int4_g128_gptq " + " ".join(str(values[a.name]) for a in args)
     k_bad, dtype_bad = run(80, [line(K=192), line(scales_dtype=2)])
     assert k_bad == "error 1 gptq_dequant: K = 192 must be a multiple of the group size 128"
     assert dtype_bad == "error 1 gptq_dequant: scales_dtype = 2 is not one of KDSL_F16, KDSL_BF16"
@@ -1347,8 +1348,9 @@ def test_fp8_bmm_dispatcher_matches_the_registry_and_the_generated_launch(export
     specs = manifest["specializations"]
     run = build_probe(out, tmp_path)
     cases = list(_fp8_bmm_cases())
+    args = abis.OPS["fp8_bmm"].args
     answers = run(arch, ["kdsl_fp8_bmm " + " ".join(
-        str(abis.DTYPE_CODES[call[a.name]]) if a.ctype == "dtype" else str(call[a.name]) for a in abis.OPS["fp8_bmm"].args)
+        str(abis.DTYPE_CODES[call[a.name]]) if a.ctype == "dtype" else str(call[a.name]) for a in args)
         for call in cases])
     assert len(answers) == len(cases)
     kdsl.registry.reset()

@@ -269,5 +269,6 @@ SPECS = (
            _gptq_gemm_impl, _gptq_gemm_fake, host_syncing=True, example=_gptq_gemm_example),
     OpSpec("gptq_dequant", "(Tensor qweight, Tensor qzeros, Tensor scales, Tensor? g_idx, int bits, int group_size, "
                            "str checkpoint_format) -> Tensor",
-           _gptq_dequant_impl, _gptq_dequant_fake, host_syncing=True, example=_gptq_dequant_example, c_abi=GPTQ_DEQUANT_ABI),
+           _gptq_dequant_impl, _gptq_dequant_fake, host_syncing=True, example=_gptq_dequant_example,
+           c_abi=GPTQ_DEQUANT_ABI),
 )

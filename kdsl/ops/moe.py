@@ -590,10 +590,12 @@ FP8_GROUPED_GEMM_MASKED_ABI = OpAbi(
 SPECS = (
     OpSpec("fp8_grouped_gemm", "(Tensor a, Tensor a_s, Tensor b, Tensor b_s, Tensor group_ids, "
                                "ScalarType out_dtype, bool check_ids) -> Tensor",
-           _fp8_grouped_gemm_impl, _fp8_grouped_gemm_fake, example=_fp8_grouped_gemm_example, c_abi=FP8_GROUPED_GEMM_ABI),
+           _fp8_grouped_gemm_impl, _fp8_grouped_gemm_fake, example=_fp8_grouped_gemm_example,
+           c_abi=FP8_GROUPED_GEMM_ABI),
     OpSpec("fp8_grouped_gemm_masked", "(Tensor a, Tensor a_s, Tensor b, Tensor b_s, Tensor masked_m, "
                                       "ScalarType out_dtype, int? expected_m) -> Tensor",
-           _fp8_grouped_gemm_masked_impl, _fp8_grouped_gemm_masked_fake, example=_fp8_grouped_gemm_masked_example, c_abi=FP8_GROUPED_GEMM_MASKED_ABI),
+           _fp8_grouped_gemm_masked_impl, _fp8_grouped_gemm_masked_fake, example=_fp8_grouped_gemm_masked_example,
+           c_abi=FP8_GROUPED_GEMM_MASKED_ABI),
     OpSpec("moe_fp8", "(Tensor x, Tensor w13, Tensor w13_s, Tensor w2, Tensor w2_s, Tensor topk_weights, "
                       "Tensor topk_ids, bool check_ids) -> Tensor",
            _moe_fp8_impl, _moe_fp8_fake, example=_moe_fp8_example),

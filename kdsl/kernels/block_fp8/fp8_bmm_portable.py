@@ -4,7 +4,8 @@ Grid axis 2 walks the batch; every operand comes with its strides, so a batch of
 views (MLA's per-head activations) runs without a copy. Tiles and options as fp8_gemm/portable."""
 from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
 from kdsl.kernels.c_abi import ImplLaunch
-from kdsl.kernels.block_fp8.fp8_gemm_portable import Options, operand_ring_bytes, portable_c_constexprs, portable_c_options, portable_constexprs
+from kdsl.kernels.block_fp8.fp8_gemm_portable import (Options, operand_ring_bytes, portable_c_constexprs,
+                                                     portable_c_options, portable_constexprs)
 from kdsl.kernels.host import cdiv
 
 

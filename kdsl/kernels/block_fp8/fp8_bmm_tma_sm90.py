@@ -192,4 +192,5 @@ IMPL = KernelImpl(
                           "prefetch_weights": (False, True)},
                "mid": {"flatten": (False, True), "pdl": (False, True), "prefetch_weights": (False, True),
                        "epilogue": ("tma", "pointer")},
-               "prefill": {"persistent": (False, True), "pdl": (False, True), "epilogue": ("tma", "pointer")}}, c_launches={"": C_LAUNCH})
+               "prefill": {"persistent": (False, True), "pdl": (False, True), "epilogue": ("tma", "pointer")}},
+               c_launches={"": C_LAUNCH})

@@ -6,7 +6,8 @@ belong to one expert makes one pass over K, one holding several experts one pass
 masked: A [E, max_m, K] with a per-expert row count read on the device; the grid covers max_m rows per expert."""
 from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
 from kdsl.kernels.c_abi import ImplLaunch
-from kdsl.kernels.block_fp8.fp8_gemm_portable import Options, operand_ring_bytes, portable_c_constexprs, portable_c_options, portable_constexprs
+from kdsl.kernels.block_fp8.fp8_gemm_portable import (Options, operand_ring_bytes, portable_c_constexprs,
+                                                     portable_c_options, portable_constexprs)
 from kdsl.kernels.host import cdiv
 
 
@@ -76,9 +77,11 @@ MASKED_C_LAUNCH = ImplLaunch(
 IMPL = KernelImpl(
     "block_fp8", "fp8_grouped_gemm", "portable", "block_fp8/fp8_grouped_gemm_portable.py.j2", 89, None,
     "contiguous layout (an expert id per row), pointer loads, one pass over K per expert in a tile",
-    tile_knobs=GEMM_KNOBS, options=Options, shared_bytes=operand_ring_bytes, min_block_m=16, launch=launch, c_launches={"": C_LAUNCH})
+    tile_knobs=GEMM_KNOBS, options=Options, shared_bytes=operand_ring_bytes, min_block_m=16, launch=launch,
+    c_launches={"": C_LAUNCH})
 
 MASKED_IMPL = KernelImpl(
     "block_fp8", "fp8_grouped_gemm_masked", "portable", "block_fp8/fp8_grouped_gemm_masked_portable.py.j2", 89,
     None, "masked layout (rows per expert read on the device), pointer loads",
-    tile_knobs=GEMM_KNOBS, options=Options, shared_bytes=operand_ring_bytes, min_block_m=16, launch=launch_masked, c_launches={"": MASKED_C_LAUNCH})
+    tile_knobs=GEMM_KNOBS, options=Options, shared_bytes=operand_ring_bytes, min_block_m=16, launch=launch_masked,
+    c_launches={"": MASKED_C_LAUNCH})

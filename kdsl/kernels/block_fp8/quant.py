@@ -41,7 +41,8 @@ ACT_QUANT_C_LAUNCH = ImplLaunch(
 
 ACT_QUANT_ROWWISE = KernelImpl(
     "block_fp8", "act_quant", "rowwise", "block_fp8/act_quant.py.j2", 89, None,
-    "per-token, per-group amax scaling to e4m3", tile_knobs=frozenset({"block_m"}), launch=launch_act_quant, c_launches={"": ACT_QUANT_C_LAUNCH})
+    "per-token, per-group amax scaling to e4m3", tile_knobs=frozenset({"block_m"}), launch=launch_act_quant,
+    c_launches={"": ACT_QUANT_C_LAUNCH})
 WEIGHT_QUANT_BLOCKWISE = KernelImpl(
     "block_fp8", "weight_quant", "blockwise", "block_fp8/weight_quant.py.j2", 89, None,
     "one program per weight block, amax scaling to e4m3", tile_knobs=frozenset(), launch=launch_weight_quant)

@@ -63,6 +63,9 @@ GEMM_SPLITK = KernelImpl(
     "W4A16: unpack int4 in registers, fp16/bf16 tensor-core dot, optional split-K with atomics",
     tile_knobs=GEMM_KNOBS | {"split_k"}, shared_bytes=w4a16_operand_bytes, min_block_m=16,
     launch=launch_gemm)
+
+
+# How the AOT C dispatcher launches the dequantizer (mirrors launch_dequant).
 DEQUANT_C_LAUNCH = ImplLaunch(
     params=(("qw_ptr", "qweight"), ("qz_ptr", "qzeros"), ("s_ptr", "scales"), ("g_ptr", "either(g_idx, qweight)"),
             ("w_ptr", "w"), ("N", "N"), ("K", "K"), ("stride_qwk", "ldqw"), ("stride_qzg", "ldqz"),

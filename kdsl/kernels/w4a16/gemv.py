@@ -81,4 +81,5 @@ IMPL = KernelImpl(
     "w4a16", "w4a16_gemm", "gemv", "w4a16/gemv.py.j2", 80, None,
     "W4A16 GEMV on CUDA cores, one row per program row, weights kept in registers, split-K in-kernel",
     tile_knobs=frozenset({"block_m", "block_n", "block_k", "split_k", "n_min"}), options=Options,
-    problems=problems, reads_prepared_weights=True, gemv_block_m=True, launch=launch, c_launches={"": C_LAUNCH, "k_planes": K_PLANES_C_LAUNCH})
+    problems=problems, reads_prepared_weights=True, gemv_block_m=True, launch=launch,
+    c_launches={"": C_LAUNCH, "k_planes": K_PLANES_C_LAUNCH})
