@@ -35,6 +35,19 @@ class Check:
     status: str = "KDSL_ERR_INVALID_ARGUMENT"
 
 
+
+def fits_in_32_bits(op: str, names) -> Check:
+    """The refusal of sizes and strides a launch passes as 32-bit integers."""
+    return Check(" || ".join(f"{name} > 2147483647" for name in names), f"{op}: sizes and strides must fit in 32 bits")
+
+
+def not_null(op: str, sizes, pointers, optional: str = "") -> Check:
+    """The refusal of a NULL pointer where the call has work (every size in `sizes` above 0); `optional` names the
+    pointer that may be NULL."""
+    named = ", ".join(pointers[:-1]) + f" and {pointers[-1]}"
+    return Check(" && ".join(f"{size} > 0" for size in sizes) + " && (" + " || ".join(f"{p} == 0" for p in pointers)
+                 + ")", f"{op}: {named} must not be NULL" + (f" ({optional} may be)" if optional else ""))
+
 @dataclass(frozen=True)
 class TmaDescriptor:
     """A kernel parameter that launch() passes as a host `TensorDescriptor(base, shape, strides, block)`. The C side

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kdsl.kernels.c_abi import DTYPES, CArg, Check, OpAbi
+from kdsl.kernels.c_abi import DTYPES, CArg, Check, OpAbi, fits_in_32_bits, not_null
 from kdsl.ops import _checks as check
 from kdsl.ops import _plan, fallback
 from kdsl.ops._examples import empty, fp8_operands, gemm_shape
@@ -715,7 +715,7 @@ ACT_QUANT_ABI = OpAbi(
         Check("ldx < K", "act_quant: ldx = %lld must be >= K = %lld", ("ldx", "K")),
         Check("M > 2147483647 || K > 2147483647 || ldx > 2147483647",
               "act_quant: M, K and ldx must fit in 32 bits (M = %lld, K = %lld, ldx = %lld)", ("M", "K", "ldx")),
-        Check("M > 0 && K > 0 && (x == 0 || q == 0 || s == 0)", "act_quant: x, q and s must not be NULL"),
+        not_null("act_quant", ("M", "K"), ("x", "q", "s")),
     ),
     nothing_to_do="M == 0 || K == 0",
     m="M",
@@ -755,11 +755,8 @@ FP8_GEMM_ABI = OpAbi(
         Check("lda_s < K / {act_group} || ldb_s < K / {block_k}",
               "fp8_gemm: lda_s = %lld must be >= K / {act_group} and ldb_s = %lld >= K / {block_k}",
               ("lda_s", "ldb_s")),
-        Check("M > 2147483647 || N > 2147483647 || K > 2147483647 || lda > 2147483647 || ldb > 2147483647"
-              " || ldc > 2147483647 || lda_s > 2147483647 || ldb_s > 2147483647",
-              "fp8_gemm: sizes and strides must fit in 32 bits"),
-        Check("M > 0 && N > 0 && (a == 0 || a_s == 0 || b == 0 || b_s == 0 || c == 0)",
-              "fp8_gemm: a, a_s, b, b_s and c must not be NULL"),
+        fits_in_32_bits("fp8_gemm", ("M", "N", "K", "lda", "ldb", "ldc", "lda_s", "ldb_s")),
+        not_null("fp8_gemm", ("M", "N"), ("a", "a_s", "b", "b_s", "c")),
     ),
     nothing_to_do="M == 0 || N == 0",
     m="M",
@@ -830,10 +827,8 @@ FP8_BMM_ABI = OpAbi(
         Check("K % {act_group} != 0", "fp8_bmm: K = %lld must be a multiple of {act_group}", ("K",)),
         Check("N % 16 != 0", "fp8_bmm: N = %lld must be a multiple of 16", ("N",)),
         Check(" || ".join(f"{name} < 0" for name in _BMM_STRIDE_NAMES), "fp8_bmm: strides must be >= 0"),
-        Check(" || ".join(f"{name} > 2147483647" for name in ("B", "M", "N", "K", *_BMM_STRIDE_NAMES)),
-              "fp8_bmm: sizes and strides must fit in 32 bits"),
-        Check("B > 0 && M > 0 && N > 0 && (a == 0 || a_s == 0 || b == 0 || b_s == 0 || c == 0)",
-              "fp8_bmm: a, a_s, b, b_s and c must not be NULL"),
+        fits_in_32_bits("fp8_bmm", ("B", "M", "N", "K", *_BMM_STRIDE_NAMES)),
+        not_null("fp8_bmm", ("B", "M", "N"), ("a", "a_s", "b", "b_s", "c")),
     ),
     nothing_to_do="B == 0 || M == 0 || N == 0",
     m="M",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from kdsl.naming import gptq_scheme_name
-from kdsl.kernels.c_abi import CArg, Check, OpAbi
+from kdsl.kernels.c_abi import CArg, Check, OpAbi, fits_in_32_bits, not_null
 from kdsl.ops import _checks as check
 from kdsl.ops import fallback
 from kdsl.ops._examples import empty, split_steps
@@ -249,10 +249,8 @@ GPTQ_DEQUANT_ABI = OpAbi(
         Check("ldqw < N || ldqz < N / 8 || lds < N",
               "gptq_dequant: ldqw = %lld and lds = %lld must be >= N = %lld, ldqz = %lld >= N / 8",
               ("ldqw", "lds", "N", "ldqz")),
-        Check("N > 2147483647 || K > 2147483647 || ldqw > 2147483647 || ldqz > 2147483647 || lds > 2147483647",
-              "gptq_dequant: sizes and strides must fit in 32 bits"),
-        Check("N > 0 && K > 0 && (qweight == 0 || qzeros == 0 || scales == 0 || w == 0)",
-              "gptq_dequant: qweight, qzeros, scales and w must not be NULL (g_idx may be)"),
+        fits_in_32_bits("gptq_dequant", ("N", "K", "ldqw", "ldqz", "lds")),
+        not_null("gptq_dequant", ("N", "K"), ("qweight", "qzeros", "scales", "w"), optional="g_idx"),
     ),
     nothing_to_do="N == 0 || K == 0",
     m="N",

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kdsl.kernels.c_abi import DTYPES, CArg, Check, OpAbi
+from kdsl.kernels.c_abi import DTYPES, CArg, Check, OpAbi, fits_in_32_bits, not_null
 from kdsl.ops import _checks as check
 from kdsl.ops import fallback
 from kdsl.ops._examples import MOE_EXPERTS, MOE_HIDDEN, MOE_INTER, empty, fp8_operands, gemm_shape, moe_routing
@@ -509,10 +509,8 @@ FP8_GROUPED_GEMM_ABI = OpAbi(
               ("lda_s", "stride_bsn")),
         Check("stride_be < 0 || stride_bse < 0", "fp8_grouped_gemm: stride_be = %lld and stride_bse = %lld must be "
               ">= 0", ("stride_be", "stride_bse")),
-        Check(" || ".join(f"{name} > 2147483647" for name in ("M", "N", "K", "E", *_GROUPED_STRIDES)),
-              "fp8_grouped_gemm: sizes and strides must fit in 32 bits"),
-        Check("M > 0 && N > 0 && (a == 0 || a_s == 0 || b == 0 || b_s == 0 || group_ids == 0 || c == 0)",
-              "fp8_grouped_gemm: a, a_s, b, b_s, group_ids and c must not be NULL"),
+        fits_in_32_bits("fp8_grouped_gemm", ("M", "N", "K", "E", *_GROUPED_STRIDES)),
+        not_null("fp8_grouped_gemm", ("M", "N"), ("a", "a_s", "b", "b_s", "group_ids", "c")),
     ),
     nothing_to_do="M == 0 || N == 0",
     # kdsl.ops.fp8_grouped_gemm picks the tile by the rows per expert, ceil(M / E).
@@ -569,13 +567,11 @@ FP8_GROUPED_GEMM_MASKED_ABI = OpAbi(
               "fp8_grouped_gemm_masked: stride_asm = %lld must be >= K / {act_group} and stride_bsn = %lld >= "
               "K / {block_k}", ("stride_asm", "stride_bsn")),
         Check(" || ".join(f"{name} < 0" for name in _MASKED_STRIDES), "fp8_grouped_gemm_masked: strides must be >= 0"),
-        Check(" || ".join(f"{name} > 2147483647" for name in ("max_m", "N", "K", *_MASKED_STRIDES)),
-              "fp8_grouped_gemm_masked: sizes and strides must fit in 32 bits"),
+        fits_in_32_bits("fp8_grouped_gemm_masked", ("max_m", "N", "K", *_MASKED_STRIDES)),
         # The grid's second dimension is the expert (launch_masked), which CUDA caps at 65535.
         Check("E > 65535", "fp8_grouped_gemm_masked: E = %lld experts: at most 65535 (one grid row per expert)",
               ("E",)),
-        Check("E > 0 && max_m > 0 && N > 0 && (a == 0 || a_s == 0 || b == 0 || b_s == 0 || masked_m == 0 || c == 0)",
-              "fp8_grouped_gemm_masked: a, a_s, b, b_s, masked_m and c must not be NULL"),
+        not_null("fp8_grouped_gemm_masked", ("E", "max_m", "N"), ("a", "a_s", "b", "b_s", "masked_m", "c")),
     ),
     nothing_to_do="E == 0 || max_m == 0 || N == 0",
     # kdsl.ops.fp8_grouped_gemm_masked picks the tile by expected_m, else max_m.

@@ -17,7 +17,7 @@ import torch
 
 from kdsl.kernels.w4a16.common import gather_columns
 from kdsl.naming import w4a16_scheme_name
-from kdsl.kernels.c_abi import CArg, Check, OpAbi
+from kdsl.kernels.c_abi import CArg, Check, OpAbi, fits_in_32_bits, not_null
 from kdsl.ops import _checks as check
 from kdsl.ops import _plan, fallback
 from kdsl.ops._examples import empty, int4_weights, split_steps
@@ -490,11 +490,8 @@ W4A16_GEMM_ABI = OpAbi(
         Check("ldy < N || ldz < N || lds < N || ldqw < N",
               "w4a16_gemm: ldy = %lld, ldz = %lld, lds = %lld and ldqw = %lld must be >= N = %lld",
               ("ldy", "ldz", "lds", "ldqw", "N")),
-        Check("M > 2147483647 || N > 2147483647 || K > 2147483647 || ldx > 2147483647 || ldy > 2147483647"
-              " || ldz > 2147483647 || lds > 2147483647 || ldqw > 2147483647",
-              "w4a16_gemm: sizes and strides must fit in 32 bits"),
-        Check("M > 0 && N > 0 && (x == 0 || qweight == 0 || zeros == 0 || scales == 0 || groups == 0 || y == 0)",
-              "w4a16_gemm: x, qweight, zeros, scales, groups and y must not be NULL (perm may be)"),
+        fits_in_32_bits("w4a16_gemm", ("M", "N", "K", "ldx", "ldy", "ldz", "lds", "ldqw")),
+        not_null("w4a16_gemm", ("M", "N"), ("x", "qweight", "zeros", "scales", "groups", "y"), optional="perm"),
     ),
     nothing_to_do="M == 0 || N == 0",
     m="M",
