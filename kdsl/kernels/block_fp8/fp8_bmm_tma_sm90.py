@@ -193,4 +193,4 @@ IMPL = KernelImpl(
                "mid": {"flatten": (False, True), "pdl": (False, True), "prefetch_weights": (False, True),
                        "epilogue": ("tma", "pointer")},
                "prefill": {"persistent": (False, True), "pdl": (False, True), "epilogue": ("tma", "pointer")}},
-               c_launches={"": C_LAUNCH})
+    c_launches={"": C_LAUNCH})
