@@ -205,6 +205,12 @@ def cold_copies(m: int, weights: torch.Tensor) -> int:
     return min(MAX_COPIES, -(-COLD_BYTES // max(1, size))) if m <= COLD_MAX_M else 1
 
 
+def weight_copies(m: int, *weights: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """The weights and cold_copies(m, weights[0]) - 1 clones of them: the copies a callable cycles through so that
+    each call reads them cold (every copy holds the same values)."""
+    return [weights] + [tuple(w.clone() for w in weights) for _ in range(cold_copies(m, weights[0]) - 1)]
+
+
 @contextlib.contextmanager
 def full_fp32_matmul() -> Iterator[None]:
     # References must be true fp32, whatever the process set for TF32.

@@ -50,9 +50,7 @@ def setup(case: Case) -> timing.CaseSetup:
     batch, m, n, k = case.batch, case.m, case.n, case.k
     x, a, a_s, b, b_s, w, ref = fp8_bmm_inputs(batch, m, n, k)
     x_t = x.transpose(0, 1)
-    copies = timing.cold_copies(m, b)
-    weights = [(b, b_s, w.to(torch.bfloat16))] + [(b.clone(), b_s.clone(), w.to(torch.bfloat16))
-                                                  for _ in range(copies - 1)]
+    weights = timing.weight_copies(m, b, b_s, w.to(torch.bfloat16))
     scaled = [[timing.scaled_mm_baseline(a[g], a_s[g], bq[g], bs[g]) for g in range(batch)] for bq, bs, _ in weights]
     last = lambda outs: timing.check_close(outs[-1], ref, timing.GEMM_TOL)  # noqa: E731  (every copy holds the same weights)
     stacked = lambda outs: timing.check_close(torch.stack(outs[-1]), ref, timing.GEMM_TOL)  # noqa: E731
@@ -67,7 +65,7 @@ def setup(case: Case) -> timing.CaseSetup:
                    "fp8_gemm_loop": lambda: [[gemm(a[g], a_s[g], bq[g], bs[g]) for g in range(batch)]
                                              for bq, bs, _ in weights]},
         baseline_checks={"cublas_blockwise_loop": stacked, "fp8_gemm_loop": stacked},
-        tolerance=timing.GEMM_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies, host_time=False,
+        tolerance=timing.GEMM_TOL, flops=flops, bytes_moved=bytes_moved, calls=len(weights), host_time=False,
         roofline_ms=1e3 * max(bytes_moved / copy_rate, flops / fp8_rate))
 
 
@@ -79,9 +77,8 @@ def tune_problem(entry, shape) -> timing.Problem:
     batch = shape.batch or 1
     m, n = shape.m, shape.n
     _, a, a_s, b, b_s, _, ref = fp8_bmm_inputs(batch, m, n, shape.k)
-    copies = timing.cold_copies(m, b)
-    weights = [(b, b_s)] + [(b.clone(), b_s.clone()) for _ in range(copies - 1)]
-    outs = [torch.empty(batch, m, n, dtype=torch.bfloat16, device=a.device) for _ in range(copies)]
+    weights = timing.weight_copies(m, b, b_s)
+    outs = [torch.empty(batch, m, n, dtype=torch.bfloat16, device=a.device) for _ in weights]
     return timing.cycling_problem(outs, ref, timing.GEMM_TOL,
                                   lambda i, out, params: entry.launch(a, a_s, *weights[i], out, params))
 

@@ -52,8 +52,7 @@ def setup(case: Case) -> timing.CaseSetup:
     inputs = fp8_gemm_inputs(m, n, k)
     x, a, a_s, b, b_s, ref = inputs.x, inputs.a, inputs.a_s, inputs.b, inputs.b_s, inputs.ref
     w_kn = inputs.w.t().contiguous()
-    copies = timing.cold_copies(m, b)
-    weights = [(b, b_s, w_kn)] + [(b.clone(), b_s.clone(), w_kn.clone()) for _ in range(copies - 1)]
+    weights = timing.weight_copies(m, b, b_s, w_kn)
     scaled = [timing.scaled_mm_baseline(a, a_s, bq, bs) for bq, bs, _ in weights]
     # every copy holds the same weights: the last call's output stands for all
     last = lambda outs: timing.check_close(outs[-1], ref, timing.GEMM_TOL)  # noqa: E731
@@ -66,7 +65,7 @@ def setup(case: Case) -> timing.CaseSetup:
         baselines={"cublas_blockwise": lambda: [fn() for fn in scaled],
                    "bf16_matmul": lambda: [torch.matmul(x, w16) for _, _, w16 in weights]},
         baseline_checks={"cublas_blockwise": last},
-        tolerance=timing.GEMM_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies,
+        tolerance=timing.GEMM_TOL, flops=flops, bytes_moved=bytes_moved, calls=len(weights),
         roofline_ms=1e3 * max(bytes_moved / copy_rate, flops / fp8_rate))
 
 
@@ -76,9 +75,8 @@ def tune_problem(entry, shape) -> timing.Problem:
     launches reads the weights cold from DRAM, as the bench's calls do (decode tiles are picked on cold weights)."""
     inputs = fp8_gemm_inputs(shape.m, shape.n, shape.k)
     a, a_s, b, b_s = inputs.a, inputs.a_s, inputs.b, inputs.b_s
-    copies = timing.cold_copies(shape.m, b)
-    weights = [(b, b_s)] + [(b.clone(), b_s.clone()) for _ in range(copies - 1)]
-    outs = [torch.empty(shape.m, shape.n, dtype=torch.bfloat16, device=a.device) for _ in range(copies)]
+    weights = timing.weight_copies(shape.m, b, b_s)
+    outs = [torch.empty(shape.m, shape.n, dtype=torch.bfloat16, device=a.device) for _ in weights]
     return timing.cycling_problem(outs, inputs.ref, timing.GEMM_TOL,
                                   lambda i, c, params: entry.launch(a, a_s, *weights[i], c, params))
 

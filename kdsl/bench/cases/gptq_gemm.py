@@ -91,10 +91,8 @@ Checkpoint = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (qweight, qzeros
 
 
 def checkpoint_copies(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, m: int) -> list[Checkpoint]:
-    """The checkpoint tensors and timing.cold_copies(m) - 1 clones of them: the copies a callable cycles through."""
-    copies = timing.cold_copies(m, qweight)
-    return [(qweight, qzeros, scales)] + [(qweight.clone(), qzeros.clone(), scales.clone())
-                                          for _ in range(copies - 1)]
+    """The checkpoint tensors and their clones: the copies a callable cycles through (timing.weight_copies)."""
+    return timing.weight_copies(m, qweight, qzeros, scales)
 
 
 def prepare(checkpoint: Checkpoint, g_idx: torch.Tensor | None = None):
