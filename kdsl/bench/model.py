@@ -10,10 +10,12 @@ SiLU*mul -> down -> residual add. The same glue runs for every variant:
   torchao-fp8    torchao's Float8DynamicActivationFloat8WeightConfig (per-row), where torchao imports
 
 Each is timed as one hand-captured CUDA graph of the forward, eagerly, and under
-torch.compile(mode="reduce-overhead", fullgraph=True) (CUDA events; compiled per M, so it is the slowest mode
-to run: --modes picks). Ratios are the float model's time over the variant's in the same mode and run. The
-fraction of the roofline is the weight bytes of the layers over the measured device copy rate (decode) or the
-linears' FLOPs over the measured dense fp16/fp8 matmul rate (prefill), taken in the same run.
+torch.compile(mode="reduce-overhead", fullgraph=True) (compiled per M, so it is the slowest mode to run: --modes
+picks). Every mode is timed the same way: calls back to back, CUDA events around a batch of them, so the time is
+the GPU's where the host keeps ahead and the host's pace where it does not; the host's time per call is in the
+JSON (host_us) and on the progress lines. Ratios are the float model's time over the variant's in the same
+mode and run. The fraction of the roofline is the weight bytes of the layers over the measured device copy rate
+(decode) or the linears' FLOPs over the measured dense fp16/fp8 matmul rate (prefill), taken in the same run.
 """
 from __future__ import annotations
 
@@ -118,9 +120,9 @@ def variant(name: str, shape: Shape, device: str = "cuda"):
     return model, dtype
 
 
-def _time_graph(fn, x) -> float:
+def _captured(fn, x):
+    """fn(x) captured in a CUDA graph (after warm-up calls on a side stream, as torch's docs do)."""
     import torch
-    import triton.testing
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -131,37 +133,54 @@ def _time_graph(fn, x) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn(x)
-    return triton.testing.do_bench(graph.replay, return_mode="median") * 1e3
+    return graph
 
 
-def _time_events(fn, x, reps: int = 50) -> float:
+def _time_steady(fn, x, reps: int = 7) -> tuple[float, float]:
+    """(GPU us per call, host us per call) with calls issued back to back, as a serving loop issues them: CUDA
+    events around a batch of calls (enough for ~5 ms), the median of `reps` batches; the host time is the
+    Python side of one call, unsynchronized. Where the host takes longer than the GPU the first is the host's
+    pace, which is what such a loop gets. One call timed alone from an idle GPU would add the host's time to
+    the GPU's in every mode but the graph's (torch.compile's cudagraph trees spend 120-190 us of Python per
+    call on an H200's host), which made compiled models look slower than captured ones."""
+    import time
+
     import torch
 
-    for _ in range(5):
+    for _ in range(3):
         fn(x)
-    times = []
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn(x)
+    torch.cuda.synchronize()
+    calls = max(3, min(50, int(5e-3 / max(time.perf_counter() - start, 1e-6))))
+    times, hosts = [], []
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(x)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        host = time.perf_counter()
+        for _ in range(calls):
+            fn(x)
+        hosts.append((time.perf_counter() - host) / calls * 1e6)
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+        times.append(begin.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times), statistics.median(hosts)
 
 
-def time_model(model, x, mode: str) -> float:
-    """Microseconds per forward."""
+def time_model(model, x, mode: str) -> tuple[float, float]:
+    """(microseconds per forward, host microseconds per forward), calls back to back in every mode."""
     import torch
 
     with torch.inference_mode():
         if mode == "graph":
-            return _time_graph(model, x)
+            graph = _captured(model, x)
+            return _time_steady(lambda _: graph.replay(), x)
         if mode == "eager":
-            return _time_events(model, x)
+            return _time_steady(model, x)
         torch._dynamo.reset()
         compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
-        return _time_events(lambda t: compiled(t.clone()), x)  # a fresh input: cudagraph trees reuse outputs
+        return _time_steady(lambda t: compiled(t.clone()), x)  # a fresh input: cudagraph trees reuse outputs
 
 
 def ceilings() -> tuple[float, float, float]:
@@ -209,19 +228,20 @@ def run_model_bench(spec: str, ms: list[int], modes: list[str], variants: list[s
             x = torch.randn(m, shape.hidden, device="cuda", dtype=dtype)
             for mode in modes:
                 try:
-                    us = time_model(model, x, mode)
+                    us, host_us = time_model(model, x, mode)
                 except Exception as error:  # noqa: BLE001 - one cell fails, the table goes on
-                    us, note = None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+                    us, host_us, note = None, None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
                 else:
                     note = None
                 flops = 2 * m * shape.weights()
                 moved = shape.weights() * bytes_per_weight[model_name]
-                rows.append({"model": model_name, "m": m, "mode": mode, "us": us, "error": note,
+                rows.append({"model": model_name, "m": m, "mode": mode, "us": us, "host_us": host_us, "error": note,
                              "tokens_per_s": None if not us else m / us * 1e6,
                              "roofline": None if not us else (
                                  moved / copy_rate * 1e6 / us if m <= max(DECODE_M)
                                  else flops / (fp8_rate if "fp8" in model_name else fp16_rate) * 1e6 / us)})
-                print(f"  {model_name:12s} M={m:5d} {mode:8s} " + (f"{us:10.1f} us" if us else f"failed: {note}"),
+                print(f"  {model_name:12s} M={m:5d} {mode:8s} "
+                      + (f"{us:10.1f} us (host {host_us:.1f} us)" if us else f"failed: {note}"),
                       file=sys.stderr, flush=True)
         del model
         torch.cuda.empty_cache()
