@@ -210,15 +210,14 @@ def _moe_tiles(entry, tokens: int, experts: int, topk: int, n: int | None) -> st
     m = tokens_per_expert(assignments, experts)
     lines = [f"MoE routing: T = {tokens} tokens, top-{topk} of E = {experts} experts: M = tokens per routed expert "
              f"= ceil(T * k / min(T * k, E)) = ceil({assignments} / {min(assignments, experts)}) = {m}",
-             f"  {entry.name}'s tiles by T at E = {experts}, top-{topk}" + ("" if n is None else f", N = H = {n}")
+             f"  {entry.name}'s tiles by T at E = {experts}, top-{topk}" + ("" if n is None else f", N = I = {n}")
              + ":"]
     chosen = entry.bucket_index(m, n)
-    below, previous = 0, None  # the M and T the tiles before serve
+    below, shown = 0, set()  # the M and T the tiles before serve; the m_max of the tiles listed
     for index, bucket in enumerate(entry.tiles):
-        if not bucket.serves(bucket.m_max if bucket.m_max is not None else below + 1, n) \
-                or (bucket.m_max, bucket.n_min) == previous:
-            continue  # a tile for other N, or a run-time alternative to the tile before
-        previous = (bucket.m_max, bucket.n_min)
+        if not bucket.serves(bucket.m_max if bucket.m_max is not None else below + 1, n) or bucket.m_max in shown:
+            continue  # a tile for other N, one a tile for more N already takes, or a run-time alternative
+        shown.add(bucket.m_max)
         low = most_tokens(below, experts, topk) if below else 0
         if bucket.m_max is None:
             span, rows = f"T > {low}", f"M > {below}"
@@ -442,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     why.add_argument("--tokens", type=int_at_least(1), metavar="T",
                      help="the MoE layers (moe_fp8, moe_w4a16): tokens of the call; with --experts and --topk sets M to "
                           "the tokens per routed expert, ceil(T * k / min(T * k, E)), and shows which T each tile "
-                          "serves (--n: the hidden size H)")
+                          "serves (--n: the intermediate size I, which the layers tile by)")
     why.add_argument("--experts", type=int_at_least(1), metavar="E", help="the MoE layers: experts per layer")
     why.add_argument("--topk", type=int_at_least(1), metavar="K", help="the MoE layers: experts per token")
     why.set_defaults(func=_explain)

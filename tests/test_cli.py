@@ -116,7 +116,7 @@ def test_explain_batch_shows_the_tile_for_that_many_batches(capsys):
 ])
 def test_explain_moe_routing_shows_tokens_per_expert_and_the_tile_per_t(capsys, op, scheme, experts, ranges):
     """--tokens/--experts/--topk: M is the tokens per routed expert, the tile is the one the op launches for that
-    routing (entry.tile_for(M, H)), and each of the entry's tiles is shown with the token counts it serves."""
+    routing (entry.tile_for(M, I)), and each of the entry's tiles is shown with the token counts it serves."""
     from kdsl.cli import _tile_text
     from kdsl.ops.moe import tokens_per_expert
 

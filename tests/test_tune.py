@@ -238,13 +238,20 @@ def test_moe_layers_are_tuned_per_bucket_of_tokens_per_expert(definitions):
             assert (shape.experts, shape.topk, shape.k, shape.n) == (128, 8, 2048, 768)
             assert bucket.holds(shape.bucket_m)
             # The registry picks this bucket's tile for the shape, as the op would.
-            assert chosen.entry.tile_for(shape.bucket_m, shape.k) == chosen.entry.tiles[bucket.index].params
+            assert chosen.entry.tile_for(shape.bucket_m, shape.n) == chosen.entry.tiles[bucket.index].params
     assert by_bucket["64"][0].label() == "E=128 TOPK=8 T=1024 H=2048 I=768"
     assert by_bucket["64"][0].bucket_m == 64 and Shape(64, 1, 1).bucket_m == 64
-    # moe_fp8 on DeepSeek-V3 (E = 256, top-8, H = 7168; I = 2048 and the TP-8 slice 256): both layers per bucket.
+    # moe_fp8 on DeepSeek-V3 (E = 256, top-8, H = 7168; I = 2048 and the TP-8 slice 256): the layers tile by I, so
+    # the decode tile from I = 1024 is tuned on I = 2048 and the one below it on I = 256; later buckets take both.
     fp8 = target.select_target("moe_fp8", definitions, arch="sm_90")
-    decode = search.shapes_for_bucket("moe_fp8", preset_cases("deepseek-v3"), space.buckets(fp8.variant)[0])
-    assert {(s.n, s.m) for s in decode} == {(inter, t) for inter in (2048, 256) for t in (1, 16, 64, 128)}
+    fp8_buckets = space.buckets(fp8.variant)
+    for bucket, inters in ((fp8_buckets[0], (2048,)), (fp8_buckets[1], (256,)), (fp8_buckets[2], (2048, 256))):
+        shapes = search.shapes_for_bucket("moe_fp8", preset_cases("deepseek-v3"), bucket)
+        assert {s.n for s in shapes} == set(inters), bucket.name()
+        for shape in shapes:
+            assert fp8.entry.tile_for(shape.bucket_m, shape.n) == fp8.entry.tiles[bucket.index].params
+    decode = search.shapes_for_bucket("moe_fp8", preset_cases("deepseek-v3"), fp8_buckets[0])
+    assert {(s.n, s.m) for s in decode} == {(2048, t) for t in (1, 16, 64, 128)}
     # Candidates vary moe_fp8's fused activation where the block allows it (fuse_act needs block_n = 128).
     rest = space.buckets(fp8.variant)[-1]
     tiles = space.candidates(fp8.variant, rest, fp8.loaded.definition.schemes, 10_000)

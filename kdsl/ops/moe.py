@@ -330,7 +330,9 @@ def _moe_fp8_impl(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, check_ids: bo
     x = x if x.stride(1) == 1 else x.contiguous()
     w13, w13_s, w2, w2_s = (_unit_k(t) for t in (w13, w13_s, w2, w2_s))
     entry = registry.dispatch("moe_fp8", scheme, device)
-    tile = entry.tile_for(tokens_per_expert(tokens * topk, experts), hidden)
+    # Tiles by tokens per routed expert and the intermediate size I: I sets how many columns the gate/up GEMM
+    # spreads over the SMs at decode (kernel_defs/moe_fp8.toml).
+    tile = entry.tile_for(tokens_per_expert(tokens * topk, experts), w2.shape[2])
     entry.launch(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, on_routed, tile)
     if device.type == "cpu":
         _moe_lost_nan(x, w13, w2, topk_ids, y)

@@ -352,7 +352,7 @@ def _moe_w4a16_impl(x, w13: W4A16ExpertsPrepared, w2: W4A16ExpertsPrepared, topk
     if entry.layout != w13.layout:
         raise ValueError(f"w13: experts are in layout {w13.layout}, but {entry.name} reads {entry.layout}; "
                          "prepare them again")
-    tile = entry.tile_for(tokens_per_expert(tokens * topk, experts), hidden)
+    tile = entry.tile_for(tokens_per_expert(tokens * topk, experts), w2.k)  # by I, as moe_fp8
     entry.launch(x, w13.qweight, w13.zeros, w13.scales, w13.perm, w2.qweight, w2.zeros, w2.scales, w2.perm,
                  topk_weights, topk_ids, y, on_routed, tile)
     return y

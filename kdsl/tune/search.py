@@ -112,8 +112,8 @@ def shapes_for_bucket(op: str, cases: Sequence[Case], bucket: Bucket) -> list[Sh
 def _moe_shapes(cases: Sequence[Case], bucket: Bucket) -> list[Shape]:
     """The MoE layers' shapes for a bucket of tokens per routed expert: every layer (E, k, H, I) of the preset at
     the preset's token counts T whose tokens per expert fall in the bucket; none: at the most T that give the
-    bucket's m_max tokens per expert (the last bucket: twice the previous m_max). The tile is picked by H as its N."""
-    layers = list(dict.fromkeys((c.experts, c.topk, c.hidden, c.inter) for c in cases if bucket.holds_n(c.hidden)))
+    bucket's m_max tokens per expert (the last bucket: twice the previous m_max). The tile is picked by I as its N."""
+    layers = list(dict.fromkeys((c.experts, c.topk, c.hidden, c.inter) for c in cases if bucket.holds_n(c.inter)))
     shapes = []
     for experts, topk, hidden, inter in layers:
         tokens = sorted({c.m for c in cases if (c.experts, c.topk, c.hidden, c.inter) == (experts, topk, hidden, inter)
