@@ -13,7 +13,8 @@ Each is timed as one hand-captured CUDA graph of the forward, eagerly, and under
 torch.compile(mode="reduce-overhead", fullgraph=True) (compiled per M, so it is the slowest mode to run: --modes
 picks). Every mode is timed the same way: calls back to back, CUDA events around a batch of them, so the time is
 the GPU's where the host keeps ahead and the host's pace where it does not; the host's time per call is in the
-JSON (host_us) and on the progress lines. Ratios are the float model's time over the variant's in the same
+JSON (host_us) and on the progress lines. All the models are built first; at each M the captured and eager ones
+take turns batch by batch, so a host that runs slower for a while slows them alike. Ratios are the float model's time over the variant's in the same
 mode and run. The fraction of the roofline is the weight bytes of the layers over the measured device copy rate
 (decode) or the linears' FLOPs over the measured dense fp16/fp8 matmul rate (prefill), taken in the same run.
 """
@@ -136,51 +137,72 @@ def _captured(fn, x):
     return graph
 
 
-def _time_steady(fn, x, reps: int = 7) -> tuple[float, float]:
-    """(GPU us per call, host us per call) with calls issued back to back, as a serving loop issues them: CUDA
-    events around a batch of calls (enough for ~5 ms), the median of `reps` batches; the host time is the
-    Python side of one call, unsynchronized. Where the host takes longer than the GPU the first is the host's
-    pace, which is what such a loop gets. One call timed alone from an idle GPU would add the host's time to
-    the GPU's in every mode but the graph's (torch.compile's cudagraph trees spend 120-190 us of Python per
-    call on an H200's host), which made compiled models look slower than captured ones."""
+def _runner(model, x, mode: str):
+    """A callable that runs one forward of model on x in `mode`: the captured graph's replay, the eager model, or
+    the model compiled with torch.compile(mode="reduce-overhead", fullgraph=True)."""
+    import torch
+
+    if mode == "graph":
+        graph = _captured(model, x)
+        return graph.replay
+    if mode == "eager":
+        return lambda: model(x)
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    return lambda: compiled(x.clone())  # a fresh input: cudagraph trees reuse their outputs
+
+
+def _time_steady(runners: dict, reps: int = 7) -> dict:
+    """{name: (GPU us per call, host us per call)} with calls issued back to back, as a serving loop issues them:
+    CUDA events around a batch of one runner's calls (enough for ~5 ms), the median of `reps` batches, the runners
+    taking turns batch by batch so that they share the host's state (between processes, and over one, the same
+    eager call here took up to twice as long on the host). The host time is the Python side of one call,
+    unsynchronized; where it exceeds the GPU's the first is the host's pace, which is what such a loop gets. One
+    call timed alone from an idle GPU would add the host's time to the GPU's in every mode but the graph's
+    (torch.compile's cudagraph trees spend 120-190 us of Python per call on an H200's host), which made
+    compiled models look slower than captured ones."""
     import time
 
     import torch
 
-    for _ in range(3):
-        fn(x)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn(x)
-    torch.cuda.synchronize()
-    calls = max(3, min(50, int(5e-3 / max(time.perf_counter() - start, 1e-6))))
-    times, hosts = [], []
+    calls = {}
+    for name, fn in runners.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        calls[name] = max(3, min(50, int(5e-3 / max(time.perf_counter() - start, 1e-6))))
+    times = {name: [] for name in runners}
+    hosts = {name: [] for name in runners}
     for _ in range(reps):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        host = time.perf_counter()
-        for _ in range(calls):
-            fn(x)
-        hosts.append((time.perf_counter() - host) / calls * 1e6)
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times), statistics.median(hosts)
+        for name, fn in runners.items():
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            host = time.perf_counter()
+            for _ in range(calls[name]):
+                fn()
+            hosts[name].append((time.perf_counter() - host) / calls[name] * 1e6)
+            end.record()
+            end.synchronize()
+            times[name].append(begin.elapsed_time(end) * 1e3 / calls[name])
+    return {name: (statistics.median(times[name]), statistics.median(hosts[name])) for name in runners}
 
 
-def time_model(model, x, mode: str) -> tuple[float, float]:
-    """(microseconds per forward, host microseconds per forward), calls back to back in every mode."""
+def time_models(models: dict, mode: str) -> dict:
+    """{name: (microseconds per forward, host microseconds per forward)} of models {name: (model, x)} in `mode`,
+    calls back to back. Captured and eager models take turns (time_steady); compiled ones are timed one after
+    the other, each compiled afresh (torch._dynamo.reset), so no model's guards or cudagraph tree meets another's."""
     import torch
 
     with torch.inference_mode():
-        if mode == "graph":
-            graph = _captured(model, x)
-            return _time_steady(lambda _: graph.replay(), x)
-        if mode == "eager":
-            return _time_steady(model, x)
-        torch._dynamo.reset()
-        compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
-        return _time_steady(lambda t: compiled(t.clone()), x)  # a fresh input: cudagraph trees reuse outputs
+        if mode != "compile":
+            return _time_steady({name: _runner(model, x, mode) for name, (model, x) in models.items()})
+        timed = {}
+        for name, (model, x) in models.items():
+            torch._dynamo.reset()
+            timed.update(_time_steady({name: _runner(model, x, mode)}))
+        return timed
 
 
 def ceilings() -> tuple[float, float, float]:
@@ -213,38 +235,47 @@ def run_model_bench(spec: str, ms: list[int], modes: list[str], variants: list[s
     bases = {"w4a16": "fp16", "fp8": "bf16", "torchao-fp8": "bf16"}
     needed = ["fp16"] * ("w4a16" in variants) + ["bf16"] * any(v != "w4a16" for v in variants)
     bytes_per_weight = {"fp16": 2, "bf16": 2, "w4a16": 0.5 + 4 / 128, "fp8": 1 + 4 / 128**2, "torchao-fp8": 1}
+    models = {}
     for model_name in needed + variants:
         try:
-            model, dtype = variant(model_name, shape)
+            models[model_name] = variant(model_name, shape)
         except ImportError as error:
             print(f"  {model_name}: not available ({error})", file=sys.stderr)
-            continue
         except Exception as error:  # noqa: BLE001 - a peer's API that moved: its rows are left out, said so
             if model_name in ("fp16", "bf16", "w4a16", "fp8"):
                 raise
             print(f"  {model_name}: not available ({type(error).__name__}: {error})", file=sys.stderr)
-            continue
-        for m in ms:
-            x = torch.randn(m, shape.hidden, device="cuda", dtype=dtype)
-            for mode in modes:
-                try:
-                    us, host_us = time_model(model, x, mode)
-                except Exception as error:  # noqa: BLE001 - one cell fails, the table goes on
-                    us, host_us, note = None, None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
-                else:
-                    note = None
-                flops = 2 * m * shape.weights()
+    flops_per_row = 2 * shape.weights()
+    for m in ms:
+        inputs = {dtype: torch.randn(m, shape.hidden, device="cuda", dtype=dtype)
+                  for dtype in dict.fromkeys(dtype for _, dtype in models.values())}
+        for mode in modes:
+            # Every model of this M and mode is timed in one go (eager and graph taking turns); a failure times
+            # the others on their own, and the failing one gets its row with the error.
+            group = {name: (model, inputs[dtype]) for name, (model, dtype) in models.items()}
+            try:
+                timed = time_models(group, mode)
+            except Exception:  # noqa: BLE001 - one cell fails, the table goes on
+                timed = {}
+                for name, one in group.items():
+                    try:
+                        timed.update(time_models({name: one}, mode))
+                    except Exception as error:  # noqa: BLE001
+                        timed[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+            for model_name in models:
+                result = timed[model_name]
+                us, host_us, note = (None, None, result) if isinstance(result, str) else (*result, None)
                 moved = shape.weights() * bytes_per_weight[model_name]
                 rows.append({"model": model_name, "m": m, "mode": mode, "us": us, "host_us": host_us, "error": note,
                              "tokens_per_s": None if not us else m / us * 1e6,
                              "roofline": None if not us else (
                                  moved / copy_rate * 1e6 / us if m <= max(DECODE_M)
-                                 else flops / (fp8_rate if "fp8" in model_name else fp16_rate) * 1e6 / us)})
+                                 else m * flops_per_row / (fp8_rate if "fp8" in model_name else fp16_rate) * 1e6 / us)})
                 print(f"  {model_name:12s} M={m:5d} {mode:8s} "
                       + (f"{us:10.1f} us (host {host_us:.1f} us)" if us else f"failed: {note}"),
                       file=sys.stderr, flush=True)
-        del model
-        torch.cuda.empty_cache()
+    del models
+    torch.cuda.empty_cache()
     time_of = {(r["model"], r["m"], r["mode"]): r["us"] for r in rows}
     for r in rows:
         base = time_of.get((bases.get(r["model"], r["model"]), r["m"], r["mode"]))
