@@ -40,6 +40,16 @@ def test_the_table_names_every_mode():
     assert "w4a16" in table and "2.50" in table and "compile us" in table
 
 
+def test_layers_override_the_preset_and_need_model(capsys):
+    from kdsl.cli import main
+
+    assert main(["bench", "--layers", "3"]) == 2
+    assert "--layers 3: only with --model" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "--model", "llama-3-8b", "--layers", "0"])
+    assert exited.value.code == 2 and "--layers: must be >= 1" in capsys.readouterr().err
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_every_mode_is_timed_in_steady_state():

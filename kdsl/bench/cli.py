@@ -5,6 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from kdsl.arguments import int_at_least
 from kdsl.bench.report import build_document, command_line, format_table, matplotlib_available, plot_ratios, write_json
 from kdsl.bench.results import OK, Result
 from kdsl.bench.model import DECODE_M, PREFILL_M, parse_shape
@@ -91,6 +92,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="CUDA graph, eager, torch.compile(mode='reduce-overhead', fullgraph=True)")
     model.add_argument("--variants", nargs="+", choices=MODEL_VARIANTS, default=list(MODEL_VARIANTS),
                        help="quantized models to time beside the float one")
+    model.add_argument("--layers", type=int_at_least(1), metavar="N",
+                       help="decoder layers to time instead of the preset's (more layers hide torch.compile's "
+                            "100-300 us of Python per call behind a longer forward, as a whole model does)")
     tp_bench.add_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -135,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
         return tp_bench.run(args)
     if args.model:
         return run_model(args)
+    if args.layers is not None:
+        return _fail(f"--layers {args.layers}: only with --model (the decoder layers it times)")
     # Everything that can be refused without a GPU is checked first, so a long run never
     # ends in an unwritable path or a missing optional dependency.
     try:
@@ -192,4 +198,4 @@ def run_model(args: argparse.Namespace) -> int:
     from kdsl.bench.model import run_model_bench
 
     return run_model_bench(args.model, args.m or [*DECODE_M, *PREFILL_M], args.modes, args.variants, args.json,
-                           args.plot)
+                           args.plot, layers=args.layers)

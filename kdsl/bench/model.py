@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 PRESETS = {
@@ -223,10 +223,12 @@ def ceilings() -> tuple[float, float, float]:
 
 
 def run_model_bench(spec: str, ms: list[int], modes: list[str], variants: list[str], json_path: str | None,
-                    plot_path: str | None) -> int:
+                    plot_path: str | None, layers: int | None = None) -> int:
     import torch
 
     name, shape = parse_shape(spec)
+    if layers is not None:
+        shape = replace(shape, layers=layers)
     copy_rate, fp16_rate, fp8_rate = ceilings()
     print(f"kdsl bench --model {name}: {shape.layers} layers, weights {shape.weights() / 1e9:.2f} G params; "
           f"copy {copy_rate / 1e12:.2f} TB/s, fp16 {fp16_rate / 1e12:.0f} TFLOP/s, fp8 {fp8_rate / 1e12:.0f} "
