@@ -13,7 +13,8 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 # kdsl.aot adds itself to the runtime when imported, so KDSL_AOT=DIR serves any use of kdsl without the runtime
 # importing it.
 from kdsl import aot, nn, ops, registry  # noqa: E402
-from kdsl.nn import from_pretrained, load_quantized, quantize_  # noqa: E402
+from kdsl.checkpoint import from_pretrained, load_quantized  # noqa: E402
+from kdsl.nn import quantize_  # noqa: E402
 from kdsl.runtime.registry import NoKernelError  # noqa: E402
 from kdsl.runtime.registry import SchemeNotServedError, require_served_scheme, served_schemes  # noqa: E402,F401
 from kdsl.schema import GPTQ, BlockFP8  # noqa: E402

@@ -1,5 +1,7 @@
-"""The package layout: kdsl's subpackages import each other one way only (no cycle among them), read from the
-module-level imports of every module (an import inside a function runs at call time, not at import time)."""
+"""The package layout: kdsl's subpackages import each other one way only (no cycle among them), read from every
+import of every module, those inside functions too: an import deferred to call time still reaches the package it
+names (kdsl.nn's loader once built kdsl.parallel's modules from inside a function while kdsl.parallel imports
+kdsl.nn; the loader now stands above both, as kdsl.checkpoint)."""
 from __future__ import annotations
 
 import ast
@@ -16,12 +18,12 @@ def _unit(module: str) -> str:
 
 
 def subpackage_imports() -> dict[str, set[str]]:
-    """{kdsl.X: the other kdsl.Y its modules import at module level}."""
+    """{kdsl.X: the other kdsl.Y its modules import, at module level or inside a function}."""
     edges: dict[str, set[str]] = {}
     for path in PACKAGE.rglob("*.py"):
         parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
         source = _unit(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
-        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:

@@ -291,7 +291,7 @@ def _load_worker(rank, world, init_file, folder):
                             timeout=timedelta(seconds=120))
     try:
         import kdsl
-        from kdsl.nn import checkpoint
+        from kdsl import checkpoint
         from test_nn import DIM, HIDDEN, TinyMLP
 
         for kind in LOAD_KINDS:

@@ -343,7 +343,7 @@ def _unchanged(model, before, what):
 
 
 def _load_cases(rank, folder):
-    from kdsl.nn import checkpoint
+    from kdsl import checkpoint
 
     one = [dist.new_group([r]) for r in range(WORLD)][rank]  # every rank creates every group
     torch.manual_seed(81)
@@ -397,7 +397,7 @@ def _load_refusals(rank, folder):
     for plan, kw, message in refusals:
         model = GatedModel(torch.bfloat16, **kw)
         before = {name: type(m) for name, m in model.named_modules()}
-        with pytest.raises(kdsl.nn.checkpoint.CheckpointError, match=message):
+        with pytest.raises(kdsl.nn.CheckpointError, match=message):
             kdsl.load_quantized(model, fp8, device="cpu", tp_plan=plan)
         _unchanged(model, before, plan)
     with pytest.raises(ValueError, match=r"tp_plan\['x'\]: expected 'column', 'row' or 'mlp', got 'gated'"):

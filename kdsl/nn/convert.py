@@ -1,4 +1,4 @@
-"""Put kdsl's quantized linears into a model from float weights: quantize_ (checkpoints: kdsl.nn.checkpoint).
+"""Put kdsl's quantized linears into a model from float weights: quantize_ (checkpoints: kdsl.checkpoint).
 
 It checks everything before it changes anything, so a refusal leaves the model as it was.
 """

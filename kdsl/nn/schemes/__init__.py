@@ -3,7 +3,7 @@ config's handler.
 
 Each unit (block_fp8.py, gptq.py, awq.py; int4.py holds what GPTQ and AWQ share) owns its module factory, its
 checkpoint formats (tensor specs per layer and how they become modules) and its tensor-parallel shard rules.
-kdsl.nn.convert, kdsl.nn.checkpoint and kdsl.parallel call handler_for(scheme) and hold no per-scheme branches.
+kdsl.nn.convert, kdsl.checkpoint and kdsl.parallel call handler_for(scheme) and hold no per-scheme branches.
 Adding a scheme: docs/extending.md.
 """
 from __future__ import annotations

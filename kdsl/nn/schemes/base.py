@@ -2,7 +2,7 @@
 
 A SchemeHandler is one quantization format's code for kdsl.nn and kdsl.parallel: the module a float nn.Linear
 becomes (quantize_), the checkpoint formats it reads (LayerFormat: tensor specs per layer and how they become a
-module) and its tensor-parallel shard rules. nn.convert, nn.checkpoint and kdsl.parallel look the handler up by
+module) and its tensor-parallel shard rules. nn.convert, kdsl.checkpoint and kdsl.parallel look the handler up by
 the scheme's type (kdsl.nn.schemes.handler_for) instead of branching on it.
 """
 from __future__ import annotations

@@ -3,7 +3,8 @@
 What the config means comes from kdsl.schema.read_hf_config; each format's tensors per quantized linear (names,
 shapes, dtypes) and how they become an FP8Linear or a W4A16Linear are its scheme unit's (kdsl.nn.schemes: a
 LayerFormat); here the folder is read against them. Everything is checked from the safetensors headers before
-anything changes, then layers are read one at a time.
+anything changes, then layers are read one at a time. With a tp_plan the layers it names become kdsl.parallel's
+modules, which is why this loader stands above both kdsl.nn and kdsl.parallel.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from torch import nn
 from kdsl.nn.convert import _swap
 from kdsl.nn.schemes import CheckpointError, LayerFormat, handler_for
 from kdsl.nn.schemes.base import ACT_DTYPES
+from kdsl.parallel import ColumnParallelLinear, ParallelMLP, RowParallelLinear
 from kdsl.runtime.registry import require_served_scheme
 from kdsl.schema import read_hf_config, scheme_from_hf
 
@@ -186,8 +188,6 @@ def _tp_style(name: str, tp_plan: dict[str, str] | None) -> str | None:
 
 def _build_parallel(scheme, style: str, shards: _Shards, roles: dict[str, str], device, group) -> nn.Module:
     """A Column/RowParallelLinear from this rank's slices of the layer (g_idx and bias are read whole)."""
-    from kdsl.parallel import ColumnParallelLinear, RowParallelLinear
-
     t = {role: shards.load(key, device) if role in ("g_idx", "bias") else shards.lazy(key, device)
          for role, key in roles.items()}
     cls = ColumnParallelLinear if style == "column" else RowParallelLinear
@@ -270,8 +270,6 @@ def _build_parallel_mlp(fmt: LayerFormat, shards: _Shards, plan: _Plan, linears:
     """A ParallelMLP from this rank's slices of gate, up and down (g_idx and biases are read whole); tensors are
     converted as they are read where the format says (fmt.read_dtypes: int4 scales to act_dtype, default the
     checkpoint's; FP8 scales to float32)."""
-    from kdsl.parallel import ParallelMLP
-
     tensors = {}
     for role, linear in linears.items():
         t = {}
