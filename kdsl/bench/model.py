@@ -14,9 +14,10 @@ torch.compile(mode="reduce-overhead", fullgraph=True) (compiled per M, so it is 
 picks). Every mode is timed the same way: calls back to back, CUDA events around a batch of them, so the time is
 the GPU's where the host keeps ahead and the host's pace where it does not; the host's time per call is in the
 JSON (host_us) and on the progress lines. All the models are built first; at each M the captured and eager ones
-take turns batch by batch, so a host that runs slower for a while slows them alike. Ratios are the float model's time over the variant's in the same
-mode and run. The fraction of the roofline is the weight bytes of the layers over the measured device copy rate
-(decode) or the linears' FLOPs over the measured dense fp16/fp8 matmul rate (prefill), taken in the same run.
+take turns batch by batch, so a host that runs slower for a while slows them alike. Ratios are the float model's
+time over the variant's in the same mode and run. The fraction of the roofline is the weight bytes of the layers
+over the measured device copy rate (decode) or the linears' FLOPs over the measured dense fp16/fp8 matmul rate
+(prefill), taken in the same run.
 """
 from __future__ import annotations
 
@@ -191,7 +192,7 @@ def _time_steady(runners: dict, reps: int = 7) -> dict:
 
 def time_models(models: dict, mode: str) -> dict:
     """{name: (microseconds per forward, host microseconds per forward)} of models {name: (model, x)} in `mode`,
-    calls back to back. Captured and eager models take turns (time_steady); compiled ones are timed one after
+    calls back to back. Captured and eager models take turns (_time_steady); compiled ones are timed one after
     the other, each compiled afresh (torch._dynamo.reset), so no model's guards or cudagraph tree meets another's."""
     import torch
 
@@ -268,11 +269,13 @@ def run_model_bench(spec: str, ms: list[int], modes: list[str], variants: list[s
                 result = timed[model_name]
                 us, host_us, note = (None, None, result) if isinstance(result, str) else (*result, None)
                 moved = shape.weights() * bytes_per_weight[model_name]
-                rows.append({"model": model_name, "m": m, "mode": mode, "us": us, "host_us": host_us, "error": note,
+                rows.append({"model": model_name, "m": m, "mode": mode, "us": us, "host_us": host_us,
+                             "error": note,
                              "tokens_per_s": None if not us else m / us * 1e6,
                              "roofline": None if not us else (
                                  moved / copy_rate * 1e6 / us if m <= max(DECODE_M)
-                                 else m * flops_per_row / (fp8_rate if "fp8" in model_name else fp16_rate) * 1e6 / us)})
+                                 else m * flops_per_row / (fp8_rate if "fp8" in model_name else fp16_rate)
+                                 * 1e6 / us)})
                 print(f"  {model_name:12s} M={m:5d} {mode:8s} "
                       + (f"{us:10.1f} us (host {host_us:.1f} us)" if us else f"failed: {note}"),
                       file=sys.stderr, flush=True)
