@@ -394,6 +394,22 @@ def test_moe_decode_and_prefill_tiles():
     assert prefill["BLOCK_M"] == 64 and prefill["fuse_act"] is True and prefill["BLOCK_N"] == 128
 
 
+def test_moe_tile_follows_the_intermediate_size(monkeypatch):
+    """The layer tiles by I (the gate/up GEMM's width at decode), not by H: on sm_90 a decode call with I < 1024
+    takes the 64-column tile and one with I >= 1024 the 128-column one, whatever H is."""
+    entry = registry.select("moe_fp8", kdsl.BlockFP8(), arch="sm_90")
+    assert entry.tile_for(1, 256)["BLOCK_N"] == 64 and entry.tile_for(1, 2048)["BLOCK_N"] == 128
+    use_arch(monkeypatch, "sm_90")
+    tiles = []
+    sm90 = registry.dispatch("moe_fp8", kdsl.BlockFP8(), torch.device("cpu"))
+    wrap_launch(monkeypatch, sm90.modules[sm90.impl],
+                lambda original: lambda *args: tiles.append(args[-1]["BLOCK_N"]) or original(*args))
+    args = moe_case(2, 2, 1024, 128, 2)  # H = 1024 would pick the 128-column tile; I = 128 picks the 64-column one
+    y = kdsl.ops.moe_fp8(*args)
+    assert_rows_close(y, moe_ref(*args), torch.ones(2, dtype=torch.bool), torch.bfloat16)
+    assert tiles == ([64] if interpreting() else [])
+
+
 def test_fused_activation_needs_block_n_of_one_group():
     from kdsl.schema import parse_definition
     text = """
