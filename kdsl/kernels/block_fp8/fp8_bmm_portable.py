@@ -4,8 +4,8 @@ Grid axis 2 walks the batch; every operand comes with its strides, so a batch of
 views (MLA's per-head activations) runs without a copy. Tiles and options as fp8_gemm/portable."""
 from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
 from kdsl.kernels.c_abi import ImplLaunch
-from kdsl.kernels.block_fp8.fp8_gemm_portable import (Options, operand_ring_bytes, portable_c_constexprs,
-                                                     portable_c_options, portable_constexprs)
+from kdsl.kernels.block_fp8.fp8_gemm_portable import (Options, operand_ring_bytes, portable_constexprs,
+                                                     portable_options, portable_tile_constexprs)
 from kdsl.kernels.host import cdiv
 
 
@@ -35,8 +35,8 @@ C_LAUNCH = ImplLaunch(
     pointer_types={"a_ptr": "fp8e4nv", "b_ptr": "fp8e4nv", "c_ptr": "dtype:out_dtype",
                    "as_ptr": "fp32", "bs_ptr": "fp32"},
     grid=("cdiv(M, {BLOCK_M}) * cdiv(N, {BLOCK_N})", "1", "B"),
-    constexprs=portable_c_constexprs,
-    options=portable_c_options,
+    constexprs=portable_tile_constexprs,
+    options=portable_options,
     kernel="{module}",
 )
 

@@ -119,13 +119,7 @@ def launch(generated, a, a_s, b, b_s, c, tile):
         a_desc, b_desc, c_desc, a_s, b_s, b, c, B, M, N, K,
         a_s.stride(0), a_s.stride(1), a_s.stride(2), b_s.stride(0), b_s.stride(1), b_s.stride(2),
         b.stride(0), b.stride(1), c.stride(0), c.stride(1), programs,
-    ), dict(
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tile["GROUP_M"], N_MAJOR=tile["tile_order"] == "n_major",
-        BATCH_INNER=tile["batch_inner"], SWAP_AB=tile["swap_ab"], FLATTEN=tile["flatten"],
-        WARP_SPECIALIZE=tile["warp_specialize"], PDL=pdl, PREFETCH_WEIGHTS=tile["prefetch_weights"],
-        POINTER_STORE=tile["epilogue"] == "pointer", num_warps=tile["num_warps"], num_stages=tile["num_stages"],
-        **({"launch_pdl": True} if pdl else {}),
-    ))
+    ), {**C_LAUNCH.constexprs(tile, {}), "PDL": pdl, **C_LAUNCH.options(tile), **({"launch_pdl": True} if pdl else {})})
 
 
 _BMM_TILES = "B * cdiv(M, {BLOCK_M}) * cdiv(N, {BLOCK_N})"
@@ -156,6 +150,8 @@ C_LAUNCH = ImplLaunch(
                                 ("1", "{BLOCK_M}", "{BLOCK_N}")),
     },
     grid=(_BMM_PROGRAMS, "1", "1"),
+    # The tile's constexprs and launch options, which launch() passes too (PDL there only outside the interpreter,
+    # with its launch attribute).
     constexprs=lambda tile, scheme: {
         "BLOCK_M": tile["BLOCK_M"], "BLOCK_N": tile["BLOCK_N"], "BLOCK_K": tile["BLOCK_K"],
         "GROUP_M": tile["GROUP_M"], "N_MAJOR": tile["tile_order"] == "n_major",

@@ -33,11 +33,21 @@ def one_scale_per_k_block(where: str, scheme, tile) -> list[str]:
     return found
 
 
+def portable_tile_constexprs(tile: dict, scheme: dict | None = None) -> dict:
+    """The portable block-FP8 GEMMs' constexprs (fp8_gemm, fp8_bmm, fp8_grouped_gemm[_masked]): the tile's, which
+    launch() passes and the C dispatcher compiles alike (their C launches' `constexprs`)."""
+    return {"BLOCK_M": tile["BLOCK_M"], "BLOCK_N": tile["BLOCK_N"], "BLOCK_K": tile["BLOCK_K"],
+            "GROUP_M": tile["GROUP_M"], "N_MAJOR": tile["tile_order"] == "n_major"}
+
+
+def portable_options(tile: dict) -> dict:
+    """Their launch options (the C launches' `options`)."""
+    return {"num_warps": tile["num_warps"], "num_stages": tile["num_stages"]}
+
+
 def portable_constexprs(tile: dict) -> dict:
-    """The constexprs and launch options of the portable GEMMs (fp8_gemm, fp8_bmm, fp8_grouped_gemm[_masked])."""
-    return dict(BLOCK_M=tile["BLOCK_M"], BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
-                GROUP_M=tile["GROUP_M"], N_MAJOR=tile["tile_order"] == "n_major",
-                num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+    """The constexprs and launch options launch() passes."""
+    return {**portable_tile_constexprs(tile), **portable_options(tile)}
 
 
 def launch(generated, a, a_s, b, b_s, c, tile):
@@ -54,16 +64,6 @@ def launch(generated, a, a_s, b, b_s, c, tile):
     ), portable_constexprs(tile))
 
 
-def portable_c_constexprs(tile: dict, scheme: dict) -> dict:
-    """The portable block-FP8 GEMMs' constexprs as launch() passes them, for the C dispatcher."""
-    return {"BLOCK_M": tile["BLOCK_M"], "BLOCK_N": tile["BLOCK_N"], "BLOCK_K": tile["BLOCK_K"],
-            "GROUP_M": tile["GROUP_M"], "N_MAJOR": tile["tile_order"] == "n_major"}
-
-
-def portable_c_options(tile: dict) -> dict:
-    return {"num_warps": tile["num_warps"], "num_stages": tile["num_stages"]}
-
-
 C_LAUNCH = ImplLaunch(
     params=(("a_ptr", "a"), ("b_ptr", "b"), ("c_ptr", "c"), ("as_ptr", "a_s"), ("bs_ptr", "b_s"),
             ("M", "M"), ("N", "N"), ("K", "K"), ("stride_am", "lda"), ("stride_bn", "ldb"),
@@ -71,8 +71,8 @@ C_LAUNCH = ImplLaunch(
     pointer_types={"a_ptr": "fp8e4nv", "b_ptr": "fp8e4nv", "c_ptr": "dtype:out_dtype",
                    "as_ptr": "fp32", "bs_ptr": "fp32"},
     grid=("cdiv(M, {BLOCK_M}) * cdiv(N, {BLOCK_N})", "1", "1"),
-    constexprs=portable_c_constexprs,
-    options=portable_c_options,
+    constexprs=portable_tile_constexprs,
+    options=portable_options,
 )
 
 

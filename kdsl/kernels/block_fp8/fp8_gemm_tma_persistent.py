@@ -65,12 +65,7 @@ def launch(generated, a, a_s, b, b_s, c, tile):
     return Launch(kernel, (programs, 1, 1), (
         a_desc, b_desc, c_desc, a_s, b_s, c, workspace, counters,
         M, N, K, a_s.stride(0), b_s.stride(0), c.stride(0), programs,
-    ), dict(
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=tile["GROUP_M"], N_MAJOR=tile["tile_order"] == "n_major", NUM_STAGES=tile["num_stages"],
-        SPLIT_K=split_k, WARP_SPECIALIZE=tile["warp_specialize"], SWAP_AB=tile["swap_ab"],
-        num_warps=tile["num_warps"],
-    ))
+    ), {**C_LAUNCH.constexprs(tile, {}), "SPLIT_K": split_k, **C_LAUNCH.options(tile)})
 
 
 # The C launch: tiles, K split and persistent grid, as launch() computes them.
@@ -93,12 +88,13 @@ C_LAUNCH = ImplLaunch(
         "c_desc": TmaDescriptor("c", "dtype:out_dtype", ("M", "N"), ("ldc", "1"), ("{BLOCK_M}", "{BLOCK_N}")),
     },
     grid=(_FP8_PROGRAMS, "1", "1"),
+    # The tile's constexprs and launch options: launch() passes these (with its K split) as they are.
     constexprs=lambda tile, scheme: {
         "BLOCK_M": tile["BLOCK_M"], "BLOCK_N": tile["BLOCK_N"], "BLOCK_K": tile["BLOCK_K"],
         "GROUP_M": tile["GROUP_M"], "N_MAJOR": tile["tile_order"] == "n_major",
         "NUM_STAGES": tile["num_stages"], "WARP_SPECIALIZE": tile["warp_specialize"],
         "SWAP_AB": tile["swap_ab"]},
-    options=lambda tile: {"num_warps": tile["num_warps"]},  # launch() passes num_stages as a constexpr
+    options=lambda tile: {"num_warps": tile["num_warps"]},  # num_stages goes in as a constexpr
     runtime_constexprs=(("SPLIT_K", _FP8_SPLIT, SPLIT),),
     scratch=("ws_ptr", "count_ptr", f"{_FP8_TILES} * split * {{BLOCK_M}} * {{BLOCK_N}}", _FP8_TILES),
     scratch_alias="c",

@@ -6,8 +6,8 @@ belong to one expert makes one pass over K, one holding several experts one pass
 masked: A [E, max_m, K] with a per-expert row count read on the device; the grid covers max_m rows per expert."""
 from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
 from kdsl.kernels.c_abi import ImplLaunch
-from kdsl.kernels.block_fp8.fp8_gemm_portable import (Options, operand_ring_bytes, portable_c_constexprs,
-                                                     portable_c_options, portable_constexprs)
+from kdsl.kernels.block_fp8.fp8_gemm_portable import (Options, operand_ring_bytes, portable_constexprs,
+                                                     portable_options, portable_tile_constexprs)
 from kdsl.kernels.host import cdiv
 
 
@@ -51,8 +51,8 @@ C_LAUNCH = ImplLaunch(
     pointer_types={"a_ptr": "fp8e4nv", "b_ptr": "fp8e4nv", "c_ptr": "dtype:out_dtype",
                    "as_ptr": "fp32", "bs_ptr": "fp32", "group_ptr": "i32"},
     grid=("cdiv(M, {BLOCK_M}) * cdiv(N, {BLOCK_N})", "1", "1"),
-    constexprs=portable_c_constexprs,
-    options=portable_c_options,
+    constexprs=portable_tile_constexprs,
+    options=portable_options,
     kernel="{module}",
 )
 
@@ -68,8 +68,8 @@ MASKED_C_LAUNCH = ImplLaunch(
     pointer_types={"a_ptr": "fp8e4nv", "b_ptr": "fp8e4nv", "c_ptr": "dtype:out_dtype",
                    "as_ptr": "fp32", "bs_ptr": "fp32", "count_ptr": "i32"},
     grid=("cdiv(max_m, {BLOCK_M}) * cdiv(N, {BLOCK_N})", "E", "1"),
-    constexprs=portable_c_constexprs,
-    options=portable_c_options,
+    constexprs=portable_tile_constexprs,
+    options=portable_options,
     kernel="{module}",
 )
 

@@ -8,8 +8,10 @@ def launch_act_quant(generated, x, q, s, tile):
     """x [M, K] (unit stride along K), q [M, K] fp8 and s [M, K // GROUP] float32, both contiguous."""
     M, K = x.shape
     grid = (cdiv(M, tile["BLOCK_M"]), K // generated.module.GROUP.value, 1)
+    # ROUND_FIRST: the interpreter's rounding order (C never runs on the CPU).
     return Launch(generated.kernel, grid, (x, q, s, M, K, x.stride(0)),
-                  dict(BLOCK_M=tile["BLOCK_M"], ROUND_FIRST=x.device.type == "cpu", num_warps=tile["num_warps"]))
+                  {**ACT_QUANT_C_LAUNCH.constexprs(tile, {}), "ROUND_FIRST": x.device.type == "cpu",
+                   **ACT_QUANT_C_LAUNCH.options(tile)})
 
 
 def launch_weight_quant(generated, w, q, s, tile):
