@@ -107,6 +107,24 @@ def _ignored(name: str, patterns: tuple[str, ...]) -> bool:
     return False
 
 
+def _roles(shards: _Shards, prefix: str, specs: dict, what: str, problems: list[str]) -> dict[str, str]:
+    """{role: checkpoint key} of one layer's tensors `prefix.<role>` against their specs; what does not fit (a
+    required tensor missing, a shape or dtype other than the spec's) is appended to problems."""
+    roles = {}
+    for role, spec in specs.items():
+        key = f"{prefix}.{role}"
+        if key not in shards.where:
+            if spec.required:
+                problems.append(f"{key}: missing (expected shape {spec.shape})")
+            continue
+        if shards.shape(key) != spec.shape:
+            problems.append(f"{key}: expected shape {spec.shape} for {what}, found {shards.shape(key)}")
+        elif shards.dtype(key) not in spec.dtypes:
+            problems.append(f"{key}: expected dtype {' or '.join(spec.dtypes)}, found {shards.dtype(key)}")
+        roles[role] = key
+    return roles
+
+
 def _plan(model: nn.Module, shards: _Shards, fmt: LayerFormat) -> _Plan:
     plan, problems = _Plan(), []
     for name, module in model.named_modules():
@@ -115,20 +133,8 @@ def _plan(model: nn.Module, shards: _Shards, fmt: LayerFormat) -> _Plan:
         key = f"{name}.{fmt.marker}"
         if key not in shards.where or not fmt.marks(shards.dtype(key)) or _ignored(name, fmt.hf.ignore):
             continue
-        roles = {}
-        for role, spec in fmt.specs(module.in_features, module.out_features).items():
-            key = f"{name}.{role}"
-            if key not in shards.where:
-                if spec.required:
-                    problems.append(f"{key}: missing (expected shape {spec.shape})")
-                continue
-            if shards.shape(key) != spec.shape:
-                problems.append(f"{key}: expected shape {spec.shape} for {module.in_features} -> "
-                                f"{module.out_features}, found {shards.shape(key)}")
-            elif shards.dtype(key) not in spec.dtypes:
-                problems.append(f"{key}: expected dtype {' or '.join(spec.dtypes)}, found {shards.dtype(key)}")
-            roles[role] = key
-        plan.quantized[name] = roles
+        plan.quantized[name] = _roles(shards, name, fmt.specs(module.in_features, module.out_features),
+                                      f"{module.in_features} -> {module.out_features}", problems)
     for name, module in model.named_modules():
         shape = _fused_experts(module) if fmt.experts else None
         key = f"{name}.0.gate_proj.{fmt.marker}"
@@ -142,20 +148,8 @@ def _plan(model: nn.Module, shards: _Shards, fmt: LayerFormat) -> _Plan:
             continue
         plan.experts[name] = []
         for e in range(experts):
-            roles = {}
-            for role, spec in fmt.expert_specs(inter, hidden).items():
-                key = f"{name}.{e}.{role}"
-                if key not in shards.where:
-                    if spec.required:
-                        problems.append(f"{key}: missing (expected shape {spec.shape})")
-                    continue
-                if shards.shape(key) != spec.shape:
-                    problems.append(f"{key}: expected shape {spec.shape} for expert {e} of {experts} "
-                                    f"(I = {inter}, H = {hidden}), found {shards.shape(key)}")
-                elif shards.dtype(key) not in spec.dtypes:
-                    problems.append(f"{key}: expected dtype {' or '.join(spec.dtypes)}, found {shards.dtype(key)}")
-                roles[role] = key
-            plan.experts[name].append(roles)
+            plan.experts[name].append(_roles(shards, f"{name}.{e}", fmt.expert_specs(inter, hidden),
+                                             f"expert {e} of {experts} (I = {inter}, H = {hidden})", problems))
     for key, tensor in model.state_dict().items():
         if key.rpartition(".")[0] in plan.quantized or key.rpartition(".")[0] in plan.experts:
             continue
