@@ -724,31 +724,44 @@ ACT_QUANT_ABI = OpAbi(
     bench_problems={"act_quant": lambda case: {"act_quant": act_quant_problems([case.k], ms=(case.m,))}},
 )
 
+# What the block-FP8 GEMMs' C ABIs share (fp8_gemm, fp8_bmm and kdsl.ops.moe's grouped pair).
+FP8_ROW_SCALES = (  # a's row stride, then its per-token scales, as act_quant writes them
+    CArg("lda", "i64", "row stride of a in elements (>= K)"),
+    CArg("a_s", "ptr", "a_s [M, K / act_group] float32, row stride lda_s, unit stride along K"),
+    CArg("lda_s", "i64", "row stride of a_s in elements (>= K / act_group)"),
+)
+FP8_OUT_DTYPE = CArg("out_dtype", "dtype", "KDSL_BF16, KDSL_F16 or KDSL_F32")
+FP8_K = CArg("K", "i64", "a multiple of act_group, > 0")
+
+
+def k_in_act_groups(op: str) -> Check:
+    """The refusal of a K that is not whole activation groups."""
+    return Check("K % {act_group} != 0", f"{op}: K = %lld must be a multiple of {{act_group}}", ("K",))
+
+
 FP8_GEMM_ABI = OpAbi(
     op="fp8_gemm",
     function="kdsl_fp8_gemm",
     summary="C = (a * a_s) @ (b * b_s)^T with DeepSeek-V3 block scaling, fp32 accumulation.",
     args=(
         CArg("a", "ptr", "a [M, K] float8_e4m3fn, row stride lda, unit stride along K"),
-        CArg("lda", "i64", "row stride of a in elements (>= K)"),
-        CArg("a_s", "ptr", "a_s [M, K / act_group] float32, row stride lda_s, unit stride along K"),
-        CArg("lda_s", "i64", "row stride of a_s in elements (>= K / act_group)"),
+        *FP8_ROW_SCALES,
         CArg("b", "ptr", "b [N, K] float8_e4m3fn, row stride ldb, unit stride along K (the weight)"),
         CArg("ldb", "i64", "row stride of b in elements (>= K)"),
         CArg("b_s", "ptr", "b_s [ceil(N / block_n), K / block_k] float32, row stride ldb_s, unit stride along K"),
         CArg("ldb_s", "i64", "row stride of b_s in elements (>= K / block_k)"),
         CArg("c", "ptr", "c [M, N] of out_dtype, row stride ldc, unit stride along N (output)", const=False),
         CArg("ldc", "i64", "row stride of c in elements (>= N)"),
-        CArg("out_dtype", "dtype", "KDSL_BF16, KDSL_F16 or KDSL_F32"),
+        FP8_OUT_DTYPE,
         CArg("M", "i64", "rows of a and c, >= 0"),
         CArg("N", "i64", "rows of b, columns of c: a multiple of 8"),
-        CArg("K", "i64", "a multiple of act_group, > 0"),
+        FP8_K,
     ),
     dtype_choices={"out_dtype": ("bf16", "f16", "f32")},
     checks=(
         Check("M < 0 || N < 0 || K <= 0", "fp8_gemm: M = %lld and N = %lld must be >= 0, K = %lld > 0",
               ("M", "N", "K")),
-        Check("K % {act_group} != 0", "fp8_gemm: K = %lld must be a multiple of {act_group}", ("K",)),
+        k_in_act_groups("fp8_gemm"),
         Check("N % 8 != 0", "fp8_gemm: N = %lld must be a multiple of 8", ("N",)),
         Check("lda < K || ldb < K", "fp8_gemm: lda = %lld and ldb = %lld must be >= K = %lld", ("lda", "ldb", "K")),
         Check("ldc < N", "fp8_gemm: ldc = %lld must be >= N = %lld", ("ldc", "N")),
@@ -814,17 +827,17 @@ FP8_BMM_ABI = OpAbi(
         CArg("c", "ptr", "c [B, M, N] of out_dtype, strides (stride_cb, stride_cm, 1) (output)", const=False),
         CArg("stride_cb", "i64", "c's batch stride"),
         CArg("stride_cm", "i64", "c's row stride"),
-        CArg("out_dtype", "dtype", "KDSL_BF16, KDSL_F16 or KDSL_F32"),
+        FP8_OUT_DTYPE,
         CArg("B", "i64", "batches (heads), >= 0"),
         CArg("M", "i64", "rows of a and c (tokens), >= 0"),
         CArg("N", "i64", "rows of b, columns of c: a multiple of 16"),
-        CArg("K", "i64", "a multiple of act_group, > 0"),
+        FP8_K,
     ),
     dtype_choices={"out_dtype": ("bf16", "f16", "f32")},
     checks=(
         Check("B < 0 || M < 0 || N < 0 || K <= 0", "fp8_bmm: B = %lld, M = %lld and N = %lld must be >= 0, K = %lld > 0",
               ("B", "M", "N", "K")),
-        Check("K % {act_group} != 0", "fp8_bmm: K = %lld must be a multiple of {act_group}", ("K",)),
+        k_in_act_groups("fp8_bmm"),
         Check("N % 16 != 0", "fp8_bmm: N = %lld must be a multiple of 16", ("N",)),
         Check(" || ".join(f"{name} < 0" for name in _BMM_STRIDE_NAMES), "fp8_bmm: strides must be >= 0"),
         fits_in_32_bits("fp8_bmm", ("B", "M", "N", "K", *_BMM_STRIDE_NAMES)),

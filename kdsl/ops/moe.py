@@ -25,7 +25,8 @@ from kdsl.kernels.c_abi import DTYPES, CArg, Check, OpAbi, fits_in_32_bits, not_
 from kdsl.ops import _checks as check
 from kdsl.ops import fallback
 from kdsl.ops._examples import MOE_EXPERTS, MOE_HIDDEN, MOE_INTER, empty, fp8_operands, gemm_shape, moe_routing
-from kdsl.ops.block_fp8 import FP8, _gemm_scheme, _interpreter_lost_nan, _matching, _refuse_unserved, act_quant_problems
+from kdsl.ops.block_fp8 import (FP8, FP8_K, FP8_OUT_DTYPE, FP8_ROW_SCALES, _gemm_scheme, _interpreter_lost_nan,
+                             _matching, _refuse_unserved, act_quant_problems, k_in_act_groups)
 from kdsl.ops.spec import OpSpec
 from kdsl.runtime import registry
 
@@ -481,9 +482,7 @@ FP8_GROUPED_GEMM_ABI = OpAbi(
             "block scaling as kdsl_fp8_gemm.",
     args=(
         CArg("a", "ptr", "a [M, K] float8_e4m3fn, row stride lda, unit stride along K: the rows grouped by expert"),
-        CArg("lda", "i64", "row stride of a in elements (>= K)"),
-        CArg("a_s", "ptr", "a_s [M, K / act_group] float32, row stride lda_s, unit stride along K"),
-        CArg("lda_s", "i64", "row stride of a_s in elements (>= K / act_group)"),
+        *FP8_ROW_SCALES,
         *_EXPERT_WEIGHTS,
         CArg("group_ids", "ptr", "group_ids int32 [M], contiguous: the expert of each row of a, -1 for a padding "
                                  "row (its row of c is not written); ids outside [-1, E) are not checked (kdsl.ops "
@@ -491,10 +490,10 @@ FP8_GROUPED_GEMM_ABI = OpAbi(
         CArg("c", "ptr", "c [M, N] of out_dtype, row stride ldc, unit stride along N (output; padding rows "
                          "unspecified)", const=False),
         CArg("ldc", "i64", "row stride of c in elements (>= N)"),
-        CArg("out_dtype", "dtype", "KDSL_BF16, KDSL_F16 or KDSL_F32"),
+        FP8_OUT_DTYPE,
         CArg("M", "i64", "rows of a, c and group_ids, >= 0 (DeepGEMM pads each expert's rows to 128; any M runs)"),
         CArg("N", "i64", "rows of each expert's b, columns of c, >= 0"),
-        CArg("K", "i64", "a multiple of act_group, > 0"),
+        FP8_K,
         CArg("E", "i64", "experts, >= 1"),
     ),
     dtype_choices={"out_dtype": ("bf16", "f16", "f32")},
@@ -502,7 +501,7 @@ FP8_GROUPED_GEMM_ABI = OpAbi(
         Check("M < 0 || N < 0 || K <= 0", "fp8_grouped_gemm: M = %lld and N = %lld must be >= 0, K = %lld > 0",
               ("M", "N", "K")),
         Check("E <= 0", "fp8_grouped_gemm: E = %lld: expected at least one expert (b [E, N, K])", ("E",)),
-        Check("K % {act_group} != 0", "fp8_grouped_gemm: K = %lld must be a multiple of {act_group}", ("K",)),
+        k_in_act_groups("fp8_grouped_gemm"),
         Check("lda < K || stride_bn < K", "fp8_grouped_gemm: lda = %lld and stride_bn = %lld must be >= K = %lld",
               ("lda", "stride_bn", "K")),
         Check("ldc < N", "fp8_grouped_gemm: ldc = %lld must be >= N = %lld", ("ldc", "N")),
@@ -545,11 +544,11 @@ FP8_GROUPED_GEMM_MASKED_ABI = OpAbi(
                          "masked_m[e] unspecified)", const=False),
         CArg("stride_ce", "i64", "c's expert stride in elements (>= 0)"),
         CArg("stride_cm", "i64", "c's row stride in elements (>= N)"),
-        CArg("out_dtype", "dtype", "KDSL_BF16, KDSL_F16 or KDSL_F32"),
+        FP8_OUT_DTYPE,
         CArg("E", "i64", "experts, >= 0 (at most 65535: one grid row each)"),
         CArg("max_m", "i64", "rows per expert of a and c, >= 0"),
         CArg("N", "i64", "rows of each expert's b, columns of c, >= 0"),
-        CArg("K", "i64", "a multiple of act_group, > 0"),
+        FP8_K,
         CArg("expected_m", "i64", "the rows per expert the tile is chosen for (a hint, as kdsl.ops' and DeepGEMM's "
                                   "expected_m), or 0 for max_m"),
     ),
@@ -558,7 +557,7 @@ FP8_GROUPED_GEMM_MASKED_ABI = OpAbi(
         Check("E < 0 || max_m < 0 || N < 0 || K <= 0",
               "fp8_grouped_gemm_masked: E = %lld, max_m = %lld and N = %lld must be >= 0, K = %lld > 0",
               ("E", "max_m", "N", "K")),
-        Check("K % {act_group} != 0", "fp8_grouped_gemm_masked: K = %lld must be a multiple of {act_group}", ("K",)),
+        k_in_act_groups("fp8_grouped_gemm_masked"),
         Check("expected_m < 0", "fp8_grouped_gemm_masked: expected_m = %lld must be >= 0 (0: max_m)",
               ("expected_m",)),
         Check("stride_am < K || stride_bn < K",
