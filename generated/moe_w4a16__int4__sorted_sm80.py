@@ -3,7 +3,7 @@
 # module: moe_w4a16__int4__sorted_sm80 (moe_w4a16/sorted: tokens sorted by expert on the device, int4 gate-up GEMM (+ silu * up), int4 down GEMM, weighted combine)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_80 and up
-# digest: 2e4df5b8aa263d41 (sha256 of its schemes, variant and templates)
+# digest: 41d9f6e8760bb113 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -19,6 +19,8 @@ import triton.language as tl
 # as two linears with their own g_idx). A call then gathers each sorted row's activation once through its
 # expert's permutation (the gather kernel below: x before gate-up, h before down), so the GEMMs read their rows
 # contiguously, as without act-order.
+
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 BITS = tl.constexpr(4)
 PACK = tl.constexpr(8)  # values per int32

@@ -3,7 +3,7 @@
 # module: w4a16_dequant__int4__blockwise_sm80 (w4a16_dequant/blockwise: prepared int4 weights to w [N, K] (prepared K order; act-order's w [K, N] in checkpoint order) for torch.matmul, one tile per program)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_80 and up
-# digest: 6eb9cc020c3ae738 (sha256 of its schemes, variant and templates)
+# digest: e09463bb7513a2a5 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -13,6 +13,8 @@ import triton.language as tl
 # its fast path. Or, with act-order's perm, w [K, N] with K in the checkpoint's order: x @ w needs no gather of x.
 # w4a16_gemm takes this path from its variant's dequant_min_m rows up. Memory-bound: each program reads one
 # tile's words (half a byte per weight) and writes the tile (two bytes per weight).
+
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 BITS = tl.constexpr(4)
 PACK = tl.constexpr(8)  # values per int32

@@ -3,12 +3,14 @@
 # module: w4a16_gemm__int4__gemv_mma_gluon_sm90 (w4a16_gemm/gemv_mma_gluon: W4A16 GEMV for M <= 8 on mma.sync (Gluon): 16 columns per program, its warps splitting K)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_90 .. sm_90
-# digest: d04f5d8381660d16 (sha256 of its schemes, variant and templates)
+# digest: 8c22a9c0adbca43e (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
 
 # W4A16 GEMV for M <= 8 on mma.sync, written in Gluon (k_planes weights, paired scales and zeros).
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 BITS = tl.constexpr(4)
 PACK = tl.constexpr(8)  # values per int32
 MAX_Q = tl.constexpr(15)
@@ -334,10 +336,12 @@ def _gemv_x_layout(num_warps, chunk_tiles):
 @gluon.jit
 def _gemv_mma_loads(x_ptr, perm_ptr, strip, p_ptr, M, N, stride_xm, stride_pg, first_col, kt0,
                     K: gl.constexpr, TILES_PER_WARP: gl.constexpr, CHUNK_TILES: gl.constexpr,
-                    HAS_PERM: gl.constexpr, GROUP_SIZE: gl.constexpr, num_warps: gl.constexpr):
+                    HAS_PERM: gl.constexpr, GROUP_SIZE: gl.constexpr, num_warps: gl.constexpr,
+                    WAIT_BEFORE_X: gl.constexpr = False):
     """The words, (scale, zero) pairs and x, in MMA-slot order, of tiles kt0 .. kt0 + CHUNK_TILES of every
     warp's run. Tiles past K (the last warps' runs are whole chunks) read as zero weights; so do columns
-    past N (the layout pads words with zeros; pairs are masked)."""
+    past N (the layout pads words with zeros; pairs are masked). WAIT_BEFORE_X: the weights' loads are in
+    flight before the program waits for the kernel that writes x (a programmatic dependent launch)."""
     K_TILES: gl.constexpr = (K + PLANE_TILE_K - 1) // PLANE_TILE_K
     TILES_PAST_K: gl.constexpr = num_warps * TILES_PER_WARP > K_TILES
     words_layout: gl.constexpr = _gemv_words_layout(num_warps, CHUNK_TILES)
@@ -357,6 +361,8 @@ def _gemv_mma_loads(x_ptr, perm_ptr, strip, p_ptr, M, N, stride_xm, stride_pg, f
         words = gl.load(strip + at)
         pairs = gl.load(pair_at, mask=col < N, other=0)
 
+    if WAIT_BEFORE_X:
+        gdc_wait()
     x_layout: gl.constexpr = _gemv_x_layout(num_warps, CHUNK_TILES)
     sx = gl.arange(0, num_warps, layout=gl.SliceLayout(1, gl.SliceLayout(2, x_layout)))
     kx = gl.arange(0, PLANE_TILE_K * CHUNK_TILES, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_layout)))
@@ -396,10 +402,12 @@ def w4a16_gemm__int4__gemv_mma_gluon_sm90(
     x_ptr, perm_ptr, w_ptr, p_ptr, y_ptr,
     M, N, stride_xm, stride_pg, stride_ym,
     K: gl.constexpr, CHUNK_TILES: gl.constexpr, HAS_PERM: gl.constexpr, GROUP_SIZE: gl.constexpr,
-    num_warps: gl.constexpr,
+    PDL: gl.constexpr, num_warps: gl.constexpr,
 ):
     """y[M, N] = x[M, perm] @ w for M <= 8, 16 columns per program. K is a compile-time size: each warp's
-    run of whole chunks is unrolled, so the next chunk's loads are in flight during this one's MMAs."""
+    run of whole chunks is unrolled, so the next chunk's loads are in flight during this one's MMAs.
+    PDL (a programmatic dependent launch after the kernel that writes x, act-order's gather): the first
+    chunk's weights are requested before the program waits for x."""
     K_TILES: gl.constexpr = (K + PLANE_TILE_K - 1) // PLANE_TILE_K
     CHUNKS: gl.constexpr = ((K_TILES + num_warps - 1) // num_warps + CHUNK_TILES - 1) // CHUNK_TILES
     TILES_PER_WARP: gl.constexpr = CHUNKS * CHUNK_TILES
@@ -410,7 +418,7 @@ def w4a16_gemm__int4__gemv_mma_gluon_sm90(
              + (first_col % PLANE_TILE_N) * PLANE_ROWS)
     acc = gl.zeros([num_warps, 16, 8], gl.float32, mma_layout)
     chunk = _gemv_mma_loads(x_ptr, perm_ptr, strip, p_ptr, M, N, stride_xm, stride_pg, first_col, 0,
-                            K, TILES_PER_WARP, CHUNK_TILES, HAS_PERM, GROUP_SIZE, num_warps)
+                            K, TILES_PER_WARP, CHUNK_TILES, HAS_PERM, GROUP_SIZE, num_warps, PDL)
     for kt0 in gl.static_range(CHUNK_TILES, TILES_PER_WARP, CHUNK_TILES):
         following = _gemv_mma_loads(x_ptr, perm_ptr, strip, p_ptr, M, N, stride_xm, stride_pg, first_col, kt0,
                                     K, TILES_PER_WARP, CHUNK_TILES, HAS_PERM, GROUP_SIZE, num_warps)
@@ -429,9 +437,13 @@ def w4a16_gemm__int4__gemv_mma_gluon_sm90(
 
 @triton.jit
 def _gather_columns(x_ptr, perm_ptr, out_ptr, K, stride_xm, stride_om,
-                    K_POW2: tl.constexpr, BLOCK_K: tl.constexpr):
+                    K_POW2: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[m, k] = x[m, perm[k]] for BLOCK_K columns k of row m. The whole row is loaded (coalesced) and
-    permuted in the program (tl.gather): a gather from global memory reads one sector per element."""
+    permuted in the program (tl.gather): a gather from global memory reads one sector per element.
+    PDL: the GEMM after it is a programmatic dependent launch; releasing it at once lets its programs start and
+    load their weights while this runs (they wait for out, gdc_wait, before reading x)."""
+    if PDL:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     every_k = tl.arange(0, K_POW2)
     x = tl.load(x_ptr + row * stride_xm + every_k, mask=every_k < K, other=0)

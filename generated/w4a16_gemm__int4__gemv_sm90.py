@@ -3,13 +3,15 @@
 # module: w4a16_gemm__int4__gemv_sm90 (w4a16_gemm/gemv: W4A16 GEMV on CUDA cores, one row per program row, weights kept in registers, split-K in-kernel)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_90 .. sm_90
-# digest: 3aa37034ee80cf11 (sha256 of its schemes, variant and templates)
+# digest: 32de53f96776219a (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
 
 # W4A16 GEMV on prepared weights (block_m = 1 tiles): one row of x against all N columns on CUDA cores.
 # One row has no use for an MMA, so the weights stay in the registers they were loaded into.
+
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 BITS = tl.constexpr(4)
 PACK = tl.constexpr(8)  # values per int32
@@ -373,9 +375,13 @@ def w4a16_gemm__int4__gemv_sm90(
 
 @triton.jit
 def _gather_columns(x_ptr, perm_ptr, out_ptr, K, stride_xm, stride_om,
-                    K_POW2: tl.constexpr, BLOCK_K: tl.constexpr):
+                    K_POW2: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[m, k] = x[m, perm[k]] for BLOCK_K columns k of row m. The whole row is loaded (coalesced) and
-    permuted in the program (tl.gather): a gather from global memory reads one sector per element."""
+    permuted in the program (tl.gather): a gather from global memory reads one sector per element.
+    PDL: the GEMM after it is a programmatic dependent launch; releasing it at once lets its programs start and
+    load their weights while this runs (they wait for out, gdc_wait, before reading x)."""
+    if PDL:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     every_k = tl.arange(0, K_POW2)
     x = tl.load(x_ptr + row * stride_xm + every_k, mask=every_k < K, other=0)

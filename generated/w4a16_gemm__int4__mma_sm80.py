@@ -3,7 +3,7 @@
 # module: w4a16_gemm__int4__mma_sm80 (w4a16_gemm/mma: W4A16 MMA on checkpoint-order words: tl.dot on tiles dequantized in registers, split-K in-kernel)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_80 and up
-# digest: a18d75e781423c08 (sha256 of its schemes, variant and templates)
+# digest: 7e2d3d7523599a49 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -11,6 +11,8 @@ import triton.language as tl
 # W4A16 GEMM on prepared weights in checkpoint word order: tl.dot on tiles dequantized in registers,
 # split-K reduced in-kernel. Loads feeding the dot (through the unpacking) are pipelined by Triton
 # over num_stages.
+
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 BITS = tl.constexpr(4)
 PACK = tl.constexpr(8)  # values per int32
@@ -365,9 +367,13 @@ def w4a16_gemm__int4__mma_sm80(
 
 @triton.jit
 def _gather_columns(x_ptr, perm_ptr, out_ptr, K, stride_xm, stride_om,
-                    K_POW2: tl.constexpr, BLOCK_K: tl.constexpr):
+                    K_POW2: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[m, k] = x[m, perm[k]] for BLOCK_K columns k of row m. The whole row is loaded (coalesced) and
-    permuted in the program (tl.gather): a gather from global memory reads one sector per element."""
+    permuted in the program (tl.gather): a gather from global memory reads one sector per element.
+    PDL: the GEMM after it is a programmatic dependent launch; releasing it at once lets its programs start and
+    load their weights while this runs (they wait for out, gdc_wait, before reading x)."""
+    if PDL:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     every_k = tl.arange(0, K_POW2)
     x = tl.load(x_ptr + row * stride_xm + every_k, mask=every_k < K, other=0)

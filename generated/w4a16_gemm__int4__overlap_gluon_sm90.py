@@ -3,7 +3,7 @@
 # module: w4a16_gemm__int4__overlap_gluon_sm90 (w4a16_gemm/overlap_gluon: W4A16 GEMM for Hopper (Gluon): TMA ring, block k+1 dequantized while block k's wgmma runs)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_90 .. sm_90
-# digest: f652322a95b2befe (sha256 of its schemes, variant and templates)
+# digest: 1929176331713e9b (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -16,6 +16,8 @@ import triton.language as tl
 # NUM_STAGES slots. Gluon has no interpreter, so on the CPU the definition's alternative tile (the
 # Triton MMA with the same block sizes) serves the call; so it does for K orders that gather x
 # (act-order) and groups that change inside a K block (see refusal below).
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 BITS = tl.constexpr(4)
 PACK = tl.constexpr(8)  # values per int32
 MAX_Q = tl.constexpr(15)
@@ -359,20 +361,23 @@ def _words_layout(block_n, num_warps):
 
 @gluon.jit
 def _overlap_produce(x_desc, w_desc, p_desc, x_smem, w_smem, p_smem, ready, i, first, n_blocks, off_m, off_n,
-                     w_row0, GROUP_SIZE: gl.constexpr):
+                     w_row0, GROUP_SIZE: gl.constexpr, LOAD_X: gl.constexpr = True, LOAD_W: gl.constexpr = True):
     """Start the TMA loads of the split's i-th K block (if it has one) into ring slot i % NUM_STAGES:
-    x's rows, the weight words and the block's group of (scale, zero) pairs."""
+    x's rows, the weight words and the block's group of (scale, zero) pairs (LOAD_X, LOAD_W: only x's, or
+    only the weights' and pairs', of a slot whose barrier expects all three)."""
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     NUM_STAGES: gl.constexpr = x_smem.shape[0]
     exists = i < n_blocks
     slot = i % NUM_STAGES
     k_block = first + i
     bar = ready.index(slot)
-    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes + p_desc.block_type.nbytes,
-                    pred=exists)
-    _tma_load(x_desc, [off_m, k_block * BLOCK_K], bar, x_smem.index(slot), pred=exists)
-    _tma_load(w_desc, [w_row0 + k_block * PLANE_TILE_N, 0], bar, w_smem.index(slot), pred=exists)
-    _tma_load(p_desc, [(k_block * BLOCK_K) // GROUP_SIZE, off_n], bar, p_smem.index(slot), pred=exists)
+    if LOAD_W:
+        mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes + p_desc.block_type.nbytes,
+                        pred=exists)
+        _tma_load(w_desc, [w_row0 + k_block * PLANE_TILE_N, 0], bar, w_smem.index(slot), pred=exists)
+        _tma_load(p_desc, [(k_block * BLOCK_K) // GROUP_SIZE, off_n], bar, p_smem.index(slot), pred=exists)
+    if LOAD_X:
+        _tma_load(x_desc, [off_m, k_block * BLOCK_K], bar, x_smem.index(slot), pred=exists)
 
 
 @gluon.jit
@@ -409,11 +414,13 @@ def w4a16_gemm__int4__overlap_gluon_sm90(
     x_desc, w_desc, p_desc, y_ptr, ws_ptr, count_ptr,
     M, N, K, stride_ym,
     GROUP_M: gl.constexpr, SPLIT_K: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
-    GROUP_SIZE: gl.constexpr,
+    GROUP_SIZE: gl.constexpr, PDL: gl.constexpr,
 ):
     """y[M, N] = x @ w in BLOCK_M x BLOCK_N tiles, as y^T = w^T x^T: the dequantized weights are the
     wgmma's register operand (one warpgroup per 64 columns), x^T its shared-memory one. SPLIT_K programs
-    share each tile, each taking one contiguous run of K blocks; each K block lies in one group."""
+    share each tile, each taking one contiguous run of K blocks; each K block lies in one group.
+    PDL (a programmatic dependent launch after the kernel that writes x, act-order's gather): the first
+    blocks' weights are requested before the program waits for x."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -442,9 +449,18 @@ def w4a16_gemm__int4__overlap_gluon_sm90(
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for slot in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(slot), count=1)
-    for i in gl.static_range(NUM_STAGES - 1):
-        _overlap_produce(x_desc, w_desc, p_desc, x_smem, w_smem, p_smem, ready, i, first, n_blocks, off_m, off_n,
-                         w_row0, GROUP_SIZE)
+    if PDL:
+        for i in gl.static_range(NUM_STAGES - 1):
+            _overlap_produce(x_desc, w_desc, p_desc, x_smem, w_smem, p_smem, ready, i, first, n_blocks, off_m,
+                             off_n, w_row0, GROUP_SIZE, False, True)
+        gdc_wait()
+        for i in gl.static_range(NUM_STAGES - 1):
+            _overlap_produce(x_desc, w_desc, p_desc, x_smem, w_smem, p_smem, ready, i, first, n_blocks, off_m,
+                             off_n, w_row0, GROUP_SIZE, True, False)
+    else:
+        for i in gl.static_range(NUM_STAGES - 1):
+            _overlap_produce(x_desc, w_desc, p_desc, x_smem, w_smem, p_smem, ready, i, first, n_blocks, off_m,
+                             off_n, w_row0, GROUP_SIZE)
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
     # Two blocks per trip: the wgmma in flight reads its operand's registers, so the next block's must
@@ -489,9 +505,13 @@ def w4a16_gemm__int4__overlap_gluon_sm90(
 
 @triton.jit
 def _gather_columns(x_ptr, perm_ptr, out_ptr, K, stride_xm, stride_om,
-                    K_POW2: tl.constexpr, BLOCK_K: tl.constexpr):
+                    K_POW2: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[m, k] = x[m, perm[k]] for BLOCK_K columns k of row m. The whole row is loaded (coalesced) and
-    permuted in the program (tl.gather): a gather from global memory reads one sector per element."""
+    permuted in the program (tl.gather): a gather from global memory reads one sector per element.
+    PDL: the GEMM after it is a programmatic dependent launch; releasing it at once lets its programs start and
+    load their weights while this runs (they wait for out, gdc_wait, before reading x)."""
+    if PDL:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     every_k = tl.arange(0, K_POW2)
     x = tl.load(x_ptr + row * stride_xm + every_k, mask=every_k < K, other=0)

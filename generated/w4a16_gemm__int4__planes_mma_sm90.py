@@ -3,13 +3,15 @@
 # module: w4a16_gemm__int4__planes_mma_sm90 (w4a16_gemm/planes_mma: W4A16 MMA on k_planes words, y^T = w^T x^T with the weights as the register operand, split-K in-kernel)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_90 .. sm_90
-# digest: 1f0dfff7ab22d4ff (sha256 of its schemes, variant and templates)
+# digest: 50916d9e9d045745 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
 
 # W4A16 GEMM on k_planes weights as y^T = w^T x^T: the dequantized weights are the MMA's first operand,
 # which Hopper's wgmma reads from registers, so no weight tile makes a shared-memory round trip.
+
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 BITS = tl.constexpr(4)
 PACK = tl.constexpr(8)  # values per int32
@@ -423,11 +425,14 @@ def w4a16_gemm__int4__planes_mma_sm90(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
     MAGIC_BITS: tl.constexpr, MAGIC_BIAS: tl.constexpr, FP32_MATH: tl.constexpr,
-    ASM_DEQUANT: tl.constexpr, SCALE_AFTER: tl.constexpr,
+    ASM_DEQUANT: tl.constexpr, SCALE_AFTER: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[M, N] = x[M, perm] @ w[K, N] on k_planes weights; SPLIT_K programs share each output tile, each
-    taking one contiguous run of K tiles."""
+    taking one contiguous run of K tiles. PDL (a programmatic dependent launch after the kernel that writes x,
+    act-order's gather): the program is placed while that kernel runs and waits for it before any load."""
     tile_id, offs_m, offs_n, rows, cols, first, last = _program_tile(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K)
+    if PDL:
+        gdc_wait()
     acc = _planes_mma(x_ptr, perm_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, rows, cols, K, first, last,
                       stride_xm, stride_zg, stride_sg, HAS_PERM, UNIFORM_GROUP, WORD_GROUPS, GROUP_SIZE,
                       BLOCK_M, BLOCK_N, BLOCK_K, MAGIC_BITS, MAGIC_BIAS, FP32_MATH, ASM_DEQUANT, SCALE_AFTER)
@@ -438,9 +443,13 @@ def w4a16_gemm__int4__planes_mma_sm90(
 
 @triton.jit
 def _gather_columns(x_ptr, perm_ptr, out_ptr, K, stride_xm, stride_om,
-                    K_POW2: tl.constexpr, BLOCK_K: tl.constexpr):
+                    K_POW2: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[m, k] = x[m, perm[k]] for BLOCK_K columns k of row m. The whole row is loaded (coalesced) and
-    permuted in the program (tl.gather): a gather from global memory reads one sector per element."""
+    permuted in the program (tl.gather): a gather from global memory reads one sector per element.
+    PDL: the GEMM after it is a programmatic dependent launch; releasing it at once lets its programs start and
+    load their weights while this runs (they wait for out, gdc_wait, before reading x)."""
+    if PDL:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     every_k = tl.arange(0, K_POW2)
     x = tl.load(x_ptr + row * stride_xm + every_k, mask=every_k < K, other=0)

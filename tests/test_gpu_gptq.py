@@ -186,6 +186,42 @@ def test_prepared_act_order_long_k_and_prefill(checkpoints, shape, m):
     _check_prepared(checkpoints(*shape, g_idx="perm"), m)
 
 
+@pytest.mark.parametrize("m", [1, 4, 64])
+def test_prepared_act_order_dependent_launch_waits_for_the_gather(checkpoints, monkeypatch, m):
+    """Act-order on a tile with pdl: the GEMM is launched programmatically dependent on the gather of x and must
+    read x only after the gather is done. Inside a CUDA graph replayed with a new x each time, a GEMM that read
+    the gathered buffer early would see the previous replay's x."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launches need sm_90+")
+    ck = checkpoints(4096, 4096, g_idx="perm")
+    prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"], bits=4, group_size=128)
+    entry = registry.dispatch("w4a16_gemm", prepared.scheme, torch.device("cuda"))
+    tile = entry.tile_for(m, 4096, registry.Call(m=m, n=4096, contiguous_groups=prepared.contiguous_groups))
+    if not tile.get("pdl"):
+        pytest.skip(f"{entry.name}'s tile for M = {m}, N = 4096 takes no pdl")
+    dependent = []
+    for kernel_module in entry.modules.values():
+        def spy(original):
+            def launch(*args, **kwargs):
+                dependent.append(kwargs.get("dependent", False))
+                return original(*args, **kwargs)
+            return launch
+        wrap_launch(monkeypatch, kernel_module, spy)
+    kdsl.registry.plans.clear()
+    monkeypatch.setattr(kdsl.ops._plan, "RECORD", False)
+    x = torch.zeros(m, 4096, dtype=torch.float16, device="cuda")
+    kdsl.ops.gptq_gemm(x, prepared)
+    assert dependent == [True], "the GEMM after act-order's gather was not a dependent launch"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = kdsl.ops.gptq_gemm(x, prepared)
+    for seed in range(4):
+        x.copy_(torch.randn(m, 4096, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda"))
+        graph.replay()
+        err = ref.rel_fro_error(y, x.float() @ ck["w"])
+        assert err < TOL, f"replay {seed}: rel err {err:.3g} (x read before the gather finished?)"
+
+
 def test_a_tile_that_refuses_act_order_refuses_a_permutation(checkpoints):
     """The Gluon TMA tile cannot follow perm: launched with one anyway it raises, never an unpermuted product."""
     ck = checkpoints(4096, 4096, g_idx="perm")

@@ -27,6 +27,16 @@ class Launch(NamedTuple):
     constexprs: dict
 
 
+def dependent(launch: Launch) -> Launch:
+    """The launch as a programmatic dependent launch (PDL) of the kernel before it on the stream, for a kernel
+    that can be one: it takes a PDL constexpr (False as its launch() describes it) under which it waits
+    (gdc_wait) before reading anything that kernel writes; other launches come back unchanged. The caller
+    knows what the kernel before it writes and checks kdsl.kernels.host.dependent_launches for the device."""
+    if launch.constexprs.get("PDL") is not False:
+        return launch
+    return launch._replace(constexprs={**launch.constexprs, "PDL": True, "launch_pdl": True})
+
+
 class Generated:
     """A generated module as its implementation's launch reads it for one scheme: `kernel`, the @jit kernel named
     after the module; `kernels`, each kernel named after it by the rest of its name ("" for `kernel`, "_down",

@@ -60,6 +60,19 @@ def split_for(tile: dict, k_steps: int, tiles: int, sms: int | None) -> int:
     return min(range(1, cap + 1), key=lambda split: (finish(split), split))
 
 
+_DEPENDENT_LAUNCHES: dict = {}
+
+
+def dependent_launches(device) -> bool:
+    """Whether launches on `device` can be programmatically dependent (PDL, griddepcontrol): sm_90 and later,
+    not the interpreter or the meta device."""
+    if INTERPRETING or device.type != "cuda":
+        return False
+    if device.index not in _DEPENDENT_LAUNCHES:
+        _DEPENDENT_LAUNCHES[device.index] = torch.cuda.get_device_capability(device)[0] >= 9
+    return _DEPENDENT_LAUNCHES[device.index]
+
+
 def programs_for(sms: int, tiles: int, tile: dict) -> int:
     """Persistent tiles: as many programs as fit on the SMs at once (split_fill per SM) loop over the tiles;
     else one program per tile."""

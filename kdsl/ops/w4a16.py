@@ -15,6 +15,7 @@ from functools import cached_property
 
 import torch
 
+from kdsl.kernels.host import dependent_launches
 from kdsl.kernels.w4a16.common import gather_columns
 from kdsl.naming import w4a16_scheme_name
 from kdsl.kernels.c_abi import CArg, Check, OpAbi, fits_in_32_bits, not_null
@@ -357,11 +358,14 @@ def _w4a16_gemm_impl(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
     # Act-order: x's columns gathered into a buffer of the call's own, which the plan allocates like an output.
     gathered = None if perm is None else torch.empty((m, k), dtype=x2.dtype, device=device)
     with _plan.Recorder(kernel_module.load() if plan is None else None) as rec:
-        if perm is not None:
+        if perm is None:
+            entry.launch(x2, None, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
+                         prepared.contiguous_groups, y.view(-1, n), tile)
+        else:
             kernel_module.run(gather_columns, x2, perm, gathered)
-            x2 = gathered
-        entry.launch(x2, None, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
-                     prepared.contiguous_groups, y.view(-1, n), tile)
+            kernel_module.launch(gathered, None, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
+                                 prepared.contiguous_groups, y.view(-1, n), tile,
+                                 dependent=tile.get("pdl") is True and dependent_launches(device))
     _plan.store(key, rec, (x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups),
                 (y,) if gathered is None else (y, gathered))
     return y

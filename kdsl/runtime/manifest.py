@@ -12,7 +12,7 @@ from types import ModuleType
 
 import kdsl.schema  # noqa: F401  (before kdsl.kernels: the schema's definitions import the units, theirs first)
 from kdsl.kernels import find_impl
-from kdsl.kernels.base import Generated, KernelImpl, Launch
+from kdsl.kernels.base import Generated, KernelImpl, Launch, dependent as dependent_launch
 from kdsl.naming import kernel_name
 from kdsl.runtime import launcher
 
@@ -124,7 +124,9 @@ class KernelModule:
 
     @property
     def launch(self):
-        """launch(*args, tile): the call's launches, as the unit describes them, run by kdsl.runtime.launcher."""
+        """launch(*args, tile, dependent=False): the call's launches, as the unit describes them, run by
+        kdsl.runtime.launcher; dependent: its one launch as a programmatic dependent launch of the kernel before
+        it on the stream, where the kernel can be one (kdsl.kernels.base.dependent)."""
         bound = _LAUNCHES.get(self.key)
         if bound is None:
             if self.unit is None:
@@ -132,11 +134,11 @@ class KernelModule:
                                     "run `python -m kdsl generate`")
             generated, describe, run = self.generated(), self.unit.launch, launcher.run
 
-            def bound(*args):
+            def bound(*args, dependent=False):
                 # launcher.run_all, inlined: this is every eager launch's path
                 described = describe(generated, *args)
                 if type(described) is Launch:
-                    run(described)
+                    run(dependent_launch(described) if dependent else described)
                 else:
                     for launch in described:
                         run(launch)

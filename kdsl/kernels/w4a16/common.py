@@ -19,6 +19,20 @@ class SplitOptions(StrictModel):
     split_min_steps: PositiveInt | None = Field(None, description=SPLIT_MIN_STEPS_HELP)
 
 
+PDL_HELP = ("act-order calls: the kernel is a programmatic dependent launch of act-order's gather of x, so its "
+            "programs start and request their first weights while the gather runs (kdsl.ops checks the device)")
+
+
+class SplitPdlOptions(SplitOptions):
+    """SplitOptions, and whether act-order calls launch the kernel dependent on the gather before it."""
+
+    pdl: bool = Field(False, description=PDL_HELP)
+
+
+class PdlOptions(StrictModel):
+    pdl: bool = Field(False, description=PDL_HELP)
+
+
 def weights_layout(variant) -> str | None:
     return getattr(variant.layout, "weights", None)
 
@@ -69,7 +83,9 @@ def gather_columns(generated, x, perm, out):
         block_k //= 2
     return Launch(generated.module._gather_columns, (M, cdiv(K, block_k), 1),
                   (x, perm, out, K, x.stride(0), out.stride(0)),
-                  dict(K_POW2=k_pow2, BLOCK_K=block_k, num_warps=8 if k_pow2 >= 8192 else 4))
+                  dict(K_POW2=k_pow2, BLOCK_K=block_k, PDL=host.dependent_launches(x.device),
+                       num_warps=8 if k_pow2 >= 8192 else 4))
+
 
 
 def mma_split(generated, x, y, tile) -> tuple:

@@ -8,7 +8,7 @@ groups that change inside a plane tile, and M > 8: the definition's next tile se
 from kdsl.kernels.base import KernelImpl, Launch
 from kdsl.kernels.c_abi import EXACT, ImplLaunch
 from kdsl.kernels.host import cdiv
-from kdsl.kernels.w4a16.common import C_PLANE_UNIFORM, needs_layout, scale_zero_pairs
+from kdsl.kernels.w4a16.common import C_PLANE_UNIFORM, PdlOptions, needs_layout, scale_zero_pairs
 from kdsl.packing import PLANE_TILE_K
 
 # x is the MMA's 8-wide operand.
@@ -53,7 +53,7 @@ def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups
         x, qweight if perm is None else perm, qweight, pairs, y,
         M, N, x.stride(0), pairs.stride(0), y.stride(0),
     ), dict(K=K, CHUNK_TILES=tile["BLOCK_K"] // generated.module.PLANE_TILE_K.value, HAS_PERM=perm is not None,
-            GROUP_SIZE=generated.constexprs["GROUP_SIZE"], num_warps=tile["num_warps"]))
+            GROUP_SIZE=generated.constexprs["GROUP_SIZE"], PDL=False, num_warps=tile["num_warps"]))
 
 # The Gluon GEMV on mma.sync (M <= 8, k_planes with paired scales and zeros): K and CHUNK_TILES are
 # constexprs, so one cubin per K the problems reach; launch() passes the (scale, zero) pairs as int32
@@ -68,7 +68,8 @@ C_LAUNCH = ImplLaunch(
                    "y_ptr": "dtype:x_dtype"},
     grid=("cdiv(N, 16)", "1", "1"),
     # num_warps is a parameter of the Gluon kernel as well as the launch option.
-    constexprs=lambda tile, scheme: {"CHUNK_TILES": tile["BLOCK_K"] // 128, "num_warps": tile["num_warps"]},
+    constexprs=lambda tile, scheme: {"CHUNK_TILES": tile["BLOCK_K"] // 128, "PDL": False,
+                                     "num_warps": tile["num_warps"]},
     options=lambda tile: {"num_warps": tile["num_warps"]},
     kernel="{module}",
     runtime_constexprs=(("K", "K", EXACT), ("HAS_PERM", "nonzero(perm)", (False, True))),
@@ -79,6 +80,6 @@ C_LAUNCH = ImplLaunch(
 IMPL = KernelImpl(
     "w4a16", "w4a16_gemm", "gemv_mma_gluon", "w4a16/gemv_mma_gluon.py.j2", 80, None,
     "W4A16 GEMV for M <= 8 on mma.sync (Gluon): 16 columns per program, its warps splitting K",
-    tile_knobs=frozenset({"block_m", "block_n", "block_k", "n_min"}), problems=problems,
+    tile_knobs=frozenset({"block_m", "block_n", "block_k", "n_min"}), options=PdlOptions, problems=problems,
     reads_prepared_weights=True, gemv_block_m=True, gemv_max_m=MMA_GEMV_MAX_M, launch=launch,
     refusal=refusal, c_launches={"": C_LAUNCH})

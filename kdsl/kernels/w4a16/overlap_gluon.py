@@ -10,11 +10,11 @@ from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch, warpgroup_per_64
 from kdsl.kernels.c_abi import SPLIT, ImplLaunch, TmaDescriptor
 from kdsl.kernels.gptq.checkpoint import w4a16_operand_bytes
 from kdsl.kernels.host import cdiv, gluon_descriptor, split_with_scratch
-from kdsl.kernels.w4a16.common import (C_SPLIT_FOR, C_TILES, SplitOptions, needs_layout, plane_tile_problems,
+from kdsl.kernels.w4a16.common import (C_SPLIT_FOR, C_TILES, SplitPdlOptions, needs_layout, plane_tile_problems,
                                      scale_zero_pairs)
 
 
-def problems(where: str, scheme, variant, tile, options: SplitOptions) -> list[str]:
+def problems(where: str, scheme, variant, tile, options: SplitPdlOptions) -> list[str]:
     found = needs_layout(f"{where}.impl", variant, "k_planes", "paired") + plane_tile_problems(where, tile)
     found += warpgroup_per_64(f"{where}.impl", "columns", "block_n", tile.block_n, tile.num_warps)
     if not 16 <= tile.block_m <= 256:
@@ -56,7 +56,7 @@ def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups
         gluon_descriptor(pairs, (1, bn)), y, workspace, counters,
         M, N, K, y.stride(0),
     ), dict(GROUP_M=tile["GROUP_M"], SPLIT_K=split_k, NUM_STAGES=tile["num_stages"], num_warps=tile["num_warps"],
-            GROUP_SIZE=generated.constexprs["GROUP_SIZE"]))
+            GROUP_SIZE=generated.constexprs["GROUP_SIZE"], PDL=False))
 
 # The Gluon wgmma GEMM (sm_90, k_planes): x, the plane words (qweight as [rows, 16]) and the (scale, zero)
 # pairs (int32 [G, N] over the scales, row stride lds / 2) come by TMA through Gluon host descriptors, whose
@@ -78,7 +78,7 @@ C_LAUNCH = ImplLaunch(
     },
     grid=(C_TILES, "split", "1"),
     constexprs=lambda tile, scheme: {"GROUP_M": tile["GROUP_M"], "NUM_STAGES": tile["num_stages"],
-                                     "num_warps": tile["num_warps"]},
+                                     "num_warps": tile["num_warps"], "PDL": False},
     options=lambda tile: {"num_warps": tile["num_warps"]},
     kernel="{module}",
     runtime_constexprs=(("SPLIT_K", C_SPLIT_FOR, SPLIT),),
@@ -96,6 +96,6 @@ C_LAUNCH = ImplLaunch(
 IMPL = KernelImpl(
     "w4a16", "w4a16_gemm", "overlap_gluon", "w4a16/overlap_gluon.py.j2", 90, 90,
     "W4A16 GEMM for Hopper (Gluon): TMA ring, block k+1 dequantized while block k's wgmma runs",
-    tile_knobs=GEMM_KNOBS | {"split_k"}, options=SplitOptions, shared_bytes=w4a16_operand_bytes,
+    tile_knobs=GEMM_KNOBS | {"split_k"}, options=SplitPdlOptions, shared_bytes=w4a16_operand_bytes,
     problems=problems, reads_prepared_weights=True, min_block_m=16, launch=launch,
     refusal=refusal, c_launches={"": C_LAUNCH})

@@ -6,11 +6,11 @@ Decode tiles (block_m <= 16) apply the scale to each K tile's fp32 partial inste
 """
 from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
 from kdsl.kernels.gptq.checkpoint import w4a16_operand_bytes
-from kdsl.kernels.w4a16.common import (C_HEAD, C_PLANE_UNIFORM, C_PLANE_WORD_GROUPS, C_TAIL, MAGIC, SplitOptions,
+from kdsl.kernels.w4a16.common import (C_HEAD, C_PLANE_UNIFORM, C_PLANE_WORD_GROUPS, C_TAIL, MAGIC, SplitPdlOptions,
                                      mma_c_launch, mma_split, needs_layout, plane_tile_problems)
 
 
-def problems(where: str, scheme, variant, tile, options: SplitOptions) -> list[str]:
+def problems(where: str, scheme, variant, tile, options: SplitPdlOptions) -> list[str]:
     return needs_layout(f"{where}.impl", variant, "k_planes") + plane_tile_problems(where, tile)
 
 
@@ -41,7 +41,7 @@ def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups
         HAS_PERM=perm is not None, UNIFORM_GROUP=uniform, WORD_GROUPS=word_groups, GROUP_SIZE=group_size,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tile["GROUP_M"], SPLIT_K=split_k,
         MAGIC_BITS=magic_bits, MAGIC_BIAS=magic_bias, FP32_MATH=x.device.type == "cpu",
-        ASM_DEQUANT=asm, SCALE_AFTER=scale_after,
+        ASM_DEQUANT=asm, SCALE_AFTER=scale_after, PDL=False,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"],
     ))
 
@@ -51,13 +51,13 @@ C_LAUNCH = mma_c_launch(
     (("UNIFORM_GROUP", C_PLANE_UNIFORM, (False, True)),
      ("WORD_GROUPS", C_PLANE_WORD_GROUPS, (False, True)),
      ("ASM_DEQUANT", C_PLANE_UNIFORM, (False, True)),
-     ("SCALE_AFTER", f"{C_PLANE_UNIFORM} * ({{BLOCK_M}} <= 16)", (False, True))), {})
+     ("SCALE_AFTER", f"{C_PLANE_UNIFORM} * ({{BLOCK_M}} <= 16)", (False, True))), {"PDL": False})
 
 
 IMPL = KernelImpl(
     "w4a16", "w4a16_gemm", "planes_mma", "w4a16/planes_mma.py.j2", 80, None,
     "W4A16 MMA on k_planes words, y^T = w^T x^T with the weights as the register operand, split-K in-kernel",
-    tile_knobs=GEMM_KNOBS | {"split_k"}, options=SplitOptions, shared_bytes=w4a16_operand_bytes,
+    tile_knobs=GEMM_KNOBS | {"split_k"}, options=SplitPdlOptions, shared_bytes=w4a16_operand_bytes,
     problems=problems, reads_prepared_weights=True, min_block_m=16, launch=launch,
     # Decode programs are short: how many share an SM and how few K steps a split may leave them decide how
     # many weight bytes are in flight.
