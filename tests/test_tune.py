@@ -252,6 +252,11 @@ def test_moe_layers_are_tuned_per_bucket_of_tokens_per_expert(definitions):
             assert fp8.entry.tile_for(shape.bucket_m, shape.n) == fp8.entry.tiles[bucket.index].params
     decode = search.shapes_for_bucket("moe_fp8", preset_cases("deepseek-v3"), fp8_buckets[0])
     assert {(s.n, s.m) for s in decode} == {(2048, t) for t in (1, 16, 64, 128)}
+    # A layer below that split alone (I = 128): the I >= 1024 decode tile is still tuned, on the layer at I = 1024
+    # (`kdsl tune --bucket 4` raised on a bucket with no shape before).
+    small = [Case("moe_fp8", m=4, experts=8, topk=2, hidden=256, inter=128)]
+    assert [(s.n, s.k, s.m) for s in search.shapes_for_bucket("moe_fp8", small, fp8_buckets[0])] == [(1024, 256, 4)]
+    assert [(s.n, s.k, s.m) for s in search.shapes_for_bucket("moe_fp8", small, fp8_buckets[1])] == [(128, 256, 4)]
     # Candidates vary moe_fp8's fused activation where the block allows it (fuse_act needs block_n = 128).
     rest = space.buckets(fp8.variant)[-1]
     tiles = space.candidates(fp8.variant, rest, fp8.loaded.definition.schemes, 10_000)

@@ -112,16 +112,23 @@ def shapes_for_bucket(op: str, cases: Sequence[Case], bucket: Bucket) -> list[Sh
 def _moe_shapes(cases: Sequence[Case], bucket: Bucket) -> list[Shape]:
     """The MoE layers' shapes for a bucket of tokens per routed expert: every layer (E, k, H, I) of the preset at
     the preset's token counts T whose tokens per expert fall in the bucket; none: at the most T that give the
-    bucket's m_max tokens per expert (the last bucket: twice the previous m_max). The tile is picked by I as its N."""
-    layers = list(dict.fromkeys((c.experts, c.topk, c.hidden, c.inter) for c in cases if bucket.holds_n(c.inter)))
+    bucket's m_max tokens per expert (the last bucket: twice the previous m_max). The tile is picked by I as its N;
+    an I range no preset layer falls in takes the preset's layers at its edge I, as the GEMMs' N ranges do."""
+    layers = list(dict.fromkeys((c.experts, c.topk, c.hidden, c.inter) for c in cases))
+    in_range = [layer for layer in layers if bucket.holds_n(layer[3])]
+    if in_range or not layers:
+        tuned = [(layer, layer[3]) for layer in in_range]
+    else:
+        edge = bucket.n_min if bucket.n_min is not None else max(bucket.n_below // 2, 1)
+        tuned = [(layer, edge) for layer in layers]
     shapes = []
-    for experts, topk, hidden, inter in layers:
+    for (experts, topk, hidden, inter), n in tuned:
         tokens = sorted({c.m for c in cases if (c.experts, c.topk, c.hidden, c.inter) == (experts, topk, hidden, inter)
                          and bucket.holds(tokens_per_expert(c.m * topk, experts))})
         if not tokens:
             want = bucket.m_max if bucket.m_max is not None else max(2 * bucket.lo, 1)
             tokens = [most_tokens(want, experts, topk)]
-        shapes += [Shape(t, inter, hidden, experts=experts, topk=topk) for t in tokens]
+        shapes += [Shape(t, n, hidden, experts=experts, topk=topk) for t in tokens]
     return shapes
 
 
