@@ -20,7 +20,8 @@ class SplitOptions(StrictModel):
 
 
 PDL_HELP = ("act-order calls: the kernel is a programmatic dependent launch of act-order's gather of x, so its "
-            "programs start and request their first weights while the gather runs (kdsl.ops checks the device)")
+            "programs start and request their first weights while the gather runs; on sm_90 and later GPUs only "
+            "(elsewhere the option has no effect)")
 
 
 class SplitPdlOptions(SplitOptions):
