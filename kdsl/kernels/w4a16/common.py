@@ -88,7 +88,6 @@ def gather_columns(generated, x, perm, out):
                        num_warps=8 if k_pow2 >= 8192 else 4))
 
 
-
 def mma_split(generated, x, y, tile) -> tuple:
     """(output tiles, split_k, workspace, counters) of an MMA launch over y [M, N] = x [M, K] @ w: the K split
     that fills the GPU's SMs (host.split_for) and the split-K scratch it needs."""
