@@ -282,9 +282,9 @@ def test_other_layouts_and_a_threshold_of_our_own(own_kernels, g_idx, monkeypatc
     for entry in kdsl.registry.entries():
         for kernel_module in entry.modules.values():
             def spy(original, _name=kernel_module.path.stem):
-                def launch(*args):
+                def launch(*args, **kwargs):
                     launches.append(_name)
-                    return original(*args)
+                    return original(*args, **kwargs)
                 return launch
 
             wrap_launch(monkeypatch, kernel_module, spy)
