@@ -458,6 +458,7 @@ def test_fp8_gemm_and_gptq_gemm_calls_read_cold_weight_copies(cpu_bench, monkeyp
     monkeypatch.setattr(timing, "COLD_BYTES", 2 * 768 * 128 // 2)  # two copies of a K = 768, N = 128 int4 weight
     results = run_case(Case("gptq_gemm", m=2, n=128, k=768), host_time=False)
     assert [r.impl for r in results] == ["gptq_gemm", "gptq_gemm[prepared]", "gptq_gemm[prepared,desc_act]"]
+    assert [r.variant_of for r in results] == [None, None, "gptq_gemm[prepared]"]
     # (the stand-in gptq_prepare ignores g_idx, so its desc_act row is WRONG: timed all the same)
     assert [r.status for r in results[:2]] == [OK, OK]
     assert all(r.kdsl.eager_ms == pytest.approx(0.25 / 2) for r in results)
@@ -471,6 +472,30 @@ def test_fp8_gemm_and_gptq_gemm_calls_read_cold_weight_copies(cpu_bench, monkeyp
     seen.clear()  # past COLD_MAX_M: one call each
     (prefill,) = run_case(Case("fp8_gemm", m=timing.COLD_MAX_M + 1, n=128, k=256), host_time=False)
     assert prefill.kdsl.eager_ms == 0.25 and len(seen["fp8_gemm"]) == 2  # the check's call and the timed one
+
+
+def test_a_variant_row_is_reported_as_its_time_over_the_row_it_is_held_against():
+    """Act-order's cost: the desc_act row's time over the plain row's of the same shape, on CUDA-graph times where
+    both have one (else eager), in the table and the JSON; a shape whose plain row has no time gets none."""
+    def row(case, impl, eager, graph, variant_of=None):
+        return Result(case, impl, Timing(eager_ms=eager, graph_ms=graph), variant_of=variant_of)
+
+    decode, prefill, broken = (Case("gptq_gemm", m=m, n=4096, k=4096) for m in (1, 2048, 16))
+    plain, act = "gptq_gemm[prepared]", "gptq_gemm[prepared,desc_act]"
+    results = [row(decode, plain, 0.020, 0.0060), row(decode, act, 0.030, 0.0072, plain),
+               row(prefill, plain, 0.100, None), row(prefill, act, 0.104, None, plain),
+               row(broken, plain, None, None), row(broken, act, 0.01, 0.01, plain)]
+    table = report.format_table(results)
+    assert f"{act} / {plain}: time ratio (>1: the variant is slower)" in table
+    lines = table.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{act} / {plain}"))
+    cells = [line.split() for line in lines[at + 2:at + 5]]
+    assert [c[-2:] for c in cells] == [["1.200", "graph"], ["1.040", "eager"], ["-", "-"]]
+    doc = report.build_document(results, shapes="s", ops=["gptq_gemm"], command="c", environment={})
+    by_m = {(r["shape"]["m"], r["impl"]): r for r in doc["results"]}
+    assert by_m[(1, act)]["time_vs_variant_of"] == pytest.approx(1.2) and by_m[(1, act)]["variant_times"] == "graph"
+    assert by_m[(2048, act)]["variant_of"] == plain and by_m[(2048, act)]["time_vs_variant_of"] == pytest.approx(1.04)
+    assert by_m[(16, act)]["time_vs_variant_of"] is None and "variant_of" not in by_m[(1, plain)]
 
 
 def test_host_time_is_measured_for_graph_timed_cases_unless_turned_off(cpu_bench):

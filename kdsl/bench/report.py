@@ -16,6 +16,9 @@ JSON document (SCHEMA_VERSION 1); non-finite numbers are written as null:
         "shape": {"m": 16, "n": 2112, "k": 7168},      # only the dims the op has
         "status": "ok" | "WRONG" | "ERROR" | "not available",
         "detail": str|null,                            # why it is not ok
+        "variant_of": str,                             # only on a variant row (act-order's desc_act): the row it
+        "time_vs_variant_of": float|null,              # is held against, this row's time over that row's, and
+        "variant_times": "graph" | "eager" | null,     # which times (CUDA-graph where both rows have one)
         "flops": int|null, "bytes": int|null,          # per call; bytes = read + written
         "rel_err": float|null, "tolerance": float|null,
         "ceiling_fraction": float|null,                # see Result.ceiling_fraction
@@ -141,7 +144,37 @@ def format_op_table(op: str, results: list[Result]) -> str:
                 seen.setdefault((name, t.error), []).append(r.case.label())
     notes += [f"  baseline {name} unavailable for {labels[0]}" + (f" (+{len(labels) - 1} more)" if len(labels) > 1 else "")
               + f": {err}" for (name, err), labels in seen.items()]
-    return "\n".join([*lines, *notes, *_inexact_baseline_notes(results)])
+    return "\n".join([*lines, *notes, *_inexact_baseline_notes(results), *format_variant_table(results)])
+
+
+def _by_row(results: list[Result]) -> dict[tuple, Result]:
+    return {(r.case.op, r.case.label(), r.impl): r for r in results}
+
+
+def variant_cost(r: Result, rows: dict[tuple, Result]) -> tuple[float | None, str | None]:
+    """(the time of r over that of the row it is a variant of, in the same case; "graph" or "eager": which
+    times, CUDA-graph where both rows have one), or (None, None) where either time is missing."""
+    reference = rows.get((r.case.op, r.case.label(), r.variant_of)) if r.variant_of else None
+    if reference is None:
+        return None, None
+    for mode in ("graph", "eager"):
+        mine, theirs = getattr(r.kdsl, f"{mode}_ms"), getattr(reference.kdsl, f"{mode}_ms")
+        if mine and theirs:
+            return mine / theirs, mode
+    return None, None
+
+
+def format_variant_table(results: list[Result]) -> list[str]:
+    """Per pair of a variant row and the row it is held against (act-order's desc_act and plain GPTQ): the time
+    ratio at each shape."""
+    rows = _by_row(results)
+    lines = []
+    for variant, reference in dict.fromkeys((r.impl, r.variant_of) for r in results if r.variant_of):
+        pairs = [(r, *variant_cost(r, rows)) for r in results if r.impl == variant]
+        table = [[r.case.label(), _num(ratio, ".3f"), mode or "-"] for r, ratio, mode in pairs]
+        lines += [f"  {variant} / {reference}: time ratio (>1: the variant is slower)",
+                  *("    " + line for line in _render(["shape", "ratio", "times"], table, left=1))]
+    return lines
 
 
 def _inexact_baseline_notes(results: list[Result]) -> list[str]:
@@ -181,9 +214,14 @@ def _timing_doc(r: Result, t: Timing) -> dict[str, object]:
             "tbps": _finite(r.tbps(t.eager_ms)), "error": t.error, "rel_err": _finite(t.rel_err)}
 
 
-def result_doc(r: Result) -> dict[str, object]:
+def result_doc(r: Result, rows: dict[tuple, Result] | None = None) -> dict[str, object]:
+    """One result as JSON; rows (every result by op, shape and impl) give a variant row its cost against the row
+    it is a variant of."""
+    ratio, mode = variant_cost(r, rows or {})
+    variant = {"variant_of": r.variant_of, "time_vs_variant_of": _finite(ratio), "variant_times": mode} \
+        if r.variant_of else {}
     return {
-        "op": r.case.op, "impl": r.impl, "shape": r.case.dims(), "status": r.status, "detail": r.detail,
+        "op": r.case.op, "impl": r.impl, "shape": r.case.dims(), "status": r.status, "detail": r.detail, **variant,
         "flops": r.flops, "bytes": r.bytes_moved, "rel_err": _finite(r.rel_err), "tolerance": r.tolerance,
         "ceiling_fraction": _finite(r.ceiling_fraction()), "kdsl": _timing_doc(r, r.kdsl),
         "baselines": {name: {**_timing_doc(r, t), "ratio_eager": _finite(r.ratio(name)),
@@ -193,11 +231,12 @@ def result_doc(r: Result) -> dict[str, object]:
 
 def build_document(results: list[Result], *, shapes: str, ops: list[str], command: str,
                    environment: dict[str, str | None], date: str | None = None) -> dict[str, object]:
+    rows = _by_row(results)
     return {
         "schema_version": SCHEMA_VERSION, "tool": "kdsl bench", "command": command,
         "date": date or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "environment": environment, "shapes": shapes, "ops": list(ops), "timing": TIMING_NOTE,
-        "summary": summarize(results), "results": [result_doc(r) for r in results],
+        "summary": summarize(results), "results": [result_doc(r, rows) for r in results],
     }
 
 

@@ -40,6 +40,7 @@ class Result:
     detail: str | None = None  # why WRONG / ERROR / not available
     status: str = OK
     memory_bound: bool = False  # rated in TB/s against the copy baseline (its case module's MEMORY_BOUND)
+    variant_of: str | None = None  # the kdsl row of the same case this one is held against (CaseSetup.variant_of)
 
     def tflops(self, ms: float | None) -> float | None:
         return self.flops / (ms * 1e-3) / 1e12 if self.flops and ms else None

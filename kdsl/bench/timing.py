@@ -138,6 +138,9 @@ class CaseSetup:
     # cold in L2 under CUDA-graph replay too (do_bench flushes L2 only before each callable); times are per call.
     calls: int = 1
     host_time: bool = True  # host time per call where graph-timed (decode's eager bar); off where no bar asks
+    # kdsl rows that are another of its rows run another way, whose cost the report gives as a time ratio:
+    # {variant impl: the impl it is held against} (act-order's desc_act row against the plain one).
+    variant_of: dict[str, str] = field(default_factory=dict)
 
 
 def raising(exc: Exception) -> Callable[[], object]:

@@ -88,7 +88,7 @@ def run_case(case: Case, host_time: bool = True) -> list[Result]:
     results = []
     for impl, fn in setup.kdsl.items():
         result = Result(case, impl, Timing(), baselines, flops=setup.flops, bytes_moved=setup.bytes_moved,
-                        tolerance=setup.tolerance, memory_bound=memory_bound)
+                        tolerance=setup.tolerance, memory_bound=memory_bound, variant_of=setup.variant_of.get(impl))
         try:
             result.rel_err, why = timing.run_once(fn, setup.check)
         except Exception as exc:  # noqa: BLE001

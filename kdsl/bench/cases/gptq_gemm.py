@@ -135,7 +135,8 @@ def setup(case: Case) -> timing.CaseSetup:
     return timing.CaseSetup(
         kdsl=kdsl, check=last, baselines={"fp16_matmul": lambda: [torch.matmul(x, w) for w in dense]},
         tolerance=timing.GEMM_TOL, flops=flops, bytes_moved=bytes_moved, calls=len(checkpoints),
-        roofline_ms=1e3 * max(bytes_moved / copy_rate, flops / (fp8_rate / 2)))
+        roofline_ms=1e3 * max(bytes_moved / copy_rate, flops / (fp8_rate / 2)),
+        variant_of={"gptq_gemm[prepared,desc_act]": "gptq_gemm[prepared]"})
 
 
 def gptq_problem(entry, shape) -> timing.Problem:

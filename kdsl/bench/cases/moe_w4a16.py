@@ -149,7 +149,8 @@ def setup(case: Case) -> timing.CaseSetup:
     return timing.CaseSetup(
         kdsl=kdsl, check=check, baselines=baselines, baseline_checks={name: check for name in baselines},
         tolerance=MOE_TOL, flops=flops, bytes_moved=bytes_moved, calls=copies,
-        roofline_ms=1e3 * max(bytes_moved / copy_rate, flops / (fp8_rate / 2)))
+        roofline_ms=1e3 * max(bytes_moved / copy_rate, flops / (fp8_rate / 2)),
+        variant_of={"moe_w4a16[desc_act]": "moe_w4a16"})
 
 
 
