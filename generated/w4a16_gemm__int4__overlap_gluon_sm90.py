@@ -3,7 +3,7 @@
 # module: w4a16_gemm__int4__overlap_gluon_sm90 (w4a16_gemm/overlap_gluon: W4A16 GEMM for Hopper (Gluon): TMA ring, block k+1 dequantized while block k's wgmma runs)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_90 .. sm_90
-# digest: 1929176331713e9b (sha256 of its schemes, variant and templates)
+# digest: 4b12497d01e36ade (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -449,18 +449,15 @@ def w4a16_gemm__int4__overlap_gluon_sm90(
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for slot in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(slot), count=1)
+    # With PDL the first blocks' x loads wait until the kernel that writes x is done; their weights do not.
+    for i in gl.static_range(NUM_STAGES - 1):
+        _overlap_produce(x_desc, w_desc, p_desc, x_smem, w_smem, p_smem, ready, i, first, n_blocks, off_m, off_n,
+                         w_row0, GROUP_SIZE, not PDL, True)
     if PDL:
-        for i in gl.static_range(NUM_STAGES - 1):
-            _overlap_produce(x_desc, w_desc, p_desc, x_smem, w_smem, p_smem, ready, i, first, n_blocks, off_m,
-                             off_n, w_row0, GROUP_SIZE, False, True)
         gdc_wait()
         for i in gl.static_range(NUM_STAGES - 1):
             _overlap_produce(x_desc, w_desc, p_desc, x_smem, w_smem, p_smem, ready, i, first, n_blocks, off_m,
                              off_n, w_row0, GROUP_SIZE, True, False)
-    else:
-        for i in gl.static_range(NUM_STAGES - 1):
-            _overlap_produce(x_desc, w_desc, p_desc, x_smem, w_smem, p_smem, ready, i, first, n_blocks, off_m,
-                             off_n, w_row0, GROUP_SIZE)
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
     # Two blocks per trip: the wgmma in flight reads its operand's registers, so the next block's must

@@ -358,14 +358,11 @@ def _w4a16_gemm_impl(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
     # Act-order: x's columns gathered into a buffer of the call's own, which the plan allocates like an output.
     gathered = None if perm is None else torch.empty((m, k), dtype=x2.dtype, device=device)
     with _plan.Recorder(kernel_module.load() if plan is None else None) as rec:
-        if perm is None:
-            entry.launch(x2, None, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
-                         prepared.contiguous_groups, y.view(-1, n), tile)
-        else:
+        if gathered is not None:
             kernel_module.run(gather_columns, x2, perm, gathered)
-            kernel_module.launch(gathered, None, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups,
-                                 prepared.contiguous_groups, y.view(-1, n), tile,
-                                 dependent=tile.get("pdl") is True and dependent_launches(device))
+        kernel_module.launch(x2 if gathered is None else gathered, None, prepared.qweight, prepared.zeros,
+                             prepared.scales, prepared.groups, prepared.contiguous_groups, y.view(-1, n), tile,
+                             dependent=gathered is not None and tile.get("pdl") is True and dependent_launches(device))
     _plan.store(key, rec, (x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups),
                 (y,) if gathered is None else (y, gathered))
     return y

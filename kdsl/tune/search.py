@@ -101,12 +101,16 @@ def shapes_for_bucket(op: str, cases: Sequence[Case], bucket: Bucket) -> list[Sh
         bound = bucket.batch_max if bucket.batch_max is not None else bucket.batch_above + 1
         triples = list(dict.fromkeys((c.n, c.k, bound) for c in in_n))
     if not triples and mine:  # only an N range (n_min or n_below set) can leave out every preset shape
-        edge = bucket.n_min if bucket.n_min is not None else max(bucket.n_below // 2, 1)
-        triples = list(dict.fromkeys((edge, c.k, c.batch) for c in mine))
+        triples = list(dict.fromkeys((_edge_n(bucket), c.k, c.batch) for c in mine))
     ms = sorted({c.m for c in mine if bucket.holds(c.m)})
     if not ms:
         ms = [bucket.m_max if bucket.m_max is not None else max(2 * bucket.lo, 1)]
     return [Shape(m, n, k, batch) for m in ms for n, k, batch in triples]
+
+
+def _edge_n(bucket: Bucket) -> int:
+    """The N an N range that no preset shape falls in is tuned at: its n_min, or half the n_below under it."""
+    return bucket.n_min if bucket.n_min is not None else max(bucket.n_below // 2, 1)
 
 
 def _moe_shapes(cases: Sequence[Case], bucket: Bucket) -> list[Shape]:
@@ -119,8 +123,7 @@ def _moe_shapes(cases: Sequence[Case], bucket: Bucket) -> list[Shape]:
     if in_range or not layers:
         tuned = [(layer, layer[3]) for layer in in_range]
     else:
-        edge = bucket.n_min if bucket.n_min is not None else max(bucket.n_below // 2, 1)
-        tuned = [(layer, edge) for layer in layers]
+        tuned = [(layer, _edge_n(bucket)) for layer in layers]
     shapes = []
     for (experts, topk, hidden, inter), n in tuned:
         tokens = sorted({c.m for c in cases if (c.experts, c.topk, c.hidden, c.inter) == (experts, topk, hidden, inter)

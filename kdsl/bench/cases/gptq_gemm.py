@@ -90,11 +90,6 @@ def desc_act_checkpoint(inputs: GPTQGemmInputs) -> DescActInputs:
 Checkpoint = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (qweight, qzeros, scales)
 
 
-def checkpoint_copies(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, m: int) -> list[Checkpoint]:
-    """The checkpoint tensors and their clones: the copies a callable cycles through (timing.weight_copies)."""
-    return timing.weight_copies(m, qweight, qzeros, scales)
-
-
 def prepare(checkpoint: Checkpoint, g_idx: torch.Tensor | None = None):
     """One copy's W4A16Prepared: gptq_prepare may keep the scales it was given, so each copy prepares its own."""
     from kdsl.ops import gptq_prepare
@@ -107,7 +102,7 @@ def setup(case: Case) -> timing.CaseSetup:
     m, n, k = case.m, case.n, case.k
     inputs = gptq_gemm_inputs(m, n, k)
     x, scales, ref = inputs.x, inputs.scales, inputs.ref
-    checkpoints = checkpoint_copies(inputs.qweight, inputs.qzeros, scales, m)
+    checkpoints = timing.weight_copies(m, inputs.qweight, inputs.qzeros, scales)
     w16 = inputs.w_ref.half()
     dense = [w16] + [w16.clone() for _ in range(len(checkpoints) - 1)]
     # No act-order here, so g_idx is left out: the bench times the contiguous-group path.
@@ -121,8 +116,8 @@ def setup(case: Case) -> timing.CaseSetup:
             kdsl["gptq_gemm[prepared]"] = timing.raising(exc)
         try:  # the same weights as a desc_act checkpoint: rows permuted, the group of each row in g_idx
             act_order = desc_act_checkpoint(inputs)
-            prepared_act_order = [prepare(checkpoint, act_order.g_idx) for checkpoint in checkpoint_copies(
-                act_order.qweight, act_order.qzeros, act_order.scales, m)]
+            prepared_act_order = [prepare(checkpoint, act_order.g_idx) for checkpoint in timing.weight_copies(
+                m, act_order.qweight, act_order.qzeros, act_order.scales)]
             kdsl["gptq_gemm[prepared,desc_act]"] = lambda: [gemm(act_order.x, w) for w in prepared_act_order]
         except Exception as exc:  # noqa: BLE001 - only this row fails
             kdsl["gptq_gemm[prepared,desc_act]"] = timing.raising(exc)
@@ -145,7 +140,7 @@ def gptq_problem(entry, shape) -> timing.Problem:
     weights cold from DRAM, as the bench's calls do."""
     inputs = gptq_gemm_inputs(shape.m, shape.n, shape.k)
     x = inputs.x
-    checkpoints = checkpoint_copies(inputs.qweight, inputs.qzeros, inputs.scales, shape.m)
+    checkpoints = timing.weight_copies(shape.m, inputs.qweight, inputs.qzeros, inputs.scales)
     outs = [torch.empty(shape.m, shape.n, dtype=x.dtype, device=x.device) for _ in checkpoints]
     return timing.cycling_problem(outs, inputs.ref, timing.GEMM_TOL,
                                   lambda i, y, p: entry.launch(x, *checkpoints[i], None, y, p))
@@ -156,7 +151,7 @@ def w4a16_problem(entry, shape) -> timing.Problem:
     prepared copy per launch in turn up to timing.COLD_MAX_M rows (as gptq_problem)."""
     inputs = gptq_gemm_inputs(shape.m, shape.n, shape.k)
     prepared = [prepare(checkpoint)
-                for checkpoint in checkpoint_copies(inputs.qweight, inputs.qzeros, inputs.scales, shape.m)]
+                for checkpoint in timing.weight_copies(shape.m, inputs.qweight, inputs.qzeros, inputs.scales)]
     if prepared[0].layout != entry.layout:
         raise RuntimeError(f"gptq_prepare wrote layout {prepared[0].layout}, but {entry.name} reads {entry.layout}")
     x = inputs.x

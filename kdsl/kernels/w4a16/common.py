@@ -24,14 +24,14 @@ PDL_HELP = ("act-order calls: the kernel is a programmatic dependent launch of a
             "(elsewhere the option has no effect)")
 
 
-class SplitPdlOptions(SplitOptions):
-    """SplitOptions, and whether act-order calls launch the kernel dependent on the gather before it."""
-
-    pdl: bool = Field(False, description=PDL_HELP)
-
-
 class PdlOptions(StrictModel):
+    """Whether act-order calls launch the kernel dependent on the gather before it."""
+
     pdl: bool = Field(False, description=PDL_HELP)
+
+
+class SplitPdlOptions(PdlOptions, SplitOptions):
+    """SplitOptions and PdlOptions."""
 
 
 def weights_layout(variant) -> str | None:
