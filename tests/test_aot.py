@@ -25,7 +25,7 @@ from kdsl.aot import runtime as aot_runtime
 from kdsl.aot.export import export
 from kdsl.aot.plan import int_key, plan
 from kdsl.cli import main
-from kdsl.kernels import host
+from kdsl.kernels import expressions, host
 from kdsl.kernels.base import Generated, Launch
 from kdsl.runtime import launcher
 
@@ -426,22 +426,22 @@ def _recording_module(entry, path=None):
     spec.loader.exec_module(module)
     calls = []
 
-    def scratch(kernel, device, tiles, split, elems):
-        return (Fake((tiles * split * elems,), (1,), torch.float32, 0x7000000),
-                Fake((tiles,), (1,), torch.int32, 0x7100000))
+    def scratch(kernel, device, need, tiles):
+        return (Fake((need,), (1,), torch.float32, 0x7000000), Fake((tiles,), (1,), torch.int32, 0x7100000))
 
     unit = next(m.unit for m in entry.modules.values() if m.path.name == path.name)
-    generated = Generated(module, path.stem, entry.constexprs)  # the entry's scheme's GROUP_SIZE, ...
+    # the entry's scheme's GROUP_SIZE, ... and the numbers its launch description names
+    generated = Generated(module, path.stem, entry.constexprs, abis.scheme_values(entry))
 
     def launch(*args):
-        saved = host.sm_count, host.splitk_scratch
-        host.sm_count, host.splitk_scratch = (lambda device: 132), scratch
+        saved = host.sm_count, host.scratch_buffers
+        host.sm_count, host.scratch_buffers = (lambda device: 132), scratch
         try:
             described = unit.launch(generated, *args)
             for one in [described] if isinstance(described, Launch) else described:
                 calls.append((tuple(one.grid) + (1,) * (3 - len(one.grid)), one.params, one.constexprs))
         finally:
-            host.sm_count, host.splitk_scratch = saved
+            host.sm_count, host.scratch_buffers = saved
     return types.SimpleNamespace(launch=launch), calls
 
 
@@ -1196,14 +1196,12 @@ def test_w4a16_dispatcher_matches_the_registry_and_the_generated_launch(exported
                 s["bucket"] == bucket and s["constexprs"]["SPLIT_K"] == wanted and
                 {**s["constexprs"], **s["options"]} == options for s in specs), (call, answer)
             fell_back += 1
-            original = host.split_for
-            host.split_for = lambda *a, chosen=numbers[1]: chosen
-            try:
+            with monkeypatch.context() as patched:  # the launch description's split helpers
+                for helper in ("split_for", "split_cap"):
+                    patched.setitem(expressions.HELPERS, helper, lambda *a, chosen=numbers[1]: chosen)
                 calls.clear()
                 module.launch(*args)
                 [(grid, params, options)] = calls
-            finally:
-                host.split_for = original
         spec, exact = _expected_spec(specs, entry, bucket, dtype, _keys(params), options)
         assert name == spec["name"], (call, answer)
         assert tuple(numbers[:3]) == grid, call
@@ -1895,16 +1893,44 @@ def test_gluon_descriptor_launch_is_encoded_as_tritons(monkeypatch):
     assert values == [("map", 1), *expanded, y.data_ptr(), 17, 0, 0]
 
 
+def test_launch_values_are_the_ops_c_arguments():
+    """A launch description is evaluated in Python on what its `values` gives for a call, and compiled in C on the
+    op's C arguments: the two name the same things (every name `values` gives is a C argument of the op, with its
+    kind: a tensor or None for a pointer, an integer for a size, stride or dtype), checked on the op's example
+    calls (kdsl.ops.spec.OpSpec.example, on meta tensors)."""
+    from kdsl.kernels import CATALOGUE
+    from kdsl.ops.library import declared_specs
+
+    examples = {spec.name: spec.example for spec in declared_specs()}
+    checked = 0
+    for unit in CATALOGUE:
+        for description in unit.launch_descriptions.values():
+            abi = abis.OPS[unit.op]
+            kinds = {arg.name: arg.ctype for arg in abi.args}
+            tile = kdsl.registry.select(unit.op, arch=90).tiles[0].params
+            for args in examples[unit.op](tile, torch.float16 if unit.family == "w4a16" else torch.bfloat16,
+                                          "meta"):
+                values = description.values(*args)
+                for name, value in values.items():
+                    assert name in kinds, f"{unit.op}/{unit.impl}: values gives {name}, not a C argument of {unit.op}"
+                    if kinds[name] == "ptr":
+                        assert value is None or isinstance(value, torch.Tensor), (unit.impl, name)
+                    else:
+                        assert type(value) is int, (unit.impl, name, value)
+                checked += 1
+    assert checked >= 13
+
+
 def test_every_c_launch_belongs_to_an_exported_op_and_a_known_layout():
-    """A unit's C launch (KernelImpl.c_launches) is read only through its op's C ABI (OpSpec.c_abi), keyed by a
+    """A unit's C launch (KernelImpl.launch_descriptions) is read only through its op's C ABI (OpSpec.c_abi), keyed by a
     prepared weights layout some definition declares ("" for any): one elsewhere would be dead description."""
     from kdsl.kernels import CATALOGUE
 
     layouts = {""} | {(entry.layout or {}).get("weights") for entry in kdsl.registry.entries()} - {None}
-    described = [(unit.op, unit.impl, key) for unit in CATALOGUE for key in unit.c_launches]
+    described = [(unit.op, unit.impl, key) for unit in CATALOGUE for key in unit.launch_descriptions]
     assert len(described) >= 13  # the block-FP8, grouped, GPTQ-dequant and W4A16 units
     for op, impl, key in described:
         assert op in abis.OPS, f"{op}/{impl} has a C launch, but {op}'s OpSpec has no c_abi"
-        assert key in layouts, f"{op}/{impl}: c_launches key {key!r} is no prepared weights layout ({layouts})"
+        assert key in layouts, f"{op}/{impl}: launch description key {key!r} is no prepared weights layout ({layouts})"
     for op, abi in abis.OPS.items():
-        assert any(unit.op == op and unit.c_launches for unit in CATALOGUE), f"{op} is exported with no C launch"
+        assert any(unit.op == op and unit.launch_descriptions for unit in CATALOGUE), f"{op} is exported with no C launch"

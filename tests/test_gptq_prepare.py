@@ -18,7 +18,7 @@ import torch
 import kdsl
 import reference_gptq as ref
 from kdsl.codegen.render import tile_params
-from kdsl.kernels import host
+from kdsl.kernels import expressions, host
 from kdsl.kernels.w4a16.gemv import IMPL as GEMV_IMPL
 from kdsl.ops import gptq_prepare
 from conftest import REPO_ROOT
@@ -221,8 +221,8 @@ def test_mma_split_fills_whole_waves():
     """split_k is an upper bound: the split whose programs finish soonest in waves of two programs
     per SM, counting a fixed cost per program; never below one split or past one K block per
     split; without an SM count (the interpreter) the tile's split stands."""
-    module = host  # kdsl/kernels/host.py: the K split every split-K launch takes
-    assert module.SPLIT_FILL == 2 and module.PROGRAM_COST_STEPS == 6
+    module = host  # kdsl/kernels/host.py: the K split every split-K launch takes (kdsl.kernels.expressions' rule)
+    assert expressions.SPLIT_FILL == 2 and expressions.PROGRAM_COST_STEPS == 6
     assert module.split_for(_split_tile(8), 32, tiles=32, sms=132) == 8     # 4096 columns / 128: 256 programs, one wave
     assert module.split_for(_split_tile(8), 32, tiles=112, sms=132) == 2    # 14336 columns: a third split starts a second wave
     assert module.split_for(_split_tile(8), 64, tiles=896, sms=132) == 1    # the tiles alone fill a wave: no split

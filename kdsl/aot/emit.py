@@ -192,7 +192,7 @@ def _entry_function(abi: abis.OpAbi, function: str, name: str, tag: str, arch: i
                 out.append(f"      split_at = {position}, split = variant[{position}];")
         out.append("      break;")
     out += ["  }",
-            "  /* The K split launch() would take, else the largest exported one below it (1 always is). */",
+            "  /* The K split Python's launch would take, else the largest exported one below it (1 always is). */",
             "  const kdsl__spec *spec = NULL;",
             "  for (;;) {",
             "    if (split_at >= 0) variant[split_at] = split;",

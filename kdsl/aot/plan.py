@@ -238,10 +238,10 @@ def left_out_reason(abi: abis.OpAbi, entry, index: int) -> str | None:
     launch = launch_of(abi, entry, index)
     if launch is None:
         if _is_gluon(entry, impl):  # e.g. a Gluon unit split out of a module whose Triton kernel is exported
-            return (f"implementation {impl} is a Gluon kernel with no C launch description (its unit's c_launches; "
-                    f"the exporter compiles Gluon kernels, e.g. w4a16_gemm's gemv_mma_gluon and overlap_gluon, once "
-                    f"their unit describes its launch() there)")
-        return f"implementation {impl} has no C launch description (its unit's c_launches)"
+            return (f"implementation {impl} is a Gluon kernel with no launch description (its unit's launch is a "
+                    f"function of its own; the exporter compiles Gluon kernels, e.g. w4a16_gemm's gemv_mma_gluon "
+                    f"and overlap_gluon, whose unit launches through a description)")
+        return f"implementation {impl} has no launch description (its unit's launch is a function of its own)"
     return None
 
 
@@ -361,7 +361,7 @@ def _exact_refused(abi: abis.OpAbi, entry, index: int, launch: abis.ImplLaunch, 
 
 
 def runtime_values(launch: abis.ImplLaunch, tile: dict, scheme: dict, values: dict) -> dict:
-    """The constexprs launch() computes from this call's arguments (a K split: for the device's `sms`)."""
+    """The constexprs the launch computes from this call's arguments (a K split: for the device's `sms`)."""
     out = {}
     for name, expression, allowed in launch.runtime_constexprs:
         value = abis.evaluate(abis.fill(expression, tile, scheme), values)
@@ -374,7 +374,7 @@ def split_name(launch: abis.ImplLaunch) -> str | None:
 
 
 def _runtime_choices(launch: abis.ImplLaunch, tile: dict, scheme: dict, values: dict) -> list:
-    """Every (constexpr combination, SM count) this call can take: per SM count planned for, the split launch()
+    """Every (constexpr combination, SM count) this call can take: per SM count planned for, the split the launch
     takes there, and 1 (a persistent grid also follows the SM count)."""
     split = split_name(launch)
     out = []

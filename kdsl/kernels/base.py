@@ -29,7 +29,7 @@ class Launch(NamedTuple):
 
 def dependent(launch: Launch) -> Launch:
     """The launch as a programmatic dependent launch (PDL) of the kernel before it on the stream, for a kernel
-    that can be one: it takes a PDL constexpr (False as its launch() describes it) under which it waits
+    that can be one: it takes a PDL constexpr (False as its launch describes it) under which it waits
     (gdc_wait) before reading anything that kernel writes; other launches come back unchanged. The caller
     knows what the kernel before it writes and checks kdsl.kernels.host.dependent_launches for the device."""
     if launch.constexprs.get("PDL") is not False:
@@ -39,19 +39,24 @@ def dependent(launch: Launch) -> Launch:
 
 class Generated:
     """A generated module as its implementation's launch reads it for one scheme: `kernel`, the @jit kernel named
-    after the module; `kernels`, each kernel named after it by the rest of its name ("" for `kernel`, "_down",
-    ...); `module`, for the constants the template rendered (PACK, LAYOUT, ...); `constexprs`, the scheme's
-    numbers its kernels take as constexpr arguments ({"GROUP_SIZE": 128, ...}: the module serves several schemes).
-    Built once per module and scheme."""
+    after the module (`name`); `kernels`, each kernel named after it by the rest of its name ("" for `kernel`,
+    "_down", ...); `module`, for the constants the template rendered (PACK, LAYOUT, ...); `constexprs`, the
+    scheme's numbers its kernels take as constexpr arguments ({"GROUP_SIZE": 128, ...}: the module serves several
+    schemes); `scheme`, the scheme's numbers a launch description names (kdsl.kernels.expressions.scheme_values);
+    `layout`, the prepared weights layout its kernels read ("" for checkpoint tensors). Built once per module and
+    scheme."""
 
-    __slots__ = ("module", "kernel", "kernels", "constexprs")
+    __slots__ = ("module", "name", "kernel", "kernels", "constexprs", "scheme", "layout")
 
-    def __init__(self, module, name: str, constexprs: dict | None = None):
+    def __init__(self, module, name: str, constexprs: dict | None = None, scheme: dict | None = None):
         self.module = module
+        self.name = name
         self.constexprs = constexprs or {}
+        self.scheme = scheme or {}
         self.kernels = {attr[len(name):]: value for attr, value in vars(module).items()
                         if attr.startswith(name) and hasattr(value, "arg_names")}
         self.kernel = self.kernels.get("")
+        self.layout = (getattr(module, "LAYOUT", None) or {}).get("weights") or ""
 
 
 class NoOptions(StrictModel):
@@ -83,7 +88,9 @@ class KernelImpl:
     min_block_m: int = 1  # 16 where block_m rows feed an MMA (tl.dot's smallest M)
     gemv_block_m: bool = False  # block_m = 1 selects a GEMV instead of the MMA
     gemv_max_m: int = 1  # the most rows its GEMV (block_m = 1) serves well
-    # (Generated, *the op's launch arguments, tile params) -> a Launch or an iterable of them (kdsl.runtime.launcher)
+    # (Generated, *the op's launch arguments, tile params) -> a Launch or an iterable of them (kdsl.runtime.launcher):
+    # kdsl.kernels.described.described(its launch description) for a unit the AOT C dispatcher launches too, else a
+    # function of its own
     launch: Callable | None = None
     # (Generated, tile params, kdsl.runtime Call) -> why the tile should not serve the call, or None
     refusal: Callable | None = None
@@ -92,9 +99,13 @@ class KernelImpl:
     # `kdsl tune`'s values for its options, per kind of bucket (kdsl.tune.space: "decode", "mid", "prefill",
     # "gemv"): {"prefill": {"persistent": (False, True)}}. An option left out keeps the current tile's value.
     tune_grid: Mapping[str, Mapping[str, tuple]] = field(default_factory=dict)
-    # How the AOT C dispatcher launches it (mirroring launch()), by the prepared weights layout of the entry it
-    # serves ("": any); none: `kdsl aot` does not export it.
-    c_launches: Mapping[str, ImplLaunch] = field(default_factory=dict)
+
+    @property
+    def launch_descriptions(self) -> Mapping[str, ImplLaunch]:
+        """Its launch descriptions by the prepared weights layout of the entry it serves ("": any), which its launch
+        evaluates and the AOT C dispatcher compiles; none (a launch function of its own): `kdsl aot` does not
+        export it."""
+        return getattr(self.launch, "descriptions", {})
 
     def resolve(self, tile) -> StrictModel:
         """The tile's options, validated by this implementation's model, defaults filled."""

@@ -1,21 +1,15 @@
-"""The C ABI's descriptions: what an op exports (OpAbi, in the op's kdsl.ops family module, on its OpSpec) and how
-the C dispatcher launches a kernel implementation (ImplLaunch, beside the unit's KernelImpl and its Python launch(),
-which the AOT tests compare it with).
+"""What an op exports (OpAbi, in the op's kdsl.ops family module, on its OpSpec) and how a kernel implementation is
+launched (ImplLaunch, beside the unit's KernelImpl): one launch description, which Python evaluates for every launch
+it makes (kdsl.kernels.described) and the AOT C dispatcher compiles.
 
 Expressions (an ImplLaunch's `params`, `grid`, `runtime_constexprs`, an OpAbi's `m` and checks) are written once in
-the subset both C and Python evaluate: kdsl.aot.abi says which, and evaluates them.
+the subset both C and Python evaluate (kdsl.kernels.expressions).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# The dtypes the ABI names (kdsl_dtype in kdsl_aot.h): C enum name, Triton pointer type, torch dtype name.
-DTYPES = {
-    "bf16": ("KDSL_BF16", "bf16", "bfloat16"),
-    "f16": ("KDSL_F16", "fp16", "float16"),
-    "f32": ("KDSL_F32", "fp32", "float32"),
-}
-DTYPE_CODES = {name: index for index, name in enumerate(DTYPES)}
+from kdsl.kernels.expressions import DTYPE_CODES, DTYPES  # noqa: F401  (the ABI's dtypes, named here with the ABI)
 
 
 @dataclass(frozen=True)
@@ -50,7 +44,8 @@ def not_null(op: str, sizes, pointers, optional: str = "") -> Check:
 
 @dataclass(frozen=True)
 class TmaDescriptor:
-    """A kernel parameter that launch() passes as a host `TensorDescriptor(base, shape, strides, block)`. The C side
+    """A kernel parameter passed as a host TMA descriptor over `base` (Triton's `TensorDescriptor(base, shape,
+    strides, block)`, or Gluon's with the block's default NVMMA shared layout for a Gluon kernel). The C side
     encodes it with cuTensorMapEncodeTiled; the box, swizzle and element type come from the compiled kernel's
     metadata (tensordesc_meta), and the kernel parameters it expands to from the compiled kernel's PTX (Triton
     3.6 and 3.9: the CUtensorMap by value, then the shape as int32s and the strides as int64s)."""
@@ -58,21 +53,25 @@ class TmaDescriptor:
     element: str  # Triton element type, or "dtype:ARG"
     shape: tuple  # expressions, outermost dimension first (elements)
     strides: tuple  # expressions in elements, the last one 1
-    block: tuple  # expressions (the tile), as launch() passes block_shape
+    block: tuple  # expressions (the tile): the descriptor's block_shape
 
 
 @dataclass(frozen=True)
 class ImplLaunch:
-    """How the dispatcher launches one kernel implementation of the op (mirrors the module's launch())."""
+    """How one kernel implementation of the op is launched, from the op's C arguments (`values` gives them for a
+    Python call): kdsl.kernels.described evaluates it for each launch, the AOT C dispatcher compiles it."""
     params: tuple[tuple[str, str], ...]  # (kernel parameter, expression); pointers are the op's "ptr" args
     pointer_types: dict  # kernel pointer parameter -> Triton element type, or "dtype:ARG" (varies with ARG)
     grid: tuple[str, str, str]
-    constexprs: callable  # (tile params, scheme fields) -> {name: value}, as launch() passes them
-    options: callable  # (tile params) -> {num_warps: .., num_stages: ..}, only those launch() passes
+    constexprs: callable  # (tile params, scheme fields) -> {name: value}
+    options: callable  # (tile params) -> {num_warps: .., num_stages: ..}: the launch options
+    # (the op's launch arguments, as its units' launch functions take them, before the tile) -> {C argument: value}:
+    # tensors for pointers (None for NULL), integers for sizes and strides, kdsl_dtype codes for dtypes.
+    values: callable = None
     kernel: str = "{module}"  # the @triton.jit function in the implementation's module ({module}, {entry}, {impl})
-    # Constexprs launch() computes from the call's arguments: (name, expression, the values it can take).
+    # Constexprs computed from the call's arguments: (name, expression, the values it can take).
     # Each value is a separate compile; the dispatcher computes the expression and matches it. The values
-    # SPLIT (at most one entry, the last) are a K split: the expression is the split launch() would choose,
+    # SPLIT (at most one entry, the last) are a K split: the expression is the split Python launches with,
     # the exporter compiles the splits the op's problems reach (and 1), and the dispatcher takes the largest
     # exported split not above the one asked for; the grid and the scratch sizes may name it as `split`.
     # The values EXACT: the value itself, compiled for each value the problems reaching the tile give it; other
@@ -80,21 +79,31 @@ class ImplLaunch:
     runtime_constexprs: tuple = ()
     # Constexprs that follow the dtype arguments: (dtypes {argument: name}) -> {name: value}.
     dtype_constexprs: callable = None
+    # Constexprs that differ under Triton's CPU interpreter (where C never runs): {name: value}, e.g. fp32 math
+    # where the GPU takes fp16 instructions the interpreter does not model.
+    interpreted: dict = field(default_factory=dict)
+    # Pointer parameters Python passes as a view of the argument's memory in another element type (C passes the
+    # address): {parameter: Triton element type}, e.g. the (scale, zero) pairs read as int32 over fp16 scales.
+    views: dict = field(default_factory=dict)
     # Split-K scratch: (kernel pointer parameter of the fp32 workspace, of the int32 counters, workspace
-    # elements, counters) -- expressions that may name `split`. With split 1, launch() passes the output
-    # (`scratch_alias`) for both, so no scratch is taken.
+    # elements, counters) -- expressions that may name `split`. With split 1 the parameters' own expressions
+    # (`scratch_alias`, the output) are passed, so no scratch is taken.
     scratch: tuple | None = None
     scratch_alias: str = ""
-    # Parameters launch() passes as host TMA descriptors: {parameter: TmaDescriptor}; in `params` they appear as
+    # Parameters passed as host TMA descriptors: {parameter: TmaDescriptor}; in `params` they appear as
     # (parameter, "desc").
     descriptors: dict = field(default_factory=dict)
     # A condition (expression, non-zero = refused) under which the kernel cannot take the call, and where the
     # call then goes: "tile" -- the registry's refusal function says the same, so the next tile serving the call
     # (its alternative), else the entry's last tile, as KernelEntry.tile_for(m, n, call) picks; "entry" -- a
     # condition Python meets by copying the operands (kdsl.ops makes them contiguous and aligned), which C
-    # cannot: the call goes to the kernel the registry picks with this entry disabled.
+    # cannot: the call goes to the kernel the registry picks with this entry disabled. (Python's launches follow
+    # the registry's choice, which has refused such calls already.)
     refuses: str = ""
     refused_to: str = "tile"
+    # Calls the kernel would compute wrongly, which Python refuses even where a caller launches the unit directly:
+    # ((condition expression, ValueError message), ...).
+    raises: tuple = ()
 
 
 SPLIT = "split"  # ImplLaunch.runtime_constexprs: the values of a K split (see there)

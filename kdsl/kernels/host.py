@@ -11,15 +11,12 @@ import sys
 
 import torch
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+from kdsl.kernels import expressions
+# Programs per SM the K split plans for (and a persistent grid launches), unless a tile's split_fill says how many
+# of its programs fit on an SM at once (1 for a tile that takes a whole SM).
+from kdsl.kernels.expressions import SPLIT_FILL
 
-# Programs per SM the K split plans for (and a persistent grid launches), unless a tile's
-# split_fill says how many of its programs fit on an SM at once (1 for a tile that takes a whole SM).
-SPLIT_FILL = 2
-# What a program costs beyond its K steps (launch, pipeline fill, split-K store), in K steps.
-# From an H200 table of every split on the bench shapes: it keeps a tile from splitting into
-# programs of a few steps each, or into a partial extra wave.
-PROGRAM_COST_STEPS = 6
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def cdiv(n: int, d: int) -> int:
@@ -35,29 +32,18 @@ def sm_count(device) -> int:
     if device.type == "meta":
         return DESCRIBED_SM_COUNT
     if device.type != "cuda":
-        return 4  # Triton's CPU interpreter: a few programs still exercise the loops
+        return expressions.INTERPRETER_SMS  # Triton's CPU interpreter: a few programs still exercise the loops
     if device.index not in _SM_COUNT:
         _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
     return _SM_COUNT[device.index]
 
 
 def split_for(tile: dict, k_steps: int, tiles: int, sms: int | None) -> int:
-    """The K split a tile launches with: at most the tile's SPLIT_K, and each split at least the tile's
-    split_min_steps K steps (one if unset). With an SM count, the split whose programs finish soonest,
-    counted in waves of split_fill programs per SM times each program's K steps plus its fixed cost;
-    no split once the tiles alone fill a wave (sms None, the interpreter: the largest split allowed)."""
-    cap = max(1, min(tile["SPLIT_K"], k_steps // (tile["split_min_steps"] or 1)))
-    if sms is None:
-        return cap
-    slots = (tile["split_fill"] or SPLIT_FILL) * sms
-    if tiles >= slots:
-        return 1
-
-    def finish(split: int) -> int:
-        waves = -(-tiles * split // slots)
-        return waves * (-(-k_steps // split) + PROGRAM_COST_STEPS)
-
-    return min(range(1, cap + 1), key=lambda split: (finish(split), split))
+    """The K split a tile launches with (kdsl.kernels.expressions.split_for, which launch descriptions call): at
+    most the tile's SPLIT_K, each split at least its split_min_steps K steps; with an SM count, the split whose
+    programs finish soonest on them (sms None, the interpreter: the largest split allowed)."""
+    return expressions.split_for(k_steps, tiles, tile["SPLIT_K"], tile["split_min_steps"] or 0,
+                                 tile["split_fill"] or 0, sms)
 
 
 _DEPENDENT_LAUNCHES: dict = {}
@@ -94,12 +80,17 @@ def split_with_scratch(kernel, out, tile: dict, k_steps: int, tiles: int, sms: i
 
 
 def splitk_scratch(kernel, device, tiles: int, split_k: int, tile_elems: int):
-    """(fp32 workspace, int32 counters) for `tiles` output tiles, kept per kernel and device and grown on demand.
+    """(fp32 workspace, int32 counters) for `tiles` output tiles of tile_elems each, split split_k ways."""
+    return scratch_buffers(kernel, device, tiles * split_k * tile_elems, tiles)
+
+
+def scratch_buffers(kernel, device, need: int, tiles: int):
+    """(fp32 workspace of at least `need` elements, int32 counters for `tiles` output tiles) of the split-K store,
+    kept per kernel and device and grown on demand.
 
     Counters start at zero and every launch leaves them at zero, so no memset per call.
     Launches that share a kernel and a device must not run concurrently on different streams.
     """
-    need = tiles * split_k * tile_elems
     workspace, counters = SPLITK_SCRATCH.get((kernel, device), (None, None))
     grown = False
     if workspace is None or workspace.numel() < need:
@@ -143,9 +134,12 @@ def _gluon_descriptor_type():
     return TensorDescriptor
 
 
-def gluon_descriptor(t, block):
-    """A Gluon TMA descriptor over the 2-D tensor t (unit stride along its rows), loading `block` at a time."""
-    return _gluon_descriptor_type()(t, list(t.shape), [t.stride(0), 1], list(block), _shared_layout(block, t.dtype))
+def gluon_descriptor(t, block, shape=None, strides=None):
+    """A Gluon TMA descriptor over the 2-D tensor t (unit stride along its rows; or t's memory as `shape` and
+    `strides`), loading `block` at a time."""
+    shape = list(t.shape) if shape is None else shape
+    strides = [t.stride(0), 1] if strides is None else strides
+    return _gluon_descriptor_type()(t, shape, strides, list(block), _shared_layout(tuple(block), t.dtype))
 
 
 @functools.lru_cache(maxsize=1)

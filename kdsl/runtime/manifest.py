@@ -15,6 +15,7 @@ from kdsl.kernels import find_impl
 from kdsl.kernels.base import Generated, KernelImpl, Launch, dependent as dependent_launch
 from kdsl.naming import kernel_name
 from kdsl.runtime import launcher
+from kdsl.schema.scheme import launch_values
 
 GENERATED_ENV = "KDSL_GENERATED"  # replaces the shipped kernels' folder
 KERNEL_PATH_ENV = "KDSL_KERNEL_PATH"  # extra folders of generated kernels, searched before the shipped ones
@@ -99,6 +100,7 @@ class KernelModule:
     import_name: str
     constexprs: tuple = ()  # the kernel's scheme's (name, value) constexpr arguments, e.g. (("GROUP_SIZE", 128),)
     kernel_name: str = ""  # the kernel's name for this implementation and scheme (the entry's name for its own)
+    scheme: tuple = ()  # the scheme's numbers its launch description names, (("act_group", 128), ...)
 
     @property
     def key(self) -> tuple:
@@ -119,7 +121,8 @@ class KernelModule:
         per scheme)."""
         generated = _GENERATED.get(self.key)
         if generated is None:
-            generated = _GENERATED[self.key] = Generated(self.load(), self.path.stem, dict(self.constexprs))
+            generated = _GENERATED[self.key] = Generated(self.load(), self.path.stem, dict(self.constexprs),
+                                                         dict(self.scheme))
         return generated
 
     @property
@@ -289,11 +292,13 @@ def load_manifest(folder: Path | None = None, origin: str = SHIPPED) -> tuple[Ke
         package = "kdsl_generated" if origin == SHIPPED else (
             "kdsl_user_" + hashlib.sha256(origin.encode()).hexdigest()[:12])
         constexprs = raw.get("constexprs", {})
+        scheme = tuple(launch_values(raw.get("scheme_definition", {})).items())
         modules = {
             m["impl"]: KernelModule(impl=m["impl"], path=folder / m["module"], unit=find_impl(raw["op"], m["impl"]),
                                     import_name=f"{package}.{m['module'].removesuffix('.py')}",
                                     constexprs=tuple(constexprs.items()),
-                                    kernel_name=kernel_name(raw["op"], raw["scheme"], m["impl"], raw["min_arch"]))
+                                    kernel_name=kernel_name(raw["op"], raw["scheme"], m["impl"], raw["min_arch"]),
+                                    scheme=scheme)
             for m in raw["modules"]
         }
         entries.append(KernelEntry(

@@ -108,6 +108,20 @@ def group_rows(group_size: int) -> int:
     return ONE_GROUP_ROWS if group_size == -1 else group_size
 
 
+def launch_values(fields: dict) -> dict:
+    """The scheme's numbers a launch description may name (kdsl.kernels.expressions), from the scheme as the
+    manifest lists it: act_group, block_n, block_k, group_size and group_rows (the kernels' GROUP_SIZE)."""
+    values = {}
+    if "act_group" in fields:
+        values["act_group"] = fields["act_group"]
+    if "weight_block" in fields:
+        values["block_n"], values["block_k"] = fields["weight_block"]
+    if "group_size" in fields:
+        values["group_size"] = fields["group_size"]
+        values["group_rows"] = group_rows(fields["group_size"])
+    return values
+
+
 IntBits = Annotated[int, AfterValidator(_supported_bits)]
 GroupSize = Annotated[int, AfterValidator(_group_size)]
 

@@ -14,11 +14,11 @@ from typing import Literal
 
 from pydantic import Field, PositiveInt
 
-from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
+from kdsl.kernels.base import GEMM_KNOBS, KernelImpl
 from kdsl.kernels.c_abi import ImplLaunch, TmaDescriptor
+from kdsl.kernels.block_fp8.fp8_bmm_portable import bmm_values
 from kdsl.kernels.block_fp8.fp8_gemm_portable import TILE_ORDER_HELP, one_scale_per_k_block, operand_ring_bytes
-from kdsl.kernels import host
-from kdsl.kernels.host import INTERPRETING, cdiv, tma_descriptor
+from kdsl.kernels.described import described
 from kdsl.strict_model import StrictModel
 
 
@@ -84,49 +84,11 @@ def refusal(generated, tile, call):
     return None
 
 
-def _tma_strides(t):
-    """t's [batch, row] strides as a TMA descriptor takes them: a dimension of size 1 is never stepped, so its
-    stride may be anything; give it one that is a multiple of 16 bytes."""
-    size = t.element_size()
-    row = cdiv(t.shape[2] * size, 16) * 16 // size
-    return [t.stride(dim) if t.shape[dim] > 1 else row for dim in (0, 1)] + [1]
-
-
-def _programs(device, tiles: int, tile: dict) -> int:
-    """Persistent: programs_per_sm programs per SM loop over the tiles; else one program per tile."""
-    return min(tiles, host.sm_count(device) * tile["programs_per_sm"]) if tile["persistent"] else tiles
-
-
-def launch(generated, a, a_s, b, b_s, c, tile):
-    """a [B, M, K] fp8, a_s [B, M, K // ACT_GROUP], b [B, N, K] fp8, b_s [B, cdiv(N, W_BLOCK_N), K // W_BLOCK_K],
-    c [B, M, N]: any strides, passed as they are (no copies).
-
-    Unit stride along K for a and b, and along N for c, is the caller's to guarantee; B, M >= 1; every other
-    stride and base a multiple of 16 bytes (see refusal).
-    """
-    B, M, K = a.shape
-    N = b.shape[1]
-    bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
-    a_strides, b_strides, c_strides = _tma_strides(a), _tma_strides(b), _tma_strides(c)
-    a_desc = tma_descriptor(a, [B, M, K], a_strides, [1, bm, bk])
-    b_desc = tma_descriptor(b, [B, N, K], b_strides, [1, bn, bk])
-    c_desc = tma_descriptor(c, [B, M, N], c_strides, [1, bm, bn])
-    tiles = B * cdiv(M, bm) * cdiv(N, bn)
-    programs = _programs(a.device, tiles, tile)
-    # Triton's interpreter has no grid dependency control: there the kernel launches as an ordinary one.
-    pdl = tile["pdl"] and not INTERPRETING
-    return Launch(generated.kernel, (programs, 1, 1), (
-        a_desc, b_desc, c_desc, a_s, b_s, b, c, B, M, N, K,
-        a_s.stride(0), a_s.stride(1), a_s.stride(2), b_s.stride(0), b_s.stride(1), b_s.stride(2),
-        b.stride(0), b.stride(1), c.stride(0), c.stride(1), programs,
-    ), {**C_LAUNCH.constexprs(tile, {}), "PDL": pdl, **C_LAUNCH.options(tile), **({"launch_pdl": True} if pdl else {})})
-
-
 _BMM_TILES = "B * cdiv(M, {BLOCK_M}) * cdiv(N, {BLOCK_N})"
 _BMM_PROGRAMS = f"programs({_BMM_TILES}, {{persistent}}, {{programs_per_sm}}, sms)"
 
 C_LAUNCH = ImplLaunch(
-    # 3-D descriptors over [B, rows, cols] with the strides as given (_tma_strides: a dimension of size 1
+    # 3-D descriptors over [B, rows, cols] with the strides as given (tma_stride: a dimension of size 1
     # gets the padded row instead, as it is never stepped).
     # b_ptr, c_ptr and their strides serve the weight prefetch and the pointer epilogue (tile options).
     params=(("a_desc", "desc"), ("b_desc", "desc"), ("c_desc", "desc"), ("as_ptr", "a_s"), ("bs_ptr", "b_s"),
@@ -150,8 +112,7 @@ C_LAUNCH = ImplLaunch(
                                 ("1", "{BLOCK_M}", "{BLOCK_N}")),
     },
     grid=(_BMM_PROGRAMS, "1", "1"),
-    # The tile's constexprs and launch options, which launch() passes too (PDL there only outside the interpreter,
-    # with its launch attribute).
+    # The tile's constexprs and launch options (PDL: kdsl.kernels.described adds its launch attribute).
     constexprs=lambda tile, scheme: {
         "BLOCK_M": tile["BLOCK_M"], "BLOCK_N": tile["BLOCK_N"], "BLOCK_K": tile["BLOCK_K"],
         "GROUP_M": tile["GROUP_M"], "N_MAJOR": tile["tile_order"] == "n_major",
@@ -173,6 +134,7 @@ C_LAUNCH = ImplLaunch(
              " + bad_tma_stride(B, stride_cb, dtype_size(out_dtype))"
              " + bad_tma_stride(M, stride_cm, dtype_size(out_dtype))"),
     refused_to="tile",
+    values=bmm_values,
 )
 
 
@@ -181,12 +143,11 @@ IMPL = KernelImpl(
     "batched, 3-D TMA descriptors (transposed activations without a copy), persistent grid over "
     "(batch, m-tile, n-tile), wgmma through Triton; refuses strides TMA cannot take",
     tile_knobs=GEMM_KNOBS, options=Options, shared_bytes=shared_bytes, problems=problems, min_block_m=16,
-    launch=launch, refusal=refusal,
+    launch=described(C_LAUNCH), refusal=refusal,
     # Programs per SM, the flattened pipeline, programmatic dependent launch and its weight prefetch, the
     # epilogue's stores: the knobs its tiles were swept over (benchmarks/results/fp8_bmm_sweep*).
     tune_grid={"decode": {"programs_per_sm": (4, 8), "flatten": (False, True), "pdl": (False, True),
                           "prefetch_weights": (False, True)},
                "mid": {"flatten": (False, True), "pdl": (False, True), "prefetch_weights": (False, True),
                        "epilogue": ("tma", "pointer")},
-               "prefill": {"persistent": (False, True), "pdl": (False, True), "epilogue": ("tma", "pointer")}},
-    c_launches={"": C_LAUNCH})
+               "prefill": {"persistent": (False, True), "pdl": (False, True), "epilogue": ("tma", "pointer")}},)

@@ -3,9 +3,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
+from kdsl.kernels.base import GEMM_KNOBS, KernelImpl
 from kdsl.kernels.c_abi import ImplLaunch
-from kdsl.kernels.host import cdiv
+from kdsl.kernels.described import described
+from kdsl.kernels.expressions import dtype_code
 from kdsl.strict_model import StrictModel
 
 TILE_ORDER_HELP = "m_major walks down M inside a group (reuses B); n_major walks along N (reuses A)"
@@ -34,34 +35,24 @@ def one_scale_per_k_block(where: str, scheme, tile) -> list[str]:
 
 
 def portable_tile_constexprs(tile: dict, scheme: dict | None = None) -> dict:
-    """The portable block-FP8 GEMMs' constexprs (fp8_gemm, fp8_bmm, fp8_grouped_gemm[_masked]): the tile's, which
-    launch() passes and the C dispatcher compiles alike (their C launches' `constexprs`)."""
+    """The portable block-FP8 GEMMs' constexprs (fp8_gemm, fp8_bmm, fp8_grouped_gemm[_masked]): the tile's."""
     return {"BLOCK_M": tile["BLOCK_M"], "BLOCK_N": tile["BLOCK_N"], "BLOCK_K": tile["BLOCK_K"],
             "GROUP_M": tile["GROUP_M"], "N_MAJOR": tile["tile_order"] == "n_major"}
 
 
 def portable_options(tile: dict) -> dict:
-    """Their launch options (the C launches' `options`)."""
+    """Their launch options."""
     return {"num_warps": tile["num_warps"], "num_stages": tile["num_stages"]}
 
 
-def portable_constexprs(tile: dict) -> dict:
-    """The constexprs and launch options launch() passes."""
-    return {**portable_tile_constexprs(tile), **portable_options(tile)}
-
-
-def launch(generated, a, a_s, b, b_s, c, tile):
-    """a [M, K] fp8, a_s [M, K // ACT_GROUP], b [N, K] fp8, b_s [cdiv(N, W_BLOCK_N), K // W_BLOCK_K], c [M, N].
-
-    Unit stride along K (and N for c) is the caller's to guarantee; M >= 1.
-    """
+def gemm_values(a, a_s, b, b_s, c) -> dict:
+    """fp8_gemm's C arguments: a [M, K] fp8, a_s [M, K // ACT_GROUP], b [N, K] fp8,
+    b_s [cdiv(N, W_BLOCK_N), K // W_BLOCK_K], c [M, N]. Unit stride along K (and N for c) is the caller's to
+    guarantee; M >= 1."""
     M, K = a.shape
-    N = b.shape[0]
-    grid = (cdiv(M, tile["BLOCK_M"]) * cdiv(N, tile["BLOCK_N"]), 1, 1)
-    return Launch(generated.kernel, grid, (
-        a, b, c, a_s, b_s, M, N, K,
-        a.stride(0), b.stride(0), c.stride(0), a_s.stride(0), b_s.stride(0),
-    ), portable_constexprs(tile))
+    return {"a": a, "lda": a.stride(0), "a_s": a_s, "lda_s": a_s.stride(0), "b": b, "ldb": b.stride(0),
+            "b_s": b_s, "ldb_s": b_s.stride(0), "c": c, "ldc": c.stride(0), "out_dtype": dtype_code(c.dtype),
+            "M": M, "N": b.shape[0], "K": K}
 
 
 C_LAUNCH = ImplLaunch(
@@ -73,6 +64,7 @@ C_LAUNCH = ImplLaunch(
     grid=("cdiv(M, {BLOCK_M}) * cdiv(N, {BLOCK_N})", "1", "1"),
     constexprs=portable_tile_constexprs,
     options=portable_options,
+    values=gemm_values,
 )
 
 
@@ -80,4 +72,4 @@ IMPL = KernelImpl(
     "block_fp8", "fp8_gemm", "portable", "block_fp8/fp8_gemm_portable.py.j2", 89, None,
     "pointer loads, grouped tile order, fp32 accumulation with per-step scales",
     tile_knobs=GEMM_KNOBS, options=Options, shared_bytes=operand_ring_bytes, min_block_m=16,
-    launch=launch, c_launches={"": C_LAUNCH})
+    launch=described(C_LAUNCH))

@@ -8,11 +8,10 @@ from typing import Literal
 
 from pydantic import Field, PositiveInt
 
-from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
+from kdsl.kernels.base import GEMM_KNOBS, KernelImpl
 from kdsl.kernels.c_abi import SPLIT, ImplLaunch, TmaDescriptor
-from kdsl.kernels.block_fp8.fp8_gemm_portable import TILE_ORDER_HELP, operand_ring_bytes
-from kdsl.kernels import host
-from kdsl.kernels.host import cdiv, programs_for, split_with_scratch, tma_descriptor
+from kdsl.kernels.block_fp8.fp8_gemm_portable import TILE_ORDER_HELP, gemm_values, operand_ring_bytes
+from kdsl.kernels.described import described
 from kdsl.strict_model import StrictModel
 
 SPLIT_FILL_HELP = ("how many of the tile's programs fit on an SM at once (default 2): split K plans for this many "
@@ -46,36 +45,15 @@ def problems(where: str, scheme, variant, tile, options: Options) -> list[str]:
     return found
 
 
-def launch(generated, a, a_s, b, b_s, c, tile):
-    """a [M, K] fp8, a_s [M, K // ACT_GROUP], b [N, K] fp8, b_s [cdiv(N, W_BLOCK_N), K // W_BLOCK_K], c [M, N].
-
-    TMA needs 16-byte aligned bases and row strides; the caller guarantees unit inner strides.
-    """
-    M, K = a.shape
-    N = b.shape[0]
-    bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
-    a_desc = tma_descriptor(a, [M, K], [a.stride(0), 1], [bm, bk])
-    b_desc = tma_descriptor(b, [N, K], [b.stride(0), 1], [bn, bk])
-    c_desc = tma_descriptor(c, [M, N], [c.stride(0), 1], [bm, bn])
-    tiles = cdiv(M, bm) * cdiv(N, bn)
-    sms = host.sm_count(a.device)
-    kernel = generated.kernel
-    split_k, workspace, counters = split_with_scratch(kernel, c, tile, cdiv(K, bk), tiles, sms, bm * bn)
-    programs = programs_for(sms, tiles * split_k, tile)
-    return Launch(kernel, (programs, 1, 1), (
-        a_desc, b_desc, c_desc, a_s, b_s, c, workspace, counters,
-        M, N, K, a_s.stride(0), b_s.stride(0), c.stride(0), programs,
-    ), {**C_LAUNCH.constexprs(tile, {}), "SPLIT_K": split_k, **C_LAUNCH.options(tile)})
-
-
-# The C launch: tiles, K split and persistent grid, as launch() computes them.
+# Tiles, K split and persistent grid.
 _FP8_TILES = "cdiv(M, {BLOCK_M}) * cdiv(N, {BLOCK_N})"
 _FP8_SPLIT = f"split_for(cdiv(K, {{BLOCK_K}}), {_FP8_TILES}, {{SPLIT_K}}, {{split_min_steps}}, {{split_fill}}, sms)"
 _FP8_PROGRAMS = (f"programs({_FP8_TILES} * split, {{persistent}}, {{split_fill}} + 2 * ({{split_fill}} == 0), sms)")
 
 C_LAUNCH = ImplLaunch(
-    # launch(): TensorDescriptors over a [M, K], b [N, K] and c [M, N]; a persistent grid from the SM count;
-    # the K split of split_for with its scratch (c itself where there is no split).
+    # TensorDescriptors over a [M, K], b [N, K] and c [M, N] (16-byte aligned bases and row strides: see
+    # `refuses`; unit inner strides are the caller's); a persistent grid from the SM count; the K split of
+    # split_for with its scratch (c itself where there is no split).
     params=(("a_desc", "desc"), ("b_desc", "desc"), ("c_desc", "desc"), ("as_ptr", "a_s"), ("bs_ptr", "b_s"),
             ("c_ptr", "c"), ("ws_ptr", "c"), ("count_ptr", "c"), ("M", "M"), ("N", "N"), ("K", "K"),
             ("stride_asm", "lda_s"), ("stride_bsn", "ldb_s"), ("stride_cm", "ldc"),
@@ -88,7 +66,6 @@ C_LAUNCH = ImplLaunch(
         "c_desc": TmaDescriptor("c", "dtype:out_dtype", ("M", "N"), ("ldc", "1"), ("{BLOCK_M}", "{BLOCK_N}")),
     },
     grid=(_FP8_PROGRAMS, "1", "1"),
-    # The tile's constexprs and launch options: launch() passes these (with its K split) as they are.
     constexprs=lambda tile, scheme: {
         "BLOCK_M": tile["BLOCK_M"], "BLOCK_N": tile["BLOCK_N"], "BLOCK_K": tile["BLOCK_K"],
         "GROUP_M": tile["GROUP_M"], "N_MAJOR": tile["tile_order"] == "n_major",
@@ -103,6 +80,7 @@ C_LAUNCH = ImplLaunch(
     refuses="nonzero(addr(a) % 16) + nonzero(addr(b) % 16) + nonzero(addr(c) % 16) + nonzero(lda % 16)"
             " + nonzero(ldb % 16) + nonzero(ldc * dtype_size(out_dtype) % 16)",
     refused_to="entry",
+    values=gemm_values,
 )
 
 
@@ -110,4 +88,4 @@ IMPL = KernelImpl(
     "block_fp8", "fp8_gemm", "tma_persistent", "block_fp8/fp8_gemm_tma_persistent.py.j2", 90, 90,
     "TMA tensor descriptors, optionally a persistent grid over SMs, wgmma through Triton, split K in-kernel",
     tile_knobs=GEMM_KNOBS | {"split_k"}, options=Options, shared_bytes=shared_bytes, problems=problems,
-    min_block_m=16, launch=launch, tune_grid={"prefill": {"persistent": (False, True)}}, c_launches={"": C_LAUNCH})
+    min_block_m=16, launch=described(C_LAUNCH), tune_grid={"prefill": {"persistent": (False, True)}})

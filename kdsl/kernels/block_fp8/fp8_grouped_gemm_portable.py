@@ -4,45 +4,38 @@ with pointer loads (sm_89+), fp8_gemm/portable's tile and options.
 grouped (contiguous layout): rows of A grouped by expert, an expert id per row (-1: padding); a tile whose rows
 belong to one expert makes one pass over K, one holding several experts one pass per expert.
 masked: A [E, max_m, K] with a per-expert row count read on the device; the grid covers max_m rows per expert."""
-from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
+from kdsl.kernels.base import GEMM_KNOBS, KernelImpl
 from kdsl.kernels.c_abi import ImplLaunch
-from kdsl.kernels.block_fp8.fp8_gemm_portable import (Options, operand_ring_bytes, portable_constexprs,
-                                                     portable_options, portable_tile_constexprs)
-from kdsl.kernels.host import cdiv
+from kdsl.kernels.block_fp8.fp8_gemm_portable import (Options, operand_ring_bytes, portable_options,
+                                                     portable_tile_constexprs)
+from kdsl.kernels.described import described
+from kdsl.kernels.expressions import dtype_code
 
 
-def launch(generated, a, a_s, b, b_s, group_ids, c, tile):
-    """a [M, K] fp8, a_s [M, K // ACT_GROUP], b [E, N, K] fp8, b_s [E, cdiv(N, W_BLOCK_N), K // W_BLOCK_K],
-    group_ids int32 [M] (contiguous), c [M, N].
-
-    Unit stride along K for a, b and both scales (and along N for c) is the caller's to guarantee; M, N >= 1.
-    """
+def grouped_values(a, a_s, b, b_s, group_ids, c) -> dict:
+    """fp8_grouped_gemm's C arguments: a [M, K] fp8, a_s [M, K // ACT_GROUP], b [E, N, K] fp8,
+    b_s [E, cdiv(N, W_BLOCK_N), K // W_BLOCK_K], group_ids int32 [M] (contiguous), c [M, N]. Unit stride along K
+    for a, b and both scales (and along N for c) is the caller's to guarantee; M, N >= 1."""
     M, K = a.shape
-    E, N = b.shape[0], b.shape[1]
-    grid = (cdiv(M, tile["BLOCK_M"]) * cdiv(N, tile["BLOCK_N"]), 1, 1)
-    return Launch(generated.kernel, grid, (
-        a, b, c, a_s, b_s, group_ids, M, N, K, E,
-        a.stride(0), b.stride(0), b.stride(1), c.stride(0), a_s.stride(0), b_s.stride(0), b_s.stride(1),
-    ), portable_constexprs(tile))
+    return {"a": a, "lda": a.stride(0), "a_s": a_s, "lda_s": a_s.stride(0), "b": b, "stride_be": b.stride(0),
+            "stride_bn": b.stride(1), "b_s": b_s, "stride_bse": b_s.stride(0), "stride_bsn": b_s.stride(1),
+            "group_ids": group_ids, "c": c, "ldc": c.stride(0), "out_dtype": dtype_code(c.dtype),
+            "M": M, "N": b.shape[1], "K": K, "E": b.shape[0]}
 
 
-def launch_masked(generated, a, a_s, b, b_s, masked_m, c, tile):
-    """a [E, MAX_M, K] fp8, a_s [E, MAX_M, K // ACT_GROUP], b [E, N, K] fp8,
-    b_s [E, cdiv(N, W_BLOCK_N), K // W_BLOCK_K], masked_m int32 [E] (contiguous), c [E, MAX_M, N].
-
-    Unit stride along K for a, b and both scales (and along N for c) is the caller's to guarantee; E, MAX_M, N >= 1.
-    """
+def masked_values(a, a_s, b, b_s, masked_m, c) -> dict:
+    """fp8_grouped_gemm_masked's C arguments: a [E, MAX_M, K] fp8, a_s [E, MAX_M, K // ACT_GROUP], b [E, N, K] fp8,
+    b_s [E, cdiv(N, W_BLOCK_N), K // W_BLOCK_K], masked_m int32 [E] (contiguous), c [E, MAX_M, N]. Unit stride
+    along K for a, b and both scales (and along N for c) is the caller's to guarantee; E, MAX_M, N >= 1."""
     E, max_m, K = a.shape
-    N = b.shape[1]
-    grid = (cdiv(max_m, tile["BLOCK_M"]) * cdiv(N, tile["BLOCK_N"]), E, 1)
-    return Launch(generated.kernel, grid, (
-        a, b, c, a_s, b_s, masked_m, max_m, N, K,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1),
-    ), portable_constexprs(tile))
+    return {"a": a, "stride_ae": a.stride(0), "stride_am": a.stride(1), "a_s": a_s, "stride_ase": a_s.stride(0),
+            "stride_asm": a_s.stride(1), "b": b, "stride_be": b.stride(0), "stride_bn": b.stride(1),
+            "b_s": b_s, "stride_bse": b_s.stride(0), "stride_bsn": b_s.stride(1), "masked_m": masked_m,
+            "c": c, "stride_ce": c.stride(0), "stride_cm": c.stride(1), "out_dtype": dtype_code(c.dtype),
+            "E": E, "max_m": max_m, "N": b.shape[1], "K": K}
 
 
-# launch() of fp8_grouped_gemm_portable.py: one program per (BLOCK_M, BLOCK_N) tile of c.
+# One program per (BLOCK_M, BLOCK_N) tile of c.
 C_LAUNCH = ImplLaunch(
     params=(("a_ptr", "a"), ("b_ptr", "b"), ("c_ptr", "c"), ("as_ptr", "a_s"), ("bs_ptr", "b_s"),
             ("group_ptr", "group_ids"), ("M", "M"), ("N", "N"), ("K", "K"), ("E", "E"),
@@ -53,11 +46,10 @@ C_LAUNCH = ImplLaunch(
     grid=("cdiv(M, {BLOCK_M}) * cdiv(N, {BLOCK_N})", "1", "1"),
     constexprs=portable_tile_constexprs,
     options=portable_options,
-    kernel="{module}",
+    values=grouped_values,
 )
 
-# launch_masked() of fp8_grouped_gemm_portable.py: programs over max_m rows of each expert, an expert a grid
-# row; the programs past masked_m[e] return at once.
+# Programs over max_m rows of each expert, an expert a grid row; the programs past masked_m[e] return at once.
 MASKED_C_LAUNCH = ImplLaunch(
     params=(("a_ptr", "a"), ("b_ptr", "b"), ("c_ptr", "c"), ("as_ptr", "a_s"), ("bs_ptr", "b_s"),
             ("count_ptr", "masked_m"), ("MAX_M", "max_m"), ("N", "N"), ("K", "K"),
@@ -70,18 +62,18 @@ MASKED_C_LAUNCH = ImplLaunch(
     grid=("cdiv(max_m, {BLOCK_M}) * cdiv(N, {BLOCK_N})", "E", "1"),
     constexprs=portable_tile_constexprs,
     options=portable_options,
-    kernel="{module}",
+    values=masked_values,
 )
 
 
 IMPL = KernelImpl(
     "block_fp8", "fp8_grouped_gemm", "portable", "block_fp8/fp8_grouped_gemm_portable.py.j2", 89, None,
     "contiguous layout (an expert id per row), pointer loads, one pass over K per expert in a tile",
-    tile_knobs=GEMM_KNOBS, options=Options, shared_bytes=operand_ring_bytes, min_block_m=16, launch=launch,
-    c_launches={"": C_LAUNCH})
+    tile_knobs=GEMM_KNOBS, options=Options, shared_bytes=operand_ring_bytes, min_block_m=16,
+    launch=described(C_LAUNCH))
 
 MASKED_IMPL = KernelImpl(
     "block_fp8", "fp8_grouped_gemm_masked", "portable", "block_fp8/fp8_grouped_gemm_masked_portable.py.j2", 89,
     None, "masked layout (rows per expert read on the device), pointer loads",
-    tile_knobs=GEMM_KNOBS, options=Options, shared_bytes=operand_ring_bytes, min_block_m=16, launch=launch_masked,
-    c_launches={"": MASKED_C_LAUNCH})
+    tile_knobs=GEMM_KNOBS, options=Options, shared_bytes=operand_ring_bytes, min_block_m=16,
+    launch=described(MASKED_C_LAUNCH))

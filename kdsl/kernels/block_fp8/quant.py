@@ -1,17 +1,16 @@
 """The block-FP8 quantize and dequantize kernels: memory-bound, one program per row group or weight block."""
 from kdsl.kernels.base import KernelImpl, Launch
 from kdsl.kernels.c_abi import ImplLaunch
+from kdsl.kernels.described import described
+from kdsl.kernels.expressions import dtype_code
 from kdsl.kernels.host import cdiv
 
 
-def launch_act_quant(generated, x, q, s, tile):
-    """x [M, K] (unit stride along K), q [M, K] fp8 and s [M, K // GROUP] float32, both contiguous."""
+def act_quant_values(x, q, s) -> dict:
+    """act_quant's C arguments: x [M, K] (unit stride along K), q [M, K] fp8 and s [M, K // GROUP] float32, both
+    contiguous."""
     M, K = x.shape
-    grid = (cdiv(M, tile["BLOCK_M"]), K // generated.module.GROUP.value, 1)
-    # ROUND_FIRST: the interpreter's rounding order (C never runs on the CPU).
-    return Launch(generated.kernel, grid, (x, q, s, M, K, x.stride(0)),
-                  {**ACT_QUANT_C_LAUNCH.constexprs(tile, {}), "ROUND_FIRST": x.device.type == "cpu",
-                   **ACT_QUANT_C_LAUNCH.options(tile)})
+    return {"x": x, "x_dtype": dtype_code(x.dtype), "ldx": x.stride(0), "q": q, "s": s, "M": M, "K": K}
 
 
 def launch_weight_quant(generated, w, q, s, tile):
@@ -38,13 +37,15 @@ ACT_QUANT_C_LAUNCH = ImplLaunch(
     grid=("cdiv(M, {BLOCK_M})", "div(K, {act_group})", "1"),
     constexprs=lambda tile, scheme: {"BLOCK_M": tile["BLOCK_M"], "ROUND_FIRST": False},
     options=lambda tile: {"num_warps": tile["num_warps"]},
+    values=act_quant_values,
+    interpreted={"ROUND_FIRST": True},  # the interpreter's rounding order
 )
 
 
 ACT_QUANT_ROWWISE = KernelImpl(
     "block_fp8", "act_quant", "rowwise", "block_fp8/act_quant.py.j2", 89, None,
-    "per-token, per-group amax scaling to e4m3", tile_knobs=frozenset({"block_m"}), launch=launch_act_quant,
-    c_launches={"": ACT_QUANT_C_LAUNCH})
+    "per-token, per-group amax scaling to e4m3", tile_knobs=frozenset({"block_m"}),
+    launch=described(ACT_QUANT_C_LAUNCH))
 WEIGHT_QUANT_BLOCKWISE = KernelImpl(
     "block_fp8", "weight_quant", "blockwise", "block_fp8/weight_quant.py.j2", 89, None,
     "one program per weight block, amax scaling to e4m3", tile_knobs=frozenset(), launch=launch_weight_quant)

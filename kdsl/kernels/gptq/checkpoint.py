@@ -3,6 +3,8 @@ import torch
 
 from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
 from kdsl.kernels.c_abi import ImplLaunch
+from kdsl.kernels.described import described
+from kdsl.kernels.expressions import dtype_code
 from kdsl.kernels.host import cdiv
 
 
@@ -44,18 +46,13 @@ def _then_copy(launch: Launch, out, y):
     y.copy_(out)
 
 
-def launch_dequant(generated, qweight, qzeros, scales, g_idx, w, tile):
-    """qweight int32 [K / PACK, N], qzeros int32 [G, N / PACK], scales [G, N], g_idx [K] or None; w [N, K]."""
+def dequant_values(qweight, qzeros, scales, g_idx, w) -> dict:
+    """gptq_dequant's C arguments: qweight int32 [K / PACK, N], qzeros int32 [G, N / PACK], scales [G, N],
+    g_idx [K] or None; w [N, K]."""
     N, K = w.shape
-    bn, bk = tile["BLOCK_N"], tile["BLOCK_K"]
-    grid = (cdiv(K, bk), cdiv(N, bn), 1)
-    return Launch(generated.kernel, grid, (
-        qweight, qzeros, scales, qweight if g_idx is None else g_idx, w,
-        N, K, qweight.stride(0), qzeros.stride(0), scales.stride(0),
-    ), dict(
-        HAS_G_IDX=g_idx is not None, UNIFORM_GROUP=g_idx is None and generated.constexprs["GROUP_SIZE"] % bk == 0,
-        **generated.constexprs, BLOCK_N=bn, BLOCK_K=bk, num_warps=tile["num_warps"],
-    ))
+    return {"qweight": qweight, "ldqw": qweight.stride(0), "qzeros": qzeros, "ldqz": qzeros.stride(0),
+            "scales": scales, "lds": scales.stride(0), "scales_dtype": dtype_code(scales.dtype), "g_idx": g_idx,
+            "w": w, "N": N, "K": K}
 
 
 GEMM_SPLITK = KernelImpl(
@@ -65,7 +62,6 @@ GEMM_SPLITK = KernelImpl(
     launch=launch_gemm)
 
 
-# How the AOT C dispatcher launches the dequantizer (mirrors launch_dequant).
 DEQUANT_C_LAUNCH = ImplLaunch(
     params=(("qw_ptr", "qweight"), ("qz_ptr", "qzeros"), ("s_ptr", "scales"), ("g_ptr", "either(g_idx, qweight)"),
             ("w_ptr", "w"), ("N", "N"), ("K", "K"), ("stride_qwk", "ldqw"), ("stride_qzg", "ldqz"),
@@ -79,10 +75,11 @@ DEQUANT_C_LAUNCH = ImplLaunch(
         ("HAS_G_IDX", "nonzero(g_idx)", (False, True)),
         ("UNIFORM_GROUP", "(1 - nonzero(g_idx)) * ({group_rows} % {BLOCK_K} == 0)", (False, True)),
     ),
+    values=dequant_values,
 )
 
 
 DEQUANT_BLOCKWISE = KernelImpl(
     "gptq", "gptq_dequant", "blockwise", "gptq/gptq_dequant.py.j2", 80, None,
     "unpack int4 checkpoint tensors to [N, K]", tile_knobs=frozenset({"block_n", "block_k"}),
-    launch=launch_dequant, c_launches={"": DEQUANT_C_LAUNCH})
+    launch=described(DEQUANT_C_LAUNCH))

@@ -1,5 +1,5 @@
-"""What the W4A16 implementations share: the split-K options, the prepared layouts they read, and host code of
-their launches (the dequant's magic numbers, the paired layout's (scale, zero) view, act-order's gather)."""
+"""What the W4A16 implementations share: the split-K options, the prepared layouts they read, their C arguments and
+launch descriptions (the dequant's magic numbers among their constexprs), and act-order's gather."""
 import torch
 from pydantic import Field, PositiveInt
 
@@ -7,7 +7,8 @@ from kdsl.kernels.base import Launch
 from kdsl.kernels.c_abi import SPLIT, ImplLaunch
 from kdsl.kernels.block_fp8.fp8_gemm_tma_persistent import SPLIT_FILL_HELP, SPLIT_MIN_STEPS_HELP
 from kdsl.kernels import host
-from kdsl.kernels.host import cdiv, split_with_scratch
+from kdsl.kernels.expressions import dtype_code
+from kdsl.kernels.host import cdiv
 from kdsl.packing import PLANE_TILE_K, PLANE_TILE_N
 from kdsl.strict_model import StrictModel
 
@@ -63,15 +64,10 @@ def plane_tile_problems(where: str, tile) -> list[str]:
 MAGIC = {torch.float16: (0x6400, 1024), torch.bfloat16: (0x4300, 128)}
 
 
-def scale_zero_pairs(scales):
-    """The (scale, zero) pairs as int32 [G, N]: scales is the low half of each pair (column stride 2)."""
-    return scales.as_strided((scales.shape[0], 2 * scales.shape[1]), (scales.stride(0), 1)).view(torch.int32)
-
-
 def gather_columns(generated, x, perm, out):
     """out [M, K] = x [M, K] (unit column strides) with its columns in prepared K order (act-order), for
     launch(out, None, ...); out is the caller's, so a launch plan can allocate it as it allocates the outputs.
-    Gathering x once, in its own launch, lets every tile serve act-order at plain g_idx's speed; launch()'s
+    Gathering x once, in its own launch, lets every tile serve act-order at plain g_idx's speed; the kernels'
     perm lookup per element (HAS_PERM, which the AOT C ABI keeps) made the GEMMs' x loads wait on it (H200,
     M = 1-256: 1.4-28x the plain layer's time, against 1.2-1.5x with a gather)."""
     M, K = x.shape
@@ -88,17 +84,18 @@ def gather_columns(generated, x, perm, out):
                        num_warps=8 if k_pow2 >= 8192 else 4))
 
 
-def mma_split(generated, x, y, tile) -> tuple:
-    """(output tiles, split_k, workspace, counters) of an MMA launch over y [M, N] = x [M, K] @ w: the K split
-    that fills the GPU's SMs (host.split_for) and the split-K scratch it needs."""
-    (M, K), N = x.shape, y.shape[1]
-    bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
-    tiles = cdiv(M, bm) * cdiv(N, bn)
-    sms = None if x.device.type == "cpu" else host.sm_count(x.device)  # the CPU: the interpreter
-    return (tiles, *split_with_scratch(generated.kernel, y, tile, cdiv(K, bk), tiles, sms, bm * bn))
+def w4a16_values(x, perm, qweight, zeros, scales, groups, contiguous_groups, y) -> dict:
+    """w4a16_gemm's C arguments: x [M, K]; perm int32 [K] or None; qweight, zeros and scales as the module's LAYOUT
+    says, in prepared K order; groups int32 [K], the group of each prepared row; contiguous_groups: row k is in
+    group k // GROUP_SIZE. y [M, N] in x's dtype."""
+    M, K = x.shape
+    return {"x": x, "ldx": x.stride(0), "perm": perm, "qweight": qweight, "ldqw": qweight.stride(0),
+            "zeros": zeros, "ldz": zeros.stride(0), "scales": scales, "lds": scales.stride(0), "groups": groups,
+            "contiguous_groups": int(contiguous_groups), "y": y, "ldy": y.stride(0), "x_dtype": dtype_code(x.dtype),
+            "M": M, "N": y.shape[1], "K": K}
 
 
-# ---- how the AOT C dispatcher launches these kernels (kdsl.kernels.c_abi; each unit's C_LAUNCH mirrors its launch())
+# ---- how these kernels are launched (kdsl.kernels.c_abi.ImplLaunch, evaluated by kdsl.kernels.described)
 
 C_MAGIC = {"f16": MAGIC[torch.float16], "bf16": MAGIC[torch.bfloat16]}  # MAGIC by the C ABI's dtype names
 C_POINTERS = {"x_ptr": "dtype:x_dtype", "perm_ptr": "i32", "qw_ptr": "i32", "z_ptr": "dtype:x_dtype",
@@ -124,7 +121,7 @@ def _c_magic(dtypes):
     return {"MAGIC_BITS": bits, "MAGIC_BIAS": bias}
 
 
-def mma_c_launch(params, runtime, extra):
+def mma_c_launch(params, runtime, extra, interpreted):
     return ImplLaunch(
         params=params, pointer_types=C_POINTERS,
         grid=(C_TILES, "split", "1"),
@@ -134,7 +131,7 @@ def mma_c_launch(params, runtime, extra):
         options=lambda tile: {"num_warps": tile["num_warps"], "num_stages": tile["num_stages"]},
         kernel="{module}", runtime_constexprs=(("HAS_PERM", "nonzero(perm)", (False, True)), *runtime,
                                                ("SPLIT_K", C_SPLIT_FOR, SPLIT)),
-        dtype_constexprs=_c_magic,
+        dtype_constexprs=_c_magic, values=w4a16_values, interpreted={"FP32_MATH": True, **interpreted},
         scratch=("ws_ptr", "count_ptr", f"{C_TILES} * split * {{BLOCK_M}} * {{BLOCK_N}}", C_TILES), scratch_alias="y")
 
 
@@ -147,7 +144,9 @@ def gemv_c_launch(params, runtime, extra):
         options=lambda tile: {"num_warps": tile["num_warps"], "num_stages": tile["num_stages"]},
         kernel="{module}", runtime_constexprs=(("HAS_PERM", "nonzero(perm)", (False, True)), *runtime,
                                                ("SPLIT_K", C_GEMV_SPLIT, SPLIT)),
-        dtype_constexprs=lambda dtypes: {"MAGIC_BIAS": C_MAGIC[dtypes["x_dtype"]][1]},
+        dtype_constexprs=lambda dtypes: {"MAGIC_BIAS": C_MAGIC[dtypes["x_dtype"]][1]}, values=w4a16_values,
+        # HALF2_DOT: packed half2 math, which the interpreter does not model
+        interpreted={"FP32_MATH": True, "HALF2_DOT": False},
         scratch=("ws_ptr", "count_ptr", f"{C_GEMV_PROGRAMS} * split * {{BLOCK_N}}", C_GEMV_PROGRAMS),
         scratch_alias="y")
 

@@ -6,12 +6,10 @@ checkpoint-order words: each word's 8 products in packed half2 math on x scaled 
 """
 from pydantic import Field, PositiveInt
 
-import torch
-
-from kdsl.kernels.base import KernelImpl, Launch
+from kdsl.kernels.base import KernelImpl
 from kdsl.kernels.block_fp8.fp8_gemm_tma_persistent import SPLIT_MIN_STEPS_HELP
-from kdsl.kernels.host import cdiv, split_with_scratch
-from kdsl.kernels.w4a16.common import C_HEAD, C_PLANE_UNIFORM, C_TAIL, C_UNIFORM, MAGIC, gemv_c_launch, weights_layout
+from kdsl.kernels.described import described
+from kdsl.kernels.w4a16.common import C_HEAD, C_PLANE_UNIFORM, C_TAIL, C_UNIFORM, gemv_c_launch, weights_layout
 from kdsl.packing import PLANE_TILE_K, PLANE_TILE_N
 from kdsl.strict_model import StrictModel
 
@@ -34,37 +32,7 @@ def problems(where: str, scheme, variant, tile, options: Options) -> list[str]:
     return found
 
 
-def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
-    """x [M, K]; perm int32 [K] or None; qweight, zeros and scales as LAYOUT says, in prepared K order;
-    groups int32 [K], the group of each prepared row; contiguous_groups: row k is in group k // GROUP_SIZE.
-    y [M, N] in x's dtype. The tile's split is kept (no SM count): GEMV programs are light (H200 tune)."""
-    M, K = x.shape
-    N = y.shape[1]
-    bn, bk = tile["BLOCK_N"], tile["BLOCK_K"]
-    module, kernel = generated.module, generated.kernel
-    programs = M * cdiv(N, bn)
-    split_k, workspace, counters = split_with_scratch(kernel, y, tile, cdiv(K, bk), programs, None, bn)
-    group_size = generated.constexprs["GROUP_SIZE"]
-    if module.LAYOUT["weights"] == "k_planes":
-        # A k_planes word spans its whole plane tile, so only a uniform group gives it one scale.
-        uniform = contiguous_groups and group_size % module.PLANE_TILE_K.value == 0
-        word_groups = False
-        half2 = False  # the packed half2 dot reads checkpoint-order words
-    else:
-        uniform = contiguous_groups and group_size % bk == 0  # every K block inside one group
-        word_groups = contiguous_groups and group_size % module.PACK.value == 0  # one group per word
-        half2 = x.dtype == torch.float16 and x.device.type != "cpu" and (uniform or word_groups)
-    return Launch(kernel, (programs, split_k, 1), (
-        x, qweight if perm is None else perm, qweight, zeros, scales, groups,
-        y, workspace, counters,
-        M, N, K, x.stride(0), qweight.stride(0), zeros.stride(0), scales.stride(0), y.stride(0),
-    ), dict(
-        HAS_PERM=perm is not None, UNIFORM_GROUP=uniform, WORD_GROUPS=word_groups, GROUP_SIZE=group_size,
-        BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split_k,
-        MAGIC_BIAS=MAGIC[x.dtype][1], FP32_MATH=x.device.type == "cpu", HALF2_DOT=half2,
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"],
-    ))
-
+# The tile's split is kept (no SM count): GEMV programs are light (H200 tune).
 C_LAUNCH = gemv_c_launch(
     C_HEAD + (("stride_qwk", "ldqw"),) + C_TAIL,
     (("UNIFORM_GROUP", C_UNIFORM, (False, True)),
@@ -72,7 +40,8 @@ C_LAUNCH = gemv_c_launch(
      ("HALF2_DOT", f"(x_dtype == KDSL_F16) * nonzero({C_UNIFORM} + contiguous_groups * "
                    f"({{group_rows}} % 8 == 0))", (False, True))), {})
 K_PLANES_C_LAUNCH = gemv_c_launch(
-    # launch() passes qweight.stride(0) of the 4-D tensor: ceil(K / 128) tiles of 128 x 16 words.
+    # qweight.stride(0) of the 4-D tensor: ceil(K / 128) tiles of 128 x 16 words. A k_planes word spans its whole
+    # plane tile, so only a uniform group gives it one scale; the packed half2 dot reads checkpoint-order words.
     C_HEAD + (("stride_qwk", "cdiv(K, 128) * 2048"),) + C_TAIL,
     (("UNIFORM_GROUP", C_PLANE_UNIFORM, (False, True)),), {"WORD_GROUPS": False, "HALF2_DOT": False})
 
@@ -81,5 +50,5 @@ IMPL = KernelImpl(
     "w4a16", "w4a16_gemm", "gemv", "w4a16/gemv.py.j2", 80, None,
     "W4A16 GEMV on CUDA cores, one row per program row, weights kept in registers, split-K in-kernel",
     tile_knobs=frozenset({"block_m", "block_n", "block_k", "split_k", "n_min"}), options=Options,
-    problems=problems, reads_prepared_weights=True, gemv_block_m=True, launch=launch,
-    c_launches={"": C_LAUNCH, "k_planes": K_PLANES_C_LAUNCH})
+    problems=problems, reads_prepared_weights=True, gemv_block_m=True,
+    launch=described(C_LAUNCH, k_planes=K_PLANES_C_LAUNCH))

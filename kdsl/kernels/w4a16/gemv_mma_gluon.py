@@ -5,10 +5,10 @@ block_k rows, with the next chunk's loads in flight, and sum in shared memory (n
 Reads k_planes words with paired (scale, zero). Refuses, at run time, the CPU (Gluon has no interpreter),
 groups that change inside a plane tile, and M > 8: the definition's next tile serves those calls.
 """
-from kdsl.kernels.base import KernelImpl, Launch
+from kdsl.kernels.base import KernelImpl
 from kdsl.kernels.c_abi import EXACT, ImplLaunch
-from kdsl.kernels.host import cdiv
-from kdsl.kernels.w4a16.common import C_PLANE_UNIFORM, PdlOptions, needs_layout, scale_zero_pairs
+from kdsl.kernels.described import described
+from kdsl.kernels.w4a16.common import C_PLANE_UNIFORM, PdlOptions, needs_layout, w4a16_values
 from kdsl.packing import PLANE_TILE_K
 
 # x is the MMA's 8-wide operand.
@@ -43,21 +43,9 @@ def refusal(generated, tile, call):
     return None
 
 
-def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
-    """x [M <= 8, K]; perm int32 [K] or None; qweight in k_planes, scales the low halves of the (scale,
-    zero) pairs, in prepared K order, each plane tile in one group (see refusal). y [M, N] in x's dtype."""
-    M, K = x.shape
-    N = y.shape[1]
-    pairs = scale_zero_pairs(scales)
-    return Launch(generated.kernel, (cdiv(N, 16), 1, 1), (
-        x, qweight if perm is None else perm, qweight, pairs, y,
-        M, N, x.stride(0), pairs.stride(0), y.stride(0),
-    ), dict(K=K, CHUNK_TILES=tile["BLOCK_K"] // generated.module.PLANE_TILE_K.value, HAS_PERM=perm is not None,
-            GROUP_SIZE=generated.constexprs["GROUP_SIZE"], PDL=False, num_warps=tile["num_warps"]))
-
 # The Gluon GEMV on mma.sync (M <= 8, k_planes with paired scales and zeros): K and CHUNK_TILES are
-# constexprs, so one cubin per K the problems reach; launch() passes the (scale, zero) pairs as int32
-# [G, N] over the scales' memory (row stride lds / 2 words). Its module's refusal turns down groups that
+# constexprs, so one cubin per K the problems reach; the (scale, zero) pairs are read as int32 [G, N] over the
+# scales' memory (row stride lds / 2 words). Its module's refusal turns down groups that
 # change inside a 128-row plane tile (off the GPU too, which C never is; M > 8 no tile of it serves), and
 # a K with no cubin is refused as well: those calls take the tile after it (the Triton GEMV or MMA).
 C_LAUNCH = ImplLaunch(
@@ -74,6 +62,8 @@ C_LAUNCH = ImplLaunch(
     kernel="{module}",
     runtime_constexprs=(("K", "K", EXACT), ("HAS_PERM", "nonzero(perm)", (False, True))),
     refuses=f"1 - {C_PLANE_UNIFORM}",
+    values=w4a16_values,
+    views={"p_ptr": "i32"},
 )
 
 
@@ -81,5 +71,5 @@ IMPL = KernelImpl(
     "w4a16", "w4a16_gemm", "gemv_mma_gluon", "w4a16/gemv_mma_gluon.py.j2", 80, None,
     "W4A16 GEMV for M <= 8 on mma.sync (Gluon): 16 columns per program, its warps splitting K",
     tile_knobs=frozenset({"block_m", "block_n", "block_k", "n_min"}), options=PdlOptions, problems=problems,
-    reads_prepared_weights=True, gemv_block_m=True, gemv_max_m=MMA_GEMV_MAX_M, launch=launch,
-    refusal=refusal, c_launches={"": C_LAUNCH})
+    reads_prepared_weights=True, gemv_block_m=True, gemv_max_m=MMA_GEMV_MAX_M, launch=described(C_LAUNCH),
+    refusal=refusal)

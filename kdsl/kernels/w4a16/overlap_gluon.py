@@ -5,13 +5,12 @@ slots; one warpgroup per 64 columns. Refuses, at run time, the CPU, act-order (x
 change inside a K block and rows TMA cannot read: the definition's next tile (the Triton MMA with the same
 block sizes) serves those calls.
 """
-from kdsl.kernels import host
-from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch, warpgroup_per_64
+from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, warpgroup_per_64
 from kdsl.kernels.c_abi import SPLIT, ImplLaunch, TmaDescriptor
+from kdsl.kernels.described import described
 from kdsl.kernels.gptq.checkpoint import w4a16_operand_bytes
-from kdsl.kernels.host import cdiv, gluon_descriptor, split_with_scratch
 from kdsl.kernels.w4a16.common import (C_SPLIT_FOR, C_TILES, SplitPdlOptions, needs_layout, plane_tile_problems,
-                                     scale_zero_pairs)
+                                     w4a16_values)
 
 
 def problems(where: str, scheme, variant, tile, options: SplitPdlOptions) -> list[str]:
@@ -36,32 +35,10 @@ def refusal(generated, tile, call):
     return None
 
 
-def launch(generated, x, perm, qweight, zeros, scales, groups, contiguous_groups, y, tile):
-    """x [M, K] with 16-byte aligned rows; qweight in k_planes, scales the low halves of the (scale, zero)
-    pairs, each K block in one group, no act-order (see refusal). y [M, N] in x's dtype."""
-    if perm is not None:  # the TMA loads of x cannot follow a permutation: never a silently unpermuted product
-        raise ValueError("perm: w4a16_gemm/overlap_gluon takes no act-order permutation; gather x's columns first "
-                         "(gather_columns) or take a tile that does not refuse act-order calls")
-    M, K = x.shape
-    N = y.shape[1]
-    bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
-    kernel, plane_rows = generated.kernel, generated.module.PLANE_ROWS.value
-    tiles = cdiv(M, bm) * cdiv(N, bn)
-    split_k, workspace, counters = split_with_scratch(kernel, y, tile, cdiv(K, bk), tiles, host.sm_count(x.device),
-                                                      bm * bn)
-    pairs = scale_zero_pairs(scales)
-    words = qweight.view(-1, plane_rows)
-    return Launch(kernel, (cdiv(M, bm) * cdiv(N, bn), split_k, 1), (
-        gluon_descriptor(x, (bm, bk)), gluon_descriptor(words, (bn, plane_rows)),
-        gluon_descriptor(pairs, (1, bn)), y, workspace, counters,
-        M, N, K, y.stride(0),
-    ), dict(GROUP_M=tile["GROUP_M"], SPLIT_K=split_k, NUM_STAGES=tile["num_stages"], num_warps=tile["num_warps"],
-            GROUP_SIZE=generated.constexprs["GROUP_SIZE"], PDL=False))
-
 # The Gluon wgmma GEMM (sm_90, k_planes): x, the plane words (qweight as [rows, 16]) and the (scale, zero)
 # pairs (int32 [G, N] over the scales, row stride lds / 2) come by TMA through Gluon host descriptors, whose
-# NVMMA shared layout is the default for the block (as launch() builds it; the compiled kernel's
-# tensordesc_meta gives the swizzle and box as for Triton's). Its module's refusal: act-order, a group
+# NVMMA shared layout is the default for the block (the compiled kernel's tensordesc_meta gives the swizzle and
+# box as for Triton's). Its module's refusal: act-order, a group
 # changing inside a K block, and kdsl.ops' alignment of x and scales below 16 bytes; those calls take the
 # Triton MMA tile after it.
 C_LAUNCH = ImplLaunch(
@@ -85,11 +62,15 @@ C_LAUNCH = ImplLaunch(
     scratch=("ws_ptr", "count_ptr", f"{C_TILES} * split * {{BLOCK_M}} * {{BLOCK_N}}", C_TILES),
     scratch_alias="y",
     # The last three: Gluon's host descriptors also need qweight 16-byte aligned and every row stride a
-    # multiple of 16 bytes, even of a single row (launch() would fail on them; C takes the alternative).
+    # multiple of 16 bytes, even of a single row (Python's descriptors would fail on them; C takes the alternative).
     refuses=("nonzero(perm) + (1 - contiguous_groups * ({group_rows} % {BLOCK_K} == 0))"
              " + nonzero(addr(x) % 16) + nonzero(addr(scales) % 16)"
              " + bad_tma_stride(M, ldx, dtype_size(x_dtype)) + bad_tma_stride(cdiv(K, {group_rows}), lds, 2)"
              " + nonzero(addr(qweight) % 16) + nonzero(ldx * dtype_size(x_dtype) % 16) + nonzero(lds * 2 % 16)"),
+    # The TMA loads of x cannot follow a permutation: never a silently unpermuted product.
+    raises=(("nonzero(perm)", "perm: w4a16_gemm/overlap_gluon takes no act-order permutation; gather x's columns "
+                              "first (gather_columns) or take a tile that does not refuse act-order calls"),),
+    values=w4a16_values,
 )
 
 
@@ -97,5 +78,5 @@ IMPL = KernelImpl(
     "w4a16", "w4a16_gemm", "overlap_gluon", "w4a16/overlap_gluon.py.j2", 90, 90,
     "W4A16 GEMM for Hopper (Gluon): TMA ring, block k+1 dequantized while block k's wgmma runs",
     tile_knobs=GEMM_KNOBS | {"split_k"}, options=SplitPdlOptions, shared_bytes=w4a16_operand_bytes,
-    problems=problems, reads_prepared_weights=True, min_block_m=16, launch=launch,
-    refusal=refusal, c_launches={"": C_LAUNCH})
+    problems=problems, reads_prepared_weights=True, min_block_m=16, launch=described(C_LAUNCH),
+    refusal=refusal)
