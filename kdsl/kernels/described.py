@@ -124,8 +124,10 @@ def _bound(description: ImplLaunch, generated, tile: dict) -> _Bound:
 
 
 def _as_element(t, element):
-    """t, or a view of its memory from its first element as `element` (what the kernel's pointer reads)."""
-    if element is None or t is None or t.dtype == element:
+    """t, or a view of its memory from its first element as `element` (what the kernel's pointer reads) where the
+    two differ in size: an argument of another dtype of the same size goes as it is, for the op's checks and
+    Triton's typing to see."""
+    if element is None or t is None or t.element_size() == element.itemsize:
         return t
     size = max(1, element.itemsize // t.element_size())
     return t.as_strided((size,), (1,)).view(element)
