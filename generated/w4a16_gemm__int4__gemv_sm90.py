@@ -3,7 +3,7 @@
 # module: w4a16_gemm__int4__gemv_sm90 (w4a16_gemm/gemv: W4A16 GEMV on CUDA cores, one row per program row, weights kept in registers, split-K in-kernel)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_90 .. sm_90
-# digest: 32de53f96776219a (sha256 of its schemes, variant and templates)
+# digest: f05fe3766a6fda7c (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -375,16 +375,20 @@ def w4a16_gemm__int4__gemv_sm90(
 
 @triton.jit
 def _gather_columns(x_ptr, perm_ptr, out_ptr, K, stride_xm, stride_om,
-                    K_POW2: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                    K_POW2: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, PDL_WAIT: tl.constexpr):
     """out[m, k] = x[m, perm[k]] for BLOCK_K columns k of row m. The whole row is loaded (coalesced) and
     permuted in the program (tl.gather): a gather from global memory reads one sector per element.
-    PDL: the GEMM after it is a programmatic dependent launch; releasing it at once lets its programs start and
-    load their weights while this runs (they wait for out, gdc_wait, before reading x)."""
+    PDL: the GEMM after it may be a programmatic dependent launch; releasing it at once lets its programs start
+    and load their weights while this runs (they wait for out, gdc_wait, before reading x).
+    PDL_WAIT: this is one of the kernel before it, which writes x: it loads perm (the weights'), then waits for
+    that kernel (gdc_wait) before reading x."""
     if PDL:
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
-    every_k = tl.arange(0, K_POW2)
-    x = tl.load(x_ptr + row * stride_xm + every_k, mask=every_k < K, other=0)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     cols = tl.load(perm_ptr + ks, mask=ks < K, other=0)
+    if PDL_WAIT:
+        gdc_wait()
+    every_k = tl.arange(0, K_POW2)
+    x = tl.load(x_ptr + row * stride_xm + every_k, mask=every_k < K, other=0)
     tl.store(out_ptr + row * stride_om + ks, tl.gather(x, cols, 0), mask=ks < K)

@@ -188,9 +188,10 @@ def test_prepared_act_order_long_k_and_prefill(checkpoints, shape, m):
 
 @pytest.mark.parametrize("m", [1, 4, 64])
 def test_prepared_act_order_dependent_launch_waits_for_the_gather(checkpoints, monkeypatch, m):
-    """Act-order on a tile with pdl: the GEMM is launched programmatically dependent on the gather of x and must
-    read x only after the gather is done. Inside a CUDA graph replayed with a new x each time, a GEMM that read
-    the gathered buffer early would see the previous replay's x."""
+    """Act-order on a tile with pdl: the gather is launched programmatically dependent on the kernel before it,
+    which writes x, and the GEMM on the gather; each must read only after the one before is done. Inside a CUDA
+    graph that writes x with a kernel and is replayed with a new source each time, a gather or GEMM that read
+    early would see the previous replay's x."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launches need sm_90+")
     ck = checkpoints(4096, 4096, g_idx="perm")
@@ -212,14 +213,16 @@ def test_prepared_act_order_dependent_launch_waits_for_the_gather(checkpoints, m
     x = torch.zeros(m, 4096, dtype=torch.float16, device="cuda")
     kdsl.ops.gptq_gemm(x, prepared)
     assert dependent == [True], "the GEMM after act-order's gather was not a dependent launch"
+    source = torch.zeros_like(x)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
+        torch.mul(source, 1, out=x)  # a kernel writing x right before the gather (a copy would be a memcpy node)
         y = kdsl.ops.gptq_gemm(x, prepared)
     for seed in range(4):
-        x.copy_(torch.randn(m, 4096, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda"))
+        source.copy_(torch.randn(m, 4096, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda"))
         graph.replay()
-        err = ref.rel_fro_error(y, x.float() @ ck["w"])
-        assert err < TOL, f"replay {seed}: rel err {err:.3g} (x read before the gather finished?)"
+        err = ref.rel_fro_error(y, source.float() @ ck["w"])
+        assert err < TOL, f"replay {seed}: rel err {err:.3g} (x read before the kernel writing it or the gather finished?)"
 
 
 def test_a_tile_that_refuses_act_order_refuses_a_permutation(checkpoints):

@@ -359,7 +359,7 @@ def _w4a16_gemm_impl(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
     gathered = None if perm is None else torch.empty((m, k), dtype=x2.dtype, device=device)
     with _plan.Recorder(kernel_module.load() if plan is None else None) as rec:
         if gathered is not None:
-            kernel_module.run(gather_columns, x2, perm, gathered)
+            kernel_module.run(gather_columns, x2, perm, gathered, tile.get("gather_pdl") is True)
         kernel_module.launch(x2 if gathered is None else gathered, None, prepared.qweight, prepared.zeros,
                              prepared.scales, prepared.groups, prepared.contiguous_groups, y.view(-1, n), tile,
                              dependent=gathered is not None and tile.get("pdl") is True and dependent_launches(device))

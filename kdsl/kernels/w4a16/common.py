@@ -25,10 +25,17 @@ PDL_HELP = ("act-order calls: the kernel is a programmatic dependent launch of a
             "(elsewhere the option has no effect)")
 
 
+GATHER_PDL_HELP = ("act-order calls: the gather of x is a programmatic dependent launch of the kernel before it "
+                   "(whatever wrote x): it loads the permutation, then waits for that kernel; on sm_90 and later "
+                   "GPUs only")
+
+
 class PdlOptions(StrictModel):
-    """Whether act-order calls launch the kernel dependent on the gather before it."""
+    """Whether act-order calls launch the kernel dependent on the gather before it, and the gather dependent on the
+    kernel before that."""
 
     pdl: bool = Field(False, description=PDL_HELP)
+    gather_pdl: bool = Field(False, description=GATHER_PDL_HELP)
 
 
 class SplitPdlOptions(PdlOptions, SplitOptions):
@@ -64,9 +71,10 @@ def plane_tile_problems(where: str, tile) -> list[str]:
 MAGIC = {torch.float16: (0x6400, 1024), torch.bfloat16: (0x4300, 128)}
 
 
-def gather_columns(generated, x, perm, out):
+def gather_columns(generated, x, perm, out, dependent: bool = False):
     """out [M, K] = x [M, K] (unit column strides) with its columns in prepared K order (act-order), for
     launch(out, None, ...); out is the caller's, so a launch plan can allocate it as it allocates the outputs.
+    dependent: a programmatic dependent launch of the kernel before it (the tile's gather_pdl; sm_90+).
     Gathering x once, in its own launch, lets every tile serve act-order at plain g_idx's speed; the kernels'
     perm lookup per element (HAS_PERM, which the AOT C ABI keeps) made the GEMMs' x loads wait on it (H200,
     M = 1-256: 1.4-28x the plain layer's time, against 1.2-1.5x with a gather)."""
@@ -78,10 +86,17 @@ def gather_columns(generated, x, perm, out):
     block_k = k_pow2
     while block_k > 1024 and M * (k_pow2 // block_k) < 256:
         block_k //= 2
+    # On sm_90+ it releases the GEMM after it at once (a no-op where that GEMM is an ordinary launch). Waiting on
+    # the kernel before it is safe whatever that kernel is (it waits for it before reading x), but on an H200 it
+    # paid only before the GEMV tiles below N = 8192, which take it (gather_pdl): with it on every tile, desc_act /
+    # plain on 4096x4096 went to 0.81-0.97 at M = 1-8, but from 1.21/1.19 to 1.28/1.37 at M = 16/64, and up
+    # 0.03-0.05 from N = 8192 (gptq_act_order_gather_pdl_h200.json against gptq_act_order_variant_rows_h200.json).
+    pdl = host.dependent_launches(x.device)
+    wait = pdl and dependent
     return Launch(generated.module._gather_columns, (M, cdiv(K, block_k), 1),
                   (x, perm, out, K, x.stride(0), out.stride(0)),
-                  dict(K_POW2=k_pow2, BLOCK_K=block_k, PDL=host.dependent_launches(x.device),
-                       num_warps=8 if k_pow2 >= 8192 else 4))
+                  dict(K_POW2=k_pow2, BLOCK_K=block_k, PDL=pdl, PDL_WAIT=wait, num_warps=8 if k_pow2 >= 8192 else 4,
+                       **({"launch_pdl": True} if wait else {})))
 
 
 def w4a16_values(x, perm, qweight, zeros, scales, groups, contiguous_groups, y) -> dict:
