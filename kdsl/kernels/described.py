@@ -57,7 +57,7 @@ class _Bound:
     """A description with one tile's and one scheme's numbers filled in and its expressions compiled."""
 
     __slots__ = ("keep", "kernel", "gluon", "constexprs", "runtime", "split", "params", "grid", "scratch",
-                 "dtype_constexprs", "interpreted", "raises")
+                 "dtype_constexprs", "interpreted", "raises", "device_arg")
 
     def __init__(self, description: ImplLaunch, generated, tile: dict):
         self.keep = (description, generated, tile)
@@ -88,9 +88,14 @@ class _Bound:
                 params.append((name, "desc", self._descriptor(description.descriptors[name], compiled)))
             elif name in scratch:
                 params.append((name, "scratch", (scratch[name], compiled(expression))))
+            elif name in description.views:
+                params.append((name, "view", (compiled(expression), _ELEMENTS[description.views[name]])))
             else:
-                params.append((name, "value", (compiled(expression), _ELEMENTS.get(description.views.get(name)))))
+                params.append((name, "value", compiled(expression)))
         self.params = tuple(params)
+        # The argument whose device the launch is on: the first pointer the parameters pass.
+        self.device_arg = next(expression for name, expression in description.params
+                               if name in description.pointer_types and expression.isidentifier())
         self.grid = tuple(compiled(expression) for expression in description.grid)
         self.raises = tuple((compiled(condition), message) for condition, message in description.raises)
 
@@ -137,14 +142,14 @@ def evaluate(description: ImplLaunch, generated, values: dict, tile: dict) -> La
     """The launch `description` makes for a call (`values`: the op's C arguments, kdsl.kernels.c_abi.ImplLaunch's
     `values`) on `generated`'s kernel with the tile."""
     bound = _bound(description, generated, tile)
-    device = next(v.device for v in values.values() if hasattr(v, "data_ptr"))  # a tensor argument's
+    device = values[bound.device_arg].device
     interpreted = device.type == "cpu"
     values["sms"] = None if interpreted else host.sm_count(device)
     try:
         for condition, message in bound.raises:
             if condition(values):
                 raise ValueError(message)
-        constexprs = dict(bound.constexprs)
+        constexprs = bound.constexprs.copy()
         for name, compute, kind in bound.runtime:
             value = compute(values)
             constexprs[name] = bool(value) if type(kind) is tuple and type(kind[0]) is bool else value
@@ -158,6 +163,8 @@ def evaluate(description: ImplLaunch, generated, values: dict, tile: dict) -> La
         params = []
         for _, kind, how in bound.params:
             if kind == "value":
+                params.append(how(values))
+            elif kind == "view":
                 compute, element = how
                 params.append(_as_element(compute(values), element))
             elif kind == "desc":
