@@ -42,7 +42,7 @@ class Generated:
     after the module (`name`); `kernels`, each kernel named after it by the rest of its name ("" for `kernel`,
     "_down", ...); `module`, for the constants the template rendered (PACK, LAYOUT, ...); `constexprs`, the
     scheme's numbers its kernels take as constexpr arguments ({"GROUP_SIZE": 128, ...}: the module serves several
-    schemes); `scheme`, the scheme's numbers a launch description names (kdsl.kernels.expressions.scheme_values);
+    schemes); `scheme`, the scheme's numbers a launch description names (kdsl.schema.scheme.launch_values);
     `layout`, the prepared weights layout its kernels read ("" for checkpoint tensors). Built once per module and
     scheme."""
 
