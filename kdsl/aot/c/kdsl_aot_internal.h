@@ -29,7 +29,7 @@ typedef struct kdsl__tma_meta {
   int shape_params, stride_params; /* int32 / int64 kernel parameters after the CUtensorMap */
 } kdsl__tma_meta;
 
-/* A descriptor as the dispatcher computes it for one call: what launch() gives TensorDescriptor. */
+/* A descriptor as the dispatcher computes it for one call: what Python's launch gives TensorDescriptor. */
 #define KDSL__TMA_MAX_RANK 5
 typedef struct kdsl__tma_call {
   int64_t base;
