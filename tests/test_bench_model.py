@@ -32,6 +32,50 @@ def test_the_quantized_layers_follow_the_float_model(name):
     assert err < 0.05, err  # round-to-nearest weights through two residual layers
 
 
+TINY_MLA = bench_model.MLA(q_lora=128, kv_lora=256, rope=64, heads=2, nope=128, v_head=128)
+
+
+def test_an_mla_shape_file_and_its_refusals(tmp_path):
+    """A shape file may give DeepSeek-V3's MLA decode path: its keys are checked like the rest, and qkv and o_in
+    must be what MLA makes them (q_a + kv_a, the heads' v)."""
+    mla = {"q_lora": 128, "kv_lora": 256, "rope": 64, "heads": 2, "nope": 128, "v_head": 128}
+    good = tmp_path / "mla.json"
+    good.write_text(json.dumps({"hidden": 256, "qkv": 448, "o_in": 256, "inter": 256, "layers": 1, "mla": mla}))
+    _, shape = bench_model.parse_shape(str(good))
+    assert shape.mla == TINY_MLA
+    # qkv (q_a + kv_a), q_b, o, gate_up, down, and W_UK + W_UV per head
+    assert shape.weights() == 256 * 448 + 128 * 2 * 192 + 256 * 256 + 256 * 512 + 256 * 256 + 2 * 256 * (128 + 128)
+    for doc, match in (({"mla": {**mla, "heads": 4}}, "o_in heads \\* v_head \\(512\\)"),
+                       ({"mla": {**mla, "latent": 1}}, "unknown mla keys \\['latent'\\]"),
+                       ({"attention": "mla"}, "unknown keys \\['attention'\\]")):
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({"hidden": 256, "qkv": 448, "o_in": 256, "inter": 256, "layers": 1, **doc}))
+        with pytest.raises(ValueError, match=match):
+            bench_model.parse_shape(str(bad))
+    _, preset = bench_model.parse_shape("deepseek-v3-dense")
+    assert preset.mla == bench_model.DEEPSEEK_V3_MLA and preset.qkv == 2112 and preset.o_in == 16384
+
+
+def test_the_fp8_mla_layer_follows_the_float_model():
+    """DeepSeek-V3's decode path with its absorbed BMMs in block FP8 (act_quant + kdsl.ops.fp8_bmm) against the
+    bf16 model with torch.bmm: the same weights, quantized."""
+    shape = bench_model.Shape(hidden=256, qkv=448, o_in=256, inter=256, layers=1, mla=TINY_MLA)
+    quantized, dtype = bench_model.variant("fp8", shape, device="cpu")
+    dense, _ = bench_model.variant("bf16", shape, device="cpu")
+    assert type(quantized[0].absorbed).__name__ == "FP8AbsorbedMLA"
+    assert type(dense[0].absorbed).__name__ == "AbsorbedMLA"
+    x = torch.randn(3, 256, dtype=dtype)
+    with torch.no_grad():
+        want = dense(x).float()
+        err = ((quantized(x).float() - want).norm() / want.norm()).item()
+        # the attention stand-in alone: the absorbed BMMs of one layer, FP8 against bf16
+        q = torch.randn(3, 2 * 192, dtype=dtype)
+        bmm_want = dense[0].absorbed(q).float()
+        bmm_err = ((quantized[0].absorbed(q).float() - bmm_want).norm() / bmm_want.norm()).item()
+    assert err < 0.05, err
+    assert 0 < bmm_err < 0.1, bmm_err  # e4m3 activations and weights: a few percent, never exact
+
+
 def test_the_table_names_every_mode():
     rows = [{"model": "fp16", "m": 1, "mode": mode, "us": 10.0, "roofline": 0.5, "speedup": None} for mode in
             bench_model.MODES] + [{"model": "w4a16", "m": 1, "mode": "graph", "us": 4.0, "roofline": 0.9,

@@ -2,11 +2,16 @@
 
 N layers with distinct weights (so at decode they stream from DRAM, not L2), each: RMSNorm -> qkv -> o (the
 attention itself is left out: it is the same for every variant) -> residual add -> RMSNorm -> gate_up ->
-SiLU*mul -> down -> residual add. The same glue runs for every variant:
+SiLU*mul -> down -> residual add. A preset with multi-head latent attention (DeepSeek-V3's MLA, `mla`) runs its
+decode path instead of qkv -> o: q_a and kv_a as one projection (qkv), q_b, the absorbed per-head BMMs (q_nope
+against W_UK into the latent space, then the latent against W_UV; the attention over the latent cache left out)
+and o. The same glue runs for every variant:
 
   fp16 / bf16    nn.Linear (cuBLAS): the baseline
   w4a16          kdsl.quantize_(model, kdsl.GPTQ(group_size=128)), fp16 activations
-  fp8            kdsl.quantize_(model, kdsl.BlockFP8()), bf16 activations
+  fp8            kdsl.quantize_(model, kdsl.BlockFP8()), bf16 activations; MLA's absorbed BMMs as act_quant +
+                 kdsl.ops.fp8_bmm on 128x128-block weights (the other variants run them as torch.bmm in their
+                 activation dtype)
   torchao-fp8    torchao's Float8DynamicActivationFloat8WeightConfig (per-row), where torchao imports
 
 Each is timed as one hand-captured CUDA graph of the forward, eagerly, and under
@@ -21,18 +26,34 @@ over the measured device copy rate (decode) or the linears' FLOPs over the measu
 """
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+@dataclass(frozen=True)
+class MLA:
+    """Multi-head latent attention's decode path (DeepSeek-V3): q_lora and kv_lora ranks, the rope part of q and
+    k, heads, and the per-head dims of q/k without rope (nope) and of v."""
+    q_lora: int
+    kv_lora: int
+    rope: int
+    heads: int
+    nope: int
+    v_head: int
+
+
+DEEPSEEK_V3_MLA = MLA(q_lora=1536, kv_lora=512, rope=64, heads=128, nope=128, v_head=128)
+
 PRESETS = {
-    # name: hidden, qkv out, o in, intermediate, layers (distinct weights)
+    # name: hidden, qkv out, o in, intermediate, layers (distinct weights)[, MLA]
     "llama-3-8b": (4096, 6144, 4096, 14336, 4),
     "llama-3-70b-tp8": (8192, 1280, 1024, 3584, 8),
     "qwen2.5-32b": (5120, 7168, 5120, 27648, 3),
-    "deepseek-v3-dense": (7168, 24576 + 576, 16384, 18432, 2),  # MLA q_b + kv_a as one projection, dense MLP
+    # MLA: qkv is q_a and kv_a as one projection (1536 + 512 + 64), o's input the heads' v (128 x 128); dense MLP
+    "deepseek-v3-dense": (7168, 1536 + 512 + 64, 128 * 128, 18432, 2, DEEPSEEK_V3_MLA),
 }
 DECODE_M = (1, 4, 16, 64)
 PREFILL_M = (512, 2048, 8192)
@@ -47,18 +68,36 @@ class Shape:
     o_in: int
     inter: int
     layers: int
+    mla: MLA | None = None
 
     def linears(self) -> list[tuple[int, int]]:
         """(in, out) of each layer's linears."""
-        return [(self.hidden, self.qkv), (self.o_in, self.hidden), (self.hidden, 2 * self.inter),
+        q_b = [] if self.mla is None else [(self.mla.q_lora, self.mla.heads * (self.mla.nope + self.mla.rope))]
+        return [(self.hidden, self.qkv), *q_b, (self.o_in, self.hidden), (self.hidden, 2 * self.inter),
                 (self.inter, self.hidden)]
 
-    def weights(self) -> int:
+    def linear_weights(self) -> int:
         return self.layers * sum(k * n for k, n in self.linears())
+
+    def bmm_weights(self) -> int:
+        """MLA's absorbed per-head weights, W_UK [heads, kv_lora, nope] and W_UV [heads, v_head, kv_lora]."""
+        if self.mla is None:
+            return 0
+        mla = self.mla
+        return self.layers * mla.heads * mla.kv_lora * (mla.nope + mla.v_head)
+
+    def weights(self) -> int:
+        return self.linear_weights() + self.bmm_weights()
+
+
+SHAPE_KEYS = ("hidden", "qkv", "o_in", "inter", "layers")
+MLA_KEYS = ("q_lora", "kv_lora", "rope", "heads", "nope", "v_head")
 
 
 def parse_shape(spec: str) -> tuple[str, Shape]:
-    """A preset name, or a JSON file {"hidden":, "qkv":, "o_in":, "inter":, "layers":}."""
+    """A preset name, or a JSON file {"hidden":, "qkv":, "o_in":, "inter":, "layers":} with an optional "mla":
+    {"q_lora":, "kv_lora":, "rope":, "heads":, "nope":, "v_head":} (then qkv = q_lora + kv_lora + rope and
+    o_in = heads * v_head). Keys it does not know are refused."""
     if spec in PRESETS:
         return spec, Shape(*PRESETS[spec])
     path = Path(spec)
@@ -66,9 +105,75 @@ def parse_shape(spec: str) -> tuple[str, Shape]:
         raise ValueError(f"--model {spec}: neither a preset ({', '.join(PRESETS)}) nor a file")
     try:
         doc = json.loads(path.read_text())
-        return path.stem, Shape(**{key: int(doc[key]) for key in ("hidden", "qkv", "o_in", "inter", "layers")})
+        unknown = set(doc) - set(SHAPE_KEYS) - {"mla"}
+        if unknown:
+            raise ValueError(f"unknown keys {sorted(unknown)}")
+        mla = None
+        if "mla" in doc:
+            unknown = set(doc["mla"]) - set(MLA_KEYS)
+            if unknown:
+                raise ValueError(f"unknown mla keys {sorted(unknown)}")
+            mla = MLA(**{key: int(doc["mla"][key]) for key in MLA_KEYS})
+        shape = Shape(**{key: int(doc[key]) for key in SHAPE_KEYS}, mla=mla)
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
-        raise ValueError(f"--model {spec}: expected JSON with integer hidden, qkv, o_in, inter, layers ({error})") from None
+        raise ValueError(f"--model {spec}: expected JSON with integer hidden, qkv, o_in, inter, layers and an "
+                         f"optional mla {{{', '.join(MLA_KEYS)}}} ({error})") from None
+    if mla is not None and (shape.qkv != mla.q_lora + mla.kv_lora + mla.rope or shape.o_in != mla.heads * mla.v_head):
+        raise ValueError(f"--model {spec}: with mla, qkv must be q_lora + kv_lora + rope "
+                         f"({mla.q_lora + mla.kv_lora + mla.rope}) and o_in heads * v_head ({mla.heads * mla.v_head})")
+    return path.stem, shape
+
+
+@functools.cache
+def _mla_modules():
+    """(AbsorbedMLA, FP8AbsorbedMLA): MLA's absorbed BMMs in the activation dtype, and with block-FP8 weights."""
+    import torch
+    from torch import nn
+
+    from kdsl.ops import act_quant, fp8_bmm, weight_quant
+
+    class AbsorbedMLA(nn.Module):
+        """q [M, heads * (nope + rope)] -> [M, heads * v_head]: q_nope against W_UK [heads, kv_lora, nope] into the
+        latent space, then (the attention over the latent cache left out) against W_UV [heads, v_head, kv_lora]."""
+
+        def __init__(self, mla: MLA, dtype, device):
+            super().__init__()
+            self.mla = mla
+            self.w_uk = nn.Parameter(torch.empty(mla.heads, mla.kv_lora, mla.nope, dtype=dtype, device=device))
+            self.w_uv = nn.Parameter(torch.empty(mla.heads, mla.v_head, mla.kv_lora, dtype=dtype, device=device))
+            nn.init.normal_(self.w_uk, std=mla.nope ** -0.5)
+            nn.init.normal_(self.w_uv, std=mla.kv_lora ** -0.5)
+
+        def forward(self, q):
+            mla, m = self.mla, q.shape[0]
+            q_nope = q.view(m, mla.heads, mla.nope + mla.rope)[..., : mla.nope].transpose(0, 1)
+            latent = torch.bmm(q_nope, self.w_uk.transpose(1, 2))
+            return torch.bmm(latent, self.w_uv.transpose(1, 2)).transpose(0, 1).reshape(m, mla.heads * mla.v_head)
+
+    class FP8AbsorbedMLA(nn.Module):
+        """AbsorbedMLA with its weights in 128x128-block FP8 (weight_quant per head) and its activations quantized
+        per 1x128 group (act_quant) before each kdsl.ops.fp8_bmm; the per-head activations go as transposed
+        views, and the second BMM writes o's input [M, heads, v_head] in place."""
+
+        def __init__(self, dense: AbsorbedMLA):
+            super().__init__()
+            self.mla, self.dtype = dense.mla, dense.w_uk.dtype
+            for name in ("w_uk", "w_uv"):
+                w = getattr(dense, name).detach()
+                q, s = weight_quant(w.reshape(-1, w.shape[-1]))
+                self.register_buffer(name, q.view(w.shape))
+                self.register_buffer(name + "_s", s.view(w.shape[0], -1, s.shape[-1]))
+
+        def forward(self, q):
+            mla, m = self.mla, q.shape[0]
+            q8, q_s = act_quant(q.view(m, mla.heads, mla.nope + mla.rope)[..., : mla.nope])
+            latent = fp8_bmm(q8.transpose(0, 1), q_s.transpose(0, 1), self.w_uk, self.w_uk_s, out_dtype=self.dtype)
+            l8, l_s = act_quant(latent)
+            out = torch.empty(m, mla.heads, mla.v_head, dtype=self.dtype, device=q.device)
+            fp8_bmm(l8, l_s, self.w_uv, self.w_uv_s, out_dtype=self.dtype, out=out.transpose(0, 1))
+            return out.view(m, mla.heads * mla.v_head)
+
+    return AbsorbedMLA, FP8AbsorbedMLA
 
 
 def build(shape: Shape, dtype, device: str = "cuda"):
@@ -76,11 +181,17 @@ def build(shape: Shape, dtype, device: str = "cuda"):
     import torch
     from torch import nn
 
+    mla = shape.mla
+
     class Layer(nn.Module):
         def __init__(self):
             super().__init__()
             self.norm1 = nn.RMSNorm(shape.hidden, dtype=dtype, device=device)
             self.qkv = nn.Linear(shape.hidden, shape.qkv, bias=False, dtype=dtype, device=device)
+            if mla is not None:
+                self.q_b = nn.Linear(mla.q_lora, mla.heads * (mla.nope + mla.rope), bias=False, dtype=dtype,
+                                     device=device)
+                self.absorbed = _mla_modules()[0](mla, dtype, device)
             self.o = nn.Linear(shape.o_in, shape.hidden, bias=False, dtype=dtype, device=device)
             self.norm2 = nn.RMSNorm(shape.hidden, dtype=dtype, device=device)
             self.gate_up = nn.Linear(shape.hidden, 2 * shape.inter, bias=False, dtype=dtype, device=device)
@@ -88,8 +199,11 @@ def build(shape: Shape, dtype, device: str = "cuda"):
 
         def forward(self, x):
             q = self.qkv(self.norm1(x))
-            # attention left out: o reads a slice of qkv's output as wide as its input (tiled when narrower)
-            attn = q[:, : shape.o_in] if shape.qkv >= shape.o_in else q.repeat(1, -(-shape.o_in // shape.qkv))[:, : shape.o_in]
+            if mla is not None:  # q_a's part of qkv through q_b (q_a's RMSNorm and the rope left out)
+                attn = self.absorbed(self.q_b(q[:, : mla.q_lora]))
+            else:  # attention left out: o reads a slice of qkv's output as wide as its input (tiled when narrower)
+                attn = (q[:, : shape.o_in] if shape.qkv >= shape.o_in
+                        else q.repeat(1, -(-shape.o_in // shape.qkv))[:, : shape.o_in])
             x = x + self.o(attn)
             gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
             return x + self.down(torch.nn.functional.silu(gate) * up)
@@ -97,8 +211,9 @@ def build(shape: Shape, dtype, device: str = "cuda"):
     torch.manual_seed(0)
     model = nn.Sequential(*[Layer() for _ in range(shape.layers)]).eval()
     for layer in model:
-        for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            nn.init.normal_(linear.weight, std=0.02)
+        for linear in (layer.qkv, getattr(layer, "q_b", None), layer.o, layer.gate_up, layer.down):
+            if linear is not None:
+                nn.init.normal_(linear.weight, std=0.02)
     return model.requires_grad_(False)
 
 
@@ -115,6 +230,10 @@ def variant(name: str, shape: Shape, device: str = "cuda"):
         kdsl_quantize_(model, GPTQ(group_size=128))
     elif name == "fp8":
         kdsl_quantize_(model, BlockFP8())
+        if shape.mla is not None:
+            fp8_mla = _mla_modules()[1]
+            for layer in model:
+                layer.absorbed = fp8_mla(layer.absorbed)
     elif name == "torchao-fp8":
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
@@ -238,6 +357,7 @@ def run_model_bench(spec: str, ms: list[int], modes: list[str], variants: list[s
     bases = {"w4a16": "fp16", "fp8": "bf16", "torchao-fp8": "bf16"}
     needed = ["fp16"] * ("w4a16" in variants) + ["bf16"] * any(v != "w4a16" for v in variants)
     bytes_per_weight = {"fp16": 2, "bf16": 2, "w4a16": 0.5 + 4 / 128, "fp8": 1 + 4 / 128**2, "torchao-fp8": 1}
+    bytes_per_bmm_weight = {"fp8": 1 + 4 / 128**2}  # MLA's absorbed weights: the others keep them in 16 bits
     models = {}
     for model_name in needed + variants:
         try:
@@ -268,7 +388,8 @@ def run_model_bench(spec: str, ms: list[int], modes: list[str], variants: list[s
             for model_name in models:
                 result = timed[model_name]
                 us, host_us, note = (None, None, result) if isinstance(result, str) else (*result, None)
-                moved = shape.weights() * bytes_per_weight[model_name]
+                moved = (shape.linear_weights() * bytes_per_weight[model_name]
+                         + shape.bmm_weights() * bytes_per_bmm_weight.get(model_name, 2))
                 rows.append({"model": model_name, "m": m, "mode": mode, "us": us, "host_us": host_us,
                              "error": note,
                              "tokens_per_s": None if not us else m / us * 1e6,
@@ -287,7 +408,7 @@ def run_model_bench(spec: str, ms: list[int], modes: list[str], variants: list[s
         r["speedup"] = base / r["us"] if base and r["us"] else None
     print(format_model_table(rows, name))
     if json_path:
-        doc = {"tool": "kdsl bench --model", "preset": name, "shape": shape.__dict__,
+        doc = {"tool": "kdsl bench --model", "preset": name, "shape": asdict(shape),
                "ceilings": {"copy_bytes_per_s": copy_rate, "fp16_flops": fp16_rate, "fp8_flops": fp8_rate},
                "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
         Path(json_path).write_text(json.dumps(doc, indent=1))
