@@ -61,8 +61,8 @@ def dependent_launches(device) -> bool:
 
 def programs_for(sms: int, tiles: int, tile: dict) -> int:
     """Persistent tiles: as many programs as fit on the SMs at once (split_fill per SM) loop over the tiles;
-    else one program per tile."""
-    return min(tiles, sms * (tile["split_fill"] or SPLIT_FILL)) if tile["persistent"] else tiles
+    else one program per tile (kdsl.kernels.expressions.programs, which launch descriptions call)."""
+    return expressions.programs(tiles, tile["persistent"], tile["split_fill"] or SPLIT_FILL, sms)
 
 
 # (kernel, device) -> (fp32 workspace, int32 counters) of the split-K store (common/splitk_store.py.j2).
