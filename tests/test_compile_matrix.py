@@ -113,10 +113,16 @@ def beside_kernels(entry: KernelEntry, tile: dict) -> list[str]:
     if len(kernels) == 1:
         return []
     launched = []  # by identity: a JIT function's hash is its source's
+    constexprs = {}  # name -> the distinct constexprs it is launched with (moe_fp8/sorted_gluon's two GEMMs)
     for launch in described_launches(entry, tile, "bf16"):
         name = next(name for name, kernel in kernels.items() if kernel is launch.kernel)
-        if name and name not in launched:
-            launched.append(name)
+        seen = constexprs.setdefault(name, [])
+        if launch.constexprs not in seen:
+            seen.append(launch.constexprs)
+            if len(seen) > 1:  # the same kernel launched again, specialized otherwise: its own job, name@n
+                launched.append(f"{name}@{len(seen)}")
+            elif name:
+                launched.append(name)
     return [name.lstrip("_") for name in launched]
 
 
@@ -135,8 +141,13 @@ def derive(entry: KernelEntry, tile: dict, out: str, kernel: str = ""):
     from triton.runtime.jit import mangle_type
 
     generated = entry.modules[tile["impl"]].generated()
+    kernel, _, occurrence = kernel.partition("@")  # name@n: its n-th distinctly specialized launch
     function = generated.kernels[f"_{kernel}" if kernel else ""]
-    launch = next((launch for launch in described_launches(entry, tile, out) if launch.kernel is function), None)
+    distinct = []
+    for launch in described_launches(entry, tile, out):
+        if launch.kernel is function and all(launch.constexprs != seen.constexprs for seen in distinct):
+            distinct.append(launch)
+    launch = distinct[int(occurrence or 1) - 1] if len(distinct) >= int(occurrence or 1) else None
     assert launch is not None, f"{entry.name}: the tile's launch() makes no launch of kernel {kernel or 'main'!r}"
     _, _, params, keywords = launch
     names = list(function.arg_names)
@@ -412,6 +423,24 @@ def test_deferred_rescale_keeps_one_wgmma_in_flight(job, compiled):
     waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
     assert waits.count("1") >= 2, f"no rescale overlaps a wgmma: waits {waits}"
     assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
+
+
+MOE_HOPPER = next(e for e in ENTRIES.values() if e.op == "moe_fp8" and e.scheme.startswith("block_fp8.")
+                  and e.min_arch == 90)
+MOE_GLUON = [i for i, tile in enumerate(MOE_HOPPER.tiles) if tile.params["impl"] == "sorted_gluon"]
+
+
+@pytest.mark.parametrize("job", [Job(MOE_HOPPER.name, 90, i, kernel=kernel) for i in MOE_GLUON for kernel in ("", "@2")],
+                         ids=[f"tile{i}-{gemm}" for i in MOE_GLUON for gemm in ("gate-up", "down")])
+def test_moe_gluon_gemms_keep_one_wgmma_in_flight(job, compiled):
+    """moe_fp8/sorted_gluon's gate-up (TMA store) and down (row scatter) GEMMs: e4m3 wgmma fed by TMA, each
+    rescale overlapping the next K block's wgmma (wait 1), as fp8_gemm/deferred_gluon's loop."""
+    ptx = ptx_of(compiled, job)
+    assert re.search(r"wgmma\.mma_async\S*e4m3\.e4m3", ptx)
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
+    assert waits.count("1") >= 2, f"no rescale overlaps a wgmma: waits {waits}"
+    assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
+    assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == (job.kernel == ""), "gate-up stores by TMA, down not"
 
 
 GPTQ_HOPPER = next(e for e in ENTRIES.values()

@@ -387,11 +387,22 @@ def test_moe_on_sm80_raises_no_kernel(monkeypatch):
 
 
 def test_moe_decode_and_prefill_tiles():
+    """On sm_90 the GPU's prefill calls take the Gluon unit; the CPU (no Gluon interpreter) the portable tile after
+    it, tuned on an H200 at T = 4096."""
     entry = registry.select("moe_fp8", kdsl.BlockFP8(), arch="sm_90")
-    decode, rows_128, prefill = entry.tile_for(1), entry.tile_for(128), entry.tile_for(128 + 1)
-    assert decode["BLOCK_M"] == 16 and decode["fuse_act"] is False
-    assert rows_128["BLOCK_M"] == 64 and rows_128["fuse_act"] is False  # tuned on an H200 at T = 4096
-    assert prefill["BLOCK_M"] == 64 and prefill["fuse_act"] is True and prefill["BLOCK_N"] == 128
+    decode = entry.tile_for(1)
+    assert decode["impl"] == "sorted" and decode["BLOCK_M"] == 16 and decode["fuse_act"] is False
+    for rows in (17, 32, 33, 128):
+        gpu = entry.tile_for(rows, 2048, registry.Call(m=rows, n=2048))
+        assert gpu["impl"] == "sorted_gluon" and gpu["BLOCK_M"] == 64, rows
+        assert entry.tile_for(rows, 2048, registry.Call(m=rows, n=2048, align=8))["impl"] == "sorted", rows
+        # DeepSeek-V3's TP-8 slice (I = 256) and 16 rows per expert measured faster on the portable tiles
+        assert entry.tile_for(rows, 256, registry.Call(m=rows, n=256))["impl"] == "sorted", rows
+    assert entry.tile_for(16, 2048, registry.Call(m=16, n=2048))["impl"] == "sorted"
+    assert entry.tile_for(129, 2048, registry.Call(m=129, n=2048))["impl"] == "sorted"
+    cpu = {rows: entry.tile_for(rows, 2048, registry.Call(m=rows, n=2048, device_type="cpu")) for rows in (128, 129)}
+    assert cpu[128]["impl"] == "sorted" and cpu[128]["BLOCK_M"] == 64 and cpu[128]["fuse_act"] is False
+    assert cpu[129]["BLOCK_M"] == 64 and cpu[129]["fuse_act"] is True and cpu[129]["BLOCK_N"] == 128
 
 
 def test_moe_tile_follows_the_intermediate_size(monkeypatch):
@@ -517,6 +528,24 @@ def test_gpu_moe_matches_reference(experts, hidden, inter, topk, tokens):
     assert torch.isfinite(y).all() and err < 8e-3, f"relative error {err:.3g}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts, hidden, inter, topk, tokens", [
+    (256, 7168, 2048, 8, 2048),  # DeepSeek-V3: 64 rows per expert
+    (32, 2048, 1152, 8, 100),  # 25 rows per expert; I = 1152: an odd count of K blocks in the down GEMM
+    (64, 1024, 1152, 4, 2048),  # 128 rows per expert
+], ids=["deepseek-v3-t2048", "odd-k-t100", "odd-k-t2048"])
+def test_gpu_moe_gluon_prefill_matches_reference(experts, hidden, inter, topk, tokens):
+    """The prefill calls the Gluon unit (moe_fp8/sorted_gluon) serves, against the fp32 per-expert reference."""
+    entry = registry.dispatch("moe_fp8", kdsl.BlockFP8(), torch.device("cuda"))
+    rows = moe_ops.tokens_per_expert(tokens * topk, experts)
+    assert entry.tile_for(rows, inter, registry.Call(m=rows, n=inter))["impl"] == "sorted_gluon"
+    torch.manual_seed(tokens + inter)
+    args = moe_case(tokens, experts, hidden, inter, topk, skew=0.02, device="cuda")
+    y = kdsl.ops.moe_fp8(*args)
+    err = rel_fro_error(y, _gpu_moe_ref(*args))
+    assert torch.isfinite(y).all() and err < 8e-3, f"relative error {err:.3g}"
+
+
 def _full_fp32(fn, *args):
     """fn(*args) with true fp32 matmuls (no TF32), as the references need on the GPU."""
     saved = torch.backends.cuda.matmul.allow_tf32
@@ -532,16 +561,17 @@ def _gpu_moe_ref(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids):
 
 
 @pytest.mark.gpu
-def test_gpu_moe_captures_in_a_cuda_graph_and_replays_any_routing():
+@pytest.mark.parametrize("tokens, inter", [(16, 256), (1024, 1024)], ids=["decode", "prefill-gluon"])
+def test_gpu_moe_captures_in_a_cuda_graph_and_replays_any_routing(tokens, inter):
     """One graph, captured with check_ids on (the check is skipped while capturing), replayed on new routing,
     including an id outside [0, E) (dropped, no fault)."""
-    x, w13, w13_s, w2, w2_s, topk_weights, topk_ids = moe_case(16, 64, 1024, 256, 4, device="cuda")
+    x, w13, w13_s, w2, w2_s, topk_weights, topk_ids = moe_case(tokens, 64, 1024, inter, 4, device="cuda")
     kdsl.ops.moe_fp8(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = kdsl.ops.moe_fp8(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids)
     for skew in (0.0, 0.5):
-        new_weights, new_ids = routing(16, 64, 4, skew, device="cuda")
+        new_weights, new_ids = routing(tokens, 64, 4, skew, device="cuda")
         new_ids[0, 0] = 64 if skew else new_ids[0, 0]
         topk_weights.copy_(new_weights)
         topk_ids.copy_(new_ids)

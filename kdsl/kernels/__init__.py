@@ -10,7 +10,7 @@ from kdsl.kernels import block_fp8, gptq, w4a16  # noqa: F401  (families)
 from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, NoOptions
 from kdsl.kernels.block_fp8 import (fp8_bmm_portable, fp8_bmm_tma_sm90, fp8_gemm_deferred_gluon, fp8_gemm_portable,
                                     fp8_gemm_tma_persistent, fp8_grouped_gemm_portable, fp8_linear_portable,
-                                    moe_fp8_sorted, quant, silu_mul)
+                                    moe_fp8_sorted, moe_fp8_sorted_gluon, quant, silu_mul)
 from kdsl.kernels.gptq import checkpoint
 from kdsl.kernels.w4a16 import dequant, gemv, gemv_mma_gluon, mma, moe_sorted, overlap_gluon, planes_mma
 
@@ -24,6 +24,7 @@ CATALOGUE: tuple[KernelImpl, ...] = (
     fp8_bmm_portable.IMPL, fp8_bmm_tma_sm90.IMPL,
     fp8_linear_portable.IMPL,
     fp8_grouped_gemm_portable.IMPL, fp8_grouped_gemm_portable.MASKED_IMPL, moe_fp8_sorted.IMPL,
+    moe_fp8_sorted_gluon.IMPL,
     checkpoint.GEMM_SPLITK, checkpoint.DEQUANT_BLOCKWISE,
     mma.IMPL, planes_mma.IMPL, gemv.IMPL, gemv_mma_gluon.IMPL, overlap_gluon.IMPL,
     dequant.IMPL, moe_sorted.IMPL,

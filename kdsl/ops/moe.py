@@ -333,7 +333,11 @@ def _moe_fp8_impl(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, check_ids: bo
     entry = registry.dispatch("moe_fp8", scheme, device)
     # Tiles by tokens per routed expert and the intermediate size I: I sets how many columns the gate/up GEMM
     # spreads over the SMs at decode (kernel_defs/moe_fp8.toml).
-    tile = entry.tile_for(tokens_per_expert(tokens * topk, experts), w2.shape[2])
+    m, inter = tokens_per_expert(tokens * topk, experts), w2.shape[2]
+    # Modules that refuse calls (moe_fp8/sorted_gluon: the GPU only, TMA over the weights) read the call's facts.
+    call = registry.Call(m=m, n=inter, device_type=device.type, dtype=check.dtype_name(x.dtype),
+                         align=check.alignment(w13, w2)) if entry.refuses_calls else None
+    tile = entry.tile_for(m, inter, call)
     entry.launch(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, on_routed, tile)
     if device.type == "cpu":
         _moe_lost_nan(x, w13, w2, topk_ids, y)
