@@ -231,6 +231,27 @@ def test_gpu_matches_the_reference(m):
     assert y[0].isnan().all() and y[-1].isnan().all() and not y[1:-1].isnan().any()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [64, 512])
+def test_gpu_act_quant_fp8_gemm_is_one_plan_with_the_two_ops_results(m):
+    """FP8Linear's path above the fused rows: one launch plan for act_quant and fp8_gemm, recorded on the first call
+    and replayed after, bit for bit with the two ops called apart, on new data too; NaN and inf rows stay NaN."""
+    from kdsl.ops.block_fp8 import act_quant_fp8_gemm
+
+    cuda = torch.device("cuda")
+    b, b_s = weights(2112, 7168, device=cuda)
+    registry.plans.clear()
+    for call in range(3):
+        x = activations((m, 7168), torch.bfloat16, device=cuda)
+        if call == 2:
+            x[0, 5], x[-1, 9] = float("nan"), float("inf")
+        y = act_quant_fp8_gemm(x, b, b_s, 128, torch.bfloat16)
+        assert torch.equal(bits(y), bits(kdsl.ops.fp8_gemm(*kdsl.ops.act_quant(x), b, b_s))), call
+        kept = [plan for key, plan in registry.plans.items() if key[0] == "act_quant+fp8_gemm"]
+        assert len(kept) == 1 and kept[0], call
+    assert y[0].isnan().all() and y[-1].isnan().all() and not y[1:-1].isnan().any()
+
+
 # --- the module ---------------------------------------------------------------------------------
 
 def test_fp8linear_runs_the_fused_op_for_few_rows_and_the_two_ops_for_many(monkeypatch):
@@ -240,14 +261,14 @@ def test_fp8linear_runs_the_fused_op_for_few_rows_and_the_two_ops_for_many(monke
     linear = torch.nn.Linear(256, 72, bias=True, dtype=torch.bfloat16)
     layer = FP8Linear.from_float(linear)
     called = []
-    for name in ("fp8_linear", "fp8_gemm"):
-        real = getattr(kdsl.ops, name)
-        monkeypatch.setattr(modules.ops, name, lambda *a, _real=real, _name=name, **k: called.append(_name) or _real(*a, **k))
+    for where, name in ((modules.ops, "fp8_linear"), (modules, "act_quant_fp8_gemm")):
+        real = getattr(where, name)
+        monkeypatch.setattr(where, name, lambda *a, _real=real, _name=name, **k: called.append(_name) or _real(*a, **k))
     for rows in (1, modules.FUSED_MAX_ROWS, modules.FUSED_MAX_ROWS + 1):
         called.clear()
         x = activations((rows, 256), torch.bfloat16)
         y = layer(x)
-        assert called == (["fp8_linear"] if rows <= modules.FUSED_MAX_ROWS else ["fp8_gemm"])
+        assert called == (["fp8_linear"] if rows <= modules.FUSED_MAX_ROWS else ["act_quant_fp8_gemm"])
         want = reference(x, layer.weight, layer.weight_scale_inv, layer.bias)
         assert rel_fro_error(y, want) < 8e-3
     assert "fused=fp8_linear__" in repr(layer)

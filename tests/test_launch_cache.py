@@ -242,7 +242,8 @@ def test_a_plan_hit_launches_what_the_ordinary_path_does(sm90):
 
 def test_fp8_bmm_plan_matches_the_ordinary_path(sm90):
     """MLA's views (a and a_s transposes of [M, B, ...] tensors): the second call on replays the first's launch,
-    on new data too; a call with out= and one whose a needs a copy keep no plan."""
+    on new data too; a call with out= keeps a plan of its own that writes into the out it is given (MLA's second
+    BMM writes o's input in place), and one whose a needs a copy keeps no plan."""
     ops = kdsl.ops
     g = torch.Generator().manual_seed(3)
     heads, m, n, k = 3, 5, 128, 256
@@ -261,11 +262,15 @@ def test_fp8_bmm_plan_matches_the_ordinary_path(sm90):
     assert torch.equal(ops.fp8_bmm(a2, a_s2, b, b_s), no_plan(lambda: ops.fp8_bmm(a2, a_s2, b, b_s)))
     out = torch.empty(m, heads, n, dtype=torch.bfloat16).transpose(0, 1)
     assert ops.fp8_bmm(a, a_s, b, b_s, out=out) is out and torch.equal(out, c0)
-    assert len(plans("fp8_bmm")) == 1
+    assert len(plans("fp8_bmm")) == 2 and all(plans("fp8_bmm"))
+    for inputs, want in (((a, a_s), c0), ((a2, a_s2), no_plan(lambda: ops.fp8_bmm(a2, a_s2, b, b_s)))):
+        other = torch.full((m, heads, n), float("nan"), dtype=torch.bfloat16).transpose(0, 1)  # a replay's out
+        assert ops.fp8_bmm(*inputs, b, b_s, out=other) is other and torch.equal(other, want)
+    assert len(plans("fp8_bmm")) == 2
     strided = torch.empty(heads, m, 2 * k, dtype=a.dtype)[:, :, ::2]  # a copy makes it unit-stride along K
     strided.copy_(a)
     assert torch.equal(ops.fp8_bmm(strided, a_s, b, b_s), c0)
-    assert sorted(map(bool, plans("fp8_bmm"))) == [False, True]
+    assert sorted(map(bool, plans("fp8_bmm"))) == [False, True, True]
 
 
 def test_a_hit_does_not_run_the_modules_launch(sm90, monkeypatch):

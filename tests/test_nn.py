@@ -355,6 +355,10 @@ def _watch_ops(monkeypatch):
         real = getattr(kdsl.ops, name)
         monkeypatch.setattr(modules.ops, name,
                             lambda *a, _real=real, _name=name, **k: called.append(_name) or _real(*a, **k))
+    # act_quant then fp8_gemm under one launch plan (kdsl.ops.block_fp8.act_quant_fp8_gemm): the two ops
+    real_pair = modules.act_quant_fp8_gemm
+    monkeypatch.setattr(modules, "act_quant_fp8_gemm",
+                        lambda *a, **k: called.extend(["act_quant", "fp8_gemm"]) or real_pair(*a, **k))
     return called
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from kdsl import ops, registry
-from kdsl.ops.block_fp8 import linear_scheme
+from kdsl.ops.block_fp8 import act_quant_fp8_gemm, linear_scheme
 from kdsl.ops.w4a16 import PREPARED_OP, W4A16Prepared
 from kdsl.schema import GPTQ, BlockFP8
 from kdsl.schema.scheme import AWQ
@@ -179,8 +179,8 @@ class FP8Linear(_QuantizedLinear):
     _unfused_warm_rows: frozenset = frozenset()  # row counts whose unfused path ran once eagerly (see forward)
 
     def _unfused(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        a, a_s = ops.act_quant(x, group_size=self.scheme.act_group)
-        y = ops.fp8_gemm(a, a_s, self.weight, self.weight_scale_inv, out_dtype=out_dtype)
+        # act_quant + fp8_gemm, one launch plan for the two (one op's host time per eager call)
+        y = act_quant_fp8_gemm(x, self.weight, self.weight_scale_inv, self.scheme.act_group, out_dtype)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     SILU_MUL_OP = "silu_mul_quant"  # h quantized in the act_group this module's GEMM reads: no act_quant of its own

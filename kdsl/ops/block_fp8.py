@@ -5,6 +5,8 @@ Block sizes, group sizes and the fp8 format come from the schemes the manifest l
 scheme it matches, and what matches none is refused the same way on every path."""
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from kdsl.kernels.c_abi import DTYPES, CArg, Check, OpAbi, fits_in_32_bits, not_null
@@ -279,6 +281,35 @@ def _fp8_gemm_impl(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: tor
     return c
 
 
+def act_quant_fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, group_size: int,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+    """fp8_gemm(*act_quant(x, group_size), w, w_s, out_dtype): the two ops, on the GPU with one launch plan for both
+    (kdsl/ops/_plan.py), so an eager call pays one op's host time, not two (kdsl.nn.FP8Linear above the rows it
+    fuses). The plan allocates the codes and scales beside the output; a miss, or a plan that declines, calls the
+    two ops, which check and launch as ever."""
+    if torch.compiler.is_compiling() or not x.is_cuda:
+        return fp8_gemm(*act_quant(x, group_size), w, w_s, out_dtype)
+    try:
+        key = ("act_quant+fp8_gemm", type(group_size), group_size, out_dtype, _device(),
+               type(x), x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, x.requires_grad,
+               type(w), w.shape, w.stride(), w.dtype, w.device, w.data_ptr() & 15, w.requires_grad,
+               type(w_s), w_s.shape, w_s.stride(), w_s.dtype, w_s.device, w_s.data_ptr() & 15, w_s.requires_grad)
+        plan = _PLANS.get(key)
+    except Exception:  # not tensors, say: the ops' checks word the error
+        key = plan = None
+    if plan:
+        outputs = plan(x, w, w_s)
+        if outputs is not None:
+            return outputs[0]
+    # Inside the recording the two ops record nothing of their own and their plans decline (the recorder's launch
+    # hook is set), so both launches go through the launcher and land in this one plan.
+    with _plan.Recorder(sys.modules[__name__] if plan is None else None) as rec:
+        q, s = act_quant(x, group_size)
+        y = fp8_gemm(q, s, w, w_s, out_dtype)
+    _plan.store(key, rec, (x, w, w_s), (y, q, s))
+    return y
+
+
 def _fp8_gemm_lost_nan(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
     """On the CPU, NaN where a row of a or a row of b holds the NaN code (see _interpreter_lost_nan)."""
     n = b.shape[0]
@@ -502,13 +533,16 @@ def _fp8_bmm_check_out(out: torch.Tensor, dtype: torch.dtype, shape: tuple, like
 
 def _fp8_bmm_impl(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
                   out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    # A repeat call signature replays its launch plan (kdsl/ops/_plan.py: what the key holds and why); a call
-    # writing into out= takes the ordinary path (a plan allocates its outputs).
-    key = plan = None
+    # A repeat call signature replays its launch plan (kdsl/ops/_plan.py: what the key holds and why); with out=
+    # the plan takes out as a fifth input, its key out's signature too, and allocates nothing.
     if out is None:
         key, plan, c = _replay("fp8_bmm", out_dtype, a, a_s, b, b_s, _fp8_bmm_lost_nan)
         if c is not None:
             return c
+    else:
+        key, plan, done = _replay_into(out_dtype, a, a_s, b, b_s, out)
+        if done:
+            return out
     scheme, group, block_n, block_k, c = _fp8_bmm_outputs(a, a_s, b, b_s, out_dtype, out)
     device = a.device
     if c.numel() == 0:
@@ -526,10 +560,29 @@ def _fp8_bmm_impl(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torc
     tile = entry.tile_for(m, n, _call(entry, m, n, device, a, b, c, batch=a.shape[0]))
     with _plan.Recorder(entry.modules[tile["impl"]].load() if plan is None else None) as rec:
         entry.launch(a, a_s, b, b_s, c, tile)
-    _plan.store(key, rec, inputs, (c,))
+    if out is None:
+        _plan.store(key, rec, inputs, (c,))
+    else:
+        _plan.store(key, rec, (*inputs, out), ())
     if device.type == "cpu":
         _fp8_bmm_lost_nan(a, b, c)
     return c
+
+
+def _replay_into(out_dtype: torch.dtype, a, a_s, b, b_s, out) -> tuple:
+    """(key, plan, done) of an fp8_bmm call writing into out: as _replay's key and plan, done where the plan's
+    replay wrote out."""
+    try:
+        key = (*_gemm_plan_key("fp8_bmm", out_dtype, a, a_s, b, b_s), "out",
+               type(out), out.shape, out.stride(), out.dtype, out.device, out.data_ptr() & 15, out.requires_grad)
+        plan = _PLANS.get(key)
+    except Exception:  # not tensors, say: the checks word the error
+        return None, None, False
+    if not plan or plan(a, a_s, b, b_s, out) is None:
+        return key, plan, False
+    if not out.is_cuda:
+        _fp8_bmm_lost_nan(a, b, out)
+    return key, plan, True
 
 
 def _fp8_bmm_lost_nan(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
