@@ -3,7 +3,7 @@
 # module: moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90 (moe_fp8/sorted_gluon: Gluon: tokens sorted by expert and quantized per sorted row, TMA-fed gate-up and down GEMMs with the wgmma overlapped with the rescale; GPU only)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: 0d516b6a04d09e1d (sha256 of its schemes, variant and templates)
+# digest: 875ed582696b74ca (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl

@@ -3,7 +3,7 @@
 # module: moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89 (moe_fp8/sorted: tokens sorted by expert on the device, gate-up GEMM (+ silu * up + 1x128 quant), down GEMM, weighted combine)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: d21c2358fc9c9038 (sha256 of its schemes, variant and templates)
+# digest: 39baa657032cbc78 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl

@@ -399,7 +399,9 @@ def test_moe_decode_and_prefill_tiles():
         # DeepSeek-V3's TP-8 slice (I = 256) and 16 rows per expert measured faster on the portable tiles
         assert entry.tile_for(rows, 256, registry.Call(m=rows, n=256))["impl"] == "sorted", rows
     assert entry.tile_for(16, 2048, registry.Call(m=16, n=2048))["impl"] == "sorted"
-    assert entry.tile_for(129, 2048, registry.Call(m=129, n=2048))["impl"] == "sorted"
+    big = entry.tile_for(512, 2048, registry.Call(m=512, n=2048))
+    assert entry.tile_for(256, 2048, registry.Call(m=256, n=2048))["BLOCK_M"] == 64 and big["BLOCK_M"] == 128
+    assert big["impl"] == "sorted_gluon" and big["num_warps"] == 8
     cpu = {rows: entry.tile_for(rows, 2048, registry.Call(m=rows, n=2048, device_type="cpu")) for rows in (128, 129)}
     assert cpu[128]["impl"] == "sorted" and cpu[128]["BLOCK_M"] == 64 and cpu[128]["fuse_act"] is False
     assert cpu[129]["BLOCK_M"] == 64 and cpu[129]["fuse_act"] is True and cpu[129]["BLOCK_N"] == 128
@@ -533,7 +535,9 @@ def test_gpu_moe_matches_reference(experts, hidden, inter, topk, tokens):
     (256, 7168, 2048, 8, 2048),  # DeepSeek-V3: 64 rows per expert
     (32, 2048, 1152, 8, 100),  # 25 rows per expert; I = 1152: an odd count of K blocks in the down GEMM
     (64, 1024, 1152, 4, 2048),  # 128 rows per expert
-], ids=["deepseek-v3-t2048", "odd-k-t100", "odd-k-t2048"])
+    (32, 1024, 1024, 8, 1024),  # 256 rows per expert
+    (16, 1024, 1024, 4, 2048),  # 512 rows per expert: the 128-row tile on two warpgroups
+], ids=["deepseek-v3-t2048", "odd-k-t100", "odd-k-t2048", "rows-256", "rows-512"])
 def test_gpu_moe_gluon_prefill_matches_reference(experts, hidden, inter, topk, tokens):
     """The prefill calls the Gluon unit (moe_fp8/sorted_gluon) serves, against the fp32 per-expert reference."""
     entry = registry.dispatch("moe_fp8", kdsl.BlockFP8(), torch.device("cuda"))
