@@ -396,6 +396,7 @@ def test_moe_decode_and_prefill_tiles():
         gpu = entry.tile_for(rows, 2048, registry.Call(m=rows, n=2048))
         assert gpu["impl"] == "sorted_gluon" and gpu["BLOCK_M"] == 64, rows
         assert entry.tile_for(rows, 2048, registry.Call(m=rows, n=2048, align=8))["impl"] == "sorted", rows
+        assert entry.tile_for(rows, 2048, registry.Call(m=rows, n=2048, stacked=False))["impl"] == "sorted", rows
         # DeepSeek-V3's TP-8 slice (I = 256) and 16 rows per expert measured faster on the portable tiles
         assert entry.tile_for(rows, 256, registry.Call(m=rows, n=256))["impl"] == "sorted", rows
     assert entry.tile_for(16, 2048, registry.Call(m=16, n=2048))["impl"] == "sorted"
@@ -405,6 +406,14 @@ def test_moe_decode_and_prefill_tiles():
     cpu = {rows: entry.tile_for(rows, 2048, registry.Call(m=rows, n=2048, device_type="cpu")) for rows in (128, 129)}
     assert cpu[128]["impl"] == "sorted" and cpu[128]["BLOCK_M"] == 64 and cpu[128]["fuse_act"] is False
     assert cpu[129]["BLOCK_M"] == 64 and cpu[129]["fuse_act"] is True and cpu[129]["BLOCK_N"] == 128
+
+
+def test_experts_stacked_says_whether_one_tma_matrix_reads_the_weights():
+    w = torch.empty(4, 256, 128, dtype=FP8)
+    assert moe_ops._experts_stacked(w) and moe_ops._experts_stacked(w[:1])
+    assert not moe_ops._experts_stacked(w[::2])  # every other expert: a gap of one expert between slabs
+    assert not moe_ops._experts_stacked(torch.empty(4, 512, 128, dtype=FP8)[:, :256])  # each expert's first rows
+    assert moe_ops._experts_stacked(torch.empty(4, 256, 256, dtype=FP8)[:, :, :128])  # padded rows, stacked
 
 
 def test_moe_tile_follows_the_intermediate_size(monkeypatch):

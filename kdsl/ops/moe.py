@@ -61,6 +61,11 @@ def _unit_k(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.numel() == 0 else t.contiguous()
 
 
+def _experts_stacked(w: torch.Tensor) -> bool:
+    """w [E, N, K] with unit stride along K is one [E * N, K] matrix: each expert's rows follow the last's."""
+    return w.stride(0) == w.shape[1] * w.stride(1) or w.shape[0] == 1
+
+
 def tokens_per_expert(assignments: int, experts: int) -> int:
     """moe_fp8's M for tile choice: the rows each routed expert gets, ceil(T * k / min(T * k, E))."""
     return max(1, -(-assignments // max(1, min(assignments, experts))))
@@ -336,7 +341,8 @@ def _moe_fp8_impl(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, check_ids: bo
     m, inter = tokens_per_expert(tokens * topk, experts), w2.shape[2]
     # Modules that refuse calls (moe_fp8/sorted_gluon: the GPU only, TMA over the weights) read the call's facts.
     call = registry.Call(m=m, n=inter, device_type=device.type, dtype=check.dtype_name(x.dtype),
-                         align=check.alignment(w13, w2)) if entry.refuses_calls else None
+                         align=check.alignment(w13, w2), stacked=_experts_stacked(w13) and _experts_stacked(w2),
+                         ) if entry.refuses_calls else None
     tile = entry.tile_for(m, inter, call)
     entry.launch(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, on_routed, tile)
     if device.type == "cpu":

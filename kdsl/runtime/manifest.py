@@ -75,7 +75,9 @@ class Call:
     gathered (act-order) and whether row k is in group k // group_size, and `align`: the largest power of two
     up to 16 dividing every base address and every stepped stride (in bytes) of the operands the op names,
     0 where one of those strides is 0 (a broadcast view), as TMA descriptors need them; `batch`: the batch
-    count of a batched op (1 otherwise). `explain` asks about a typical GPU call (the defaults)."""
+    count of a batched op (1 otherwise); `stacked`: a MoE op's experts' weights [E, N, K] lie one [E * N, K] matrix
+    (each expert N rows after the last), as one TMA descriptor reads them. `explain` asks about a typical GPU call
+    (the defaults)."""
 
     m: int
     n: int | None = None
@@ -85,6 +87,7 @@ class Call:
     contiguous_groups: bool = True
     align: int = 16
     batch: int = 1
+    stacked: bool = True
 
 
 @dataclass(frozen=True, eq=False)

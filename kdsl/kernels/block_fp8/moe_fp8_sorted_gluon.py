@@ -34,16 +34,16 @@ def refusal(generated, tile, call):
         return "a Gluon kernel, which runs on the GPU only (Gluon has no interpreter)"
     if call.align < 16:
         return f"TMA reads the weights: needs 16-byte aligned bases and row strides (these: {call.align})"
+    if not call.stacked:
+        return "one TMA descriptor reads each weight as [E * N, K]: needs the experts' [N, K] slabs stacked"
     return None
 
 
-def _stacked(w):
-    """w [E, N, K] as the [E * N, K] matrix the TMA descriptors read: a copy where the experts' slabs are not
-    stacked rows apart (kdsl.nn's MoE modules hold contiguous weights, so a layer never copies)."""
+def _as_matrix(w):
+    """w [E, N, K] (unit stride along K, its experts stacked: the refusal keeps other weights off this unit) as the
+    [E * N, K] matrix the TMA descriptors read."""
     E, N, K = w.shape
-    if w.stride(2) != 1 or w.stride(0) != N * w.stride(1):
-        w = w.contiguous()
-    return w.view(E * N, K) if w.is_contiguous() else w.as_strided((E * N, K), (w.stride(1), 1))
+    return w.as_strided((E * N, K), (w.stride(1), 1))
 
 
 def launch(generated, x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, on_routed, tile):
@@ -71,7 +71,7 @@ def launch(generated, x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, on_rou
     gate_up = torch.empty((max_rows, two_inter), dtype=torch.float32, device=device)
     a_desc = gluon_descriptor(xq, (block_m, block_k))
     yield Launch(generated.kernel, (max_blocks * cdiv(two_inter, block_n), 1, 1), (
-        a_desc, gluon_descriptor(_stacked(w13), (block_n, block_k)),
+        a_desc, gluon_descriptor(_as_matrix(w13), (block_n, block_k)),
         gluon_descriptor(gate_up, (block_m, block_n)), xs, w13_s, gate_up, rows, block_expert, meta,
         two_inter, H, max_blocks, xs.stride(0), w13_s.stride(0), w13_s.stride(1), gate_up.stride(0),
     ), dict(SCATTER=False, **gemm))
@@ -86,7 +86,7 @@ def launch(generated, x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, on_rou
     h_desc = gluon_descriptor(hq, (block_m, block_k))
     # The down GEMM stores from registers (c_desc unused): the gate-up's A descriptor stands in for it.
     yield Launch(generated.kernel, (max_blocks * cdiv(H, block_n), 1, 1), (
-        h_desc, gluon_descriptor(_stacked(w2), (block_n, block_k)), h_desc, hs, w2_s, out, rows,
+        h_desc, gluon_descriptor(_as_matrix(w2), (block_n, block_k)), h_desc, hs, w2_s, out, rows,
         block_expert, meta, H, inter, max_blocks, hs.stride(0), w2_s.stride(0), w2_s.stride(1), out.stride(0),
     ), dict(SCATTER=True, **gemm))
     yield combine(generated, out, topk_weights, topk_ids, y, E)
