@@ -112,7 +112,8 @@ def test_explain_batch_shows_the_tile_for_that_many_batches(capsys):
 
 @pytest.mark.parametrize("op, scheme, experts, ranges", [
     ("moe_w4a16", "w4a16.int4.g128", 128, ["T <= 128", "128 < T <= 512", "512 < T <= 1024", "T > 1024"]),
-    ("moe_fp8", None, 256, ["T <= 128", "128 < T <= 1024", "1024 < T <= 4096", "T > 4096"]),
+    ("moe_fp8", None, 256, ["T <= 128", "128 < T <= 512", "512 < T <= 1024", "1024 < T <= 4096",
+                            "4096 < T <= 8192", "T > 8192"]),
 ])
 def test_explain_moe_routing_shows_tokens_per_expert_and_the_tile_per_t(capsys, op, scheme, experts, ranges):
     """--tokens/--experts/--topk: M is the tokens per routed expert, the tile is the one the op launches for that
