@@ -287,8 +287,8 @@ def act_quant_fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, grou
     (kdsl/ops/_plan.py), so an eager call pays one op's host time, not two (kdsl.nn.FP8Linear above the rows it
     fuses). The plan allocates the codes and scales beside the output; a miss, or a plan that declines, calls the
     two ops, which check and launch as ever."""
-    if torch.compiler.is_compiling() or not x.is_cuda:
-        return fp8_gemm(*act_quant(x, group_size), w, w_s, out_dtype)
+    if torch.compiler.is_compiling() or not (isinstance(x, torch.Tensor) and x.is_cuda):
+        return fp8_gemm(*act_quant(x, group_size), w, w_s, out_dtype)  # the ops' checks word any error
     try:
         key = ("act_quant+fp8_gemm", type(group_size), group_size, out_dtype, _device(),
                type(x), x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, x.requires_grad,
