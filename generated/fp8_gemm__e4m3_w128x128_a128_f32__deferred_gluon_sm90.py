@@ -3,7 +3,7 @@
 # module: fp8_gemm__e4m3_w128x128_a128_f32__deferred_gluon_sm90 (fp8_gemm/deferred_gluon: Gluon, TMA ring: block k's wgmma overlaps block k-1's rescale; one warpgroup per 64 rows; GPU only)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: 148d1384c8be6b9b (sha256 of its schemes, variant and templates)
+# digest: a247e44ce12754cd (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -57,6 +57,23 @@ def _slot(ring, i, ROWS: gl.constexpr):
 
 
 @gluon.jit
+def _deferred_issue(a_smem, b_smem, ready, acc, c, NUM_STAGES: gl.constexpr):
+    """Wait for the program's c-th block's tiles and start its wgmma into a fresh accumulator (use_acc=False:
+    acc's value is not read; passing it keeps the previous rescale ahead of this issue)."""
+    slot = c % NUM_STAGES
+    mbarrier.wait(ready.index(slot), (c // NUM_STAGES) & 1)
+    b = _slot(b_smem, slot, acc.shape[1])
+    return warpgroup_mma(a_smem.index(slot), b.permute((1, 0)), acc, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _deferred_scale(a_scale_ptrs, b_scale_ptr, kb, BLOCK_K: gl.constexpr):
+    """K block kb's row scales times its weight block's scale."""
+    off_k = kb * BLOCK_K
+    return gl.load(a_scale_ptrs + off_k // ACT_GROUP) * gl.load(b_scale_ptr + off_k // W_BLOCK_K)
+
+
+@gluon.jit
 def _deferred_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr, EDGE: gl.constexpr):
     """(pid_m, pid_n) of a tile: in GROUP_M bands over the whole tiles, or (EDGE) row `tile` of the edge
     column, whose index (in its own tile width) num_pid_n then holds."""
@@ -87,23 +104,6 @@ def _deferred_produce(a_desc, b_desc, a_smem, b_smem, ready, p, p_kb, p_tile, p_
         p_off_m = pid_m * BLOCK_M
         p_off_n = pid_n * BLOCK_N
     return p + 1, p_kb, p_tile, p_off_m, p_off_n
-
-
-@gluon.jit
-def _deferred_issue(a_smem, b_smem, ready, acc, c, NUM_STAGES: gl.constexpr):
-    """Wait for the program's c-th block's tiles and start its wgmma into a fresh accumulator (use_acc=False:
-    acc's value is not read; passing it keeps the previous rescale ahead of this issue)."""
-    slot = c % NUM_STAGES
-    mbarrier.wait(ready.index(slot), (c // NUM_STAGES) & 1)
-    b = _slot(b_smem, slot, acc.shape[1])
-    return warpgroup_mma(a_smem.index(slot), b.permute((1, 0)), acc, use_acc=False, is_async=True)
-
-
-@gluon.jit
-def _deferred_scale(a_scale_ptrs, b_scale_ptr, kb, BLOCK_K: gl.constexpr):
-    """K block kb's row scales times its weight block's scale."""
-    off_k = kb * BLOCK_K
-    return gl.load(a_scale_ptrs + off_k // ACT_GROUP) * gl.load(b_scale_ptr + off_k // W_BLOCK_K)
 
 
 @gluon.jit

@@ -3,7 +3,7 @@
 # module: moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90 (moe_fp8/sorted_gluon: Gluon: tokens sorted by expert and quantized per sorted row, TMA-fed gate-up and down GEMMs with the wgmma overlapped with the rescale; GPU only)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: 875ed582696b74ca (sha256 of its schemes, variant and templates)
+# digest: db9775d6d2d59f4f (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -96,6 +96,32 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+
+@gluon.jit
+def _slot(ring, i, ROWS: gl.constexpr):
+    """Slot i of a ring of shared-memory buffers, its first ROWS rows (an edge tile's blocks are narrower)."""
+    buffer = ring.index(i)
+    if ROWS < buffer.shape[0]:
+        buffer = buffer.slice(0, ROWS)
+    return buffer
+
+
+@gluon.jit
+def _deferred_issue(a_smem, b_smem, ready, acc, c, NUM_STAGES: gl.constexpr):
+    """Wait for the program's c-th block's tiles and start its wgmma into a fresh accumulator (use_acc=False:
+    acc's value is not read; passing it keeps the previous rescale ahead of this issue)."""
+    slot = c % NUM_STAGES
+    mbarrier.wait(ready.index(slot), (c // NUM_STAGES) & 1)
+    b = _slot(b_smem, slot, acc.shape[1])
+    return warpgroup_mma(a_smem.index(slot), b.permute((1, 0)), acc, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _deferred_scale(a_scale_ptrs, b_scale_ptr, kb, BLOCK_K: gl.constexpr):
+    """K block kb's row scales times its weight block's scale."""
+    off_k = kb * BLOCK_K
+    return gl.load(a_scale_ptrs + off_k // ACT_GROUP) * gl.load(b_scale_ptr + off_k // W_BLOCK_K)
 
 
 # --- routing: the (token, slot) assignments sorted by expert, each expert's run padded to BLOCK_M rows ------------
@@ -206,14 +232,6 @@ def _expert_load(a_desc, b_desc, a_smem, b_smem, ready, i, off_m, b_row, k_block
 
 
 @gluon.jit
-def _expert_issue(a_smem, b_smem, ready, acc, i, NUM_STAGES: gl.constexpr):
-    """Wait for K block i's tiles and start its wgmma into a fresh accumulator (acc's value is not read)."""
-    slot = i % NUM_STAGES
-    mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
-    return warpgroup_mma(a_smem.index(slot), b_smem.index(slot).permute((1, 0)), acc, use_acc=False, is_async=True)
-
-
-@gluon.jit
 def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90(
     a_desc, b_desc, c_desc, as_ptr, bs_ptr, out_ptr, rows_ptr, block_expert_ptr, meta_ptr,
     N, K, max_blocks, stride_asm, stride_bse, stride_bsn, stride_om,
@@ -260,21 +278,21 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90(
         x = warpgroup_mma_init(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout))
         x_scale = gl.zeros([BLOCK_M], gl.float32, row_layout)
         for kb in range(0, k_blocks - 1, 2):
-            y = _expert_issue(a_smem, b_smem, ready, acc, kb, NUM_STAGES)
+            y = _deferred_issue(a_smem, b_smem, ready, acc, kb, NUM_STAGES)
             y_scale = gl.load(a_scale_ptrs + kb) * gl.load(b_scale_ptr + kb)
             x = warpgroup_mma_wait(1, deps=(x, ))
             acc = acc + x * x_scale[:, None]
             # Block kb - 1's wgmma is done: its slot takes block kb + NUM_STAGES - 1.
             _expert_load(a_desc, b_desc, a_smem, b_smem, ready, kb + NUM_STAGES - 1, off_m, b_row, k_blocks,
                          NUM_STAGES)
-            x = _expert_issue(a_smem, b_smem, ready, acc, kb + 1, NUM_STAGES)
+            x = _deferred_issue(a_smem, b_smem, ready, acc, kb + 1, NUM_STAGES)
             x_scale = gl.load(a_scale_ptrs + kb + 1) * gl.load(b_scale_ptr + kb + 1)
             y = warpgroup_mma_wait(1, deps=(y, ))
             acc = acc + y * y_scale[:, None]
             _expert_load(a_desc, b_desc, a_smem, b_smem, ready, kb + NUM_STAGES, off_m, b_row, k_blocks, NUM_STAGES)
         if k_blocks % 2 == 1:
             last = k_blocks - 1
-            y = _expert_issue(a_smem, b_smem, ready, acc, last, NUM_STAGES)
+            y = _deferred_issue(a_smem, b_smem, ready, acc, last, NUM_STAGES)
             y_scale = gl.load(a_scale_ptrs + last) * gl.load(b_scale_ptr + last)
             x_done = warpgroup_mma_wait(1, deps=(x, ))
             acc = acc + x_done * x_scale[:, None]
