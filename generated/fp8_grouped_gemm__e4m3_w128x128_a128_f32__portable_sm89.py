@@ -3,7 +3,7 @@
 # module: fp8_grouped_gemm__e4m3_w128x128_a128_f32__portable_sm89 (fp8_grouped_gemm/portable: contiguous layout (an expert id per row), pointer loads, one pass over K per expert in a tile)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 5ca7ced87ffa6db2 (sha256 of its schemes, variant and templates)
+# digest: 946e45b5df921c4f (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -35,11 +35,13 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr, N_MAJOR: 
 @triton.jit
 def _fp8_rows_dot(a_ptr, as_ptr, b_ptr, bs_ptr, rows_a, offs_n, N, K,
                   stride_am, stride_asm, stride_bn, stride_bsn,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
     """fp32 [BLOCK_M, BLOCK_N]: per BLOCK_K step, dot(a[rows_a], b[offs_n]^T) * a_scale[rows_a] * b_scale[offs_n]
     accumulated in fp32. rows_a (int64) names A's rows, so a tile may gather them (tokens sorted by expert);
     columns past N wrap onto valid ones, so loads need no mask. Unit stride along K for A, B and both scales;
-    the module's ACT_GROUP, W_BLOCK_N and W_BLOCK_K place the scales."""
+    the module's ACT_GROUP, W_BLOCK_N and W_BLOCK_K place the scales.
+    SWAP_AB: compute C^T = B A^T, so B's BLOCK_N rows fill the wgmma's 64-row side and A's few rows its narrow side
+    (decode: a 16-row tile, mostly padding, would otherwise fill a 64-row side)."""
     offs_k = tl.arange(0, BLOCK_K)
     rows_b = (offs_n % N).to(tl.int64)
     a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :]
@@ -47,15 +49,23 @@ def _fp8_rows_dot(a_ptr, as_ptr, b_ptr, bs_ptr, rows_a, offs_n, N, K,
     a_scale_ptrs = as_ptr + rows_a * stride_asm
     b_scale_ptrs = bs_ptr + (rows_b // W_BLOCK_N) * stride_bsn
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         a = tl.load(a_ptrs)
         b = tl.load(b_ptrs)
         a_scale = tl.load(a_scale_ptrs + (k * BLOCK_K) // ACT_GROUP)
         b_scale = tl.load(b_scale_ptrs + (k * BLOCK_K) // W_BLOCK_K)
-        acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+        if SWAP_AB:
+            acc += tl.dot(tl.trans(b), tl.trans(a)) * b_scale[:, None] * a_scale[None, :]
+        else:
+            acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if SWAP_AB:
+        acc = tl.trans(acc)
     return acc
 
 
@@ -88,7 +98,7 @@ def fp8_grouped_gemm__e4m3_w128x128_a128_f32__portable_sm89(
         expert = tl.min(tl.where(todo, groups, E), axis=0)
         acc = _fp8_rows_dot(a_ptr, as_ptr, b_ptr + expert.to(tl.int64) * stride_be,
                             bs_ptr + expert.to(tl.int64) * stride_bse, rows, offs_n, N, K,
-                            stride_am, stride_asm, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, BLOCK_K)
+                            stride_am, stride_asm, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, BLOCK_K, False)
         mine = todo & (groups == expert)
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mine[:, None] & col_ok)
         todo = todo & (groups != expert)

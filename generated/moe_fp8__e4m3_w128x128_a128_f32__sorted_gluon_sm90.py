@@ -3,7 +3,7 @@
 # module: moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90 (moe_fp8/sorted_gluon: Gluon: tokens sorted by expert and quantized per sorted row, TMA-fed gate-up and down GEMMs with the wgmma overlapped with the rescale; GPU only)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: db9775d6d2d59f4f (sha256 of its schemes, variant and templates)
+# digest: 0cd57aeda088b51a (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -130,7 +130,7 @@ def _deferred_scale(a_scale_ptrs, b_scale_ptr, kb, BLOCK_K: gl.constexpr):
 def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90_align(
     ids_ptr, rows_ptr, block_expert_ptr, meta_ptr,
     num_assignments, topk, num_experts, max_rows, max_blocks, stride_it, stride_ik,
-    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, CHUNK_BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """One program. Writes meta = [rows used (a multiple of BLOCK_M), ids outside [0, E), one cursor per expert],
     rows[p] = the assignment t * topk + j that sorted row p holds (-1: padding) and block_expert[b] = the expert
@@ -155,15 +155,10 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90_align(
     experts = tl.arange(0, EXPERTS_PAD)
     padded = tl.where(experts < num_experts, tl.cdiv(counts, BLOCK_M) * BLOCK_M, 0)
     ends = tl.cumsum(padded, axis=0)
-    tl.store(meta_ptr, tl.sum(padded, axis=0))
+    rows_used = tl.sum(padded, axis=0)
+    tl.store(meta_ptr, rows_used)
     tl.store(meta_ptr + 1, tl.sum(outside, axis=0))
     tl.store(meta_ptr + 2 + experts, ends - padded, mask=experts < num_experts)
-
-    # Block b belongs to the first expert whose run ends past its first row.
-    for start in range(0, max_blocks, CHUNK_BLOCKS):
-        blocks = start + tl.arange(0, CHUNK_BLOCKS)
-        before = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + blocks, tl.where(before < num_experts, before, -1), mask=blocks < max_blocks)
 
     tl.debug_barrier()  # the cursors and the -1 fill are written before any row is handed out
     for start in range(0, num_assignments, CHUNK):
@@ -173,6 +168,17 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90_align(
         routed = live & (ids >= 0) & (ids < num_experts)
         row = tl.atomic_add(meta_ptr + 2 + ids, 1, mask=routed)
         tl.store(rows_ptr + row, assignment, mask=routed)
+
+    # Block b takes the expert of its first row, which holds an assignment: an expert's rows fill its run from
+    # the start, and the run is padded by fewer than BLOCK_M rows. (One gather, where finding each block's run
+    # among the experts' ends took a pass over all experts per few blocks.)
+    tl.debug_barrier()  # the rows are written before they are read back
+    for start in range(0, max_blocks, CHUNK):
+        blocks = start + lanes
+        used = blocks * BLOCK_M < rows_used
+        first = tl.load(rows_ptr + blocks * BLOCK_M, mask=used, other=0)
+        expert = tl.load(ids_ptr + (first // topk) * stride_it + (first % topk) * stride_ik, mask=used, other=-1)
+        tl.store(block_expert_ptr + blocks, expert, mask=blocks < max_blocks)
 
 
 # --- combine: y[t] = sum_j topk_weights[t, j] * out[t * topk + j] over the routed slots ----------------------------

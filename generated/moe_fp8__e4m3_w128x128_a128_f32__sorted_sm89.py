@@ -3,7 +3,7 @@
 # module: moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89 (moe_fp8/sorted: tokens sorted by expert on the device, gate-up GEMM (+ silu * up + 1x128 quant), down GEMM, weighted combine)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 39baa657032cbc78 (sha256 of its schemes, variant and templates)
+# digest: 3e1355ebfb05989d (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -89,11 +89,13 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr, N_MAJOR: 
 @triton.jit
 def _fp8_rows_dot(a_ptr, as_ptr, b_ptr, bs_ptr, rows_a, offs_n, N, K,
                   stride_am, stride_asm, stride_bn, stride_bsn,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
     """fp32 [BLOCK_M, BLOCK_N]: per BLOCK_K step, dot(a[rows_a], b[offs_n]^T) * a_scale[rows_a] * b_scale[offs_n]
     accumulated in fp32. rows_a (int64) names A's rows, so a tile may gather them (tokens sorted by expert);
     columns past N wrap onto valid ones, so loads need no mask. Unit stride along K for A, B and both scales;
-    the module's ACT_GROUP, W_BLOCK_N and W_BLOCK_K place the scales."""
+    the module's ACT_GROUP, W_BLOCK_N and W_BLOCK_K place the scales.
+    SWAP_AB: compute C^T = B A^T, so B's BLOCK_N rows fill the wgmma's 64-row side and A's few rows its narrow side
+    (decode: a 16-row tile, mostly padding, would otherwise fill a 64-row side)."""
     offs_k = tl.arange(0, BLOCK_K)
     rows_b = (offs_n % N).to(tl.int64)
     a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :]
@@ -101,15 +103,23 @@ def _fp8_rows_dot(a_ptr, as_ptr, b_ptr, bs_ptr, rows_a, offs_n, N, K,
     a_scale_ptrs = as_ptr + rows_a * stride_asm
     b_scale_ptrs = bs_ptr + (rows_b // W_BLOCK_N) * stride_bsn
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         a = tl.load(a_ptrs)
         b = tl.load(b_ptrs)
         a_scale = tl.load(a_scale_ptrs + (k * BLOCK_K) // ACT_GROUP)
         b_scale = tl.load(b_scale_ptrs + (k * BLOCK_K) // W_BLOCK_K)
-        acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+        if SWAP_AB:
+            acc += tl.dot(tl.trans(b), tl.trans(a)) * b_scale[:, None] * a_scale[None, :]
+        else:
+            acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if SWAP_AB:
+        acc = tl.trans(acc)
     return acc
 
 
@@ -119,7 +129,7 @@ def _fp8_rows_dot(a_ptr, as_ptr, b_ptr, bs_ptr, rows_a, offs_n, N, K,
 def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89_align(
     ids_ptr, rows_ptr, block_expert_ptr, meta_ptr,
     num_assignments, topk, num_experts, max_rows, max_blocks, stride_it, stride_ik,
-    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, CHUNK_BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """One program. Writes meta = [rows used (a multiple of BLOCK_M), ids outside [0, E), one cursor per expert],
     rows[p] = the assignment t * topk + j that sorted row p holds (-1: padding) and block_expert[b] = the expert
@@ -144,15 +154,10 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89_align(
     experts = tl.arange(0, EXPERTS_PAD)
     padded = tl.where(experts < num_experts, tl.cdiv(counts, BLOCK_M) * BLOCK_M, 0)
     ends = tl.cumsum(padded, axis=0)
-    tl.store(meta_ptr, tl.sum(padded, axis=0))
+    rows_used = tl.sum(padded, axis=0)
+    tl.store(meta_ptr, rows_used)
     tl.store(meta_ptr + 1, tl.sum(outside, axis=0))
     tl.store(meta_ptr + 2 + experts, ends - padded, mask=experts < num_experts)
-
-    # Block b belongs to the first expert whose run ends past its first row.
-    for start in range(0, max_blocks, CHUNK_BLOCKS):
-        blocks = start + tl.arange(0, CHUNK_BLOCKS)
-        before = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + blocks, tl.where(before < num_experts, before, -1), mask=blocks < max_blocks)
 
     tl.debug_barrier()  # the cursors and the -1 fill are written before any row is handed out
     for start in range(0, num_assignments, CHUNK):
@@ -162,6 +167,17 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89_align(
         routed = live & (ids >= 0) & (ids < num_experts)
         row = tl.atomic_add(meta_ptr + 2 + ids, 1, mask=routed)
         tl.store(rows_ptr + row, assignment, mask=routed)
+
+    # Block b takes the expert of its first row, which holds an assignment: an expert's rows fill its run from
+    # the start, and the run is padded by fewer than BLOCK_M rows. (One gather, where finding each block's run
+    # among the experts' ends took a pass over all experts per few blocks.)
+    tl.debug_barrier()  # the rows are written before they are read back
+    for start in range(0, max_blocks, CHUNK):
+        blocks = start + lanes
+        used = blocks * BLOCK_M < rows_used
+        first = tl.load(rows_ptr + blocks * BLOCK_M, mask=used, other=0)
+        expert = tl.load(ids_ptr + (first // topk) * stride_it + (first % topk) * stride_ik, mask=used, other=-1)
+        tl.store(block_expert_ptr + blocks, expert, mask=blocks < max_blocks)
 
 
 # --- combine: y[t] = sum_j topk_weights[t, j] * out[t * topk + j] over the routed slots ----------------------------
@@ -244,6 +260,7 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89(
     stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_hm, stride_hsm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, N_MAJOR: tl.constexpr, FUSE_ACT: tl.constexpr, ROUND_FIRST: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     """The gate-up GEMM of BLOCK_M sorted rows (one expert's) and BLOCK_N columns: row p reads token
     rows[p] // topk of the quantized x, padding rows read token 0 and are not written.
@@ -251,7 +268,7 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89(
     FUSE_ACT (BLOCK_N = ACT_GROUP): N is the intermediate size I; the program computes the gate and the up
     columns together, then h = silu(gate) * up in fp32, quantized per row (its one ACT_GROUP group): h is the
     e4m3 codes [rows, I], hs their scales. Else N = 2I: h is the fp32 product [rows, 2I] (gate then up), which
-    the activation kernel quantizes."""
+    the activation kernel quantizes; SWAP_AB (unfused only) puts the weights on the MMA's wide side."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _tile_coords(tl.program_id(0), max_blocks, num_pid_n, GROUP_M, N_MAJOR)
     if pid_m * BLOCK_M < tl.load(meta_ptr):
@@ -272,7 +289,7 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89(
             tl.store(hs_ptr + rows_h * stride_hsm + pid_n, scale, mask=live)
         else:
             acc = _fp8_rows_dot(xq_ptr, xs_ptr, w_ptr, ws_ptr, tokens, offs_n, N, K,
-                                stride_xm, stride_xsm, stride_wn, stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K)
+                                stride_xm, stride_xsm, stride_wn, stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
             tl.store(h_ptr + rows_h[:, None] * stride_hm + offs_n[None, :], acc,
                      mask=live[:, None] & (offs_n[None, :] < N))
 
@@ -306,7 +323,7 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89_down(
     N, K, max_blocks,
     stride_hm, stride_hsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, N_MAJOR: tl.constexpr,
+    GROUP_M: tl.constexpr, N_MAJOR: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     """out[rows[p]] = (h[p] * hs[p]) (w2[e] * w2_s[e])^T for the BLOCK_M sorted rows p of one expert e, in out's
     dtype."""
@@ -322,6 +339,6 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89_down(
         rows_h = tl.where(assignment >= 0, offs_m, pid_m * BLOCK_M).to(tl.int64)
         acc = _fp8_rows_dot(h_ptr, hs_ptr, w_ptr + expert * stride_we, ws_ptr + expert * stride_wse,
                             rows_h, offs_n, N, K, stride_hm, stride_hsm, stride_wn, stride_wsn,
-                            BLOCK_M, BLOCK_N, BLOCK_K)
+                            BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
         out_ptrs = out_ptr + assignment.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(assignment >= 0)[:, None] & (offs_n[None, :] < N))

@@ -3,7 +3,7 @@
 # module: moe_w4a16__int4__sorted_sm80 (moe_w4a16/sorted: tokens sorted by expert on the device, int4 gate-up GEMM (+ silu * up), int4 down GEMM, weighted combine)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_80 and up
-# digest: 41d9f6e8760bb113 (sha256 of its schemes, variant and templates)
+# digest: d91d27957a3d0c04 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -278,7 +278,7 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr, N_MAJOR: 
 def moe_w4a16__int4__sorted_sm80_align(
     ids_ptr, rows_ptr, block_expert_ptr, meta_ptr,
     num_assignments, topk, num_experts, max_rows, max_blocks, stride_it, stride_ik,
-    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, CHUNK_BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """One program. Writes meta = [rows used (a multiple of BLOCK_M), ids outside [0, E), one cursor per expert],
     rows[p] = the assignment t * topk + j that sorted row p holds (-1: padding) and block_expert[b] = the expert
@@ -303,15 +303,10 @@ def moe_w4a16__int4__sorted_sm80_align(
     experts = tl.arange(0, EXPERTS_PAD)
     padded = tl.where(experts < num_experts, tl.cdiv(counts, BLOCK_M) * BLOCK_M, 0)
     ends = tl.cumsum(padded, axis=0)
-    tl.store(meta_ptr, tl.sum(padded, axis=0))
+    rows_used = tl.sum(padded, axis=0)
+    tl.store(meta_ptr, rows_used)
     tl.store(meta_ptr + 1, tl.sum(outside, axis=0))
     tl.store(meta_ptr + 2 + experts, ends - padded, mask=experts < num_experts)
-
-    # Block b belongs to the first expert whose run ends past its first row.
-    for start in range(0, max_blocks, CHUNK_BLOCKS):
-        blocks = start + tl.arange(0, CHUNK_BLOCKS)
-        before = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + blocks, tl.where(before < num_experts, before, -1), mask=blocks < max_blocks)
 
     tl.debug_barrier()  # the cursors and the -1 fill are written before any row is handed out
     for start in range(0, num_assignments, CHUNK):
@@ -321,6 +316,17 @@ def moe_w4a16__int4__sorted_sm80_align(
         routed = live & (ids >= 0) & (ids < num_experts)
         row = tl.atomic_add(meta_ptr + 2 + ids, 1, mask=routed)
         tl.store(rows_ptr + row, assignment, mask=routed)
+
+    # Block b takes the expert of its first row, which holds an assignment: an expert's rows fill its run from
+    # the start, and the run is padded by fewer than BLOCK_M rows. (One gather, where finding each block's run
+    # among the experts' ends took a pass over all experts per few blocks.)
+    tl.debug_barrier()  # the rows are written before they are read back
+    for start in range(0, max_blocks, CHUNK):
+        blocks = start + lanes
+        used = blocks * BLOCK_M < rows_used
+        first = tl.load(rows_ptr + blocks * BLOCK_M, mask=used, other=0)
+        expert = tl.load(ids_ptr + (first // topk) * stride_it + (first % topk) * stride_ik, mask=used, other=-1)
+        tl.store(block_expert_ptr + blocks, expert, mask=blocks < max_blocks)
 
 
 # --- combine: y[t] = sum_j topk_weights[t, j] * out[t * topk + j] over the routed slots ----------------------------

@@ -237,7 +237,12 @@ def worker(out_dir: Path, jobs: list[Job]) -> None:
         try:
             compiled, options = compile_job(job)
         except Exception as error:  # reported by the test that owns the job
-            results[job.key] = {"ok": False, "error": f"{type(error).__name__}: {error}"}
+            # Triton's CompilationError points at the call; the reason is in the exceptions chained to it.
+            chain, cause = [], error
+            while cause is not None:
+                chain.append(f"{type(cause).__name__}: {cause}")
+                cause = cause.__cause__
+            results[job.key] = {"ok": False, "error": "\ncaused by ".join(chain)}
             continue
         (out_dir / f"{job.key}.ptx").write_text(compiled.asm["ptx"], encoding="utf-8")
         results[job.key] = {
@@ -441,6 +446,20 @@ def test_moe_gluon_gemms_keep_one_wgmma_in_flight(job, compiled):
     assert waits.count("1") >= 2, f"no rescale overlaps a wgmma: waits {waits}"
     assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
     assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == (job.kernel == ""), "gate-up stores by TMA, down not"
+
+
+MOE_SWAPPED = [i for i, tile in enumerate(MOE_HOPPER.tiles) if tile.params.get("swap_ab")]
+
+
+@pytest.mark.parametrize("job", [Job(MOE_HOPPER.name, 90, i, kernel=kernel) for i in MOE_SWAPPED for kernel in ("", "down")],
+                         ids=[f"tile{i}-{gemm}" for i in MOE_SWAPPED for gemm in ("gate-up", "down")])
+def test_moe_swapped_decode_gemms_put_the_weights_on_the_wgmma_rows(job, compiled):
+    """moe_fp8/sorted's swapped decode tiles: e4m3 wgmma whose 64-row side is the weights' and whose narrow side
+    is the 16 sorted rows (n16), not 16 rows padded to 64."""
+    assert MOE_SWAPPED, "no swapped moe_fp8 tile on sm_90"
+    ptx = ptx_of(compiled, job)
+    shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.e4m3\.e4m3", ptx))
+    assert shapes == {"m64n16k32"}, shapes
 
 
 GPTQ_HOPPER = next(e for e in ENTRIES.values()

@@ -418,18 +418,19 @@ def test_experts_stacked_says_whether_one_tma_matrix_reads_the_weights():
 
 def test_moe_tile_follows_the_intermediate_size(monkeypatch):
     """The layer tiles by I (the gate/up GEMM's width at decode), not by H: on sm_90 a decode call with I < 1024
-    takes the 64-column tile and one with I >= 1024 the 128-column one, whatever H is."""
+    takes the four-stage swapped tile and one with I >= 1024 the six-stage one, whatever H is."""
     entry = registry.select("moe_fp8", kdsl.BlockFP8(), arch="sm_90")
-    assert entry.tile_for(1, 256)["BLOCK_N"] == 64 and entry.tile_for(1, 2048)["BLOCK_N"] == 128
+    small, large = entry.tile_for(1, 256), entry.tile_for(1, 2048)
+    assert (small["num_stages"], large["num_stages"]) == (4, 6) and small["swap_ab"] and large["swap_ab"]
     use_arch(monkeypatch, "sm_90")
     tiles = []
     sm90 = registry.dispatch("moe_fp8", kdsl.BlockFP8(), torch.device("cpu"))
     wrap_launch(monkeypatch, sm90.modules[sm90.impl],
-                lambda original: lambda *args: tiles.append(args[-1]["BLOCK_N"]) or original(*args))
-    args = moe_case(2, 2, 1024, 128, 2)  # H = 1024 would pick the 128-column tile; I = 128 picks the 64-column one
+                lambda original: lambda *args: tiles.append(args[-1]["num_stages"]) or original(*args))
+    args = moe_case(2, 2, 1024, 128, 2)  # H = 1024 would pick the six-stage tile; I = 128 picks the four-stage one
     y = kdsl.ops.moe_fp8(*args)
     assert_rows_close(y, moe_ref(*args), torch.ones(2, dtype=torch.bool), torch.bfloat16)
-    assert tiles == ([64] if interpreting() else [])
+    assert tiles == ([4] if interpreting() else [])
 
 
 def test_fused_activation_needs_block_n_of_one_group():
@@ -445,6 +446,44 @@ min_arch = "sm_89"
 tiles = [{ block_m = 16, block_n = 64, block_k = 128, num_stages = 2 }]
 """
     with pytest.raises(Exception, match=r"tiles\[0\].block_n: fuse_act quantizes h per row over one 128-wide"):
+        parse_definition("moe.toml", text)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_moe_swapped_decode_tile(tokens):
+    """swap_ab (C^T = w A^T in both GEMMs, the weights on the MMA's wide side) against the fp32 reference and
+    against the same tile unswapped, for one token and for a few per expert."""
+    entry = registry.select("moe_fp8", kdsl.BlockFP8(), arch="sm_89")
+    x, w13, w13_s, w2, w2_s, topk_weights, topk_ids = moe_case(tokens, 4, 256, 384, 2, skew=0.7)
+    tile = entry.tile_for(1)
+    assert tile["fuse_act"] is False and tile["swap_ab"] is False
+    run = entry.modules[entry.impl]
+
+    def layer(swap_ab):
+        y = torch.empty_like(x)
+        run.launch(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, None, {**tile, "swap_ab": swap_ab})
+        return y
+
+    swapped = layer(True)
+    assert_rows_close(swapped, moe_ref(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids),
+                      torch.ones(tokens, dtype=torch.bool), torch.bfloat16)
+    # The two MMAs may sum in different orders (on a GPU: a bf16 ulp here and there, about 4e-3 in all).
+    assert rel_fro_error(swapped.float(), layer(False).float()) < 1e-2
+
+
+def test_swapped_tile_needs_the_unfused_gemm():
+    from kdsl.schema import parse_definition
+    text = """
+[[schemes]]
+kind = "block_fp8"
+
+[[variants]]
+op = "moe_fp8"
+impl = "sorted"
+min_arch = "sm_89"
+tiles = [{ block_m = 16, block_n = 128, block_k = 128, num_stages = 2, options = { swap_ab = true } }]
+"""
+    with pytest.raises(Exception, match=r"tiles\[0\].options.swap_ab: the fused gate-up epilogue keeps A's rows"):
         parse_definition("moe.toml", text)
 
 

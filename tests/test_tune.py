@@ -263,6 +263,10 @@ def test_moe_layers_are_tuned_per_bucket_of_tokens_per_expert(definitions):
     impl = find_impl("moe_fp8", "sorted")
     assert {space.knob_value(t, impl, "fuse_act") for t in tiles} == {False, True}
     assert all(t.block_n == 128 for t in tiles if space.knob_value(t, impl, "fuse_act"))
+    # At decode they also swap the MMA's sides, only where the GEMM is unfused (swap_ab needs fuse_act = false).
+    decode_tiles = space.candidates(fp8.variant, fp8_buckets[0], fp8.loaded.definition.schemes, 10_000)
+    swaps = {(space.knob_value(t, impl, "fuse_act"), space.knob_value(t, impl, "swap_ab")) for t in decode_tiles}
+    assert swaps == {(False, False), (False, True), (True, False)}
 
 
 def _variant_tiled_by_n():

@@ -9,8 +9,7 @@ from kdsl.kernels.base import Launch
 from kdsl.kernels.host import cdiv
 
 # Launch shapes of the routing and combine kernels: a few microseconds each at decode.
-ALIGN_CHUNK = 1024  # assignments per step of the routing program
-ALIGN_BLOCKS = 16  # M blocks per step when the routing program names each block's expert
+ALIGN_CHUNK = 1024  # assignments (and M blocks) per step of the routing program
 COMBINE_COLS = 512  # hidden columns per program of the combine
 
 
@@ -37,8 +36,7 @@ def route(generated, topk_ids, num_experts: int, block_m: int, on_routed):
     yield Launch(generated.kernels["_align"], (1, 1, 1), (
         topk_ids, rows, block_expert, meta, assignments, topk_ids.shape[1], num_experts, max_rows, max_blocks,
         topk_ids.stride(0), topk_ids.stride(1),
-    ), dict(BLOCK_M=block_m, EXPERTS_PAD=_next_power_of_two(num_experts + 1), CHUNK=ALIGN_CHUNK,
-            CHUNK_BLOCKS=ALIGN_BLOCKS, num_warps=4))
+    ), dict(BLOCK_M=block_m, EXPERTS_PAD=_next_power_of_two(num_experts + 1), CHUNK=ALIGN_CHUNK, num_warps=4))
     if on_routed is not None:
         on_routed(meta[1:2])
     return rows, block_expert, meta, max_rows, max_blocks

@@ -21,10 +21,13 @@ FUSE_ACT_HELP = ("silu(gate) * up and its 1x128 quantization in the gate-up GEMM
                  "group: each program computes 128 gate and the matching 128 up columns); false: the GEMM writes the "
                  "fp32 gate and up products and a second kernel activates and quantizes them, so block_n may be "
                  "narrower (more programs streaming weights at decode)")
+SWAP_AB_HELP = ("compute C^T = w A^T in both GEMMs, so the weights' block_n rows fill the wgmma's 64-row side and "
+                "the few sorted rows its narrow side (decode); needs fuse_act = false")
 
 
 class Options(GemmOptions):
     fuse_act: bool = Field(True, description=FUSE_ACT_HELP)
+    swap_ab: bool = Field(False, description=SWAP_AB_HELP)
 
 
 def shared_bytes(scheme, tile, options: Options) -> int:
@@ -34,10 +37,15 @@ def shared_bytes(scheme, tile, options: Options) -> int:
 
 
 def problems(where: str, scheme, variant, tile, options: Options) -> list[str]:
+    found = []
     if options.fuse_act and tile.block_n != scheme.act_group:
-        return [f"{where}.block_n: fuse_act quantizes h per row over one {scheme.act_group}-wide activation group "
-                f"per tile, so it needs block_n = {scheme.act_group} (got {tile.block_n}); or set fuse_act = false"]
-    return []
+        found.append(f"{where}.block_n: fuse_act quantizes h per row over one {scheme.act_group}-wide activation "
+                     f"group per tile, so it needs block_n = {scheme.act_group} (got {tile.block_n}); or set "
+                     "fuse_act = false")
+    if options.fuse_act and options.swap_ab:
+        found.append(f"{where}.options.swap_ab: the fused gate-up epilogue keeps A's rows on the MMA's wide side; "
+                     "swap_ab needs fuse_act = false")
+    return found
 
 
 # Launch shape of the memory-bound quantization (routing and combine: kdsl/kernels/moe_routing.py): a few
@@ -78,7 +86,8 @@ def launch(generated, x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, on_rou
     hq = torch.empty((max_rows, inter), dtype=fp8, device=device)
     hs = torch.empty((max_rows, inter // act_group), dtype=torch.float32, device=device)
     gemm = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=tile["BLOCK_K"], GROUP_M=tile["GROUP_M"],
-                N_MAJOR=tile["tile_order"] == "n_major", num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+                N_MAJOR=tile["tile_order"] == "n_major", SWAP_AB=tile["swap_ab"], num_warps=tile["num_warps"],
+                num_stages=tile["num_stages"])
     if fuse:
         h, h_scales, n = hq, hs, inter
     else:
@@ -106,4 +115,5 @@ IMPL = KernelImpl(
     "block_fp8", "moe_fp8", "sorted", "block_fp8/moe_fp8_sorted.py.j2", 89, None,
     "tokens sorted by expert on the device, gate-up GEMM (+ silu * up + 1x128 quant), down GEMM, weighted combine",
     tile_knobs=GEMM_KNOBS, options=Options, shared_bytes=shared_bytes, problems=problems, min_block_m=16,
-    launch=launch, tune_grid={kind: {"fuse_act": (False, True)} for kind in ("decode", "mid", "prefill")})
+    launch=launch, tune_grid={"decode": {"fuse_act": (False, True), "swap_ab": (False, True)},
+                              "mid": {"fuse_act": (False, True)}, "prefill": {"fuse_act": (False, True)}})
