@@ -3,7 +3,7 @@
 # module: moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90 (moe_fp8/sorted_gluon: Gluon: tokens sorted by expert and quantized per sorted row, TMA-fed gate-up and down GEMMs with the wgmma overlapped with the rescale; GPU only)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: 0cd57aeda088b51a (sha256 of its schemes, variant and templates)
+# digest: 9db9e1e2f5a0bf41 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -326,9 +326,10 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90(
 # --- 3. h = silu(gate) * up, quantized per row in 1 x ACT_GROUP groups ---------------------------------------------
 
 @triton.jit
-def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90_act(gu_ptr, q_ptr, s_ptr, rows_ptr, meta_ptr, inter, stride_gum, stride_qm, stride_sm,
-                   BLOCK_M: tl.constexpr, ROUND_FIRST: tl.constexpr):
-    """One program: BLOCK_M sorted rows, one ACT_GROUP-wide group of the intermediate size."""
+def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90_act(gu_ptr, q_ptr, s_ptr, rows_ptr, meta_ptr, inter, split_stride, stride_gum, stride_qm, stride_sm,
+                   BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """One program: BLOCK_M sorted rows, one ACT_GROUP-wide group of the intermediate size. With SPLIT_K > 1 the
+    gate-up GEMM wrote one partial product per slice of K, split_stride apart: they are summed first, in order."""
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
     if pid_m * BLOCK_M < tl.load(meta_ptr):
@@ -339,6 +340,9 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90_act(gu_ptr, q_ptr, s_ptr,
         gate_ptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
         gate = tl.load(gate_ptrs, mask=live[:, None], other=0.0)
         up = tl.load(gate_ptrs + inter, mask=live[:, None], other=0.0)
+        for split in tl.static_range(1, SPLIT_K):
+            gate += tl.load(gate_ptrs + split * split_stride, mask=live[:, None], other=0.0)
+            up += tl.load(gate_ptrs + split * split_stride + inter, mask=live[:, None], other=0.0)
         q, scale = _quantize_groups(gate * tl.sigmoid(gate) * up, q_ptr.dtype.element_ty, ROUND_FIRST)
         tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=live[:, None])
         tl.store(s_ptr + rows * stride_sm + pid_g, scale, mask=live)

@@ -3,7 +3,7 @@
 # module: moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89 (moe_fp8/sorted: tokens sorted by expert on the device, gate-up GEMM (+ silu * up + 1x128 quant), down GEMM, weighted combine)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 3e1355ebfb05989d (sha256 of its schemes, variant and templates)
+# digest: aa19a3dd29aec82f (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -256,11 +256,11 @@ def _gate_up_dot(a_ptr, as_ptr, w_ptr, ws_ptr, rows_a, offs_n, inter, K,
 @triton.jit
 def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89(
     xq_ptr, xs_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, rows_ptr, block_expert_ptr, meta_ptr,
-    N, K, topk, max_blocks,
+    N, K, topk, max_blocks, split_stride,
     stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_hm, stride_hsm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, N_MAJOR: tl.constexpr, FUSE_ACT: tl.constexpr, ROUND_FIRST: tl.constexpr,
-    SWAP_AB: tl.constexpr,
+    SWAP_AB: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """The gate-up GEMM of BLOCK_M sorted rows (one expert's) and BLOCK_N columns: row p reads token
     rows[p] // topk of the quantized x, padding rows read token 0 and are not written.
@@ -268,7 +268,9 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89(
     FUSE_ACT (BLOCK_N = ACT_GROUP): N is the intermediate size I; the program computes the gate and the up
     columns together, then h = silu(gate) * up in fp32, quantized per row (its one ACT_GROUP group): h is the
     e4m3 codes [rows, I], hs their scales. Else N = 2I: h is the fp32 product [rows, 2I] (gate then up), which
-    the activation kernel quantizes; SWAP_AB (unfused only) puts the weights on the MMA's wide side."""
+    the activation kernel quantizes; SWAP_AB (unfused only) puts the weights on the MMA's wide side; SPLIT_K > 1
+    (unfused only) splits K into slices, program_id(1) the slice, each writing its partial product split_stride
+    apart for the activation kernel to sum."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _tile_coords(tl.program_id(0), max_blocks, num_pid_n, GROUP_M, N_MAJOR)
     if pid_m * BLOCK_M < tl.load(meta_ptr):
@@ -288,18 +290,24 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89(
             tl.store(h_ptr + rows_h[:, None] * stride_hm + offs_n[None, :], q, mask=live[:, None])
             tl.store(hs_ptr + rows_h * stride_hsm + pid_n, scale, mask=live)
         else:
-            acc = _fp8_rows_dot(xq_ptr, xs_ptr, w_ptr, ws_ptr, tokens, offs_n, N, K,
+            # This program's slice of K: whole BLOCK_K steps (BLOCK_K is the scale group), the last slice shorter.
+            split = tl.program_id(1)
+            k_slice = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+            k_first = split * k_slice
+            acc = _fp8_rows_dot(xq_ptr + k_first, xs_ptr + k_first // ACT_GROUP, w_ptr + k_first,
+                                ws_ptr + k_first // W_BLOCK_K, tokens, offs_n, N, tl.minimum(k_slice, K - k_first),
                                 stride_xm, stride_xsm, stride_wn, stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
-            tl.store(h_ptr + rows_h[:, None] * stride_hm + offs_n[None, :], acc,
+            tl.store(h_ptr + split * split_stride + rows_h[:, None] * stride_hm + offs_n[None, :], acc,
                      mask=live[:, None] & (offs_n[None, :] < N))
 
 
 # --- 3. (FUSE_ACT off) h = silu(gate) * up, quantized per row in 1 x ACT_GROUP groups --------------------------------
 
 @triton.jit
-def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89_act(gu_ptr, q_ptr, s_ptr, rows_ptr, meta_ptr, inter, stride_gum, stride_qm, stride_sm,
-                   BLOCK_M: tl.constexpr, ROUND_FIRST: tl.constexpr):
-    """One program: BLOCK_M sorted rows, one ACT_GROUP-wide group of the intermediate size."""
+def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89_act(gu_ptr, q_ptr, s_ptr, rows_ptr, meta_ptr, inter, split_stride, stride_gum, stride_qm, stride_sm,
+                   BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """One program: BLOCK_M sorted rows, one ACT_GROUP-wide group of the intermediate size. With SPLIT_K > 1 the
+    gate-up GEMM wrote one partial product per slice of K, split_stride apart: they are summed first, in order."""
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
     if pid_m * BLOCK_M < tl.load(meta_ptr):
@@ -310,6 +318,9 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89_act(gu_ptr, q_ptr, s_ptr, rows_
         gate_ptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
         gate = tl.load(gate_ptrs, mask=live[:, None], other=0.0)
         up = tl.load(gate_ptrs + inter, mask=live[:, None], other=0.0)
+        for split in tl.static_range(1, SPLIT_K):
+            gate += tl.load(gate_ptrs + split * split_stride, mask=live[:, None], other=0.0)
+            up += tl.load(gate_ptrs + split * split_stride + inter, mask=live[:, None], other=0.0)
         q, scale = _quantize_groups(gate * tl.sigmoid(gate) * up, q_ptr.dtype.element_ty, ROUND_FIRST)
         tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=live[:, None])
         tl.store(s_ptr + rows * stride_sm + pid_g, scale, mask=live)

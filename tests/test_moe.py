@@ -450,28 +450,33 @@ tiles = [{ block_m = 16, block_n = 64, block_k = 128, num_stages = 2 }]
 
 
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_moe_swapped_decode_tile(tokens):
-    """swap_ab (C^T = w A^T in both GEMMs, the weights on the MMA's wide side) against the fp32 reference and
-    against the same tile unswapped, for one token and for a few per expert."""
+@pytest.mark.parametrize("change", [dict(swap_ab=True), dict(SPLIT_K=3),
+                                    dict(SPLIT_K=2, swap_ab=True, down_num_stages=2)],
+                         ids=["swap", "split3", "split2-swap-down2"])
+def test_moe_decode_tile_options(tokens, change):
+    """The decode tile's options, alone and together: swap_ab (C^T = w A^T in both GEMMs, the weights on the MMA's
+    wide side), split_k (the gate-up GEMM's K in slices whose partial products the activation kernel sums; here 3
+    slices of K = 384 are one 128-wide step each) and the down GEMM's own stage count, against the fp32 reference
+    and against the same tile without them, for one token and for a few per expert."""
     entry = registry.select("moe_fp8", kdsl.BlockFP8(), arch="sm_89")
-    x, w13, w13_s, w2, w2_s, topk_weights, topk_ids = moe_case(tokens, 4, 256, 384, 2, skew=0.7)
+    x, w13, w13_s, w2, w2_s, topk_weights, topk_ids = moe_case(tokens, 4, 384, 256, 2, skew=0.7)
     tile = entry.tile_for(1)
-    assert tile["fuse_act"] is False and tile["swap_ab"] is False
+    assert tile["fuse_act"] is False and not tile["swap_ab"] and tile["SPLIT_K"] == 1
     run = entry.modules[entry.impl]
 
-    def layer(swap_ab):
+    def layer(**options):
         y = torch.empty_like(x)
-        run.launch(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, None, {**tile, "swap_ab": swap_ab})
+        run.launch(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, None, {**tile, **options})
         return y
 
-    swapped = layer(True)
-    assert_rows_close(swapped, moe_ref(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids),
+    changed = layer(**change)
+    assert_rows_close(changed, moe_ref(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids),
                       torch.ones(tokens, dtype=torch.bool), torch.bfloat16)
-    # The two MMAs may sum in different orders (on a GPU: a bf16 ulp here and there, about 4e-3 in all).
-    assert rel_fro_error(swapped.float(), layer(False).float()) < 1e-2
+    # The GEMMs may sum in another order (on a GPU: a bf16 ulp here and there, about 4e-3 in all).
+    assert rel_fro_error(changed.float(), layer().float()) < 1e-2
 
 
-def test_swapped_tile_needs_the_unfused_gemm():
+def test_swap_and_split_need_the_unfused_gemm():
     from kdsl.schema import parse_definition
     text = """
 [[schemes]]
@@ -481,9 +486,10 @@ kind = "block_fp8"
 op = "moe_fp8"
 impl = "sorted"
 min_arch = "sm_89"
-tiles = [{ block_m = 16, block_n = 128, block_k = 128, num_stages = 2, options = { swap_ab = true } }]
+tiles = [{ block_m = 16, block_n = 128, block_k = 128, num_stages = 2, split_k = 2, options = { swap_ab = true } }]
 """
-    with pytest.raises(Exception, match=r"tiles\[0\].options.swap_ab: the fused gate-up epilogue keeps A's rows"):
+    with pytest.raises(Exception, match=r"(?s)tiles\[0\].options.swap_ab: the fused gate-up epilogue keeps A's rows.*"
+                                        r"tiles\[0\].split_k: the fused gate-up epilogue activates whole sums"):
         parse_definition("moe.toml", text)
 
 

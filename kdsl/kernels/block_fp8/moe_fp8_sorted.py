@@ -9,6 +9,8 @@ router weights in fp32. Grids are sized on the host for the worst routing (T * k
 min(T * k, E) experts); programs past the rows a call uses return at once, so one CUDA graph serves any routing.
 
 Tiles are chosen per M bucket where M is tokens per routed expert, ceil(T * k / min(T * k, E))."""
+from typing import Optional
+
 import torch
 from pydantic import Field
 
@@ -25,15 +27,23 @@ SWAP_AB_HELP = ("compute C^T = w A^T in both GEMMs, so the weights' block_n rows
                 "the few sorted rows its narrow side (decode); needs fuse_act = false")
 
 
+DOWN_STAGES_HELP = ("pipeline stages of the down GEMM (default: num_stages); its K is the intermediate size, often "
+                    "short, where a shallower ring fits more programs per SM")
+
+
 class Options(GemmOptions):
     fuse_act: bool = Field(True, description=FUSE_ACT_HELP)
     swap_ab: bool = Field(False, description=SWAP_AB_HELP)
+    down_num_stages: Optional[int] = Field(None, ge=1, le=8, description=DOWN_STAGES_HELP)
 
 
 def shared_bytes(scheme, tile, options: Options) -> int:
-    # The gate-up GEMM's ring: A's tile and one (unfused) or two (gate and up, fused) B tiles per stage, fp8.
+    # The larger ring of the two GEMMs: A's tile and one (unfused) or two (gate and up, fused) B tiles per stage,
+    # fp8; the down GEMM's one B tile per stage.
     b_tiles = 2 if options.fuse_act else 1
-    return tile.num_stages * (tile.block_m + b_tiles * tile.block_n) * tile.block_k
+    gate_up = tile.num_stages * (tile.block_m + b_tiles * tile.block_n) * tile.block_k
+    down = (options.down_num_stages or tile.num_stages) * (tile.block_m + tile.block_n) * tile.block_k
+    return max(gate_up, down)
 
 
 def problems(where: str, scheme, variant, tile, options: Options) -> list[str]:
@@ -45,6 +55,11 @@ def problems(where: str, scheme, variant, tile, options: Options) -> list[str]:
     if options.fuse_act and options.swap_ab:
         found.append(f"{where}.options.swap_ab: the fused gate-up epilogue keeps A's rows on the MMA's wide side; "
                      "swap_ab needs fuse_act = false")
+    # split_k: the gate-up GEMM's K in slices, each program writing a partial fp32 product that the activation
+    # kernel sums (more programs where a few experts' columns would leave SMs idle).
+    if options.fuse_act and tile.split_k > 1:
+        found.append(f"{where}.split_k: the fused gate-up epilogue activates whole sums; split_k = {tile.split_k} "
+                     "needs fuse_act = false")
     return found
 
 
@@ -88,32 +103,34 @@ def launch(generated, x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, on_rou
     gemm = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=tile["BLOCK_K"], GROUP_M=tile["GROUP_M"],
                 N_MAJOR=tile["tile_order"] == "n_major", SWAP_AB=tile["swap_ab"], num_warps=tile["num_warps"],
                 num_stages=tile["num_stages"])
+    split = min(tile["SPLIT_K"], cdiv(H, tile["BLOCK_K"]))
     if fuse:
         h, h_scales, n = hq, hs, inter
     else:
-        h = torch.empty((max_rows, two_inter), dtype=torch.float32, device=device)
+        h = torch.empty((split, max_rows, two_inter), dtype=torch.float32, device=device)
         h_scales, n = h, two_inter
-    yield Launch(generated.kernel, (max_blocks * cdiv(n, block_n), 1, 1), (
-        xq, xs, w13, w13_s, h, h_scales, rows, block_expert, meta, n, H, topk, max_blocks,
+    yield Launch(generated.kernel, (max_blocks * cdiv(n, block_n), split, 1), (
+        xq, xs, w13, w13_s, h, h_scales, rows, block_expert, meta, n, H, topk, max_blocks, max_rows * n,
         xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), w13_s.stride(0), w13_s.stride(1),
-        h.stride(0), h_scales.stride(0),
-    ), dict(FUSE_ACT=fuse, ROUND_FIRST=round_first, **gemm))
+        h.stride(-2), h_scales.stride(-2),
+    ), dict(FUSE_ACT=fuse, ROUND_FIRST=round_first, SPLIT_K=split, **gemm))
     if not fuse:
         yield Launch(kernels["_act"], (max_blocks, inter // act_group, 1), (
-            h, hq, hs, rows, meta, inter, h.stride(0), hq.stride(0), hs.stride(0),
-        ), dict(BLOCK_M=block_m, ROUND_FIRST=round_first, num_warps=4))
+            h, hq, hs, rows, meta, inter, max_rows * two_inter, h.stride(-2), hq.stride(0), hs.stride(0),
+        ), dict(BLOCK_M=block_m, SPLIT_K=split, ROUND_FIRST=round_first, num_warps=4))
 
     out = torch.empty((assignments, H), dtype=y.dtype, device=device)
     yield Launch(kernels["_down"], (max_blocks * cdiv(H, block_n), 1, 1), (
         hq, hs, w2, w2_s, out, rows, block_expert, meta, H, inter, max_blocks,
         hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1), w2_s.stride(0), w2_s.stride(1), out.stride(0),
-    ), gemm)
+    ), {**gemm, "num_stages": tile["down_num_stages"] or tile["num_stages"]})
     yield combine(generated, out, topk_weights, topk_ids, y, E)
 
 
 IMPL = KernelImpl(
     "block_fp8", "moe_fp8", "sorted", "block_fp8/moe_fp8_sorted.py.j2", 89, None,
     "tokens sorted by expert on the device, gate-up GEMM (+ silu * up + 1x128 quant), down GEMM, weighted combine",
-    tile_knobs=GEMM_KNOBS, options=Options, shared_bytes=shared_bytes, problems=problems, min_block_m=16,
-    launch=launch, tune_grid={"decode": {"fuse_act": (False, True), "swap_ab": (False, True)},
+    tile_knobs=GEMM_KNOBS | {"split_k"}, options=Options, shared_bytes=shared_bytes, problems=problems, min_block_m=16,
+    launch=launch, tune_grid={"decode": {"fuse_act": (False, True), "swap_ab": (False, True),
+                                         "down_num_stages": (None, 3)},
                               "mid": {"fuse_act": (False, True)}, "prefill": {"fuse_act": (False, True)}})
