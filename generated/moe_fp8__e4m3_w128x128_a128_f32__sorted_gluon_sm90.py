@@ -3,7 +3,7 @@
 # module: moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90 (moe_fp8/sorted_gluon: Gluon: tokens sorted by expert and quantized per sorted row, TMA-fed gate-up and down GEMMs with the wgmma overlapped with the rescale; GPU only)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: 9db9e1e2f5a0bf41 (sha256 of its schemes, variant and templates)
+# digest: f63e71317e92a31d (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -181,6 +181,27 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90_align(
         tl.store(block_expert_ptr + blocks, expert, mask=blocks < max_blocks)
 
 
+@triton.jit
+def _sorted_block(pid_m, rows_ptr, block_expert_ptr, meta_ptr, ids_ptr, topk, num_experts, stride_it, stride_ik,
+                  BLOCK_M: tl.constexpr, ONE_PER_BLOCK: tl.constexpr):
+    """(computed, expert, assignments [BLOCK_M]) of block pid_m of the sorted rows: whether the block holds rows to
+    compute, its expert, and the assignment each of its rows holds (-1: padding).
+
+    Sorted by the routing kernel: its rows, block_expert and rows used (meta), all written for every block (-1 past
+    the rows used). ONE_PER_BLOCK (a few tokens over many experts, vLLM's naive block assignment): no routing
+    kernel; block b holds assignment b alone, in its first row, and is computed when its id is in [0, E)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if ONE_PER_BLOCK:
+        expert = tl.load(ids_ptr + (pid_m // topk) * stride_it + (pid_m % topk) * stride_ik)
+        computed = (expert >= 0) & (expert < num_experts)
+        assignments = tl.where(offs_m == pid_m * BLOCK_M, pid_m, -1)
+    else:
+        computed = pid_m * BLOCK_M < tl.load(meta_ptr)
+        expert = tl.load(block_expert_ptr + pid_m)
+        assignments = tl.load(rows_ptr + offs_m)
+    return computed, expert.to(tl.int64), assignments
+
+
 # --- combine: y[t] = sum_j topk_weights[t, j] * out[t * topk + j] over the routed slots ----------------------------
 
 @triton.jit
@@ -326,15 +347,19 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90(
 # --- 3. h = silu(gate) * up, quantized per row in 1 x ACT_GROUP groups ---------------------------------------------
 
 @triton.jit
-def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90_act(gu_ptr, q_ptr, s_ptr, rows_ptr, meta_ptr, inter, split_stride, stride_gum, stride_qm, stride_sm,
-                   BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, ROUND_FIRST: tl.constexpr):
+def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90_act(gu_ptr, q_ptr, s_ptr, rows_ptr, block_expert_ptr, meta_ptr, ids_ptr, inter, split_stride,
+                   topk, num_experts, stride_it, stride_ik, stride_gum, stride_qm, stride_sm,
+                   BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, ONE_PER_BLOCK: tl.constexpr,
+                   ROUND_FIRST: tl.constexpr):
     """One program: BLOCK_M sorted rows, one ACT_GROUP-wide group of the intermediate size. With SPLIT_K > 1 the
     gate-up GEMM wrote one partial product per slice of K, split_stride apart: they are summed first, in order."""
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
-    if pid_m * BLOCK_M < tl.load(meta_ptr):
+    computed, _, assignments = _sorted_block(pid_m, rows_ptr, block_expert_ptr, meta_ptr, ids_ptr, topk, num_experts,
+                                             stride_it, stride_ik, BLOCK_M, ONE_PER_BLOCK)
+    if computed:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        live = tl.load(rows_ptr + offs_m) >= 0
+        live = assignments >= 0
         rows = offs_m.to(tl.int64)
         cols = pid_g * ACT_GROUP + tl.arange(0, ACT_GROUP)
         gate_ptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]

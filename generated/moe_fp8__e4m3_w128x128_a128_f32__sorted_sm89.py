@@ -3,7 +3,7 @@
 # module: moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89 (moe_fp8/sorted: tokens sorted by expert on the device, gate-up GEMM (+ silu * up + 1x128 quant), down GEMM, weighted combine)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: aa19a3dd29aec82f (sha256 of its schemes, variant and templates)
+# digest: 7c54dd912cc1e3f0 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -180,6 +180,27 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89_align(
         tl.store(block_expert_ptr + blocks, expert, mask=blocks < max_blocks)
 
 
+@triton.jit
+def _sorted_block(pid_m, rows_ptr, block_expert_ptr, meta_ptr, ids_ptr, topk, num_experts, stride_it, stride_ik,
+                  BLOCK_M: tl.constexpr, ONE_PER_BLOCK: tl.constexpr):
+    """(computed, expert, assignments [BLOCK_M]) of block pid_m of the sorted rows: whether the block holds rows to
+    compute, its expert, and the assignment each of its rows holds (-1: padding).
+
+    Sorted by the routing kernel: its rows, block_expert and rows used (meta), all written for every block (-1 past
+    the rows used). ONE_PER_BLOCK (a few tokens over many experts, vLLM's naive block assignment): no routing
+    kernel; block b holds assignment b alone, in its first row, and is computed when its id is in [0, E)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if ONE_PER_BLOCK:
+        expert = tl.load(ids_ptr + (pid_m // topk) * stride_it + (pid_m % topk) * stride_ik)
+        computed = (expert >= 0) & (expert < num_experts)
+        assignments = tl.where(offs_m == pid_m * BLOCK_M, pid_m, -1)
+    else:
+        computed = pid_m * BLOCK_M < tl.load(meta_ptr)
+        expert = tl.load(block_expert_ptr + pid_m)
+        assignments = tl.load(rows_ptr + offs_m)
+    return computed, expert.to(tl.int64), assignments
+
+
 # --- combine: y[t] = sum_j topk_weights[t, j] * out[t * topk + j] over the routed slots ----------------------------
 
 @triton.jit
@@ -255,12 +276,12 @@ def _gate_up_dot(a_ptr, as_ptr, w_ptr, ws_ptr, rows_a, offs_n, inter, K,
 
 @triton.jit
 def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89(
-    xq_ptr, xs_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, rows_ptr, block_expert_ptr, meta_ptr,
-    N, K, topk, max_blocks, split_stride,
-    stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_hm, stride_hsm,
+    xq_ptr, xs_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, rows_ptr, block_expert_ptr, meta_ptr, ids_ptr,
+    N, K, topk, num_experts, max_blocks, split_stride,
+    stride_it, stride_ik, stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_hm, stride_hsm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, N_MAJOR: tl.constexpr, FUSE_ACT: tl.constexpr, ROUND_FIRST: tl.constexpr,
-    SWAP_AB: tl.constexpr, SPLIT_K: tl.constexpr,
+    SWAP_AB: tl.constexpr, SPLIT_K: tl.constexpr, ONE_PER_BLOCK: tl.constexpr,
 ):
     """The gate-up GEMM of BLOCK_M sorted rows (one expert's) and BLOCK_N columns: row p reads token
     rows[p] // topk of the quantized x, padding rows read token 0 and are not written.
@@ -273,11 +294,11 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89(
     apart for the activation kernel to sum."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _tile_coords(tl.program_id(0), max_blocks, num_pid_n, GROUP_M, N_MAJOR)
-    if pid_m * BLOCK_M < tl.load(meta_ptr):
-        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    computed, expert, assignment = _sorted_block(pid_m, rows_ptr, block_expert_ptr, meta_ptr, ids_ptr, topk,
+                                                 num_experts, stride_it, stride_ik, BLOCK_M, ONE_PER_BLOCK)
+    if computed:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        assignment = tl.load(rows_ptr + offs_m)
         live = assignment >= 0
         tokens = (tl.maximum(assignment, 0) // topk).to(tl.int64)
         rows_h = offs_m.to(tl.int64)
@@ -304,15 +325,19 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89(
 # --- 3. (FUSE_ACT off) h = silu(gate) * up, quantized per row in 1 x ACT_GROUP groups --------------------------------
 
 @triton.jit
-def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89_act(gu_ptr, q_ptr, s_ptr, rows_ptr, meta_ptr, inter, split_stride, stride_gum, stride_qm, stride_sm,
-                   BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, ROUND_FIRST: tl.constexpr):
+def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89_act(gu_ptr, q_ptr, s_ptr, rows_ptr, block_expert_ptr, meta_ptr, ids_ptr, inter, split_stride,
+                   topk, num_experts, stride_it, stride_ik, stride_gum, stride_qm, stride_sm,
+                   BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, ONE_PER_BLOCK: tl.constexpr,
+                   ROUND_FIRST: tl.constexpr):
     """One program: BLOCK_M sorted rows, one ACT_GROUP-wide group of the intermediate size. With SPLIT_K > 1 the
     gate-up GEMM wrote one partial product per slice of K, split_stride apart: they are summed first, in order."""
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
-    if pid_m * BLOCK_M < tl.load(meta_ptr):
+    computed, _, assignments = _sorted_block(pid_m, rows_ptr, block_expert_ptr, meta_ptr, ids_ptr, topk, num_experts,
+                                             stride_it, stride_ik, BLOCK_M, ONE_PER_BLOCK)
+    if computed:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        live = tl.load(rows_ptr + offs_m) >= 0
+        live = assignments >= 0
         rows = offs_m.to(tl.int64)
         cols = pid_g * ACT_GROUP + tl.arange(0, ACT_GROUP)
         gate_ptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
@@ -330,21 +355,21 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89_act(gu_ptr, q_ptr, s_ptr, rows_
 
 @triton.jit
 def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89_down(
-    h_ptr, hs_ptr, w_ptr, ws_ptr, out_ptr, rows_ptr, block_expert_ptr, meta_ptr,
-    N, K, max_blocks,
-    stride_hm, stride_hsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+    h_ptr, hs_ptr, w_ptr, ws_ptr, out_ptr, rows_ptr, block_expert_ptr, meta_ptr, ids_ptr,
+    N, K, topk, num_experts, max_blocks,
+    stride_it, stride_ik, stride_hm, stride_hsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, N_MAJOR: tl.constexpr, SWAP_AB: tl.constexpr,
+    GROUP_M: tl.constexpr, N_MAJOR: tl.constexpr, SWAP_AB: tl.constexpr, ONE_PER_BLOCK: tl.constexpr,
 ):
     """out[rows[p]] = (h[p] * hs[p]) (w2[e] * w2_s[e])^T for the BLOCK_M sorted rows p of one expert e, in out's
     dtype."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _tile_coords(tl.program_id(0), max_blocks, num_pid_n, GROUP_M, N_MAJOR)
-    if pid_m * BLOCK_M < tl.load(meta_ptr):
-        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    computed, expert, assignment = _sorted_block(pid_m, rows_ptr, block_expert_ptr, meta_ptr, ids_ptr, topk,
+                                                 num_experts, stride_it, stride_ik, BLOCK_M, ONE_PER_BLOCK)
+    if computed:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        assignment = tl.load(rows_ptr + offs_m)
         # Padding rows of h were never written: they re-read the block's first row, which always holds a token
         # (an expert's run is padded by fewer than BLOCK_M rows), and are not stored.
         rows_h = tl.where(assignment >= 0, offs_m, pid_m * BLOCK_M).to(tl.int64)

@@ -3,7 +3,7 @@
 # module: moe_w4a16__int4__sorted_sm80 (moe_w4a16/sorted: tokens sorted by expert on the device, int4 gate-up GEMM (+ silu * up), int4 down GEMM, weighted combine)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_80 and up
-# digest: d91d27957a3d0c04 (sha256 of its schemes, variant and templates)
+# digest: 5cd6803ee8acf5b5 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -327,6 +327,27 @@ def moe_w4a16__int4__sorted_sm80_align(
         first = tl.load(rows_ptr + blocks * BLOCK_M, mask=used, other=0)
         expert = tl.load(ids_ptr + (first // topk) * stride_it + (first % topk) * stride_ik, mask=used, other=-1)
         tl.store(block_expert_ptr + blocks, expert, mask=blocks < max_blocks)
+
+
+@triton.jit
+def _sorted_block(pid_m, rows_ptr, block_expert_ptr, meta_ptr, ids_ptr, topk, num_experts, stride_it, stride_ik,
+                  BLOCK_M: tl.constexpr, ONE_PER_BLOCK: tl.constexpr):
+    """(computed, expert, assignments [BLOCK_M]) of block pid_m of the sorted rows: whether the block holds rows to
+    compute, its expert, and the assignment each of its rows holds (-1: padding).
+
+    Sorted by the routing kernel: its rows, block_expert and rows used (meta), all written for every block (-1 past
+    the rows used). ONE_PER_BLOCK (a few tokens over many experts, vLLM's naive block assignment): no routing
+    kernel; block b holds assignment b alone, in its first row, and is computed when its id is in [0, E)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if ONE_PER_BLOCK:
+        expert = tl.load(ids_ptr + (pid_m // topk) * stride_it + (pid_m % topk) * stride_ik)
+        computed = (expert >= 0) & (expert < num_experts)
+        assignments = tl.where(offs_m == pid_m * BLOCK_M, pid_m, -1)
+    else:
+        computed = pid_m * BLOCK_M < tl.load(meta_ptr)
+        expert = tl.load(block_expert_ptr + pid_m)
+        assignments = tl.load(rows_ptr + offs_m)
+    return computed, expert.to(tl.int64), assignments
 
 
 # --- combine: y[t] = sum_j topk_weights[t, j] * out[t * topk + j] over the routed slots ----------------------------

@@ -272,16 +272,43 @@ def test_moe_empty_inputs():
     assert torch.equal(y, torch.zeros(3, 256, dtype=torch.bfloat16))  # no slot routed: nothing added
 
 
-@pytest.mark.parametrize("bad", [4, -1, 1000])
-def test_moe_refuses_bad_topk_ids_by_name(bad):
-    x, w13, w13_s, w2, w2_s, topk_weights, topk_ids = moe_case(5, 4, 256, 128, 2)
-    topk_ids[3, 1] = bad
-    with pytest.raises(ValueError, match=rf"topk_ids: expected expert ids \(w13 has 4 experts\) in \[0, 4\), "
-                                         rf"got 1 outside \(first: {bad}\)"):
+@pytest.mark.parametrize("bad", ["E", -1, 1000])
+@pytest.mark.parametrize("tokens, experts", [(5, 4), (2, 16)], ids=["sorted", "one-per-block"])
+def test_moe_refuses_bad_topk_ids_by_name(bad, tokens, experts):
+    """Refused by name whether the routing kernel counts the bad ids or (T * k * 4 <= E: no routing kernel, each
+    assignment a block of its own) torch does."""
+    bad = experts if bad == "E" else bad
+    x, w13, w13_s, w2, w2_s, topk_weights, topk_ids = moe_case(tokens, experts, 256, 128, 2)
+    topk_ids[tokens - 1, 1] = bad
+    with pytest.raises(ValueError, match=rf"topk_ids: expected expert ids \(w13 has {experts} experts\) in "
+                                         rf"\[0, {experts}\), got 1 outside \(first: {bad}\)"):
         kdsl.ops.moe_fp8(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids)
     # check_ids=False (what a captured CUDA graph runs): the slot adds nothing, no read outside the weights.
     y = kdsl.ops.moe_fp8(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, check_ids=False)
-    assert_rows_close(y, moe_ref(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids), torch.ones(5, dtype=torch.bool),
+    assert_rows_close(y, moe_ref(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids),
+                      torch.ones(tokens, dtype=torch.bool), torch.bfloat16)
+
+
+def _described_kernels(tokens, experts, topk) -> list[str]:
+    """The kernels moe_fp8's decode launch describes for a call (described, not run)."""
+    entry = registry.select("moe_fp8", kdsl.BlockFP8(), arch="sm_89")
+    module = entry.modules[entry.impl]
+    x, w13, w13_s, w2, w2_s, topk_weights, topk_ids = moe_case(tokens, experts, 256, 128, topk)
+    launches = module.unit.launch(module.generated(), x, w13, w13_s, w2, w2_s, topk_weights, topk_ids,
+                                  torch.empty_like(x), None, entry.tile_for(1))
+    return [getattr(launch.kernel, "fn", launch.kernel).__name__ for launch in launches]
+
+
+def test_moe_one_block_per_assignment_with_an_expert_shared_by_tokens():
+    """T * k * 4 <= E: no routing kernel, each (token, slot) a block of its own, so an expert two tokens route to
+    is computed twice, once per block."""
+    assert not any(name.endswith("_align") for name in _described_kernels(2, 16, 2))
+    assert any(name.endswith("_align") for name in _described_kernels(3, 16, 2))  # 3 * 2 * 4 > 16: sorted
+    x, w13, w13_s, w2, w2_s, _, _ = moe_case(2, 16, 256, 128, 2)
+    topk_ids = torch.tensor([[3, 5], [5, 3]], dtype=torch.int32)
+    topk_weights = torch.tensor([[0.7, 0.3], [0.6, 0.4]])
+    y = kdsl.ops.moe_fp8(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids)
+    assert_rows_close(y, moe_ref(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids), torch.ones(2, dtype=torch.bool),
                       torch.bfloat16)
 
 

@@ -24,11 +24,26 @@ def routing_rows(assignments: int, num_experts: int, block_m: int) -> int:
     return cdiv(bound, block_m) * block_m
 
 
-def route(generated, topk_ids, num_experts: int, block_m: int, on_routed):
+def one_per_block(assignments: int, num_experts: int) -> bool:
+    """Whether a layer's few assignments skip the routing kernel, each one block of its own (vLLM's naive block
+    assignment, for T * k * 4 <= E): at most a quarter of the experts are routed to, so blocks seldom share an
+    expert, and one launch less is worth more than the weights an expert routed twice reads again."""
+    return assignments * 4 <= num_experts
+
+
+def route(generated, topk_ids, num_experts: int, block_m: int, on_routed, one_block_each: bool = False):
     """Launch the routing kernel; returns (rows [max_rows], block_expert [max_blocks], meta, max_rows, max_blocks),
     all on topk_ids' device and sized on the host for the worst routing. on_routed: None, or called with the count
-    of ids outside [0, E) (a one-element int32 tensor) before anything else is launched."""
+    of ids outside [0, E) (a one-element int32 tensor) before anything else is launched.
+
+    one_block_each (one_per_block's case): no routing kernel; block b holds assignment b alone and the kernels read
+    its expert from topk_ids (rows, block_expert and meta are then topk_ids, unread; the count for on_routed is
+    computed by torch, where a check wants it)."""
     assignments = topk_ids.shape[0] * topk_ids.shape[1]
+    if one_block_each:
+        if on_routed is not None:
+            on_routed(((topk_ids < 0) | (topk_ids >= num_experts)).sum(dtype=torch.int32).reshape(1))
+        return topk_ids, topk_ids, topk_ids, assignments * block_m, assignments
     max_rows = routing_rows(assignments, num_experts, block_m)
     max_blocks = max_rows // block_m
     index = torch.empty(max_rows + max_blocks + 2 + num_experts, dtype=torch.int32, device=topk_ids.device)

@@ -17,7 +17,7 @@ from pydantic import Field
 from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
 from kdsl.kernels.block_fp8.fp8_gemm_portable import Options as GemmOptions
 from kdsl.kernels.host import cdiv
-from kdsl.kernels.moe_routing import combine, route
+from kdsl.kernels.moe_routing import combine, one_per_block, route
 
 FUSE_ACT_HELP = ("silu(gate) * up and its 1x128 quantization in the gate-up GEMM's epilogue (block_n = the activation "
                  "group: each program computes 128 gate and the matching 128 up columns); false: the GEMM writes the "
@@ -91,7 +91,10 @@ def launch(generated, x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, on_rou
     act_group = generated.module.ACT_GROUP.value
     kernels = generated.kernels
 
-    rows, block_expert, meta, max_rows, max_blocks = yield from route(generated, topk_ids, E, block_m, on_routed)
+    one_each = one_per_block(assignments, E)
+    rows, block_expert, meta, max_rows, max_blocks = yield from route(generated, topk_ids, E, block_m, on_routed,
+                                                                      one_each)
+    ids_strides = (topk_ids.stride(0), topk_ids.stride(1))
 
     xq = torch.empty((T, H), dtype=fp8, device=device)
     xs = torch.empty((T, H // act_group), dtype=torch.float32, device=device)
@@ -110,20 +113,21 @@ def launch(generated, x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, on_rou
         h = torch.empty((split, max_rows, two_inter), dtype=torch.float32, device=device)
         h_scales, n = h, two_inter
     yield Launch(generated.kernel, (max_blocks * cdiv(n, block_n), split, 1), (
-        xq, xs, w13, w13_s, h, h_scales, rows, block_expert, meta, n, H, topk, max_blocks, max_rows * n,
-        xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), w13_s.stride(0), w13_s.stride(1),
-        h.stride(-2), h_scales.stride(-2),
-    ), dict(FUSE_ACT=fuse, ROUND_FIRST=round_first, SPLIT_K=split, **gemm))
+        xq, xs, w13, w13_s, h, h_scales, rows, block_expert, meta, topk_ids, n, H, topk, E, max_blocks,
+        max_rows * n, *ids_strides, xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), w13_s.stride(0),
+        w13_s.stride(1), h.stride(-2), h_scales.stride(-2),
+    ), dict(FUSE_ACT=fuse, ROUND_FIRST=round_first, SPLIT_K=split, ONE_PER_BLOCK=one_each, **gemm))
     if not fuse:
         yield Launch(kernels["_act"], (max_blocks, inter // act_group, 1), (
-            h, hq, hs, rows, meta, inter, max_rows * two_inter, h.stride(-2), hq.stride(0), hs.stride(0),
-        ), dict(BLOCK_M=block_m, SPLIT_K=split, ROUND_FIRST=round_first, num_warps=4))
+            h, hq, hs, rows, block_expert, meta, topk_ids, inter, max_rows * two_inter, topk, E, *ids_strides,
+            h.stride(-2), hq.stride(0), hs.stride(0),
+        ), dict(BLOCK_M=block_m, SPLIT_K=split, ONE_PER_BLOCK=one_each, ROUND_FIRST=round_first, num_warps=4))
 
     out = torch.empty((assignments, H), dtype=y.dtype, device=device)
     yield Launch(kernels["_down"], (max_blocks * cdiv(H, block_n), 1, 1), (
-        hq, hs, w2, w2_s, out, rows, block_expert, meta, H, inter, max_blocks,
+        hq, hs, w2, w2_s, out, rows, block_expert, meta, topk_ids, H, inter, topk, E, max_blocks, *ids_strides,
         hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1), w2_s.stride(0), w2_s.stride(1), out.stride(0),
-    ), {**gemm, "num_stages": tile["down_num_stages"] or tile["num_stages"]})
+    ), {**gemm, "num_stages": tile["down_num_stages"] or tile["num_stages"], "ONE_PER_BLOCK": one_each})
     yield combine(generated, out, topk_weights, topk_ids, y, E)
 
 
