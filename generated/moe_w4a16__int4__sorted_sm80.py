@@ -3,7 +3,7 @@
 # module: moe_w4a16__int4__sorted_sm80 (moe_w4a16/sorted: tokens sorted by expert on the device, int4 gate-up GEMM (+ silu * up), int4 down GEMM, weighted combine)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_80 and up
-# digest: 5cd6803ee8acf5b5 (sha256 of its schemes, variant and templates)
+# digest: e6a0ff67af4c8c9e (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -438,12 +438,14 @@ def moe_w4a16__int4__sorted_sm80_gather(
 
 @triton.jit
 def moe_w4a16__int4__sorted_sm80(
-    x_ptr, qw_ptr, z_ptr, s_ptr, h_ptr, rows_ptr, block_expert_ptr, meta_ptr,
-    N, K, topk, max_blocks,
-    stride_xm, stride_xup, stride_qwe, stride_qwk, stride_ze, stride_zg, stride_se, stride_sg, stride_hm,
+    x_ptr, qw_ptr, z_ptr, s_ptr, h_ptr, rows_ptr, block_expert_ptr, meta_ptr, ids_ptr,
+    N, K, topk, num_experts, max_blocks,
+    stride_it, stride_ik, stride_xm, stride_xup, stride_qwe, stride_qwk, stride_ze, stride_zg, stride_se, stride_sg,
+    stride_hm,
     GATHERED: tl.constexpr, UP_APART: tl.constexpr, UNIFORM_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, N_MAJOR: tl.constexpr,
     MAGIC_BITS: tl.constexpr, MAGIC_BIAS: tl.constexpr, FP32_MATH: tl.constexpr, ASM_DEQUANT: tl.constexpr,
+    ONE_PER_BLOCK: tl.constexpr,
 ):
     """h [rows, N] for BLOCK_M sorted rows (one expert's) and BLOCK_N columns of the intermediate size N = I: the
     program computes columns offs_n of the gate rows [0, N) and of the up rows [N, 2N) of w13 against the same rows
@@ -453,12 +455,12 @@ def moe_w4a16__int4__sorted_sm80(
     own permutations), row p stride_xup further for the up half; padding rows re-read their block's first row."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _tile_coords(tl.program_id(0), max_blocks, num_pid_n, GROUP_M, N_MAJOR)
-    if pid_m * BLOCK_M < tl.load(meta_ptr):
-        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    computed, expert, assignment = _sorted_block(pid_m, rows_ptr, block_expert_ptr, meta_ptr, ids_ptr, topk,
+                                                 num_experts, stride_it, stride_ik, BLOCK_M, ONE_PER_BLOCK)
+    if computed:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = offs_n % N  # columns past N wrap onto valid ones: loads stay in bounds, the store drops them
-        assignment = tl.load(rows_ptr + offs_m)
         live = assignment >= 0
         if GATHERED:
             x_rows = tl.where(live, offs_m, pid_m * BLOCK_M).to(tl.int64)
@@ -493,23 +495,24 @@ def moe_w4a16__int4__sorted_sm80(
 
 @triton.jit
 def moe_w4a16__int4__sorted_sm80_down(
-    h_ptr, qw_ptr, z_ptr, s_ptr, out_ptr, rows_ptr, block_expert_ptr, meta_ptr,
-    N, K, max_blocks,
-    stride_hm, stride_qwe, stride_qwk, stride_ze, stride_zg, stride_se, stride_sg, stride_om,
+    h_ptr, qw_ptr, z_ptr, s_ptr, out_ptr, rows_ptr, block_expert_ptr, meta_ptr, ids_ptr,
+    N, K, topk, num_experts, max_blocks,
+    stride_it, stride_ik, stride_hm, stride_qwe, stride_qwk, stride_ze, stride_zg, stride_se, stride_sg, stride_om,
     UNIFORM_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, N_MAJOR: tl.constexpr,
     MAGIC_BITS: tl.constexpr, MAGIC_BIAS: tl.constexpr, FP32_MATH: tl.constexpr, ASM_DEQUANT: tl.constexpr,
+    ONE_PER_BLOCK: tl.constexpr,
 ):
     """out[rows[p]] = h[p] @ w2[e] for the BLOCK_M sorted rows p of one expert e (N = H, K = I), in out's dtype;
     with act-order h comes already in the expert's K order (the gather kernel's output)."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _tile_coords(tl.program_id(0), max_blocks, num_pid_n, GROUP_M, N_MAJOR)
-    if pid_m * BLOCK_M < tl.load(meta_ptr):
-        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    computed, expert, assignment = _sorted_block(pid_m, rows_ptr, block_expert_ptr, meta_ptr, ids_ptr, topk,
+                                                 num_experts, stride_it, stride_ik, BLOCK_M, ONE_PER_BLOCK)
+    if computed:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = offs_n % N
-        assignment = tl.load(rows_ptr + offs_m)
         # Padding rows of h were never written: they re-read the block's first row, which always holds a token
         # (an expert's run is padded by fewer than BLOCK_M rows), and are not stored.
         rows_h = tl.where(assignment >= 0, offs_m, pid_m * BLOCK_M).to(tl.int64)

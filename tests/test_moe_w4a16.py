@@ -286,16 +286,29 @@ def test_empty_inputs():
     assert torch.equal(y, torch.zeros(3, 256, dtype=torch.float16))
 
 
-@pytest.mark.parametrize("bad", [4, -1])
-def test_refuses_bad_topk_ids_by_name(bad):
-    w13, w2, dense13, dense2 = gptq_layer(4, 256, 128)
-    x = torch.randn(5, 256).half()
-    topk_weights, topk_ids = routing(5, 4, 2)
-    topk_ids[3, 1] = bad
-    with pytest.raises(ValueError, match=rf"topk_ids: expected expert ids \(w13 has 4 experts\) in \[0, 4\), "
-                                         rf"got 1 outside \(first: {bad}\)"):
+@pytest.mark.parametrize("bad", ["E", -1])
+@pytest.mark.parametrize("tokens, experts", [(5, 4), (2, 16)], ids=["sorted", "one-per-block"])
+def test_refuses_bad_topk_ids_by_name(bad, tokens, experts):
+    """Refused by name with the routing kernel and without it (T * k * 4 <= E: each assignment a block)."""
+    bad = experts if bad == "E" else bad
+    w13, w2, dense13, dense2 = gptq_layer(experts, 256, 128)
+    x = torch.randn(tokens, 256).half()
+    topk_weights, topk_ids = routing(tokens, experts, 2)
+    topk_ids[tokens - 1, 1] = bad
+    with pytest.raises(ValueError, match=rf"topk_ids: expected expert ids \(w13 has {experts} experts\) in "
+                                         rf"\[0, {experts}\), got 1 outside \(first: {bad}\)"):
         kdsl.ops.moe_w4a16(x, w13, w2, topk_weights, topk_ids)
     y = kdsl.ops.moe_w4a16(x, w13, w2, topk_weights, topk_ids, check_ids=False)  # the slot adds nothing
+    assert rel_fro_error(y, moe_dense_ref(x, dense13, dense2, topk_weights, topk_ids)) < LIMITS[torch.float16]
+
+
+def test_one_block_per_assignment_with_an_expert_shared_by_tokens():
+    """T * k * 4 <= E: no routing kernel; an expert two tokens route to is computed once per block."""
+    w13, w2, dense13, dense2 = gptq_layer(16, 256, 128)
+    x = torch.randn(2, 256).half()
+    topk_ids = torch.tensor([[3, 5], [5, 3]], dtype=torch.int32)
+    topk_weights = torch.tensor([[0.7, 0.3], [0.6, 0.4]])
+    y = kdsl.ops.moe_w4a16(x, w13, w2, topk_weights, topk_ids)
     assert rel_fro_error(y, moe_dense_ref(x, dense13, dense2, topk_weights, topk_ids)) < LIMITS[torch.float16]
 
 

@@ -1,10 +1,11 @@
 """moe_w4a16/sorted: a W4A16 MoE layer (GPTQ / AWQ int4 experts, Qwen3-MoE) with tokens sorted by expert on the
 device (sm_80+).
 
-One module, four launches (six with act-order), no host sync: moe_fp8/sorted's routing kernel (kdsl/kernels/moe_routing.py) sorts the
-(token, slot) assignments by expert and pads each expert's run to block_m rows; the gate-up GEMM reads each sorted
-row's token straight from x (no gathered copy), dequantizes the expert's int4 gate and up tiles in registers
-(prepared weights: common W4A16 layout, w4a16/prepared.py.j2), multiplies on fp16/bf16 tensor cores with fp32
+One module, four launches (three for T * k * 4 <= E, six with act-order), no host sync: moe_fp8/sorted's routing
+kernel (kdsl/kernels/moe_routing.py) sorts the (token, slot) assignments by expert and pads each expert's run to
+block_m rows (or, for a few assignments over many experts, is skipped: each assignment a block of its own); the
+gate-up GEMM reads each sorted row's token straight from x (no gathered copy), dequantizes the expert's int4 gate
+and up tiles in registers (prepared weights: common W4A16 layout, w4a16/prepared.py.j2), multiplies on fp16/bf16 tensor cores with fp32
 accumulation and writes h = silu(gate) * up in x's dtype; the down GEMM does the same on h and stores each row at
 its assignment; the combine kernel sums each token's slots with the router weights in fp32. Act-order checkpoints
 keep one permutation of K per expert (and per gate / up half): a gather kernel writes each sorted row's x (h) in
@@ -17,7 +18,7 @@ import torch
 from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
 from kdsl.kernels.block_fp8.fp8_gemm_portable import Options
 from kdsl.kernels.host import cdiv
-from kdsl.kernels.moe_routing import combine, route
+from kdsl.kernels.moe_routing import combine, one_per_block, route
 from kdsl.kernels.w4a16.common import MAGIC, needs_layout
 
 
@@ -63,7 +64,11 @@ def launch(generated, x, w13_qweight, w13_zeros, w13_scales, w13_perm, w2_qweigh
     block_m, block_n, block_k = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
     device = x.device
     cpu = device.type == "cpu"
-    rows, block_expert, meta, max_rows, max_blocks = yield from route(generated, topk_ids, E, block_m, on_routed)
+    # Act-order's gather kernel reads the routing kernel's rows: only calls without it skip that kernel.
+    one_each = one_per_block(T * topk, E) and w13_perm is None and w2_perm is None
+    rows, block_expert, meta, max_rows, max_blocks = yield from route(generated, topk_ids, E, block_m, on_routed,
+                                                                      one_each)
+    routing = (rows, block_expert, meta, topk_ids)
 
     magic_bits, magic_bias = MAGIC[x.dtype]
     group_size = generated.constexprs["GROUP_SIZE"]
@@ -80,10 +85,10 @@ def launch(generated, x, w13_qweight, w13_zeros, w13_scales, w13_perm, w2_qweigh
         yield gather
     up_apart = w13_perm is not None and w13_perm.shape[1] > 1
     yield Launch(generated.kernel, (max_blocks * cdiv(inter, block_n), 1, 1), (
-        x, w13_qweight, w13_zeros, w13_scales, h, rows, block_expert, meta, inter, H, topk, max_blocks,
-        x.stride(-2), x.stride(0) if up_apart else 0, w13_qweight.stride(0), w13_qweight.stride(1),
+        x, w13_qweight, w13_zeros, w13_scales, h, *routing, inter, H, topk, E, max_blocks,
+        topk_ids.stride(0), topk_ids.stride(1), x.stride(-2), x.stride(0) if up_apart else 0, w13_qweight.stride(0), w13_qweight.stride(1),
         w13_zeros.stride(0), w13_zeros.stride(1), w13_scales.stride(0), w13_scales.stride(1), h.stride(0),
-    ), dict(GATHERED=w13_perm is not None, UP_APART=up_apart, **gemm))
+    ), dict(GATHERED=w13_perm is not None, UP_APART=up_apart, ONE_PER_BLOCK=one_each, **gemm))
 
     out = torch.empty((T * topk, H), dtype=y.dtype, device=device)
     if w2_perm is not None:  # act-order: h gathered once into the down expert's K order
@@ -91,10 +96,10 @@ def launch(generated, x, w13_qweight, w13_zeros, w13_scales, w13_perm, w2_qweigh
         h = h[0]
         yield gather
     yield Launch(generated.kernels["_down"], (max_blocks * cdiv(H, block_n), 1, 1), (
-        h, w2_qweight, w2_zeros, w2_scales, out, rows, block_expert, meta, H, inter, max_blocks,
-        h.stride(0), w2_qweight.stride(0), w2_qweight.stride(1), w2_zeros.stride(0), w2_zeros.stride(1),
+        h, w2_qweight, w2_zeros, w2_scales, out, *routing, H, inter, topk, E, max_blocks,
+        topk_ids.stride(0), topk_ids.stride(1), h.stride(0), w2_qweight.stride(0), w2_qweight.stride(1), w2_zeros.stride(0), w2_zeros.stride(1),
         w2_scales.stride(0), w2_scales.stride(1), out.stride(0),
-    ), dict(**gemm))
+    ), dict(ONE_PER_BLOCK=one_each, **gemm))
     yield combine(generated, out, topk_weights, topk_ids, y, E)
 
 
