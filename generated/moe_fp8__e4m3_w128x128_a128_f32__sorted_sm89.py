@@ -3,7 +3,7 @@
 # module: moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89 (moe_fp8/sorted: tokens sorted by expert on the device, gate-up GEMM (+ silu * up + 1x128 quant), down GEMM, weighted combine)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 7c54dd912cc1e3f0 (sha256 of its schemes, variant and templates)
+# digest: 30ab5b50c0baf069 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -325,19 +325,24 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89(
 # --- 3. (FUSE_ACT off) h = silu(gate) * up, quantized per row in 1 x ACT_GROUP groups --------------------------------
 
 @triton.jit
-def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89_act(gu_ptr, q_ptr, s_ptr, rows_ptr, block_expert_ptr, meta_ptr, ids_ptr, inter, split_stride,
-                   topk, num_experts, stride_it, stride_ik, stride_gum, stride_qm, stride_sm,
+def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89_act(gu_ptr, q_ptr, s_ptr, rows_ptr, meta_ptr, inter, split_stride, stride_gum, stride_qm, stride_sm,
                    BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, ONE_PER_BLOCK: tl.constexpr,
                    ROUND_FIRST: tl.constexpr):
     """One program: BLOCK_M sorted rows, one ACT_GROUP-wide group of the intermediate size. With SPLIT_K > 1 the
-    gate-up GEMM wrote one partial product per slice of K, split_stride apart: they are summed first, in order."""
+    gate-up GEMM wrote one partial product per slice of K, split_stride apart: they are summed first, in order.
+    ONE_PER_BLOCK (no routing kernel ran): each block's one assignment sits in its first row, so nothing is read to
+    find the rows; a block whose id is outside [0, E) activates a row the gate-up GEMM never wrote, which the down
+    GEMM, skipping that block, never reads."""
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
-    computed, _, assignments = _sorted_block(pid_m, rows_ptr, block_expert_ptr, meta_ptr, ids_ptr, topk, num_experts,
-                                             stride_it, stride_ik, BLOCK_M, ONE_PER_BLOCK)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if ONE_PER_BLOCK:
+        computed = True
+        live = offs_m == pid_m * BLOCK_M
+    else:
+        computed = pid_m * BLOCK_M < tl.load(meta_ptr)
+        live = tl.load(rows_ptr + offs_m) >= 0
     if computed:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        live = assignments >= 0
         rows = offs_m.to(tl.int64)
         cols = pid_g * ACT_GROUP + tl.arange(0, ACT_GROUP)
         gate_ptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]

@@ -119,8 +119,7 @@ def launch(generated, x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, on_rou
     ), dict(FUSE_ACT=fuse, ROUND_FIRST=round_first, SPLIT_K=split, ONE_PER_BLOCK=one_each, **gemm))
     if not fuse:
         yield Launch(kernels["_act"], (max_blocks, inter // act_group, 1), (
-            h, hq, hs, rows, block_expert, meta, topk_ids, inter, max_rows * two_inter, topk, E, *ids_strides,
-            h.stride(-2), hq.stride(0), hs.stride(0),
+            h, hq, hs, rows, meta, inter, max_rows * two_inter, h.stride(-2), hq.stride(0), hs.stride(0),
         ), dict(BLOCK_M=block_m, SPLIT_K=split, ONE_PER_BLOCK=one_each, ROUND_FIRST=round_first, num_warps=4))
 
     out = torch.empty((assignments, H), dtype=y.dtype, device=device)
