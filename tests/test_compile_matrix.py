@@ -83,25 +83,27 @@ ALIGNED_INTS = {
 
 
 def described_launches(entry: KernelEntry, tile: dict, out: str):
-    """The launches the tile's implementation describes for the example call of entry's op (outputs of dtype
-    out), one at a time (the MoE layers' launch functions are generators)."""
+    """The launches the tile's implementation describes for the example calls of entry's op (outputs of dtype
+    out), one at a time (the MoE layers' launch functions are generators): those of every call it accepts, in
+    order (moe_fp8's examples take its two routing paths), skipping the calls it refuses."""
     module = entry.modules[tile["impl"]]
     generated = module.generated()
     if entry.op in SPLIT_PATH_OPS:
         tile = {**tile, "SPLIT_K": max(tile["SPLIT_K"], 2)}
-    refused = None
+    refused, accepted = None, False
     for args in EXAMPLE_CALLS[entry.op](tile, DTYPES[out], GPU):
         try:
             described = module.unit.launch(generated, *args, tile)
         except ValueError as error:  # the implementation refuses this call: take the next
             refused = error
             continue
+        accepted = True
         if isinstance(described, Launch):
             yield described
         else:
             yield from described
-        return
-    raise AssertionError(f"{module.path.name} refuses every example call of {entry.op}: {refused}")
+    if not accepted:
+        raise AssertionError(f"{module.path.name} refuses every example call of {entry.op}: {refused}")
 
 
 def beside_kernels(entry: KernelEntry, tile: dict) -> list[str]:
@@ -451,11 +453,16 @@ def test_moe_gluon_gemms_keep_one_wgmma_in_flight(job, compiled):
 MOE_SWAPPED = [i for i, tile in enumerate(MOE_HOPPER.tiles) if tile.params.get("swap_ab")]
 
 
-@pytest.mark.parametrize("job", [Job(MOE_HOPPER.name, 90, i, kernel=kernel) for i in MOE_SWAPPED for kernel in ("", "down")],
-                         ids=[f"tile{i}-{gemm}" for i in MOE_SWAPPED for gemm in ("gate-up", "down")])
+MOE_SWAPPED_GEMMS = {"gate-up": "", "down": "down", "gate-up-one-per-block": "@2", "down-one-per-block": "down@2"}
+
+
+@pytest.mark.parametrize("job", [Job(MOE_HOPPER.name, 90, i, kernel=kernel) for i in MOE_SWAPPED
+                                 for kernel in MOE_SWAPPED_GEMMS.values()],
+                         ids=[f"tile{i}-{gemm}" for i in MOE_SWAPPED for gemm in MOE_SWAPPED_GEMMS])
 def test_moe_swapped_decode_gemms_put_the_weights_on_the_wgmma_rows(job, compiled):
-    """moe_fp8/sorted's swapped decode tiles: e4m3 wgmma whose 64-row side is the weights' and whose narrow side
-    is the 16 sorted rows (n16), not 16 rows padded to 64."""
+    """moe_fp8/sorted's swapped decode tiles, with the routing kernel and without it (one assignment per block):
+    e4m3 wgmma whose 64-row side is the weights' and whose narrow side is the 16 sorted rows (n16), not 16 rows
+    padded to 64."""
     assert MOE_SWAPPED, "no swapped moe_fp8 tile on sm_90"
     ptx = ptx_of(compiled, job)
     shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.e4m3\.e4m3", ptx))

@@ -42,7 +42,8 @@ What a spec holds and why:
   functions take them (kdsl.kernels.base.KernelImpl.launch, between `generated` and the tile), for a call that
   reaches the whole of the tile's code: every optional argument given (bias, g_idx, act-order's perm), K long
   enough for the tile's whole split, a partial last column; dtype is the activations' or the output's. Where an
-  implementation refuses a call (its launch raises ValueError), the next call yielded is the one for it. On meta
+  implementation refuses a call (its launch raises ValueError), the next call yielded is the one for it; calls that
+  take other paths through the same kernels (moe_fp8 with and without its routing kernel) are yielded too. On meta
   tensors it describes launches without running them: tests/test_compile_matrix.py compiles their kernels for
   every arch from it (shared helpers: kdsl/ops/_examples.py).
 """
