@@ -460,9 +460,10 @@ def test_moe_tile_follows_the_intermediate_size(monkeypatch):
     assert tiles == ([4] if interpreting() else [])
 
 
-def test_fused_activation_needs_block_n_of_one_group():
+def parse_sorted_tile(tile: str):
+    """A definition whose one moe_fp8/sorted variant has the one tile written (TOML inline table fields)."""
     from kdsl.schema import parse_definition
-    text = """
+    return parse_definition("moe.toml", f"""
 [[schemes]]
 kind = "block_fp8"
 
@@ -470,10 +471,13 @@ kind = "block_fp8"
 op = "moe_fp8"
 impl = "sorted"
 min_arch = "sm_89"
-tiles = [{ block_m = 16, block_n = 64, block_k = 128, num_stages = 2 }]
-"""
+tiles = [{{ {tile} }}]
+""")
+
+
+def test_fused_activation_needs_block_n_of_one_group():
     with pytest.raises(Exception, match=r"tiles\[0\].block_n: fuse_act quantizes h per row over one 128-wide"):
-        parse_definition("moe.toml", text)
+        parse_sorted_tile("block_m = 16, block_n = 64, block_k = 128, num_stages = 2")
 
 
 @pytest.mark.parametrize("tokens", [1, 5])
@@ -504,20 +508,10 @@ def test_moe_decode_tile_options(tokens, change):
 
 
 def test_swap_and_split_need_the_unfused_gemm():
-    from kdsl.schema import parse_definition
-    text = """
-[[schemes]]
-kind = "block_fp8"
-
-[[variants]]
-op = "moe_fp8"
-impl = "sorted"
-min_arch = "sm_89"
-tiles = [{ block_m = 16, block_n = 128, block_k = 128, num_stages = 2, split_k = 2, options = { swap_ab = true } }]
-"""
     with pytest.raises(Exception, match=r"(?s)tiles\[0\].options.swap_ab: the fused gate-up epilogue keeps A's rows.*"
                                         r"tiles\[0\].split_k: the fused gate-up epilogue activates whole sums"):
-        parse_definition("moe.toml", text)
+        parse_sorted_tile("block_m = 16, block_n = 128, block_k = 128, num_stages = 2, split_k = 2, "
+                          "options = { swap_ab = true }")
 
 
 # ---------------------------------------------------------------------------------------------------------------
