@@ -25,8 +25,6 @@ FUSE_ACT_HELP = ("silu(gate) * up and its 1x128 quantization in the gate-up GEMM
                  "narrower (more programs streaming weights at decode)")
 SWAP_AB_HELP = ("compute C^T = w A^T in both GEMMs, so the weights' block_n rows fill the wgmma's 64-row side and "
                 "the few sorted rows its narrow side (decode); needs fuse_act = false")
-
-
 DOWN_STAGES_HELP = ("pipeline stages of the down GEMM (default: num_stages); its K is the intermediate size, often "
                     "short, where a shallower ring fits more programs per SM")
 
