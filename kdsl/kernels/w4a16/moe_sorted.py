@@ -5,8 +5,8 @@ One module, four launches (three for T * k * 4 <= E, six with act-order), no hos
 kernel (kdsl/kernels/moe_routing.py) sorts the (token, slot) assignments by expert and pads each expert's run to
 block_m rows (or, for a few assignments over many experts, is skipped: each assignment a block of its own); the
 gate-up GEMM reads each sorted row's token straight from x (no gathered copy), dequantizes the expert's int4 gate
-and up tiles in registers (prepared weights: common W4A16 layout, w4a16/prepared.py.j2), multiplies on fp16/bf16 tensor cores with fp32
-accumulation and writes h = silu(gate) * up in x's dtype; the down GEMM does the same on h and stores each row at
+and up tiles in registers (prepared weights: common W4A16 layout, w4a16/prepared.py.j2), multiplies on fp16/bf16
+tensor cores with fp32 accumulation and writes h = silu(gate) * up in x's dtype; the down GEMM does the same on h and stores each row at
 its assignment; the combine kernel sums each token's slots with the router weights in fp32. Act-order checkpoints
 keep one permutation of K per expert (and per gate / up half): a gather kernel writes each sorted row's x (h) in
 its expert's K order once, whole rows at a time, and the GEMMs read those rows contiguously.
@@ -86,8 +86,9 @@ def launch(generated, x, w13_qweight, w13_zeros, w13_scales, w13_perm, w2_qweigh
     up_apart = w13_perm is not None and w13_perm.shape[1] > 1
     yield Launch(generated.kernel, (max_blocks * cdiv(inter, block_n), 1, 1), (
         x, w13_qweight, w13_zeros, w13_scales, h, *routing, inter, H, topk, E, max_blocks,
-        topk_ids.stride(0), topk_ids.stride(1), x.stride(-2), x.stride(0) if up_apart else 0, w13_qweight.stride(0), w13_qweight.stride(1),
-        w13_zeros.stride(0), w13_zeros.stride(1), w13_scales.stride(0), w13_scales.stride(1), h.stride(0),
+        topk_ids.stride(0), topk_ids.stride(1), x.stride(-2), x.stride(0) if up_apart else 0,
+        w13_qweight.stride(0), w13_qweight.stride(1), w13_zeros.stride(0), w13_zeros.stride(1),
+        w13_scales.stride(0), w13_scales.stride(1), h.stride(0),
     ), dict(GATHERED=w13_perm is not None, UP_APART=up_apart, ONE_PER_BLOCK=one_each, **gemm))
 
     out = torch.empty((T * topk, H), dtype=y.dtype, device=device)
@@ -97,8 +98,8 @@ def launch(generated, x, w13_qweight, w13_zeros, w13_scales, w13_perm, w2_qweigh
         yield gather
     yield Launch(generated.kernels["_down"], (max_blocks * cdiv(H, block_n), 1, 1), (
         h, w2_qweight, w2_zeros, w2_scales, out, *routing, H, inter, topk, E, max_blocks,
-        topk_ids.stride(0), topk_ids.stride(1), h.stride(0), w2_qweight.stride(0), w2_qweight.stride(1), w2_zeros.stride(0), w2_zeros.stride(1),
-        w2_scales.stride(0), w2_scales.stride(1), out.stride(0),
+        topk_ids.stride(0), topk_ids.stride(1), h.stride(0), w2_qweight.stride(0), w2_qweight.stride(1),
+        w2_zeros.stride(0), w2_zeros.stride(1), w2_scales.stride(0), w2_scales.stride(1), out.stride(0),
     ), dict(ONE_PER_BLOCK=one_each, **gemm))
     yield combine(generated, out, topk_weights, topk_ids, y, E)
 
