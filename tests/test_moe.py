@@ -299,6 +299,16 @@ def _described_kernels(tokens, experts, topk) -> list[str]:
     return [getattr(launch.kernel, "fn", launch.kernel).__name__ for launch in launches]
 
 
+def test_moe_routing_paths_agree_bit_for_bit(monkeypatch):
+    """The same call with the routing kernel and without it (one block per assignment): every row is computed by
+    the same K loop either way, so the layers agree bit for bit."""
+    from kdsl.kernels.block_fp8 import moe_fp8_sorted
+    args = moe_case(2, 16, 256, 128, 2)
+    unsorted = kdsl.ops.moe_fp8(*args)
+    monkeypatch.setattr(moe_fp8_sorted, "one_per_block", lambda assignments, experts: False)
+    assert torch.equal(unsorted, kdsl.ops.moe_fp8(*args))
+
+
 def test_moe_one_block_per_assignment_with_an_expert_shared_by_tokens():
     """T * k * 4 <= E: no routing kernel, each (token, slot) a block of its own, so an expert two tokens route to
     is computed twice, once per block."""

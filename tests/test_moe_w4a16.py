@@ -302,6 +302,17 @@ def test_refuses_bad_topk_ids_by_name(bad, tokens, experts):
     assert rel_fro_error(y, moe_dense_ref(x, dense13, dense2, topk_weights, topk_ids)) < LIMITS[torch.float16]
 
 
+def test_routing_paths_agree_bit_for_bit(monkeypatch):
+    """The same call with the routing kernel and without it (one block per assignment) agrees bit for bit."""
+    from kdsl.kernels.w4a16 import moe_sorted
+    w13, w2, _, _ = gptq_layer(16, 256, 128)
+    x = torch.randn(2, 256).half()
+    topk_weights, topk_ids = routing(2, 16, 2)
+    unsorted = kdsl.ops.moe_w4a16(x, w13, w2, topk_weights, topk_ids)
+    monkeypatch.setattr(moe_sorted, "one_per_block", lambda assignments, experts: False)
+    assert torch.equal(unsorted, kdsl.ops.moe_w4a16(x, w13, w2, topk_weights, topk_ids))
+
+
 def test_one_block_per_assignment_with_an_expert_shared_by_tokens():
     """T * k * 4 <= E: no routing kernel; an expert two tokens route to is computed once per block."""
     w13, w2, dense13, dense2 = gptq_layer(16, 256, 128)
