@@ -3,7 +3,7 @@
 # module: moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89 (moe_fp8/sorted: tokens sorted by expert on the device, gate-up GEMM (+ silu * up + 1x128 quant), down GEMM, weighted combine)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: ea083543eac6dcfa (sha256 of its schemes, variant and templates)
+# digest: d72f168f2729dc9e (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -310,20 +310,21 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89(
             q, scale = _quantize_groups(gate * tl.sigmoid(gate) * up, h_ptr.dtype.element_ty, ROUND_FIRST)
             tl.store(h_ptr + rows_h[:, None] * stride_hm + offs_n[None, :], q, mask=live[:, None])
             tl.store(hs_ptr + rows_h * stride_hsm + pid_n, scale, mask=live)
-        elif SPLIT_K == 1:
-            acc = _fp8_rows_dot(xq_ptr, xs_ptr, w_ptr, ws_ptr, tokens, offs_n, N, K,
+        else:
+            # Unsplit, the whole K (the argument itself, which Triton specializes); split, this program's slice of
+            # whole BLOCK_K steps (BLOCK_K is the scale group), the last slice shorter, and its own partial product.
+            k_first = 0
+            k_len = K
+            if SPLIT_K > 1:
+                split = tl.program_id(1)
+                k_slice = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+                k_first = split * k_slice
+                k_len = tl.minimum(k_slice, K - k_first)
+                h_ptr += split * split_stride
+            acc = _fp8_rows_dot(xq_ptr + k_first, xs_ptr + k_first // ACT_GROUP, w_ptr + k_first,
+                                ws_ptr + k_first // W_BLOCK_K, tokens, offs_n, N, k_len,
                                 stride_xm, stride_xsm, stride_wn, stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
             tl.store(h_ptr + rows_h[:, None] * stride_hm + offs_n[None, :], acc,
-                     mask=live[:, None] & (offs_n[None, :] < N))
-        else:
-            # This program's slice of K: whole BLOCK_K steps (BLOCK_K is the scale group), the last slice shorter.
-            split = tl.program_id(1)
-            k_slice = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-            k_first = split * k_slice
-            acc = _fp8_rows_dot(xq_ptr + k_first, xs_ptr + k_first // ACT_GROUP, w_ptr + k_first,
-                                ws_ptr + k_first // W_BLOCK_K, tokens, offs_n, N, tl.minimum(k_slice, K - k_first),
-                                stride_xm, stride_xsm, stride_wn, stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
-            tl.store(h_ptr + split * split_stride + rows_h[:, None] * stride_hm + offs_n[None, :], acc,
                      mask=live[:, None] & (offs_n[None, :] < N))
 
 
