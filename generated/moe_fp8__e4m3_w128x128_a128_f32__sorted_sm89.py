@@ -3,7 +3,7 @@
 # module: moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89 (moe_fp8/sorted: tokens sorted by expert on the device, gate-up GEMM (+ silu * up + 1x128 quant), down GEMM, weighted combine)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: d72f168f2729dc9e (sha256 of its schemes, variant and templates)
+# digest: c4e1f1125b0614bf (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -124,60 +124,134 @@ def _fp8_rows_dot(a_ptr, as_ptr, b_ptr, bs_ptr, rows_a, offs_n, N, K,
 
 
 # --- routing: the (token, slot) assignments sorted by expert, each expert's run padded to BLOCK_M rows ------------
+#
+# Three steps over chunks of CHUNK assignments (vLLM's moe_align_block_size, without its atomics): count each
+# chunk's assignments per expert; scan the counts into each expert's run and each chunk's place in it; place each
+# chunk's assignments, sorted by expert in registers. Rows inside an expert's run follow the assignments' order, so
+# the sorted rows are the same on every call. A call of one chunk runs the three in one program (_align); a larger
+# one as three launches, the first and last one program per chunk.
+
+
+@triton.jit
+def _routing_bins(ids_ptr, chunk, num_assignments, topk, num_experts, stride_it, stride_ik, CHUNK: tl.constexpr):
+    """The expert of each assignment of the chunk; num_experts for an id outside [0, E), which gets no row and adds
+    nothing to its token, and for lanes past the last assignment."""
+    assignment = chunk * CHUNK + tl.arange(0, CHUNK)
+    live = assignment < num_assignments
+    ids = tl.load(ids_ptr + (assignment // topk) * stride_it + (assignment % topk) * stride_ik, mask=live, other=-1)
+    return tl.where(live & (ids >= 0) & (ids < num_experts), ids, num_experts)
+
+
+@triton.jit
+def _count_chunk(chunk, ids_ptr, counts_ptr, num_assignments, topk, num_experts, stride_it, stride_ik,
+                 EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """counts[chunk, e] = the chunk's assignments to expert e."""
+    bins = _routing_bins(ids_ptr, chunk, num_assignments, topk, num_experts, stride_it, stride_ik, CHUNK)
+    routed = bins < num_experts
+    counts = tl.histogram(tl.where(routed, bins, 0), EXPERTS_PAD, mask=routed)
+    tl.store(counts_ptr + chunk * EXPERTS_PAD + tl.arange(0, EXPERTS_PAD), counts)
+
+
+@triton.jit
+def _scan_counts(counts_ptr, rows_ptr, block_expert_ptr, meta_ptr, num_chunks, num_assignments, num_experts,
+                 max_blocks, BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNKS_PER_STEP: tl.constexpr,
+                 STEP: tl.constexpr):
+    """From the chunks' counts, in one program: meta = [rows used (a multiple of BLOCK_M), ids outside [0, E)];
+    each expert's run of rows, its padding rows -1; block_expert[b] = the expert of rows [b * BLOCK_M,
+    (b + 1) * BLOCK_M), -1 past the rows used; and counts, in place, turned into bases: counts[c, e] becomes the
+    row of chunk c's first assignment to e less that assignment's place in the chunk sorted by expert."""
+    experts = tl.arange(0, EXPERTS_PAD)
+    steps = tl.arange(0, CHUNKS_PER_STEP)
+    totals = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
+    for first in range(0, num_chunks, CHUNKS_PER_STEP):
+        chunks = first + steps
+        totals += tl.sum(tl.load(counts_ptr + chunks[:, None] * EXPERTS_PAD + experts[None, :],
+                                 mask=(chunks < num_chunks)[:, None], other=0), axis=0)
+    padded = tl.cdiv(totals, BLOCK_M) * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    rows_used = tl.sum(padded, axis=0)
+    tl.store(meta_ptr, rows_used)
+    tl.store(meta_ptr + 1, num_assignments - tl.sum(totals, axis=0))
+
+    taken = starts  # rows of each expert's run that earlier chunks take
+    for first in range(0, num_chunks, CHUNKS_PER_STEP):
+        chunks = first + steps
+        at = counts_ptr + chunks[:, None] * EXPERTS_PAD + experts[None, :]
+        in_range = (chunks < num_chunks)[:, None]
+        counts = tl.load(at, mask=in_range, other=0)
+        earlier_chunks = tl.cumsum(counts, axis=0) - counts + taken[None, :]
+        earlier_in_chunk = tl.cumsum(counts, axis=1) - counts
+        tl.store(at, earlier_chunks - earlier_in_chunk, mask=in_range)
+        taken += tl.sum(counts, axis=0)
+
+    # Each expert's blocks, and the padding rows of its last one (fewer than BLOCK_M).
+    lanes = tl.arange(0, STEP)
+    blocks = padded // BLOCK_M
+    for j in range(0, tl.max(blocks, axis=0), STEP):
+        block = j + lanes[None, :]
+        tl.store(block_expert_ptr + starts[:, None] // BLOCK_M + block, experts[:, None],
+                 mask=block < blocks[:, None])
+    for j in range(0, BLOCK_M, STEP):
+        row = (starts + totals)[:, None] + j + lanes[None, :]
+        tl.store(rows_ptr + row, -1, mask=row < ends[:, None])
+    for first in range(rows_used // BLOCK_M, max_blocks, EXPERTS_PAD):
+        tl.store(block_expert_ptr + first + experts, -1, mask=first + experts < max_blocks)
+
+
+@triton.jit
+def _place_chunk(chunk, ids_ptr, bases_ptr, rows_ptr, num_assignments, topk, num_experts, stride_it, stride_ik,
+                 EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """rows[p] = the assignment that sorted row p holds, for the chunk's routed assignments: sorted by expert, then
+    by assignment, the k-th of the chunk goes to row bases[chunk, its expert] + k."""
+    bins = _routing_bins(ids_ptr, chunk, num_assignments, topk, num_experts, stride_it, stride_ik, CHUNK)
+    order = tl.sort(bins * CHUNK + tl.arange(0, CHUNK))
+    expert = order // CHUNK
+    routed = expert < num_experts
+    row = tl.load(bases_ptr + chunk * EXPERTS_PAD + expert, mask=routed, other=0) + tl.arange(0, CHUNK)
+    tl.store(rows_ptr + row, chunk * CHUNK + order % CHUNK, mask=routed)
+
 
 @triton.jit
 def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89_align(
-    ids_ptr, rows_ptr, block_expert_ptr, meta_ptr,
-    num_assignments, topk, num_experts, max_rows, max_blocks, stride_it, stride_ik,
-    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    ids_ptr, rows_ptr, block_expert_ptr, meta_ptr, counts_ptr, max_blocks,
+    num_assignments, topk, num_experts, stride_it, stride_ik,
+    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_PER_STEP: tl.constexpr,
+    STEP: tl.constexpr,
 ):
-    """One program. Writes meta = [rows used (a multiple of BLOCK_M), ids outside [0, E), one cursor per expert],
-    rows[p] = the assignment t * topk + j that sorted row p holds (-1: padding) and block_expert[b] = the expert
-    of rows [b * BLOCK_M, (b + 1) * BLOCK_M) (-1 past the rows used). An assignment whose id is outside [0, E)
-    gets no row: it adds nothing to its token. Atomics hand out the rows inside an expert's run, so their order
-    varies from call to call; every row is computed on its own, so no result depends on it."""
-    lanes = tl.arange(0, CHUNK)
-    for start in range(0, max_rows, CHUNK):
-        tl.store(rows_ptr + start + lanes, -1, mask=start + lanes < max_rows)
+    """One program, for a call of at most CHUNK assignments: count, scan and place in turn."""
+    _count_chunk(0, ids_ptr, counts_ptr, num_assignments, topk, num_experts, stride_it, stride_ik, EXPERTS_PAD, CHUNK)
+    tl.debug_barrier()  # the counts are written before the scan reads them
+    _scan_counts(counts_ptr, rows_ptr, block_expert_ptr, meta_ptr, 1, num_assignments, num_experts, max_blocks,
+                 BLOCK_M, EXPERTS_PAD, CHUNKS_PER_STEP, STEP)
+    tl.debug_barrier()  # and the bases before the placing reads them
+    _place_chunk(0, ids_ptr, counts_ptr, rows_ptr, num_assignments, topk, num_experts, stride_it, stride_ik,
+                 EXPERTS_PAD, CHUNK)
 
-    # Tokens per expert. Bin num_experts (< EXPERTS_PAD) takes the ids outside [0, E) and the lanes past the end.
-    counts = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
-    outside = tl.zeros((CHUNK,), dtype=tl.int32)
-    for start in range(0, num_assignments, CHUNK):
-        assignment = start + lanes
-        live = assignment < num_assignments
-        ids = tl.load(ids_ptr + (assignment // topk) * stride_it + (assignment % topk) * stride_ik, mask=live, other=-1)
-        routed = live & (ids >= 0) & (ids < num_experts)
-        counts += tl.histogram(tl.where(routed, ids, num_experts), EXPERTS_PAD)
-        outside += (live & ~routed).to(tl.int32)
 
-    experts = tl.arange(0, EXPERTS_PAD)
-    padded = tl.where(experts < num_experts, tl.cdiv(counts, BLOCK_M) * BLOCK_M, 0)
-    ends = tl.cumsum(padded, axis=0)
-    rows_used = tl.sum(padded, axis=0)
-    tl.store(meta_ptr, rows_used)
-    tl.store(meta_ptr + 1, tl.sum(outside, axis=0))
-    tl.store(meta_ptr + 2 + experts, ends - padded, mask=experts < num_experts)
+@triton.jit
+def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89_align_count(ids_ptr, counts_ptr, num_assignments, topk, num_experts, stride_it, stride_ik,
+                           EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """One program per chunk of assignments."""
+    _count_chunk(tl.program_id(0), ids_ptr, counts_ptr, num_assignments, topk, num_experts, stride_it, stride_ik,
+                 EXPERTS_PAD, CHUNK)
 
-    tl.debug_barrier()  # the cursors and the -1 fill are written before any row is handed out
-    for start in range(0, num_assignments, CHUNK):
-        assignment = start + lanes
-        live = assignment < num_assignments
-        ids = tl.load(ids_ptr + (assignment // topk) * stride_it + (assignment % topk) * stride_ik, mask=live, other=-1)
-        routed = live & (ids >= 0) & (ids < num_experts)
-        row = tl.atomic_add(meta_ptr + 2 + ids, 1, mask=routed)
-        tl.store(rows_ptr + row, assignment, mask=routed)
 
-    # Block b takes the expert of its first row, which holds an assignment: an expert's rows fill its run from
-    # the start, and the run is padded by fewer than BLOCK_M rows. (One gather, where finding each block's run
-    # among the experts' ends took a pass over all experts per few blocks.)
-    tl.debug_barrier()  # the rows are written before they are read back
-    for start in range(0, max_blocks, CHUNK):
-        blocks = start + lanes
-        used = blocks * BLOCK_M < rows_used
-        first = tl.load(rows_ptr + blocks * BLOCK_M, mask=used, other=0)
-        expert = tl.load(ids_ptr + (first // topk) * stride_it + (first % topk) * stride_ik, mask=used, other=-1)
-        tl.store(block_expert_ptr + blocks, expert, mask=blocks < max_blocks)
+@triton.jit
+def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89_align_scan(counts_ptr, rows_ptr, block_expert_ptr, meta_ptr, num_chunks, num_assignments, num_experts,
+                          max_blocks, BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+                          CHUNKS_PER_STEP: tl.constexpr, STEP: tl.constexpr):
+    """One program."""
+    _scan_counts(counts_ptr, rows_ptr, block_expert_ptr, meta_ptr, num_chunks, num_assignments, num_experts,
+                 max_blocks, BLOCK_M, EXPERTS_PAD, CHUNKS_PER_STEP, STEP)
+
+
+@triton.jit
+def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89_align_place(ids_ptr, bases_ptr, rows_ptr, num_assignments, topk, num_experts, stride_it, stride_ik,
+                           EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """One program per chunk of assignments."""
+    _place_chunk(tl.program_id(0), ids_ptr, bases_ptr, rows_ptr, num_assignments, topk, num_experts, stride_it,
+                 stride_ik, EXPERTS_PAD, CHUNK)
 
 
 @triton.jit

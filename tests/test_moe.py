@@ -299,6 +299,47 @@ def _described_kernels(tokens, experts, topk) -> list[str]:
     return [getattr(launch.kernel, "fn", launch.kernel).__name__ for launch in launches]
 
 
+def sorted_routing_ref(topk_ids: torch.Tensor, experts: int, block_m: int):
+    """What the routing kernels write, from its definition: expert by expert, the assignments t * k + j routed to
+    it in increasing order, the run padded with -1 to a multiple of block_m; each block's expert; the rows used and
+    the ids outside [0, E)."""
+    flat = topk_ids.reshape(-1).tolist()
+    rows, block_expert = [], []
+    for expert in range(experts):
+        run = [a for a, e in enumerate(flat) if e == expert]
+        run += [-1] * (-len(run) % block_m)
+        rows += run
+        block_expert += [expert] * (len(run) // block_m)
+    outside = sum(1 for e in flat if not 0 <= e < experts)
+    return rows, block_expert, outside
+
+
+@pytest.mark.parametrize("tokens, experts, topk, block_m, skew", [
+    (5, 8, 2, 16, 0.0),      # one chunk: one program
+    (700, 8, 2, 16, 0.0),    # two chunks: count, scan, place
+    (1100, 60, 2, 32, 3.0),  # three chunks, the last partial, E not a power of two, routing skewed to few experts
+], ids=["one-chunk", "two-chunks", "three-chunks-skewed"])
+def test_routing_kernels_sort_the_assignments_by_expert(tokens, experts, topk, block_m, skew):
+    from kdsl.kernels.moe_routing import ALIGN_CHUNK, route
+    from kdsl.runtime import launcher
+    _, topk_ids = routing(tokens, experts, topk, skew)
+    topk_ids[1, 0], topk_ids[tokens - 1, topk - 1], topk_ids[tokens // 2, 0] = -1, experts, 1 << 20  # unrouted
+    assert (tokens * topk > ALIGN_CHUNK) == (tokens > 5)
+    generated = registry.select("moe_fp8", kdsl.BlockFP8(), arch="sm_89").modules["sorted"].generated()
+    launches = route(generated, topk_ids, experts, block_m, None)
+    try:  # route yields its launches, then returns what they write
+        while True:
+            launcher.run(next(launches))
+    except StopIteration as done:
+        rows, block_expert, meta = done.value[:3]
+    want_rows, want_blocks, outside = sorted_routing_ref(topk_ids, experts, block_m)
+    used = len(want_rows)
+    assert meta.tolist() == [used, outside]
+    assert rows[:used].tolist() == want_rows
+    assert block_expert[:used // block_m].tolist() == want_blocks
+    assert (block_expert[used // block_m:] == -1).all()
+
+
 def test_moe_routing_paths_agree_bit_for_bit(monkeypatch):
     """The same call with the routing kernel and without it (one block per assignment): every row is computed by
     the same K loop either way, so the layers agree bit for bit."""

@@ -9,7 +9,8 @@ from kdsl.kernels.base import Launch
 from kdsl.kernels.host import cdiv
 
 # Launch shapes of the routing and combine kernels: a few microseconds each at decode.
-ALIGN_CHUNK = 1024  # assignments (and M blocks) per step of the routing program
+ALIGN_CHUNK = 1024  # assignments per program of the routing steps; a call of one chunk runs them in one program
+ALIGN_SCAN_STEPS = dict(CHUNKS_PER_STEP=16, STEP=16)  # the scan's tiles: chunks' counts, blocks and rows per step
 COMBINE_COLS = 512  # hidden columns per program of the combine
 
 
@@ -32,7 +33,8 @@ def one_per_block(assignments: int, num_experts: int) -> bool:
 
 
 def route(generated, topk_ids, num_experts: int, block_m: int, on_routed, one_block_each: bool = False):
-    """Launch the routing kernel; returns (rows [max_rows], block_expert [max_blocks], meta, max_rows, max_blocks),
+    """Launch the routing kernels (one program for a call of one chunk of assignments, else count, scan and place);
+    returns (rows [max_rows], block_expert [max_blocks], meta, max_rows, max_blocks),
     all on topk_ids' device and sized on the host for the worst routing. on_routed: None, or called with the count
     of ids outside [0, E) (a one-element int32 tensor) before anything else is launched.
 
@@ -46,12 +48,25 @@ def route(generated, topk_ids, num_experts: int, block_m: int, on_routed, one_bl
         return topk_ids, topk_ids, topk_ids, assignments * block_m, assignments
     max_rows = routing_rows(assignments, num_experts, block_m)
     max_blocks = max_rows // block_m
-    index = torch.empty(max_rows + max_blocks + 2 + num_experts, dtype=torch.int32, device=topk_ids.device)
-    rows, block_expert, meta = index[:max_rows], index[max_rows:max_rows + max_blocks], index[max_rows + max_blocks:]
-    yield Launch(generated.kernels["_align"], (1, 1, 1), (
-        topk_ids, rows, block_expert, meta, assignments, topk_ids.shape[1], num_experts, max_rows, max_blocks,
-        topk_ids.stride(0), topk_ids.stride(1),
-    ), dict(BLOCK_M=block_m, EXPERTS_PAD=_next_power_of_two(num_experts + 1), CHUNK=ALIGN_CHUNK, num_warps=4))
+    chunks = cdiv(assignments, ALIGN_CHUNK)
+    experts_pad = max(16, _next_power_of_two(num_experts))
+    index = torch.empty(max_rows + max_blocks + 2 + chunks * experts_pad, dtype=torch.int32, device=topk_ids.device)
+    rows, block_expert = index[:max_rows], index[max_rows:max_rows + max_blocks]
+    meta, counts = index[max_rows + max_blocks:max_rows + max_blocks + 2], index[max_rows + max_blocks + 2:]
+    counted = (assignments, topk_ids.shape[1], num_experts, topk_ids.stride(0), topk_ids.stride(1))
+    per_chunk = dict(EXPERTS_PAD=experts_pad, CHUNK=ALIGN_CHUNK, num_warps=4)
+    scan = dict(BLOCK_M=block_m, EXPERTS_PAD=experts_pad, **ALIGN_SCAN_STEPS, num_warps=4)
+    if chunks == 1:
+        # One program sorts its assignments in registers: as many lanes as they need.
+        lanes = max(16, _next_power_of_two(assignments))
+        yield Launch(generated.kernels["_align"], (1, 1, 1), (topk_ids, rows, block_expert, meta, counts, max_blocks,
+                                                              *counted), dict(scan, CHUNK=lanes))
+    else:
+        yield Launch(generated.kernels["_align_count"], (chunks, 1, 1), (topk_ids, counts, *counted), per_chunk)
+        yield Launch(generated.kernels["_align_scan"], (1, 1, 1), (
+            counts, rows, block_expert, meta, chunks, assignments, num_experts, max_blocks), scan)
+        yield Launch(generated.kernels["_align_place"], (chunks, 1, 1), (topk_ids, counts, rows, *counted),
+                     per_chunk)
     if on_routed is not None:
         on_routed(meta[1:2])
     return rows, block_expert, meta, max_rows, max_blocks
