@@ -3,7 +3,7 @@
 # module: moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90 (moe_fp8/sorted_gluon: Gluon: tokens sorted by expert and quantized per sorted row, TMA-fed gate-up and down GEMMs with the wgmma overlapped with the rescale; GPU only)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: 788b58f94993c471 (sha256 of its schemes, variant and templates)
+# digest: 0fc11e15d609a48d (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -128,9 +128,10 @@ def _deferred_scale(a_scale_ptrs, b_scale_ptr, kb, BLOCK_K: gl.constexpr):
 #
 # Three steps over chunks of CHUNK assignments (vLLM's moe_align_block_size, without its atomics): count each
 # chunk's assignments per expert; scan the counts into each expert's run and each chunk's place in it; place each
-# chunk's assignments, sorted by expert in registers. Rows inside an expert's run follow the assignments' order, so
-# the sorted rows are the same on every call. A call of one chunk runs the three in one program (_align); a larger
-# one as three launches, the first and last one program per chunk.
+# assignment at its chunk's place plus its rank among the chunk's assignments to its expert (a CHUNK x CHUNK
+# comparison in registers). Rows inside an expert's run follow the assignments' order, so the sorted rows are the
+# same on every call. A call of one chunk runs the three in one program (_align); a larger one as three launches,
+# the first and last one program per chunk.
 
 
 @triton.jit
@@ -160,7 +161,7 @@ def _scan_counts(counts_ptr, rows_ptr, block_expert_ptr, meta_ptr, num_chunks, n
     """From the chunks' counts, in one program: meta = [rows used (a multiple of BLOCK_M), ids outside [0, E)];
     each expert's run of rows, its padding rows -1; block_expert[b] = the expert of rows [b * BLOCK_M,
     (b + 1) * BLOCK_M), -1 past the rows used; and counts, in place, turned into bases: counts[c, e] becomes the
-    row of chunk c's first assignment to e less that assignment's place in the chunk sorted by expert."""
+    row of chunk c's first assignment to e."""
     experts = tl.arange(0, EXPERTS_PAD)
     steps = tl.arange(0, CHUNKS_PER_STEP)
     totals = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
@@ -181,9 +182,7 @@ def _scan_counts(counts_ptr, rows_ptr, block_expert_ptr, meta_ptr, num_chunks, n
         at = counts_ptr + chunks[:, None] * EXPERTS_PAD + experts[None, :]
         in_range = (chunks < num_chunks)[:, None]
         counts = tl.load(at, mask=in_range, other=0)
-        earlier_chunks = tl.cumsum(counts, axis=0) - counts + taken[None, :]
-        earlier_in_chunk = tl.cumsum(counts, axis=1) - counts
-        tl.store(at, earlier_chunks - earlier_in_chunk, mask=in_range)
+        tl.store(at, tl.cumsum(counts, axis=0) - counts + taken[None, :], mask=in_range)
         taken += tl.sum(counts, axis=0)
 
     # Each expert's blocks, and the padding rows of its last one (fewer than BLOCK_M).
@@ -201,21 +200,24 @@ def _scan_counts(counts_ptr, rows_ptr, block_expert_ptr, meta_ptr, num_chunks, n
 
 
 @triton.jit
-def _place_chunk(chunk, ids_ptr, bases_ptr, rows_ptr, num_assignments, topk, num_experts, stride_it, stride_ik,
-                 EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    """rows[p] = the assignment that sorted row p holds, for the chunk's routed assignments: sorted by expert, then
-    by assignment, the k-th of the chunk goes to row bases[chunk, its expert] + k."""
+def _place_chunk(chunk, ids_ptr, bases_ptr, rows_ptr, slot_rows_ptr, num_assignments, topk, num_experts, stride_it,
+                 stride_ik, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """rows[p] = the assignment that sorted row p holds, for the chunk's routed assignments: the chunk's i-th
+    assignment to expert e goes to row bases[chunk, e] + i; and slot_rows[a] = the row of assignment a (-1: not
+    routed)."""
     bins = _routing_bins(ids_ptr, chunk, num_assignments, topk, num_experts, stride_it, stride_ik, CHUNK)
-    order = tl.sort(bins * CHUNK + tl.arange(0, CHUNK))
-    expert = order // CHUNK
-    routed = expert < num_experts
-    row = tl.load(bases_ptr + chunk * EXPERTS_PAD + expert, mask=routed, other=0) + tl.arange(0, CHUNK)
-    tl.store(rows_ptr + row, chunk * CHUNK + order % CHUNK, mask=routed)
+    lanes = tl.arange(0, CHUNK)
+    rank = tl.sum(((bins[None, :] == bins[:, None]) & (lanes[None, :] < lanes[:, None])).to(tl.int32), axis=1)
+    assignment = chunk * CHUNK + lanes
+    routed = bins < num_experts
+    row = tl.load(bases_ptr + chunk * EXPERTS_PAD + bins, mask=routed, other=0) + rank
+    tl.store(rows_ptr + row, assignment, mask=routed)
+    tl.store(slot_rows_ptr + assignment, tl.where(routed, row, -1), mask=assignment < num_assignments)
 
 
 @triton.jit
 def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90_align(
-    ids_ptr, rows_ptr, block_expert_ptr, meta_ptr, counts_ptr, max_blocks,
+    ids_ptr, rows_ptr, block_expert_ptr, meta_ptr, slot_rows_ptr, counts_ptr, max_blocks,
     num_assignments, topk, num_experts, stride_it, stride_ik,
     BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_PER_STEP: tl.constexpr,
     STEP: tl.constexpr,
@@ -226,8 +228,8 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90_align(
     _scan_counts(counts_ptr, rows_ptr, block_expert_ptr, meta_ptr, 1, num_assignments, num_experts, max_blocks,
                  BLOCK_M, EXPERTS_PAD, CHUNKS_PER_STEP, STEP)
     tl.debug_barrier()  # and the bases before the placing reads them
-    _place_chunk(0, ids_ptr, counts_ptr, rows_ptr, num_assignments, topk, num_experts, stride_it, stride_ik,
-                 EXPERTS_PAD, CHUNK)
+    _place_chunk(0, ids_ptr, counts_ptr, rows_ptr, slot_rows_ptr, num_assignments, topk, num_experts, stride_it,
+                 stride_ik, EXPERTS_PAD, CHUNK)
 
 
 @triton.jit
@@ -248,11 +250,11 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90_align_scan(counts_ptr, ro
 
 
 @triton.jit
-def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90_align_place(ids_ptr, bases_ptr, rows_ptr, num_assignments, topk, num_experts, stride_it, stride_ik,
-                           EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr):
+def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90_align_place(ids_ptr, bases_ptr, rows_ptr, slot_rows_ptr, num_assignments, topk, num_experts,
+                           stride_it, stride_ik, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr):
     """One program per chunk of assignments."""
-    _place_chunk(tl.program_id(0), ids_ptr, bases_ptr, rows_ptr, num_assignments, topk, num_experts, stride_it,
-                 stride_ik, EXPERTS_PAD, CHUNK)
+    _place_chunk(tl.program_id(0), ids_ptr, bases_ptr, rows_ptr, slot_rows_ptr, num_assignments, topk, num_experts,
+                 stride_it, stride_ik, EXPERTS_PAD, CHUNK)
 
 
 @triton.jit
@@ -299,24 +301,28 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90_combine(
     tl.store(y_ptr + token * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=col_ok)
 
 
-# --- 1. x quantized per sorted row (act_quant's rule), so each expert's rows are one contiguous TMA block ----------
+# --- 1. x quantized per token (act_quant's rule), copied to each of its sorted rows, so each expert's rows are one
+#        contiguous TMA block ------------------------------------------------------------------------------------
 
 @triton.jit
-def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90_quant(x_ptr, q_ptr, s_ptr, rows_ptr, meta_ptr, topk, K, stride_xm,
+def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90_quant(x_ptr, q_ptr, s_ptr, slot_rows_ptr, T, topk, K, stride_xm,
                      BLOCK_M: tl.constexpr, ROUND_FIRST: tl.constexpr):
-    """One program: BLOCK_M sorted rows, one ACT_GROUP-wide slice of the hidden size. Row p holds token
-    rows[p] // topk; a padding row quantizes token 0 (finite codes its GEMM rows compute and nobody stores)."""
+    """One program: BLOCK_M tokens, one ACT_GROUP-wide slice of the hidden size, quantized once and stored at the
+    sorted row of each of their routed slots. Padding rows are not written: every GEMM row is computed on its own,
+    and a padding row's is never stored."""
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
-    if pid_m * BLOCK_M < tl.load(meta_ptr):
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        tokens = (tl.maximum(tl.load(rows_ptr + offs_m), 0) // topk).to(tl.int64)
-        cols = pid_g * ACT_GROUP + tl.arange(0, ACT_GROUP)
-        x = tl.load(x_ptr + tokens[:, None] * stride_xm + cols[None, :])
-        q, scale = _quantize_groups(x.to(tl.float32), q_ptr.dtype.element_ty, ROUND_FIRST)
-        rows = offs_m.to(tl.int64)
-        tl.store(q_ptr + rows[:, None] * K + cols[None, :], q)
-        tl.store(s_ptr + rows * (K // ACT_GROUP) + pid_g, scale)
+    tokens = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    live = tokens < T
+    cols = pid_g * ACT_GROUP + tl.arange(0, ACT_GROUP)
+    x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=live[:, None], other=0.0)
+    q, scale = _quantize_groups(x.to(tl.float32), q_ptr.dtype.element_ty, ROUND_FIRST)
+    for slot in range(0, topk):
+        rows = tl.load(slot_rows_ptr + tokens * topk + slot, mask=live, other=-1)
+        routed = rows >= 0
+        rows = rows.to(tl.int64)
+        tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=routed[:, None])
+        tl.store(s_ptr + rows * (K // ACT_GROUP) + pid_g, scale, mask=routed)
 
 
 # --- 2. and 4. one expert's block of sorted rows against its weights: TMA ring, wgmma overlapped with the rescale ---
@@ -343,7 +349,7 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90(
     has one B scale. Block k's wgmma runs while block k - 1's product is rescaled (fp8_gemm/deferred_gluon's
     loop, without its persistent grid: an expert's tiles are few and K long).
 
-    SCATTER false (gate-up): the fp32 tile goes to C [rows, N] through c_desc. SCATTER true (down): row p is stored
+    SCATTER false (gate-up): the tile goes to C [rows, N] (16-bit, or fp32 for fp32 x) through c_desc. SCATTER true (down): row p is stored
     in out's dtype at out row rows[p], padding rows not at all. Blocks past the rows used return at once."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -442,11 +448,11 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90_act(gu_ptr, q_ptr, s_ptr,
         rows = offs_m.to(tl.int64)
         cols = pid_g * ACT_GROUP + tl.arange(0, ACT_GROUP)
         gate_ptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
-        gate = tl.load(gate_ptrs, mask=live[:, None], other=0.0)
-        up = tl.load(gate_ptrs + inter, mask=live[:, None], other=0.0)
+        gate = tl.load(gate_ptrs, mask=live[:, None], other=0.0).to(tl.float32)
+        up = tl.load(gate_ptrs + inter, mask=live[:, None], other=0.0).to(tl.float32)
         for split in tl.static_range(1, SPLIT_K):
-            gate += tl.load(gate_ptrs + split * split_stride, mask=live[:, None], other=0.0)
-            up += tl.load(gate_ptrs + split * split_stride + inter, mask=live[:, None], other=0.0)
+            gate += tl.load(gate_ptrs + split * split_stride, mask=live[:, None], other=0.0).to(tl.float32)
+            up += tl.load(gate_ptrs + split * split_stride + inter, mask=live[:, None], other=0.0).to(tl.float32)
         q, scale = _quantize_groups(gate * tl.sigmoid(gate) * up, q_ptr.dtype.element_ty, ROUND_FIRST)
         tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=live[:, None])
         tl.store(s_ptr + rows * stride_sm + pid_g, scale, mask=live)

@@ -3,7 +3,7 @@
 # module: moe_w4a16__int4__sorted_sm80 (moe_w4a16/sorted: tokens sorted by expert on the device, int4 gate-up GEMM (+ silu * up), int4 down GEMM, weighted combine)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_80 and up
-# digest: 2e33e9cc7255a2b7 (sha256 of its schemes, variant and templates)
+# digest: fc53e2980dd0eaf1 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -276,9 +276,10 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr, N_MAJOR: 
 #
 # Three steps over chunks of CHUNK assignments (vLLM's moe_align_block_size, without its atomics): count each
 # chunk's assignments per expert; scan the counts into each expert's run and each chunk's place in it; place each
-# chunk's assignments, sorted by expert in registers. Rows inside an expert's run follow the assignments' order, so
-# the sorted rows are the same on every call. A call of one chunk runs the three in one program (_align); a larger
-# one as three launches, the first and last one program per chunk.
+# assignment at its chunk's place plus its rank among the chunk's assignments to its expert (a CHUNK x CHUNK
+# comparison in registers). Rows inside an expert's run follow the assignments' order, so the sorted rows are the
+# same on every call. A call of one chunk runs the three in one program (_align); a larger one as three launches,
+# the first and last one program per chunk.
 
 
 @triton.jit
@@ -308,7 +309,7 @@ def _scan_counts(counts_ptr, rows_ptr, block_expert_ptr, meta_ptr, num_chunks, n
     """From the chunks' counts, in one program: meta = [rows used (a multiple of BLOCK_M), ids outside [0, E)];
     each expert's run of rows, its padding rows -1; block_expert[b] = the expert of rows [b * BLOCK_M,
     (b + 1) * BLOCK_M), -1 past the rows used; and counts, in place, turned into bases: counts[c, e] becomes the
-    row of chunk c's first assignment to e less that assignment's place in the chunk sorted by expert."""
+    row of chunk c's first assignment to e."""
     experts = tl.arange(0, EXPERTS_PAD)
     steps = tl.arange(0, CHUNKS_PER_STEP)
     totals = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
@@ -329,9 +330,7 @@ def _scan_counts(counts_ptr, rows_ptr, block_expert_ptr, meta_ptr, num_chunks, n
         at = counts_ptr + chunks[:, None] * EXPERTS_PAD + experts[None, :]
         in_range = (chunks < num_chunks)[:, None]
         counts = tl.load(at, mask=in_range, other=0)
-        earlier_chunks = tl.cumsum(counts, axis=0) - counts + taken[None, :]
-        earlier_in_chunk = tl.cumsum(counts, axis=1) - counts
-        tl.store(at, earlier_chunks - earlier_in_chunk, mask=in_range)
+        tl.store(at, tl.cumsum(counts, axis=0) - counts + taken[None, :], mask=in_range)
         taken += tl.sum(counts, axis=0)
 
     # Each expert's blocks, and the padding rows of its last one (fewer than BLOCK_M).
@@ -349,21 +348,24 @@ def _scan_counts(counts_ptr, rows_ptr, block_expert_ptr, meta_ptr, num_chunks, n
 
 
 @triton.jit
-def _place_chunk(chunk, ids_ptr, bases_ptr, rows_ptr, num_assignments, topk, num_experts, stride_it, stride_ik,
-                 EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    """rows[p] = the assignment that sorted row p holds, for the chunk's routed assignments: sorted by expert, then
-    by assignment, the k-th of the chunk goes to row bases[chunk, its expert] + k."""
+def _place_chunk(chunk, ids_ptr, bases_ptr, rows_ptr, slot_rows_ptr, num_assignments, topk, num_experts, stride_it,
+                 stride_ik, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """rows[p] = the assignment that sorted row p holds, for the chunk's routed assignments: the chunk's i-th
+    assignment to expert e goes to row bases[chunk, e] + i; and slot_rows[a] = the row of assignment a (-1: not
+    routed)."""
     bins = _routing_bins(ids_ptr, chunk, num_assignments, topk, num_experts, stride_it, stride_ik, CHUNK)
-    order = tl.sort(bins * CHUNK + tl.arange(0, CHUNK))
-    expert = order // CHUNK
-    routed = expert < num_experts
-    row = tl.load(bases_ptr + chunk * EXPERTS_PAD + expert, mask=routed, other=0) + tl.arange(0, CHUNK)
-    tl.store(rows_ptr + row, chunk * CHUNK + order % CHUNK, mask=routed)
+    lanes = tl.arange(0, CHUNK)
+    rank = tl.sum(((bins[None, :] == bins[:, None]) & (lanes[None, :] < lanes[:, None])).to(tl.int32), axis=1)
+    assignment = chunk * CHUNK + lanes
+    routed = bins < num_experts
+    row = tl.load(bases_ptr + chunk * EXPERTS_PAD + bins, mask=routed, other=0) + rank
+    tl.store(rows_ptr + row, assignment, mask=routed)
+    tl.store(slot_rows_ptr + assignment, tl.where(routed, row, -1), mask=assignment < num_assignments)
 
 
 @triton.jit
 def moe_w4a16__int4__sorted_sm80_align(
-    ids_ptr, rows_ptr, block_expert_ptr, meta_ptr, counts_ptr, max_blocks,
+    ids_ptr, rows_ptr, block_expert_ptr, meta_ptr, slot_rows_ptr, counts_ptr, max_blocks,
     num_assignments, topk, num_experts, stride_it, stride_ik,
     BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_PER_STEP: tl.constexpr,
     STEP: tl.constexpr,
@@ -374,8 +376,8 @@ def moe_w4a16__int4__sorted_sm80_align(
     _scan_counts(counts_ptr, rows_ptr, block_expert_ptr, meta_ptr, 1, num_assignments, num_experts, max_blocks,
                  BLOCK_M, EXPERTS_PAD, CHUNKS_PER_STEP, STEP)
     tl.debug_barrier()  # and the bases before the placing reads them
-    _place_chunk(0, ids_ptr, counts_ptr, rows_ptr, num_assignments, topk, num_experts, stride_it, stride_ik,
-                 EXPERTS_PAD, CHUNK)
+    _place_chunk(0, ids_ptr, counts_ptr, rows_ptr, slot_rows_ptr, num_assignments, topk, num_experts, stride_it,
+                 stride_ik, EXPERTS_PAD, CHUNK)
 
 
 @triton.jit
@@ -396,11 +398,11 @@ def moe_w4a16__int4__sorted_sm80_align_scan(counts_ptr, rows_ptr, block_expert_p
 
 
 @triton.jit
-def moe_w4a16__int4__sorted_sm80_align_place(ids_ptr, bases_ptr, rows_ptr, num_assignments, topk, num_experts, stride_it, stride_ik,
-                           EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr):
+def moe_w4a16__int4__sorted_sm80_align_place(ids_ptr, bases_ptr, rows_ptr, slot_rows_ptr, num_assignments, topk, num_experts,
+                           stride_it, stride_ik, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr):
     """One program per chunk of assignments."""
-    _place_chunk(tl.program_id(0), ids_ptr, bases_ptr, rows_ptr, num_assignments, topk, num_experts, stride_it,
-                 stride_ik, EXPERTS_PAD, CHUNK)
+    _place_chunk(tl.program_id(0), ids_ptr, bases_ptr, rows_ptr, slot_rows_ptr, num_assignments, topk, num_experts,
+                 stride_it, stride_ik, EXPERTS_PAD, CHUNK)
 
 
 @triton.jit

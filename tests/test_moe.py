@@ -301,8 +301,8 @@ def _described_kernels(tokens, experts, topk) -> list[str]:
 
 def sorted_routing_ref(topk_ids: torch.Tensor, experts: int, block_m: int):
     """What the routing kernels write, from its definition: expert by expert, the assignments t * k + j routed to
-    it in increasing order, the run padded with -1 to a multiple of block_m; each block's expert; the rows used and
-    the ids outside [0, E)."""
+    it in increasing order, the run padded with -1 to a multiple of block_m; each block's expert; the ids outside
+    [0, E). (The rows used are the rows' length; each assignment's row is its place in them.)"""
     flat = topk_ids.reshape(-1).tolist()
     rows, block_expert = [], []
     for expert in range(experts):
@@ -316,9 +316,9 @@ def sorted_routing_ref(topk_ids: torch.Tensor, experts: int, block_m: int):
 
 @pytest.mark.parametrize("tokens, experts, topk, block_m, skew", [
     (5, 8, 2, 16, 0.0),      # one chunk: one program
-    (700, 8, 2, 16, 0.0),    # two chunks: count, scan, place
-    (1100, 60, 2, 32, 3.0),  # three chunks, the last partial, E not a power of two, routing skewed to few experts
-], ids=["one-chunk", "two-chunks", "three-chunks-skewed"])
+    (100, 8, 2, 16, 0.0),    # two chunks: count, scan, place
+    (4200, 60, 2, 32, 3.0),  # 66 chunks (two steps of the scan), the last partial, E not a power of two, skewed
+], ids=["one-chunk", "two-chunks", "66-chunks-skewed"])
 def test_routing_kernels_sort_the_assignments_by_expert(tokens, experts, topk, block_m, skew):
     from kdsl.kernels.moe_routing import ALIGN_CHUNK, route
     from kdsl.runtime import launcher
@@ -331,13 +331,15 @@ def test_routing_kernels_sort_the_assignments_by_expert(tokens, experts, topk, b
         while True:
             launcher.run(next(launches))
     except StopIteration as done:
-        rows, block_expert, meta = done.value[:3]
+        rows, block_expert, meta, _, _, slot_rows = done.value
     want_rows, want_blocks, outside = sorted_routing_ref(topk_ids, experts, block_m)
     used = len(want_rows)
     assert meta.tolist() == [used, outside]
     assert rows[:used].tolist() == want_rows
     assert block_expert[:used // block_m].tolist() == want_blocks
     assert (block_expert[used // block_m:] == -1).all()
+    row_of = {a: row for row, a in enumerate(want_rows) if a >= 0}
+    assert slot_rows.tolist() == [row_of.get(a, -1) for a in range(tokens * topk)]
 
 
 def test_moe_routing_paths_agree_bit_for_bit(monkeypatch):

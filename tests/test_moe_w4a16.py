@@ -220,7 +220,7 @@ def test_gather_writes_each_sorted_row_in_its_experts_order(segments, k):
     x = torch.randn(tokens, k).half()
     perm = torch.stack([torch.stack([torch.randperm(k) for _ in range(segments)]) for _ in range(experts)])
     perm = perm.to(torch.int32)
-    rows, block_expert, meta, max_rows, _ = _run(route(generated, topk_ids, experts, block_m, None))
+    rows, block_expert, meta, max_rows = _run(route(generated, topk_ids, experts, block_m, None))[:4]
     gathered, launch = moe_sorted._gather(generated, x, perm, rows, block_expert, meta, topk, block_m, by_token=True)
     _run(launch)
     assert gathered.shape == (segments, max_rows, k)

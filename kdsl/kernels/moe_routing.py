@@ -3,14 +3,18 @@ common/moe_routing_kernels.py.j2, named after the module): generators of launche
 `yield from`, since the host work after the routing launch (on_routed) needs it enqueued."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kdsl.kernels.base import Launch
 from kdsl.kernels.host import cdiv
 
 # Launch shapes of the routing and combine kernels: a few microseconds each at decode.
-ALIGN_CHUNK = 1024  # assignments per program of the routing steps; a call of one chunk runs them in one program
-ALIGN_SCAN_STEPS = dict(CHUNKS_PER_STEP=16, STEP=16)  # the scan's tiles: chunks' counts, blocks and rows per step
+# Assignments per program of the routing steps (a call of one chunk runs them in one program): the placing
+# compares a chunk's assignments pairwise, CHUNK x CHUNK in registers.
+ALIGN_CHUNK = 128
+ALIGN_SCAN_STEPS = dict(CHUNKS_PER_STEP=64, STEP=16)  # the scan's tiles: chunks' counts, blocks and rows per step
 COMBINE_COLS = 512  # hidden columns per program of the combine
 
 
@@ -32,44 +36,57 @@ def one_per_block(assignments: int, num_experts: int) -> bool:
     return assignments * 4 <= num_experts
 
 
+class Routing(NamedTuple):
+    """What the routing kernels write, sized on the host for the worst routing: rows [max_rows] (the assignment
+    t * k + j each sorted row holds, -1: padding), block_expert [max_blocks], meta ([rows used, ids outside
+    [0, E)]) and slot_rows [T * k] (the sorted row of each assignment, -1 for an id outside [0, E))."""
+
+    rows: torch.Tensor
+    block_expert: torch.Tensor
+    meta: torch.Tensor
+    max_rows: int
+    max_blocks: int
+    slot_rows: torch.Tensor | None
+
+
 def route(generated, topk_ids, num_experts: int, block_m: int, on_routed, one_block_each: bool = False):
     """Launch the routing kernels (one program for a call of one chunk of assignments, else count, scan and place);
-    returns (rows [max_rows], block_expert [max_blocks], meta, max_rows, max_blocks),
-    all on topk_ids' device and sized on the host for the worst routing. on_routed: None, or called with the count
-    of ids outside [0, E) (a one-element int32 tensor) before anything else is launched.
+    returns their Routing, on topk_ids' device. on_routed: None, or called with the count of ids outside [0, E) (a
+    one-element int32 tensor) before anything else is launched.
 
     one_block_each (one_per_block's case): no routing kernel; block b holds assignment b alone and the kernels read
-    its expert from topk_ids (rows, block_expert and meta are then topk_ids, unread; the count for on_routed is
-    computed by torch, where a check wants it)."""
+    its expert from topk_ids (rows, block_expert and meta are then topk_ids, unread, and slot_rows None; the count
+    for on_routed is computed by torch, where a check wants it)."""
     assignments = topk_ids.shape[0] * topk_ids.shape[1]
     if one_block_each:
         if on_routed is not None:
             on_routed(((topk_ids < 0) | (topk_ids >= num_experts)).sum(dtype=torch.int32).reshape(1))
-        return topk_ids, topk_ids, topk_ids, assignments * block_m, assignments
+        return Routing(topk_ids, topk_ids, topk_ids, assignments * block_m, assignments, None)
     max_rows = routing_rows(assignments, num_experts, block_m)
     max_blocks = max_rows // block_m
     chunks = cdiv(assignments, ALIGN_CHUNK)
     experts_pad = max(16, _next_power_of_two(num_experts))
-    index = torch.empty(max_rows + max_blocks + 2 + chunks * experts_pad, dtype=torch.int32, device=topk_ids.device)
-    rows, block_expert = index[:max_rows], index[max_rows:max_rows + max_blocks]
-    meta, counts = index[max_rows + max_blocks:max_rows + max_blocks + 2], index[max_rows + max_blocks + 2:]
+    index = torch.empty(max_rows + max_blocks + 2 + assignments + chunks * experts_pad, dtype=torch.int32,
+                        device=topk_ids.device)
+    rows, block_expert, meta, slot_rows, counts = index.split((max_rows, max_blocks, 2, assignments,
+                                                              chunks * experts_pad))
     counted = (assignments, topk_ids.shape[1], num_experts, topk_ids.stride(0), topk_ids.stride(1))
     per_chunk = dict(EXPERTS_PAD=experts_pad, CHUNK=ALIGN_CHUNK, num_warps=4)
     scan = dict(BLOCK_M=block_m, EXPERTS_PAD=experts_pad, **ALIGN_SCAN_STEPS, num_warps=4)
     if chunks == 1:
-        # One program sorts its assignments in registers: as many lanes as they need.
+        # One program: as many lanes as the assignments need.
         lanes = max(16, _next_power_of_two(assignments))
-        yield Launch(generated.kernels["_align"], (1, 1, 1), (topk_ids, rows, block_expert, meta, counts, max_blocks,
-                                                              *counted), dict(scan, CHUNK=lanes))
+        yield Launch(generated.kernels["_align"], (1, 1, 1), (
+            topk_ids, rows, block_expert, meta, slot_rows, counts, max_blocks, *counted), dict(scan, CHUNK=lanes))
     else:
         yield Launch(generated.kernels["_align_count"], (chunks, 1, 1), (topk_ids, counts, *counted), per_chunk)
         yield Launch(generated.kernels["_align_scan"], (1, 1, 1), (
             counts, rows, block_expert, meta, chunks, assignments, num_experts, max_blocks), scan)
-        yield Launch(generated.kernels["_align_place"], (chunks, 1, 1), (topk_ids, counts, rows, *counted),
-                     per_chunk)
+        yield Launch(generated.kernels["_align_place"], (chunks, 1, 1), (
+            topk_ids, counts, rows, slot_rows, *counted), per_chunk)
     if on_routed is not None:
         on_routed(meta[1:2])
-    return rows, block_expert, meta, max_rows, max_blocks
+    return Routing(rows, block_expert, meta, max_rows, max_blocks, slot_rows)
 
 
 def combine(generated, out, topk_weights, topk_ids, y, num_experts: int) -> Launch:

@@ -90,8 +90,8 @@ def launch(generated, x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, on_rou
     kernels = generated.kernels
 
     one_each = one_per_block(assignments, E)
-    rows, block_expert, meta, max_rows, max_blocks = yield from route(generated, topk_ids, E, block_m, on_routed,
-                                                                      one_each)
+    rows, block_expert, meta, max_rows, max_blocks, _ = yield from route(generated, topk_ids, E, block_m, on_routed,
+                                                                         one_each)
     ids_strides = (topk_ids.stride(0), topk_ids.stride(1))
 
     xq = torch.empty((T, H), dtype=fp8, device=device)

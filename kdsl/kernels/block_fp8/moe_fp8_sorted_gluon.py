@@ -1,10 +1,11 @@
 """moe_fp8/sorted_gluon (Hopper, Gluon): moe_fp8/sorted's layer with each expert's rows one contiguous TMA block.
 
 The routing kernel sorts the (token, slot) assignments by expert and pads each expert's run to block_m rows, as in
-moe_fp8/sorted; here x is quantized per sorted row (act_quant's rule), so a block of block_m rows is one TMA box
-of one expert, and both GEMMs run fp8_gemm/deferred_gluon's loop (block k's wgmma overlapped with block k - 1's
-rescale) over the experts' weights stacked as [E * N, K]: the gate-up GEMM writes the fp32 products through TMA,
-the activation kernel quantizes silu(gate) * up, the down GEMM stores each row at its assignment, the combine
+moe_fp8/sorted; here x is quantized per token (act_quant's rule) and copied to each of its sorted rows, so a block
+of block_m rows is one TMA box of one expert, and both GEMMs run fp8_gemm/deferred_gluon's loop (block k's wgmma
+overlapped with block k - 1's rescale) over the experts' weights stacked as [E * N, K]: the gate-up GEMM writes
+its products through TMA in bf16 (fp32 for fp32 x; vLLM's gate-up cache is 16-bit too: h is quantized to fp8
+after), the activation kernel quantizes silu(gate) * up, the down GEMM stores each row at its assignment, the combine
 kernel sums each token's slots. Seven launches, no host sync, one CUDA graph for any routing (grids sized for the
 worst). For prefill, where the portable unit's pointer-loaded tl.dot waits for every wgmma before it rescales.
 Gluon has no interpreter: on the CPU `refusal` passes the call to the definition's next tile (moe_fp8/sorted).
@@ -59,16 +60,18 @@ def launch(generated, x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, on_rou
     act_group = generated.module.ACT_GROUP.value
     kernels = generated.kernels
 
-    rows, block_expert, meta, max_rows, max_blocks = yield from route(generated, topk_ids, E, block_m, on_routed)
+    rows, block_expert, meta, max_rows, max_blocks, slot_rows = yield from route(generated, topk_ids, E, block_m,
+                                                                                 on_routed)
 
     xq = torch.empty((max_rows, H), dtype=fp8, device=device)
     xs = torch.empty((max_rows, H // act_group), dtype=torch.float32, device=device)
-    yield Launch(kernels["_quant"], (max_rows // QUANT_ROWS, H // act_group, 1), (
-        x, xq, xs, rows, meta, topk, H, x.stride(0),
+    yield Launch(kernels["_quant"], (cdiv(T, QUANT_ROWS), H // act_group, 1), (
+        x, xq, xs, slot_rows, T, topk, H, x.stride(0),
     ), dict(BLOCK_M=QUANT_ROWS, ROUND_FIRST=False, num_warps=2))
 
     gemm = dict(GROUP_M=tile["GROUP_M"], NUM_STAGES=tile["num_stages"], num_warps=tile["num_warps"])
-    gate_up = torch.empty((max_rows, two_inter), dtype=torch.float32, device=device)
+    gate_up_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+    gate_up = torch.empty((max_rows, two_inter), dtype=gate_up_dtype, device=device)
     a_desc = gluon_descriptor(xq, (block_m, block_k))
     yield Launch(generated.kernel, (max_blocks * cdiv(two_inter, block_n), 1, 1), (
         a_desc, gluon_descriptor(_as_matrix(w13), (block_n, block_k)),

@@ -66,8 +66,8 @@ def launch(generated, x, w13_qweight, w13_zeros, w13_scales, w13_perm, w2_qweigh
     cpu = device.type == "cpu"
     # Act-order's gather kernel reads the routing kernel's rows: only calls without it skip that kernel.
     one_each = one_per_block(T * topk, E) and w13_perm is None and w2_perm is None
-    rows, block_expert, meta, max_rows, max_blocks = yield from route(generated, topk_ids, E, block_m, on_routed,
-                                                                      one_each)
+    rows, block_expert, meta, max_rows, max_blocks, _ = yield from route(generated, topk_ids, E, block_m, on_routed,
+                                                                         one_each)
     routing = (rows, block_expert, meta, topk_ids)
 
     magic_bits, magic_bias = MAGIC[x.dtype]
