@@ -3,7 +3,7 @@
 # module: moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89 (moe_fp8/sorted: tokens sorted by expert on the device, gate-up GEMM (+ silu * up + 1x128 quant), down GEMM, weighted combine)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: fd5ba576e6a7993b (sha256 of its schemes, variant and templates)
+# digest: bc05dc6ad240ba7b (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -127,17 +127,16 @@ def _fp8_rows_dot(a_ptr, as_ptr, b_ptr, bs_ptr, rows_a, offs_n, N, K,
 #
 # Three steps over chunks of CHUNK assignments (vLLM's moe_align_block_size, without its atomics): count each
 # chunk's assignments per expert; scan the counts into each expert's run and each chunk's place in it; place each
-# assignment at its chunk's place plus its rank among the chunk's assignments to its expert (a CHUNK x CHUNK
-# comparison in registers). Rows inside an expert's run follow the assignments' order, so the sorted rows are the
-# same on every call. A call of one chunk runs the three in one program (_align); a larger one as three launches,
-# the first and last one program per chunk.
+# assignment at its chunk's place plus its rank among the chunk's earlier assignments to its expert. Rows inside an
+# expert's run follow the assignments' order, so the sorted rows are the same on every call. A call of one chunk
+# runs the three in one program (_align); a larger one as three launches, the first and last one program per chunk.
 
 
 @triton.jit
-def _routing_bins(ids_ptr, chunk, num_assignments, topk, num_experts, stride_it, stride_ik, CHUNK: tl.constexpr):
-    """The expert of each assignment of the chunk; num_experts for an id outside [0, E), which gets no row and adds
-    nothing to its token, and for lanes past the last assignment."""
-    assignment = chunk * CHUNK + tl.arange(0, CHUNK)
+def _routing_bins(ids_ptr, first, num_assignments, topk, num_experts, stride_it, stride_ik, LANES: tl.constexpr):
+    """The expert of each assignment first .. first + LANES; num_experts for an id outside [0, E), which gets no
+    row and adds nothing to its token, and for lanes past the last assignment."""
+    assignment = first + tl.arange(0, LANES)
     live = assignment < num_assignments
     ids = tl.load(ids_ptr + (assignment // topk) * stride_it + (assignment % topk) * stride_ik, mask=live, other=-1)
     return tl.where(live & (ids >= 0) & (ids < num_experts), ids, num_experts)
@@ -147,7 +146,7 @@ def _routing_bins(ids_ptr, chunk, num_assignments, topk, num_experts, stride_it,
 def _count_chunk(chunk, ids_ptr, counts_ptr, num_assignments, topk, num_experts, stride_it, stride_ik,
                  EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr):
     """counts[chunk, e] = the chunk's assignments to expert e."""
-    bins = _routing_bins(ids_ptr, chunk, num_assignments, topk, num_experts, stride_it, stride_ik, CHUNK)
+    bins = _routing_bins(ids_ptr, chunk * CHUNK, num_assignments, topk, num_experts, stride_it, stride_ik, CHUNK)
     routed = bins < num_experts
     counts = tl.histogram(tl.where(routed, bins, 0), EXPERTS_PAD, mask=routed)
     tl.store(counts_ptr + chunk * EXPERTS_PAD + tl.arange(0, EXPERTS_PAD), counts)
@@ -200,26 +199,32 @@ def _scan_counts(counts_ptr, rows_ptr, block_expert_ptr, meta_ptr, num_chunks, n
 
 @triton.jit
 def _place_chunk(chunk, ids_ptr, bases_ptr, rows_ptr, slot_rows_ptr, num_assignments, topk, num_experts, stride_it,
-                 stride_ik, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                 stride_ik, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, RANK_BLOCK: tl.constexpr):
     """rows[p] = the assignment that sorted row p holds, for the chunk's routed assignments: the chunk's i-th
     assignment to expert e goes to row bases[chunk, e] + i; and slot_rows[a] = the row of assignment a (-1: not
-    routed)."""
-    bins = _routing_bins(ids_ptr, chunk, num_assignments, topk, num_experts, stride_it, stride_ik, CHUNK)
-    lanes = tl.arange(0, CHUNK)
-    rank = tl.sum(((bins[None, :] == bins[:, None]) & (lanes[None, :] < lanes[:, None])).to(tl.int32), axis=1)
-    assignment = chunk * CHUNK + lanes
-    routed = bins < num_experts
-    row = tl.load(bases_ptr + chunk * EXPERTS_PAD + bins, mask=routed, other=0) + rank
-    tl.store(rows_ptr + row, assignment, mask=routed)
-    tl.store(slot_rows_ptr + assignment, tl.where(routed, row, -1), mask=assignment < num_assignments)
+    routed). RANK_BLOCK assignments at a time, each ranked among the block's assignments to its expert by a
+    RANK_BLOCK x RANK_BLOCK comparison, on top of a running base per expert."""
+    experts = tl.arange(0, EXPERTS_PAD)
+    bases = tl.load(bases_ptr + chunk * EXPERTS_PAD + experts)
+    lanes = tl.arange(0, RANK_BLOCK)
+    for first in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, num_assignments), RANK_BLOCK):
+        bins = _routing_bins(ids_ptr, first, num_assignments, topk, num_experts, stride_it, stride_ik, RANK_BLOCK)
+        routed = bins < num_experts
+        expert = tl.where(routed, bins, 0)
+        rank = tl.sum(((bins[None, :] == bins[:, None]) & (lanes[None, :] < lanes[:, None])).to(tl.int32), axis=1)
+        row = tl.gather(bases, expert, 0) + rank
+        assignment = first + lanes
+        tl.store(rows_ptr + row, assignment, mask=routed)
+        tl.store(slot_rows_ptr + assignment, tl.where(routed, row, -1), mask=assignment < num_assignments)
+        bases += tl.histogram(expert, EXPERTS_PAD, mask=routed)
 
 
 @triton.jit
 def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89_align(
     ids_ptr, rows_ptr, block_expert_ptr, meta_ptr, slot_rows_ptr, counts_ptr, max_blocks,
     num_assignments, topk, num_experts, stride_it, stride_ik,
-    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_PER_STEP: tl.constexpr,
-    STEP: tl.constexpr,
+    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, RANK_BLOCK: tl.constexpr,
+    CHUNKS_PER_STEP: tl.constexpr, STEP: tl.constexpr,
 ):
     """One program, for a call of at most CHUNK assignments: count, scan and place in turn."""
     _count_chunk(0, ids_ptr, counts_ptr, num_assignments, topk, num_experts, stride_it, stride_ik, EXPERTS_PAD, CHUNK)
@@ -228,7 +233,7 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89_align(
                  BLOCK_M, EXPERTS_PAD, CHUNKS_PER_STEP, STEP)
     tl.debug_barrier()  # and the bases before the placing reads them
     _place_chunk(0, ids_ptr, counts_ptr, rows_ptr, slot_rows_ptr, num_assignments, topk, num_experts, stride_it,
-                 stride_ik, EXPERTS_PAD, CHUNK)
+                 stride_ik, EXPERTS_PAD, CHUNK, RANK_BLOCK)
 
 
 @triton.jit
@@ -250,10 +255,11 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89_align_scan(counts_ptr, rows_ptr
 
 @triton.jit
 def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89_align_place(ids_ptr, bases_ptr, rows_ptr, slot_rows_ptr, num_assignments, topk, num_experts,
-                           stride_it, stride_ik, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                           stride_it, stride_ik, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                           RANK_BLOCK: tl.constexpr):
     """One program per chunk of assignments."""
     _place_chunk(tl.program_id(0), ids_ptr, bases_ptr, rows_ptr, slot_rows_ptr, num_assignments, topk, num_experts,
-                 stride_it, stride_ik, EXPERTS_PAD, CHUNK)
+                 stride_it, stride_ik, EXPERTS_PAD, CHUNK, RANK_BLOCK)
 
 
 @triton.jit
@@ -428,11 +434,11 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_sm89_act(gu_ptr, q_ptr, s_ptr, rows_
         rows = offs_m.to(tl.int64)
         cols = pid_g * ACT_GROUP + tl.arange(0, ACT_GROUP)
         gate_ptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
-        gate = tl.load(gate_ptrs, mask=live[:, None], other=0.0).to(tl.float32)
-        up = tl.load(gate_ptrs + inter, mask=live[:, None], other=0.0).to(tl.float32)
+        gate = tl.load(gate_ptrs, mask=live[:, None], other=0.0)
+        up = tl.load(gate_ptrs + inter, mask=live[:, None], other=0.0)
         for split in tl.static_range(1, SPLIT_K):
-            gate += tl.load(gate_ptrs + split * split_stride, mask=live[:, None], other=0.0).to(tl.float32)
-            up += tl.load(gate_ptrs + split * split_stride + inter, mask=live[:, None], other=0.0).to(tl.float32)
+            gate += tl.load(gate_ptrs + split * split_stride, mask=live[:, None], other=0.0)
+            up += tl.load(gate_ptrs + split * split_stride + inter, mask=live[:, None], other=0.0)
         q, scale = _quantize_groups(gate * tl.sigmoid(gate) * up, q_ptr.dtype.element_ty, ROUND_FIRST)
         tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=live[:, None])
         tl.store(s_ptr + rows * stride_sm + pid_g, scale, mask=live)

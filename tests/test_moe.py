@@ -315,16 +315,17 @@ def sorted_routing_ref(topk_ids: torch.Tensor, experts: int, block_m: int):
 
 
 @pytest.mark.parametrize("tokens, experts, topk, block_m, skew", [
-    (5, 8, 2, 16, 0.0),      # one chunk: one program
-    (100, 8, 2, 16, 0.0),    # two chunks: count, scan, place
-    (4200, 60, 2, 32, 3.0),  # 66 chunks (two steps of the scan), the last partial, E not a power of two, skewed
-], ids=["one-chunk", "two-chunks", "66-chunks-skewed"])
+    (5, 8, 2, 16, 0.0),       # one chunk: one program
+    (300, 8, 2, 16, 0.0),     # one chunk, ranked in five blocks of 128
+    (700, 8, 2, 16, 0.0),     # two chunks: count, scan, place
+    (9000, 60, 2, 32, 3.0),   # 18 chunks (two steps of the scan), the last partial, E not a power of two, skewed
+], ids=["one-chunk", "one-chunk-five-blocks", "two-chunks", "18-chunks-skewed"])
 def test_routing_kernels_sort_the_assignments_by_expert(tokens, experts, topk, block_m, skew):
     from kdsl.kernels.moe_routing import ALIGN_CHUNK, route
     from kdsl.runtime import launcher
     _, topk_ids = routing(tokens, experts, topk, skew)
     topk_ids[1, 0], topk_ids[tokens - 1, topk - 1], topk_ids[tokens // 2, 0] = -1, experts, 1 << 20  # unrouted
-    assert (tokens * topk > ALIGN_CHUNK) == (tokens > 5)
+    assert (tokens * topk > ALIGN_CHUNK) == (tokens > 300)
     generated = registry.select("moe_fp8", kdsl.BlockFP8(), arch="sm_89").modules["sorted"].generated()
     launches = route(generated, topk_ids, experts, block_m, None)
     try:  # route yields its launches, then returns what they write

@@ -11,10 +11,11 @@ from kdsl.kernels.base import Launch
 from kdsl.kernels.host import cdiv
 
 # Launch shapes of the routing and combine kernels: a few microseconds each at decode.
-# Assignments per program of the routing steps (a call of one chunk runs them in one program): the placing
-# compares a chunk's assignments pairwise, CHUNK x CHUNK in registers.
-ALIGN_CHUNK = 128
-ALIGN_SCAN_STEPS = dict(CHUNKS_PER_STEP=64, STEP=16)  # the scan's tiles: chunks' counts, blocks and rows per step
+# Assignments per program of the routing steps (a call of one chunk runs them in one program); the placing ranks
+# them RANK_BLOCK at a time, comparing those pairwise in registers.
+ALIGN_CHUNK = 1024
+ALIGN_RANK_BLOCK = 128
+ALIGN_SCAN_STEPS = dict(CHUNKS_PER_STEP=16, STEP=16)  # the scan's tiles: chunks' counts, blocks and rows per step
 COMBINE_COLS = 512  # hidden columns per program of the combine
 
 
@@ -74,16 +75,17 @@ def route(generated, topk_ids, num_experts: int, block_m: int, on_routed, one_bl
     per_chunk = dict(EXPERTS_PAD=experts_pad, CHUNK=ALIGN_CHUNK, num_warps=4)
     scan = dict(BLOCK_M=block_m, EXPERTS_PAD=experts_pad, **ALIGN_SCAN_STEPS, num_warps=4)
     if chunks == 1:
-        # One program: as many lanes as the assignments need.
+        # One program, as many lanes as the assignments need.
         lanes = max(16, _next_power_of_two(assignments))
         yield Launch(generated.kernels["_align"], (1, 1, 1), (
-            topk_ids, rows, block_expert, meta, slot_rows, counts, max_blocks, *counted), dict(scan, CHUNK=lanes))
+            topk_ids, rows, block_expert, meta, slot_rows, counts, max_blocks, *counted,
+        ), dict(scan, CHUNK=lanes, RANK_BLOCK=min(lanes, ALIGN_RANK_BLOCK)))
     else:
         yield Launch(generated.kernels["_align_count"], (chunks, 1, 1), (topk_ids, counts, *counted), per_chunk)
         yield Launch(generated.kernels["_align_scan"], (1, 1, 1), (
             counts, rows, block_expert, meta, chunks, assignments, num_experts, max_blocks), scan)
         yield Launch(generated.kernels["_align_place"], (chunks, 1, 1), (
-            topk_ids, counts, rows, slot_rows, *counted), per_chunk)
+            topk_ids, counts, rows, slot_rows, *counted), dict(per_chunk, RANK_BLOCK=ALIGN_RANK_BLOCK))
     if on_routed is not None:
         on_routed(meta[1:2])
     return Routing(rows, block_expert, meta, max_rows, max_blocks, slot_rows)

@@ -4,8 +4,8 @@ The routing kernel sorts the (token, slot) assignments by expert and pads each e
 moe_fp8/sorted; here x is quantized per token (act_quant's rule) and copied to each of its sorted rows, so a block
 of block_m rows is one TMA box of one expert, and both GEMMs run fp8_gemm/deferred_gluon's loop (block k's wgmma
 overlapped with block k - 1's rescale) over the experts' weights stacked as [E * N, K]: the gate-up GEMM writes
-its products through TMA in bf16 (fp32 for fp32 x; vLLM's gate-up cache is 16-bit too: h is quantized to fp8
-after), the activation kernel quantizes silu(gate) * up, the down GEMM stores each row at its assignment, the combine
+the fp32 products through TMA (bf16 products took the GPU tests of this unit over their error bound against the
+fp32 reference), the activation kernel quantizes silu(gate) * up, the down GEMM stores each row at its assignment, the combine
 kernel sums each token's slots. Seven launches, no host sync, one CUDA graph for any routing (grids sized for the
 worst). For prefill, where the portable unit's pointer-loaded tl.dot waits for every wgmma before it rescales.
 Gluon has no interpreter: on the CPU `refusal` passes the call to the definition's next tile (moe_fp8/sorted).
@@ -70,8 +70,7 @@ def launch(generated, x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, on_rou
     ), dict(BLOCK_M=QUANT_ROWS, ROUND_FIRST=False, num_warps=2))
 
     gemm = dict(GROUP_M=tile["GROUP_M"], NUM_STAGES=tile["num_stages"], num_warps=tile["num_warps"])
-    gate_up_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
-    gate_up = torch.empty((max_rows, two_inter), dtype=gate_up_dtype, device=device)
+    gate_up = torch.empty((max_rows, two_inter), dtype=torch.float32, device=device)
     a_desc = gluon_descriptor(xq, (block_m, block_k))
     yield Launch(generated.kernel, (max_blocks * cdiv(two_inter, block_n), 1, 1), (
         a_desc, gluon_descriptor(_as_matrix(w13), (block_n, block_k)),
