@@ -3,7 +3,7 @@
 # module: moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90 (moe_fp8/sorted_gluon: Gluon: tokens sorted by expert and quantized per sorted row, TMA-fed gate-up and down GEMMs with the wgmma overlapped with the rescale; GPU only)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: 9990b3805446a4bd (sha256 of its schemes, variant and templates)
+# digest: e192aab5452be788 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -128,16 +128,18 @@ def _deferred_scale(a_scale_ptrs, b_scale_ptr, kb, BLOCK_K: gl.constexpr):
 #
 # Three steps over chunks of CHUNK assignments (vLLM's moe_align_block_size, without its atomics): count each
 # chunk's assignments per expert; scan the counts into each expert's run and each chunk's place in it; place each
-# assignment at its chunk's place plus its rank among the chunk's earlier assignments to its expert. Rows inside an
-# expert's run follow the assignments' order, so the sorted rows are the same on every call. A call of one chunk
-# runs the three in one program (_align); a larger one as three launches, the first and last one program per chunk.
+# assignment at its chunk's place plus its rank among the chunk's assignments to its expert (a CHUNK x CHUNK
+# comparison in registers: a per-program sort of 1024, or ranks 128 at a time on a running base, cost 11-23 us
+# a program on an H200). Rows inside an expert's run follow the assignments' order, so the sorted rows are the
+# same on every call. A call of one chunk runs the three in one program (_align); a larger one as three launches,
+# the first and last one program per chunk.
 
 
 @triton.jit
-def _routing_bins(ids_ptr, first, num_assignments, topk, num_experts, stride_it, stride_ik, LANES: tl.constexpr):
-    """The expert of each assignment first .. first + LANES; num_experts for an id outside [0, E), which gets no
-    row and adds nothing to its token, and for lanes past the last assignment."""
-    assignment = first + tl.arange(0, LANES)
+def _routing_bins(ids_ptr, chunk, num_assignments, topk, num_experts, stride_it, stride_ik, CHUNK: tl.constexpr):
+    """The expert of each assignment of the chunk; num_experts for an id outside [0, E), which gets no row and adds
+    nothing to its token, and for lanes past the last assignment."""
+    assignment = chunk * CHUNK + tl.arange(0, CHUNK)
     live = assignment < num_assignments
     ids = tl.load(ids_ptr + (assignment // topk) * stride_it + (assignment % topk) * stride_ik, mask=live, other=-1)
     return tl.where(live & (ids >= 0) & (ids < num_experts), ids, num_experts)
@@ -147,7 +149,7 @@ def _routing_bins(ids_ptr, first, num_assignments, topk, num_experts, stride_it,
 def _count_chunk(chunk, ids_ptr, counts_ptr, num_assignments, topk, num_experts, stride_it, stride_ik,
                  EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr):
     """counts[chunk, e] = the chunk's assignments to expert e."""
-    bins = _routing_bins(ids_ptr, chunk * CHUNK, num_assignments, topk, num_experts, stride_it, stride_ik, CHUNK)
+    bins = _routing_bins(ids_ptr, chunk, num_assignments, topk, num_experts, stride_it, stride_ik, CHUNK)
     routed = bins < num_experts
     counts = tl.histogram(tl.where(routed, bins, 0), EXPERTS_PAD, mask=routed)
     tl.store(counts_ptr + chunk * EXPERTS_PAD + tl.arange(0, EXPERTS_PAD), counts)
@@ -157,32 +159,27 @@ def _count_chunk(chunk, ids_ptr, counts_ptr, num_assignments, topk, num_experts,
 def _scan_counts(counts_ptr, rows_ptr, block_expert_ptr, meta_ptr, num_chunks, num_assignments, num_experts,
                  max_blocks, BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNKS_PER_STEP: tl.constexpr,
                  STEP: tl.constexpr):
-    """From the chunks' counts, in one program: meta = [rows used (a multiple of BLOCK_M), ids outside [0, E)];
-    each expert's run of rows, its padding rows -1; block_expert[b] = the expert of rows [b * BLOCK_M,
-    (b + 1) * BLOCK_M), -1 past the rows used; and counts, in place, turned into bases: counts[c, e] becomes the
-    row of chunk c's first assignment to e."""
+    """From the chunks' counts, in one program: meta = [rows used (a multiple of BLOCK_M), ids outside [0, E), the
+    first row of each expert's run]; the run's padding rows -1; block_expert[b] = the expert of rows
+    [b * BLOCK_M, (b + 1) * BLOCK_M), -1 past the rows used; and counts, in place, turned into each chunk's place
+    in the runs: counts[c, e] becomes the assignments to e in the chunks before c (one pass over the chunks)."""
     experts = tl.arange(0, EXPERTS_PAD)
     steps = tl.arange(0, CHUNKS_PER_STEP)
     totals = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
     for first in range(0, num_chunks, CHUNKS_PER_STEP):
         chunks = first + steps
-        totals += tl.sum(tl.load(counts_ptr + chunks[:, None] * EXPERTS_PAD + experts[None, :],
-                                 mask=(chunks < num_chunks)[:, None], other=0), axis=0)
+        at = counts_ptr + chunks[:, None] * EXPERTS_PAD + experts[None, :]
+        in_range = (chunks < num_chunks)[:, None]
+        counts = tl.load(at, mask=in_range, other=0)
+        tl.store(at, tl.cumsum(counts, axis=0) - counts + totals[None, :], mask=in_range)
+        totals += tl.sum(counts, axis=0)
     padded = tl.cdiv(totals, BLOCK_M) * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
     rows_used = tl.sum(padded, axis=0)
     tl.store(meta_ptr, rows_used)
     tl.store(meta_ptr + 1, num_assignments - tl.sum(totals, axis=0))
-
-    taken = starts  # rows of each expert's run that earlier chunks take
-    for first in range(0, num_chunks, CHUNKS_PER_STEP):
-        chunks = first + steps
-        at = counts_ptr + chunks[:, None] * EXPERTS_PAD + experts[None, :]
-        in_range = (chunks < num_chunks)[:, None]
-        counts = tl.load(at, mask=in_range, other=0)
-        tl.store(at, tl.cumsum(counts, axis=0) - counts + taken[None, :], mask=in_range)
-        taken += tl.sum(counts, axis=0)
+    tl.store(meta_ptr + 2 + experts, starts)
 
     # Each expert's blocks, and the padding rows of its last one (fewer than BLOCK_M).
     lanes = tl.arange(0, STEP)
@@ -199,42 +196,37 @@ def _scan_counts(counts_ptr, rows_ptr, block_expert_ptr, meta_ptr, num_chunks, n
 
 
 @triton.jit
-def _place_chunk(chunk, ids_ptr, bases_ptr, rows_ptr, slot_rows_ptr, num_assignments, topk, num_experts, stride_it,
-                 stride_ik, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, RANK_BLOCK: tl.constexpr):
+def _place_chunk(chunk, ids_ptr, bases_ptr, meta_ptr, rows_ptr, slot_rows_ptr, num_assignments, topk, num_experts,
+                 stride_it, stride_ik, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr):
     """rows[p] = the assignment that sorted row p holds, for the chunk's routed assignments: the chunk's i-th
-    assignment to expert e goes to row bases[chunk, e] + i; and slot_rows[a] = the row of assignment a (-1: not
-    routed). RANK_BLOCK assignments at a time, each ranked among the block's assignments to its expert by a
-    RANK_BLOCK x RANK_BLOCK comparison, on top of a running base per expert."""
-    experts = tl.arange(0, EXPERTS_PAD)
-    bases = tl.load(bases_ptr + chunk * EXPERTS_PAD + experts)
-    lanes = tl.arange(0, RANK_BLOCK)
-    for first in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, num_assignments), RANK_BLOCK):
-        bins = _routing_bins(ids_ptr, first, num_assignments, topk, num_experts, stride_it, stride_ik, RANK_BLOCK)
-        routed = bins < num_experts
-        expert = tl.where(routed, bins, 0)
-        rank = tl.sum(((bins[None, :] == bins[:, None]) & (lanes[None, :] < lanes[:, None])).to(tl.int32), axis=1)
-        row = tl.gather(bases, expert, 0) + rank
-        assignment = first + lanes
-        tl.store(rows_ptr + row, assignment, mask=routed)
-        tl.store(slot_rows_ptr + assignment, tl.where(routed, row, -1), mask=assignment < num_assignments)
-        bases += tl.histogram(expert, EXPERTS_PAD, mask=routed)
+    assignment to expert e goes to row (e's first row) + bases[chunk, e] + i; and slot_rows[a] = the row of
+    assignment a (-1: not routed)."""
+    bins = _routing_bins(ids_ptr, chunk, num_assignments, topk, num_experts, stride_it, stride_ik, CHUNK)
+    lanes = tl.arange(0, CHUNK)
+    rank = tl.sum(((bins[None, :] == bins[:, None]) & (lanes[None, :] < lanes[:, None])).to(tl.int32), axis=1)
+    assignment = chunk * CHUNK + lanes
+    routed = bins < num_experts
+    row = (tl.load(meta_ptr + 2 + bins, mask=routed, other=0)
+           + tl.load(bases_ptr + chunk * EXPERTS_PAD + bins, mask=routed, other=0) + rank)
+    tl.store(rows_ptr + row, assignment, mask=routed)
+    tl.store(slot_rows_ptr + assignment, tl.where(routed, row, -1), mask=assignment < num_assignments)
 
 
 @triton.jit
 def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90_align(
     ids_ptr, rows_ptr, block_expert_ptr, meta_ptr, slot_rows_ptr, counts_ptr, max_blocks,
     num_assignments, topk, num_experts, stride_it, stride_ik,
-    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, RANK_BLOCK: tl.constexpr,
-    CHUNKS_PER_STEP: tl.constexpr, STEP: tl.constexpr,
+    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_PER_STEP: tl.constexpr,
+    STEP: tl.constexpr,
 ):
     """One program, for a call of at most CHUNK assignments: count, scan and place in turn."""
     _count_chunk(0, ids_ptr, counts_ptr, num_assignments, topk, num_experts, stride_it, stride_ik, EXPERTS_PAD, CHUNK)
     tl.debug_barrier()  # the counts are written before the scan reads them
     _scan_counts(counts_ptr, rows_ptr, block_expert_ptr, meta_ptr, 1, num_assignments, num_experts, max_blocks,
                  BLOCK_M, EXPERTS_PAD, CHUNKS_PER_STEP, STEP)
-    tl.debug_barrier()  # and the bases before the placing reads them
-    _place_chunk(0, ids_ptr, counts_ptr, rows_ptr, slot_rows_ptr, num_assignments, topk, num_experts, stride_it,
-                 stride_ik, EXPERTS_PAD, CHUNK, RANK_BLOCK)
+    tl.debug_barrier()  # and the runs and bases before the placing reads them
+    _place_chunk(0, ids_ptr, counts_ptr, meta_ptr, rows_ptr, slot_rows_ptr, num_assignments, topk, num_experts,
+                 stride_it, stride_ik, EXPERTS_PAD, CHUNK)
 
 
 @triton.jit
@@ -255,12 +247,11 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90_align_scan(counts_ptr, ro
 
 
 @triton.jit
-def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90_align_place(ids_ptr, bases_ptr, rows_ptr, slot_rows_ptr, num_assignments, topk, num_experts,
-                           stride_it, stride_ik, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                           RANK_BLOCK: tl.constexpr):
+def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90_align_place(ids_ptr, bases_ptr, meta_ptr, rows_ptr, slot_rows_ptr, num_assignments, topk,
+                           num_experts, stride_it, stride_ik, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr):
     """One program per chunk of assignments."""
-    _place_chunk(tl.program_id(0), ids_ptr, bases_ptr, rows_ptr, slot_rows_ptr, num_assignments, topk, num_experts,
-                 stride_it, stride_ik, EXPERTS_PAD, CHUNK, RANK_BLOCK)
+    _place_chunk(tl.program_id(0), ids_ptr, bases_ptr, meta_ptr, rows_ptr, slot_rows_ptr, num_assignments, topk,
+                 num_experts, stride_it, stride_ik, EXPERTS_PAD, CHUNK)
 
 
 @triton.jit

@@ -302,30 +302,31 @@ def _described_kernels(tokens, experts, topk) -> list[str]:
 def sorted_routing_ref(topk_ids: torch.Tensor, experts: int, block_m: int):
     """What the routing kernels write, from its definition: expert by expert, the assignments t * k + j routed to
     it in increasing order, the run padded with -1 to a multiple of block_m; each block's expert; the ids outside
-    [0, E). (The rows used are the rows' length; each assignment's row is its place in them.)"""
+    [0, E); each expert's first row. (The rows used are the rows' length; each assignment's row is its place in
+    them.)"""
     flat = topk_ids.reshape(-1).tolist()
-    rows, block_expert = [], []
+    rows, block_expert, starts = [], [], []
     for expert in range(experts):
+        starts.append(len(rows))
         run = [a for a, e in enumerate(flat) if e == expert]
         run += [-1] * (-len(run) % block_m)
         rows += run
         block_expert += [expert] * (len(run) // block_m)
     outside = sum(1 for e in flat if not 0 <= e < experts)
-    return rows, block_expert, outside
+    return rows, block_expert, outside, starts
 
 
 @pytest.mark.parametrize("tokens, experts, topk, block_m, skew", [
-    (5, 8, 2, 16, 0.0),       # one chunk: one program
-    (300, 8, 2, 16, 0.0),     # one chunk, ranked in five blocks of 128
-    (700, 8, 2, 16, 0.0),     # two chunks: count, scan, place
-    (9000, 60, 2, 32, 3.0),   # 18 chunks (two steps of the scan), the last partial, E not a power of two, skewed
-], ids=["one-chunk", "one-chunk-five-blocks", "two-chunks", "18-chunks-skewed"])
+    (5, 8, 2, 16, 0.0),      # one chunk: one program
+    (100, 8, 2, 16, 0.0),    # two chunks: count, scan, place
+    (4200, 60, 2, 32, 3.0),  # 66 chunks (two steps of the scan), the last partial, E not a power of two, skewed
+], ids=["one-chunk", "two-chunks", "66-chunks-skewed"])
 def test_routing_kernels_sort_the_assignments_by_expert(tokens, experts, topk, block_m, skew):
     from kdsl.kernels.moe_routing import ALIGN_CHUNK, route
     from kdsl.runtime import launcher
     _, topk_ids = routing(tokens, experts, topk, skew)
     topk_ids[1, 0], topk_ids[tokens - 1, topk - 1], topk_ids[tokens // 2, 0] = -1, experts, 1 << 20  # unrouted
-    assert (tokens * topk > ALIGN_CHUNK) == (tokens > 300)
+    assert (tokens * topk > ALIGN_CHUNK) == (tokens > 5)
     generated = registry.select("moe_fp8", kdsl.BlockFP8(), arch="sm_89").modules["sorted"].generated()
     launches = route(generated, topk_ids, experts, block_m, None)
     try:  # route yields its launches, then returns what they write
@@ -333,9 +334,9 @@ def test_routing_kernels_sort_the_assignments_by_expert(tokens, experts, topk, b
             launcher.run(next(launches))
     except StopIteration as done:
         rows, block_expert, meta, _, _, slot_rows = done.value
-    want_rows, want_blocks, outside = sorted_routing_ref(topk_ids, experts, block_m)
+    want_rows, want_blocks, outside, starts = sorted_routing_ref(topk_ids, experts, block_m)
     used = len(want_rows)
-    assert meta.tolist() == [used, outside]
+    assert meta[:2 + experts].tolist() == [used, outside, *starts]
     assert rows[:used].tolist() == want_rows
     assert block_expert[:used // block_m].tolist() == want_blocks
     assert (block_expert[used // block_m:] == -1).all()

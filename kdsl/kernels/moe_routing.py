@@ -11,11 +11,11 @@ from kdsl.kernels.base import Launch
 from kdsl.kernels.host import cdiv
 
 # Launch shapes of the routing and combine kernels: a few microseconds each at decode.
-# Assignments per program of the routing steps (a call of one chunk runs them in one program); the placing ranks
-# them RANK_BLOCK at a time, comparing those pairwise in registers.
-ALIGN_CHUNK = 1024
-ALIGN_RANK_BLOCK = 128
-ALIGN_SCAN_STEPS = dict(CHUNKS_PER_STEP=16, STEP=16)  # the scan's tiles: chunks' counts, blocks and rows per step
+# Assignments per program of the routing steps (a call of one chunk runs them in one program): the placing
+# compares a chunk's assignments pairwise, CHUNK x CHUNK in registers.
+ALIGN_CHUNK = 128
+ALIGN_SCAN_STEPS = dict(CHUNKS_PER_STEP=64, STEP=16)  # the scan's tiles: chunks' counts, blocks and rows per step
+ALIGN_SCAN_WARPS = 8
 COMBINE_COLS = 512  # hidden columns per program of the combine
 
 
@@ -40,7 +40,8 @@ def one_per_block(assignments: int, num_experts: int) -> bool:
 class Routing(NamedTuple):
     """What the routing kernels write, sized on the host for the worst routing: rows [max_rows] (the assignment
     t * k + j each sorted row holds, -1: padding), block_expert [max_blocks], meta ([rows used, ids outside
-    [0, E)]) and slot_rows [T * k] (the sorted row of each assignment, -1 for an id outside [0, E))."""
+    [0, E), each expert's first row]) and slot_rows [T * k] (the sorted row of each assignment, -1 for an id
+    outside [0, E))."""
 
     rows: torch.Tensor
     block_expert: torch.Tensor
@@ -67,25 +68,24 @@ def route(generated, topk_ids, num_experts: int, block_m: int, on_routed, one_bl
     max_blocks = max_rows // block_m
     chunks = cdiv(assignments, ALIGN_CHUNK)
     experts_pad = max(16, _next_power_of_two(num_experts))
-    index = torch.empty(max_rows + max_blocks + 2 + assignments + chunks * experts_pad, dtype=torch.int32,
-                        device=topk_ids.device)
-    rows, block_expert, meta, slot_rows, counts = index.split((max_rows, max_blocks, 2, assignments,
+    index = torch.empty(max_rows + max_blocks + 2 + experts_pad + assignments + chunks * experts_pad,
+                        dtype=torch.int32, device=topk_ids.device)
+    rows, block_expert, meta, slot_rows, counts = index.split((max_rows, max_blocks, 2 + experts_pad, assignments,
                                                               chunks * experts_pad))
     counted = (assignments, topk_ids.shape[1], num_experts, topk_ids.stride(0), topk_ids.stride(1))
     per_chunk = dict(EXPERTS_PAD=experts_pad, CHUNK=ALIGN_CHUNK, num_warps=4)
-    scan = dict(BLOCK_M=block_m, EXPERTS_PAD=experts_pad, **ALIGN_SCAN_STEPS, num_warps=4)
+    scan = dict(BLOCK_M=block_m, EXPERTS_PAD=experts_pad, **ALIGN_SCAN_STEPS, num_warps=ALIGN_SCAN_WARPS)
     if chunks == 1:
-        # One program, as many lanes as the assignments need.
+        # One program: as many lanes as the assignments need.
         lanes = max(16, _next_power_of_two(assignments))
         yield Launch(generated.kernels["_align"], (1, 1, 1), (
-            topk_ids, rows, block_expert, meta, slot_rows, counts, max_blocks, *counted,
-        ), dict(scan, CHUNK=lanes, RANK_BLOCK=min(lanes, ALIGN_RANK_BLOCK)))
+            topk_ids, rows, block_expert, meta, slot_rows, counts, max_blocks, *counted), dict(scan, CHUNK=lanes))
     else:
         yield Launch(generated.kernels["_align_count"], (chunks, 1, 1), (topk_ids, counts, *counted), per_chunk)
         yield Launch(generated.kernels["_align_scan"], (1, 1, 1), (
             counts, rows, block_expert, meta, chunks, assignments, num_experts, max_blocks), scan)
         yield Launch(generated.kernels["_align_place"], (chunks, 1, 1), (
-            topk_ids, counts, rows, slot_rows, *counted), dict(per_chunk, RANK_BLOCK=ALIGN_RANK_BLOCK))
+            topk_ids, counts, meta, rows, slot_rows, *counted), per_chunk)
     if on_routed is not None:
         on_routed(meta[1:2])
     return Routing(rows, block_expert, meta, max_rows, max_blocks, slot_rows)

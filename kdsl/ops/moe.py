@@ -397,10 +397,10 @@ def _moe_fp8_example(tile, dtype, device):
     e, h, i = MOE_EXPERTS, MOE_HIDDEN, MOE_INTER
     w13, w13_s = empty(device, e, 2 * i, h, dtype=FP8), empty(device, e, 2 * i // 128, h // 128, dtype=torch.float32)
     w2, w2_s = empty(device, e, h, i, dtype=FP8), empty(device, e, h // 128, i // 128, dtype=torch.float32)
-    # 160 tokens x 8 slots over 256 experts take the routing kernels' three steps (more than one chunk of
+    # 64 tokens x 8 slots over 256 experts take the routing kernels' three steps (more than one chunk of
     # assignments), 16 tokens their one program; 4 tokens (T * k * 4 <= E) skip them, each assignment a block of its
     # own: the kernels are specialized for each way.
-    for tokens in (160, 16, 4):
+    for tokens in (64, 16, 4):
         yield (empty(device, tokens, h, dtype=dtype), w13, w13_s, w2, w2_s, *moe_routing(device, tokens=tokens),
                empty(device, tokens, h, dtype=dtype), None)
 
