@@ -15,7 +15,7 @@ from kdsl.kernels.host import cdiv
 # compares a chunk's assignments pairwise, CHUNK x CHUNK in registers.
 ALIGN_CHUNK = 128
 ALIGN_SCAN_STEPS = dict(CHUNKS_PER_STEP=64, STEP=16)  # the scan's tiles: chunks' counts, blocks and rows per step
-ALIGN_SCAN_WARPS = 8
+ALIGN_SCAN_WARPS = 8  # the scan alone (13 us at T = 4096 on an H200); the one-program kernel keeps four
 COMBINE_COLS = 512  # hidden columns per program of the combine
 
 
@@ -79,7 +79,8 @@ def route(generated, topk_ids, num_experts: int, block_m: int, on_routed, one_bl
         # One program: as many lanes as the assignments need.
         lanes = max(16, _next_power_of_two(assignments))
         yield Launch(generated.kernels["_align"], (1, 1, 1), (
-            topk_ids, rows, block_expert, meta, slot_rows, counts, max_blocks, *counted), dict(scan, CHUNK=lanes))
+            topk_ids, rows, block_expert, meta, slot_rows, counts, max_blocks, *counted),
+            dict(scan, CHUNK=lanes, num_warps=4))
     else:
         yield Launch(generated.kernels["_align_count"], (chunks, 1, 1), (topk_ids, counts, *counted), per_chunk)
         yield Launch(generated.kernels["_align_scan"], (1, 1, 1), (
