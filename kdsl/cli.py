@@ -204,14 +204,17 @@ def _moe_routing(args: argparse.Namespace) -> tuple[int, int, int] | None:
 def _moe_tiles(entry, tokens: int, experts: int, topk: int, n: int | None) -> str:
     """How a MoE layer's call at T tokens picks its tile, and which T each of the entry's tiles serves at this
     routing's E and top-k."""
-    from kdsl.kernels.moe_routing import one_per_block
+    from kdsl.kernels.moe_routing import ALIGN_CHUNK, one_per_block
     from kdsl.ops.moe import most_tokens, tokens_per_expert
 
     assignments = tokens * topk
     m = tokens_per_expert(assignments, experts)
+    steps = ("in one program" if assignments <= ALIGN_CHUNK
+             else f"in three launches over chunks of {ALIGN_CHUNK} (count, scan, place)")
     sorting = ("no routing kernel: T * k * 4 <= E, so each (token, slot) is a block of its own (moe_w4a16 with "
                "act-order sorts all the same)" if one_per_block(assignments, experts)
-               else "a routing kernel sorts the (token, slot) pairs by expert, each expert's run padded to block_m")
+               else f"the routing kernels sort the (token, slot) pairs by expert {steps}, each expert's run padded "
+                    f"to block_m")
     lines = [f"MoE routing: T = {tokens} tokens, top-{topk} of E = {experts} experts: M = tokens per routed expert "
              f"= ceil(T * k / min(T * k, E)) = ceil({assignments} / {min(assignments, experts)}) = {m}; {sorting}",
              f"  {entry.name}'s tiles by T at E = {experts}, top-{topk}" + ("" if n is None else f", N = I = {n}")

@@ -134,7 +134,9 @@ def test_explain_moe_routing_shows_tokens_per_expert_and_the_tile_per_t(capsys, 
                f"{min(tokens * 8, experts)}) = {m}" in out
         # T * k * 4 <= E (T = 1 at E >= 32) skips the routing kernel: each (token, slot) a block of its own.
         assert ("no routing kernel" in out) == (tokens * 8 * 4 <= experts)
-        assert ("a routing kernel sorts" in out) == (tokens * 8 * 4 > experts)
+        assert ("the routing kernels sort" in out) == (tokens * 8 * 4 > experts)
+        assert ("in one program" in out) == (tokens * 8 * 4 > experts and tokens * 8 <= 128)
+        assert ("in three launches" in out) == (tokens * 8 > 128)
         table = out[out.index("tiles by T"):].splitlines()[1:]
         assert [line.split("(")[0].strip() for line in table] == ranges
         marked = [line for line in table if line.endswith(f"<- T = {tokens}")]
