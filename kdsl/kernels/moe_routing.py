@@ -1,6 +1,6 @@
 """The MoE layers' routing and combine launches (moe_fp8/sorted, moe_w4a16/sorted; their kernels:
 common/moe_routing_kernels.py.j2, named after the module): generators of launches, for a unit's launch to
-`yield from`, since the host work after the routing launch (on_routed) needs it enqueued."""
+`yield from`, since the host work after the routing launches (on_routed) needs them enqueued."""
 from __future__ import annotations
 
 from typing import NamedTuple

@@ -1,7 +1,8 @@
 """moe_fp8/sorted: a block-FP8 MoE layer (DeepSeek-V3, Qwen3-MoE) with tokens sorted by expert on the device (sm_89+).
 
-One module, six launches, no host sync: a one-program routing kernel sorts the (token, slot) assignments by
-expert and pads each expert's run to block_m rows (atomics hand out the rows: no host-side counts); x is
+One module, six launches (eight where the routing takes its three steps, five where it is skipped), no host sync:
+the routing kernels (kdsl/kernels/moe_routing.py) sort the (token, slot) assignments by expert and pad each
+expert's run to block_m rows, all on the device (no host-side counts); x is
 quantized per token (act_quant's rule); the gate-up GEMM reads the sorted rows' tokens straight from the
 quantized x (no gathered copy) and, with `fuse_act`, applies silu(gate) * up and the 1x128 quantization in its
 epilogue; the down GEMM stores each row at its assignment; a combine kernel sums each token's slots with the
@@ -73,7 +74,7 @@ def launch(generated, x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, on_rou
     (contiguous). T, k >= 1; H and I multiples of ACT_GROUP.
 
     on_routed(outside): None, or called with a one-element int32 tensor, the number of ids outside [0, E), after
-    the routing kernel and before the GEMMs are launched (the op's check of topk_ids; it may raise).
+    the routing kernels and before the GEMMs are launched (the op's check of topk_ids; it may raise).
     Nothing here waits on the GPU: every size the grids need is known on the host, the rest is read on the device.
     """
     T, H = x.shape

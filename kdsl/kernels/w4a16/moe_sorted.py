@@ -1,15 +1,16 @@
 """moe_w4a16/sorted: a W4A16 MoE layer (GPTQ / AWQ int4 experts, Qwen3-MoE) with tokens sorted by expert on the
 device (sm_80+).
 
-One module, four launches (three for T * k * 4 <= E, six with act-order), no host sync: moe_fp8/sorted's routing
-kernel (kdsl/kernels/moe_routing.py) sorts the (token, slot) assignments by expert and pads each expert's run to
-block_m rows (or, for a few assignments over many experts, is skipped: each assignment a block of its own); the
-gate-up GEMM reads each sorted row's token straight from x (no gathered copy), dequantizes the expert's int4 gate
-and up tiles in registers (prepared weights: common W4A16 layout, w4a16/prepared.py.j2), multiplies on fp16/bf16
-tensor cores with fp32 accumulation and writes h = silu(gate) * up in x's dtype; the down GEMM does the same on h and stores each row at
-its assignment; the combine kernel sums each token's slots with the router weights in fp32. Act-order checkpoints
-keep one permutation of K per expert (and per gate / up half): a gather kernel writes each sorted row's x (h) in
-its expert's K order once, whole rows at a time, and the GEMMs read those rows contiguously.
+One module, four launches (three for T * k * 4 <= E, two more with act-order, two more where the routing takes its
+three steps), no host sync: moe_fp8/sorted's routing kernels (kdsl/kernels/moe_routing.py) sort the (token, slot)
+assignments by expert and pad each expert's run to block_m rows (or, for a few assignments over many experts, are
+skipped: each assignment a block of its own); the gate-up GEMM reads each sorted row's token straight from x (no
+gathered copy), dequantizes the expert's int4 gate and up tiles in registers (prepared weights: common W4A16 layout,
+w4a16/prepared.py.j2), multiplies on fp16/bf16 tensor cores with fp32 accumulation and writes h = silu(gate) * up in
+x's dtype; the down GEMM does the same on h and stores each row at its assignment; the combine kernel sums each
+token's slots with the router weights in fp32. Act-order checkpoints keep one permutation of K per expert (and per
+gate / up half): a gather kernel writes each sorted row's x (h) in its expert's K order once, whole rows at a time,
+and the GEMMs read those rows contiguously.
 
 Tiles are chosen per M bucket where M is tokens per routed expert, ceil(T * k / min(T * k, E)).
 """
@@ -57,14 +58,14 @@ def launch(generated, x, w13_qweight, w13_zeros, w13_scales, w13_perm, w2_qweigh
     [T, k]; y [T, H] in x's dtype (contiguous). T, k >= 1.
 
     on_routed(outside): None, or called with a one-element int32 tensor, the number of ids outside [0, E), after the
-    routing kernel and before the GEMMs are launched (the op's check of topk_ids; it may raise)."""
+    routing kernels and before the GEMMs are launched (the op's check of topk_ids; it may raise)."""
     T, H = x.shape
     E, inter = w13_qweight.shape[0], w13_qweight.shape[2] // 2
     topk = topk_ids.shape[1]
     block_m, block_n, block_k = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
     device = x.device
     cpu = device.type == "cpu"
-    # Act-order's gather kernel reads the routing kernel's rows: only calls without it skip that kernel.
+    # Act-order's gather kernel reads the routing kernels' rows: only calls without it skip them.
     one_each = one_per_block(T * topk, E) and w13_perm is None and w2_perm is None
     rows, block_expert, meta, max_rows, max_blocks, _ = yield from route(generated, topk_ids, E, block_m, on_routed,
                                                                          one_each)
