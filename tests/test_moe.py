@@ -304,29 +304,29 @@ def sorted_routing_ref(topk_ids: torch.Tensor, experts: int, block_m: int):
     it in increasing order, the run padded with -1 to a multiple of block_m; each block's expert; the ids outside
     [0, E); each expert's first row. (The rows used are the rows' length; each assignment's row is its place in
     them.)"""
-    flat = topk_ids.reshape(-1).tolist()
+    runs = [[] for _ in range(experts)]
+    outside = 0
+    for assignment, expert in enumerate(topk_ids.reshape(-1).tolist()):
+        if 0 <= expert < experts:
+            runs[expert].append(assignment)
+        else:
+            outside += 1
     rows, block_expert, starts = [], [], []
-    for expert in range(experts):
+    for expert, run in enumerate(runs):
         starts.append(len(rows))
-        run = [a for a, e in enumerate(flat) if e == expert]
         run += [-1] * (-len(run) % block_m)
         rows += run
         block_expert += [expert] * (len(run) // block_m)
-    outside = sum(1 for e in flat if not 0 <= e < experts)
     return rows, block_expert, outside, starts
 
 
-@pytest.mark.parametrize("tokens, experts, topk, block_m, skew", [
-    (5, 8, 2, 16, 0.0),      # one chunk: one program
-    (100, 8, 2, 16, 0.0),    # two chunks: count, scan, place
-    (4200, 60, 2, 32, 3.0),  # 66 chunks (two steps of the scan), the last partial, E not a power of two, skewed
-], ids=["one-chunk", "two-chunks", "66-chunks-skewed"])
-def test_routing_kernels_sort_the_assignments_by_expert(tokens, experts, topk, block_m, skew):
-    from kdsl.kernels.moe_routing import ALIGN_CHUNK, route
+def check_routing_kernels(tokens, experts, topk, block_m, skew, device="cpu"):
+    """The routing kernels' rows, block experts, meta and slot rows against sorted_routing_ref, with three ids
+    outside [0, E) among the routing."""
+    from kdsl.kernels.moe_routing import route
     from kdsl.runtime import launcher
-    _, topk_ids = routing(tokens, experts, topk, skew)
+    _, topk_ids = routing(tokens, experts, topk, skew, device)
     topk_ids[1, 0], topk_ids[tokens - 1, topk - 1], topk_ids[tokens // 2, 0] = -1, experts, 1 << 20  # unrouted
-    assert (tokens * topk > ALIGN_CHUNK) == (tokens > 5)
     generated = registry.select("moe_fp8", kdsl.BlockFP8(), arch="sm_89").modules["sorted"].generated()
     launches = route(generated, topk_ids, experts, block_m, None)
     try:  # route yields its launches, then returns what they write
@@ -342,6 +342,17 @@ def test_routing_kernels_sort_the_assignments_by_expert(tokens, experts, topk, b
     assert (block_expert[used // block_m:] == -1).all()
     row_of = {a: row for row, a in enumerate(want_rows) if a >= 0}
     assert slot_rows.tolist() == [row_of.get(a, -1) for a in range(tokens * topk)]
+
+
+@pytest.mark.parametrize("tokens, experts, topk, block_m, skew", [
+    (5, 8, 2, 16, 0.0),      # one chunk: one program
+    (100, 8, 2, 16, 0.0),    # two chunks: count, scan, place
+    (4200, 60, 2, 32, 3.0),  # 66 chunks (two steps of the scan), the last partial, E not a power of two, skewed
+], ids=["one-chunk", "two-chunks", "66-chunks-skewed"])
+def test_routing_kernels_sort_the_assignments_by_expert(tokens, experts, topk, block_m, skew):
+    from kdsl.kernels.moe_routing import ALIGN_CHUNK
+    assert (tokens * topk > ALIGN_CHUNK) == (tokens > 5)
+    check_routing_kernels(tokens, experts, topk, block_m, skew)
 
 
 def test_moe_routing_paths_agree_bit_for_bit(monkeypatch):
@@ -678,6 +689,15 @@ def test_gpu_moe_gluon_prefill_matches_reference(experts, hidden, inter, topk, t
     y = kdsl.ops.moe_fp8(*args)
     err = rel_fro_error(y, _gpu_moe_ref(*args))
     assert torch.isfinite(y).all() and err < 8e-3, f"relative error {err:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, block_m, skew", [(16, 16, 0.0), (65, 16, 0.0), (4096, 64, 0.5)],
+                         ids=["one-program", "three-steps", "deepseek-v3-t4096"])
+def test_gpu_routing_kernels_sort_the_assignments_by_expert(tokens, block_m, skew):
+    """The routing kernels compiled for the GPU, at DeepSeek-V3's 256 experts and top-8, against the reference."""
+    torch.manual_seed(tokens)
+    check_routing_kernels(tokens, 256, 8, block_m, skew, device="cuda")
 
 
 def _full_fp32(fn, *args):
