@@ -76,6 +76,61 @@ def test_the_fp8_mla_layer_follows_the_float_model():
     assert 0 < bmm_err < 0.1, bmm_err  # e4m3 activations and weights: a few percent, never exact
 
 
+def _aten_ops(model, x) -> set[str]:
+    """The aten ops a forward of model runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Record() as record:
+        model(x)
+    return record.ops
+
+
+MATMULS = {"mm", "addmm", "bmm", "matmul", "linear"}
+
+
+@pytest.mark.parametrize("mla", [None, TINY_MLA], ids=["llama-like", "mla"])
+def test_the_glue_model_is_the_forward_without_its_matmuls(mla):
+    """The glue model runs the float model's norms, SiLU * mul and residual adds at the same shapes, and no matmul:
+    its time is what a forward costs besides its linears (and MLA's absorbed BMMs)."""
+    shape = bench_model.Shape(hidden=256, qkv=448 if mla else 384, o_in=256, inter=256, layers=2, mla=mla)
+    glue, dtype = bench_model.variant(bench_model.GLUE["bf16"], shape, device="cpu")
+    dense, _ = bench_model.variant("bf16", shape, device="cpu")
+    x = torch.randn(3, 256, dtype=dtype)
+    glue_ops, dense_ops = _aten_ops(glue, x), _aten_ops(dense, x)
+    assert dense_ops & MATMULS and not glue_ops & MATMULS, (dense_ops, glue_ops)
+    assert {"mul", "add"} <= glue_ops and glue_ops - {"empty", "new_empty"} <= dense_ops
+    with torch.no_grad():
+        assert glue(x).shape == dense(x).shape and glue(x).dtype == dtype
+    assert bench_model.variant(bench_model.GLUE["fp16"], shape, device="cpu")[1] == torch.float16
+
+
+def test_speedups_and_the_linears_share_come_from_the_same_mode_and_m():
+    rows = [{"model": model, "m": m, "mode": mode, "us": us}
+            for model, m, mode, us in (("bf16", 1, "graph", 100.0), ("fp8", 1, "graph", 50.0),
+                                       ("glue-bf16", 1, "graph", 20.0), ("bf16", 1, "eager", 300.0),
+                                       ("fp8", 1, "eager", 400.0), ("glue-bf16", 16, "eager", 10.0),
+                                       ("fp16", 1, "graph", 90.0), ("w4a16", 1, "graph", 30.0))]
+    bench_model.add_ratios(rows)
+    by = {(r["model"], r["mode"]): r for r in rows}
+    assert by["fp8", "graph"]["speedup"] == 2.0 and by["fp8", "graph"]["linears_share"] == pytest.approx(0.6)
+    assert by["bf16", "graph"]["speedup"] == 1.0 and by["bf16", "graph"]["linears_share"] == pytest.approx(0.8)
+    assert by["fp8", "eager"]["speedup"] == 0.75 and by["fp8", "eager"]["linears_share"] is None  # no glue at M=1
+    assert by["w4a16", "graph"]["speedup"] == 3.0 and by["w4a16", "graph"]["linears_share"] is None  # no glue-fp16
+    assert by["glue-bf16", "graph"]["speedup"] is None and by["glue-bf16", "graph"]["linears_share"] is None
+    table = bench_model.format_model_table([dict(r, roofline=None if "glue" in r["model"] else 0.5) for r in rows],
+                                           "tiny")
+    assert "60%" in table and "80%" in table and "glue-bf16" in table
+
+
 def test_the_table_names_every_mode():
     rows = [{"model": "fp16", "m": 1, "mode": mode, "us": 10.0, "roofline": 0.5, "speedup": None} for mode in
             bench_model.MODES] + [{"model": "w4a16", "m": 1, "mode": "graph", "us": 4.0, "roofline": 0.9,

@@ -86,7 +86,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     model.add_argument("--model", metavar="{" + ",".join(MODEL_PRESETS) + "}|FILE",
                        help="time N decoder layers with distinct weights, whole, against the fp16/bf16 model "
                             "instead of single ops (deepseek-v3-dense: MLA's decode path with its absorbed BMMs, "
-                            "fp8_bmm in the fp8 model); FILE: JSON {hidden, qkv, o_in, inter, layers[, mla]}")
+                            "fp8_bmm in the fp8 model), and the same forward without its matmuls (the linears' "
+                            "share); FILE: JSON {hidden, qkv, o_in, inter, layers[, mla]}")
     model.add_argument("--m", type=int, nargs="+", metavar="M", help="tokens per forward (default: decode "
                        f"{' '.join(map(str, DECODE_M))} and prefill {' '.join(map(str, PREFILL_M))})")
     model.add_argument("--modes", nargs="+", choices=MODEL_MODES, default=list(MODEL_MODES),

@@ -22,7 +22,9 @@ JSON (host_us) and on the progress lines. All the models are built first; at eac
 take turns batch by batch, so a host that runs slower for a while slows them alike. Ratios are the float model's
 time over the variant's in the same mode and run. The fraction of the roofline is the weight bytes of the layers
 over the measured device copy rate (decode) or the linears' FLOPs over the measured dense fp16/fp8 matmul rate
-(prefill), taken in the same run.
+(prefill), taken in the same run. The linears' share of a forward is 1 - glue / variant, where glue is the same
+forward with every linear (and MLA's absorbed BMMs) replaced by a stand-in that only allocates its output
+(glue-fp16, glue-bf16: timed with the others, same M and mode): what the norms, SiLU * mul and residual adds cost.
 """
 from __future__ import annotations
 
@@ -217,6 +219,42 @@ def build(shape: Shape, dtype, device: str = "cuda"):
     return model.requires_grad_(False)
 
 
+@functools.cache
+def _output_only():
+    from torch import nn
+
+    class OutputOnly(nn.Module):
+        """A linear's (or the absorbed BMMs') stand-in in the glue model: allocates [..., out_features], computes
+        nothing (no kernel: its contents are whatever the allocator hands out, which the glue's timing ignores)."""
+
+        def __init__(self, out_features: int):
+            super().__init__()
+            self.out_features = out_features
+
+        def forward(self, x):
+            return x.new_empty((*x.shape[:-1], self.out_features))
+
+    return OutputOnly
+
+
+def glue(shape: Shape, dtype, device: str = "cuda"):
+    """The float model of shape with its matmuls left out: every linear, and MLA's absorbed BMMs, replaced by a
+    stand-in that only allocates its output. Its time is what the rest of the forward costs."""
+    output_only = _output_only()
+    model = build(shape, dtype, device)
+    for layer in model:
+        for name in ("qkv", "q_b", "o", "gate_up", "down"):
+            linear = getattr(layer, name, None)
+            if linear is not None:
+                setattr(layer, name, output_only(linear.out_features))
+        if shape.mla is not None:
+            layer.absorbed = output_only(shape.mla.heads * shape.mla.v_head)
+    return model
+
+
+GLUE = {"fp16": "glue-fp16", "bf16": "glue-bf16"}  # the glue model of each float model's dtype
+
+
 def variant(name: str, shape: Shape, device: str = "cuda"):
     """The model of a variant (fp16, bf16 or one of VARIANTS); ImportError where its package is missing."""
     import torch
@@ -224,7 +262,9 @@ def variant(name: str, shape: Shape, device: str = "cuda"):
     from kdsl.nn import quantize_ as kdsl_quantize_
     from kdsl.schema import GPTQ, BlockFP8
 
-    dtype = torch.float16 if name in ("fp16", "w4a16") else torch.bfloat16
+    dtype = torch.float16 if name in ("fp16", "w4a16", GLUE["fp16"]) else torch.bfloat16
+    if name in GLUE.values():
+        return glue(shape, dtype, device), dtype
     model = build(shape, dtype, device)
     if name == "w4a16":
         kdsl_quantize_(model, GPTQ(group_size=128))
@@ -354,12 +394,11 @@ def run_model_bench(spec: str, ms: list[int], modes: list[str], variants: list[s
           f"copy {copy_rate / 1e12:.2f} TB/s, fp16 {fp16_rate / 1e12:.0f} TFLOP/s, fp8 {fp8_rate / 1e12:.0f} "
           f"TFLOP/s measured", file=sys.stderr)
     rows = []
-    bases = {"w4a16": "fp16", "fp8": "bf16", "torchao-fp8": "bf16"}
     needed = ["fp16"] * ("w4a16" in variants) + ["bf16"] * any(v != "w4a16" for v in variants)
     bytes_per_weight = {"fp16": 2, "bf16": 2, "w4a16": 0.5 + 4 / 128, "fp8": 1 + 4 / 128**2, "torchao-fp8": 1}
     bytes_per_bmm_weight = {"fp8": 1 + 4 / 128**2}  # MLA's absorbed weights: the others keep them in 16 bits
     models = {}
-    for model_name in needed + variants:
+    for model_name in needed + [GLUE[base] for base in needed] + variants:
         try:
             models[model_name] = variant(model_name, shape)
         except ImportError as error:
@@ -388,12 +427,13 @@ def run_model_bench(spec: str, ms: list[int], modes: list[str], variants: list[s
             for model_name in models:
                 result = timed[model_name]
                 us, host_us, note = (None, None, result) if isinstance(result, str) else (*result, None)
-                moved = (shape.linear_weights() * bytes_per_weight[model_name]
-                         + shape.bmm_weights() * bytes_per_bmm_weight.get(model_name, 2))
+                has_matmuls = model_name not in GLUE.values()
+                moved = has_matmuls and (shape.linear_weights() * bytes_per_weight[model_name]
+                                         + shape.bmm_weights() * bytes_per_bmm_weight.get(model_name, 2))
                 rows.append({"model": model_name, "m": m, "mode": mode, "us": us, "host_us": host_us,
                              "error": note,
-                             "tokens_per_s": None if not us else m / us * 1e6,
-                             "roofline": None if not us else (
+                             "tokens_per_s": None if not us or not has_matmuls else m / us * 1e6,
+                             "roofline": None if not us or not has_matmuls else (
                                  moved / copy_rate * 1e6 / us if m <= max(DECODE_M)
                                  else m * flops_per_row / (fp8_rate if "fp8" in model_name else fp16_rate)
                                  * 1e6 / us)})
@@ -402,10 +442,7 @@ def run_model_bench(spec: str, ms: list[int], modes: list[str], variants: list[s
                       file=sys.stderr, flush=True)
     del models
     torch.cuda.empty_cache()
-    time_of = {(r["model"], r["m"], r["mode"]): r["us"] for r in rows}
-    for r in rows:
-        base = time_of.get((bases.get(r["model"], r["model"]), r["m"], r["mode"]))
-        r["speedup"] = base / r["us"] if base and r["us"] else None
+    add_ratios(rows)
     print(format_model_table(rows, name))
     if json_path:
         doc = {"tool": "kdsl bench --model", "preset": name, "shape": asdict(shape),
@@ -417,10 +454,31 @@ def run_model_bench(spec: str, ms: list[int], modes: list[str], variants: list[s
     return 0
 
 
+BASES = {"w4a16": "fp16", "fp8": "bf16", "torchao-fp8": "bf16"}  # each variant's float model
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Sets each row's speedup (its float model's time over its own, same M and mode) and linears_share
+    (1 - the glue model's time over its own, the glue of its float model's dtype); None where a time is missing,
+    and for the glue rows."""
+    time_of = {(r["model"], r["m"], r["mode"]): r["us"] for r in rows}
+    for r in rows:
+        if r["model"] in GLUE.values():
+            r["speedup"] = r["linears_share"] = None
+            continue
+        base_name = BASES.get(r["model"], r["model"])
+        base = time_of.get((base_name, r["m"], r["mode"]))
+        rest = time_of.get((GLUE[base_name], r["m"], r["mode"]))
+        r["speedup"] = base / r["us"] if base and r["us"] else None
+        r["linears_share"] = 1 - rest / r["us"] if rest and r["us"] else None
+
+
 def format_model_table(rows: list[dict], name: str) -> str:
     lines = [f"== {name}: time per forward (us), speedup = float model / variant, same mode and run; roofline = "
-             "weight bytes at the copy rate (decode) or FLOPs at the matmul rate (prefill) over the time"]
-    lines.append(f"{'model':12s} {'M':>5s} " + " ".join(f"{mode + ' us':>11s} {'x':>6s} {'roof':>5s}" for mode in MODES))
+             "weight bytes at the copy rate (decode) or FLOPs at the matmul rate (prefill) over the time; lin = the "
+             "linears' share of the forward (1 - glue / time; glue: the forward without its matmuls)"]
+    lines.append(f"{'model':12s} {'M':>5s} " + " ".join(f"{mode + ' us':>11s} {'x':>6s} {'roof':>5s} {'lin':>4s}"
+                                                       for mode in MODES))
     keys = list(dict.fromkeys((r["model"], r["m"]) for r in rows))
     by = {(r["model"], r["m"], r["mode"]): r for r in rows}
     for model, m in keys:
@@ -428,10 +486,12 @@ def format_model_table(rows: list[dict], name: str) -> str:
         for mode in MODES:
             r = by.get((model, m, mode))
             if r is None or r["us"] is None:
-                cells.append(f"{'-' if r is None else 'failed':>11s} {'':>6s} {'':>5s}")
+                cells.append(f"{'-' if r is None else 'failed':>11s} {'':>6s} {'':>5s} {'':>4s}")
                 continue
             speed = f"{r['speedup']:.2f}" if r.get("speedup") else "-"
-            cells.append(f"{r['us']:11.1f} {speed:>6s} {r['roofline']:5.2f}")
+            roof = f"{r['roofline']:.2f}" if r.get("roofline") is not None else "-"
+            share = f"{r['linears_share']:.0%}" if r.get("linears_share") is not None else "-"
+            cells.append(f"{r['us']:11.1f} {speed:>6s} {roof:>5s} {share:>4s}")
         lines.append(f"{model:12s} {m:5d} " + " ".join(cells))
     return "\n".join(lines)
 
@@ -443,7 +503,7 @@ def plot_speedups(rows: list[dict], name: str, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for model in dict.fromkeys(r["model"] for r in rows if r["model"] not in ("fp16", "bf16")):
+    for model in dict.fromkeys(r["model"] for r in rows if r["model"] not in ("fp16", "bf16", *GLUE.values())):
         for mode, style in zip(MODES, ("-", "--", ":")):
             pts = [(r["m"], r["speedup"]) for r in rows if r["model"] == model and r["mode"] == mode and r.get("speedup")]
             if pts:
