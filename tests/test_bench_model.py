@@ -32,6 +32,19 @@ def test_the_quantized_layers_follow_the_float_model(name):
     assert err < 0.05, err  # round-to-nearest weights through two residual layers
 
 
+@pytest.mark.parametrize("name", ["torchao-fp8", "torchao-int4"])
+def test_a_peer_without_torchao_is_an_import_error(name, monkeypatch):
+    """The torchao variants are peers where torchao imports; without it, variant() raises ImportError, which
+    run_model_bench reports as "not available" and leaves out."""
+    import sys
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.setitem(sys.modules, "torchao.quantization", None)
+    shape = bench_model.Shape(hidden=256, qkv=384, o_in=256, inter=256, layers=1)
+    with pytest.raises(ImportError):
+        bench_model.variant(name, shape, device="cpu")
+    assert bench_model.BASES[name] == "bf16" and name in bench_model.VARIANTS
+
+
 TINY_MLA = bench_model.MLA(q_lora=128, kv_lora=256, rope=64, heads=2, nope=128, v_head=128)
 
 

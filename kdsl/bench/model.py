@@ -13,6 +13,8 @@ and o. The same glue runs for every variant:
                  kdsl.ops.fp8_bmm on 128x128-block weights (the other variants run them as torch.bmm in their
                  activation dtype)
   torchao-fp8    torchao's Float8DynamicActivationFloat8WeightConfig (per-row), where torchao imports
+  torchao-int4   torchao's Int4WeightOnlyConfig(group_size=128), bf16 activations, where torchao and its int4
+                 kernels import (the peer of w4a16)
 
 Each is timed as one hand-captured CUDA graph of the forward, eagerly, and under
 torch.compile(mode="reduce-overhead", fullgraph=True) (compiled per M, so it is the slowest mode to run: --modes
@@ -60,7 +62,7 @@ PRESETS = {
 DECODE_M = (1, 4, 16, 64)
 PREFILL_M = (512, 2048, 8192)
 MODES = ("graph", "eager", "compile")
-VARIANTS = ("w4a16", "fp8", "torchao-fp8")
+VARIANTS = ("w4a16", "fp8", "torchao-fp8", "torchao-int4")
 
 
 @dataclass(frozen=True)
@@ -278,6 +280,10 @@ def variant(name: str, shape: Shape, device: str = "cuda"):
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
         quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    elif name == "torchao-int4":
+        from torchao.quantization import Int4WeightOnlyConfig, quantize_
+
+        quantize_(model, Int4WeightOnlyConfig(group_size=128))
     return model, dtype
 
 
@@ -395,7 +401,8 @@ def run_model_bench(spec: str, ms: list[int], modes: list[str], variants: list[s
           f"TFLOP/s measured", file=sys.stderr)
     rows = []
     needed = ["fp16"] * ("w4a16" in variants) + ["bf16"] * any(v != "w4a16" for v in variants)
-    bytes_per_weight = {"fp16": 2, "bf16": 2, "w4a16": 0.5 + 4 / 128, "fp8": 1 + 4 / 128**2, "torchao-fp8": 1}
+    bytes_per_weight = {"fp16": 2, "bf16": 2, "w4a16": 0.5 + 4 / 128, "fp8": 1 + 4 / 128**2, "torchao-fp8": 1,
+                        "torchao-int4": 0.5 + 4 / 128}
     bytes_per_bmm_weight = {"fp8": 1 + 4 / 128**2}  # MLA's absorbed weights: the others keep them in 16 bits
     models = {}
     for model_name in needed + [GLUE[base] for base in needed] + variants:
@@ -454,7 +461,7 @@ def run_model_bench(spec: str, ms: list[int], modes: list[str], variants: list[s
     return 0
 
 
-BASES = {"w4a16": "fp16", "fp8": "bf16", "torchao-fp8": "bf16"}  # each variant's float model
+BASES = {"w4a16": "fp16", "fp8": "bf16", "torchao-fp8": "bf16", "torchao-int4": "bf16"}  # each variant's float model
 
 
 def add_ratios(rows: list[dict]) -> None:
