@@ -254,6 +254,7 @@ def glue(shape: Shape, dtype, device: str = "cuda"):
     return model
 
 
+BASES = {"w4a16": "fp16", "fp8": "bf16", "torchao-fp8": "bf16", "torchao-int4": "bf16"}  # each variant's float model
 GLUE = {"fp16": "glue-fp16", "bf16": "glue-bf16"}  # the glue model of each float model's dtype
 
 
@@ -400,7 +401,7 @@ def run_model_bench(spec: str, ms: list[int], modes: list[str], variants: list[s
           f"copy {copy_rate / 1e12:.2f} TB/s, fp16 {fp16_rate / 1e12:.0f} TFLOP/s, fp8 {fp8_rate / 1e12:.0f} "
           f"TFLOP/s measured", file=sys.stderr)
     rows = []
-    needed = ["fp16"] * ("w4a16" in variants) + ["bf16"] * any(v != "w4a16" for v in variants)
+    needed = list(dict.fromkeys(BASES[v] for v in variants))  # the float models the variants are compared with
     bytes_per_weight = {"fp16": 2, "bf16": 2, "w4a16": 0.5 + 4 / 128, "fp8": 1 + 4 / 128**2, "torchao-fp8": 1,
                         "torchao-int4": 0.5 + 4 / 128}
     bytes_per_bmm_weight = {"fp8": 1 + 4 / 128**2}  # MLA's absorbed weights: the others keep them in 16 bits
@@ -435,8 +436,8 @@ def run_model_bench(spec: str, ms: list[int], modes: list[str], variants: list[s
                 result = timed[model_name]
                 us, host_us, note = (None, None, result) if isinstance(result, str) else (*result, None)
                 has_matmuls = model_name not in GLUE.values()
-                moved = has_matmuls and (shape.linear_weights() * bytes_per_weight[model_name]
-                                         + shape.bmm_weights() * bytes_per_bmm_weight.get(model_name, 2))
+                moved = (shape.linear_weights() * bytes_per_weight[model_name]
+                         + shape.bmm_weights() * bytes_per_bmm_weight.get(model_name, 2)) if has_matmuls else 0
                 rows.append({"model": model_name, "m": m, "mode": mode, "us": us, "host_us": host_us,
                              "error": note,
                              "tokens_per_s": None if not us or not has_matmuls else m / us * 1e6,
@@ -459,9 +460,6 @@ def run_model_bench(spec: str, ms: list[int], modes: list[str], variants: list[s
     if plot_path:
         plot_speedups(rows, name, plot_path)
     return 0
-
-
-BASES = {"w4a16": "fp16", "fp8": "bf16", "torchao-fp8": "bf16", "torchao-int4": "bf16"}  # each variant's float model
 
 
 def add_ratios(rows: list[dict]) -> None:
