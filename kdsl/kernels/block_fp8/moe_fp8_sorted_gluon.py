@@ -4,11 +4,11 @@ The routing kernels sort the (token, slot) assignments by expert and pad each ex
 moe_fp8/sorted; here x is quantized per token (act_quant's rule) and copied to each of its sorted rows, so a block
 of block_m rows is one TMA box of one expert, and both GEMMs run fp8_gemm/deferred_gluon's loop (block k's wgmma
 overlapped with block k - 1's rescale) over the experts' weights stacked as [E * N, K]: the gate-up GEMM writes the
-fp32 products through TMA (bf16 products took the GPU tests of this unit over their error bound against the fp32
-reference), the activation kernel quantizes silu(gate) * up, the down GEMM stores each row at its assignment, the
-combine kernel sums each token's slots. Six launches (eight where the routing takes its three steps), no host sync,
-one CUDA graph for any routing (grids sized for the worst). For prefill, where the portable unit's pointer-loaded
-tl.dot waits for every wgmma before it rescales.
+fp32 products through TMA (with bf16 products this unit's GPU tests against the fp32 reference failed), the
+activation kernel quantizes silu(gate) * up, the down GEMM stores each row at its assignment, the combine kernel
+sums each token's slots. Six launches (eight where the routing takes its three steps), no host sync, one CUDA graph
+for any routing (grids sized for the worst). For prefill, where the portable unit's pointer-loaded tl.dot waits for
+every wgmma before it rescales.
 Gluon has no interpreter: on the CPU `refusal` passes the call to the definition's next tile (moe_fp8/sorted).
 """
 import torch
