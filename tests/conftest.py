@@ -60,6 +60,22 @@ def repo_root() -> Path:
     return REPO_ROOT
 
 
+def run_described(described):
+    """Run a unit's launch description, one Launch or a generator of them, and return what a generator returns (the
+    MoE routing's buffers)."""
+    from kdsl.kernels.base import Launch
+    from kdsl.runtime import launcher
+
+    if type(described) is Launch:
+        launcher.run(described)
+        return None
+    while True:
+        try:
+            launcher.run(next(described))
+        except StopIteration as stop:
+            return stop.value
+
+
 def wrap_launch(monkeypatch, kernel_module, wrapper) -> None:
     """Make entry.launch call wrapper(original) for kernel_module (a kdsl.runtime KernelModule) until the test
     ends: KernelModule.launch hands out the function manifest._LAUNCHES keeps for its module and scheme."""

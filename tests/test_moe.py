@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo.testing
-from conftest import interpreting, wrap_launch
+from conftest import interpreting, run_described, wrap_launch
 from reference import FP8, act_quant_ref, rel_fro_error
 from reference_moe import expert_weights, grouped_gemm_ref, masked_gemm_ref, moe_layer, moe_ref, routing
 
@@ -324,16 +324,11 @@ def check_routing_kernels(tokens, experts, topk, block_m, skew, device="cpu"):
     """The routing kernels' rows, block experts, meta and slot rows against sorted_routing_ref, with three ids
     outside [0, E) among the routing."""
     from kdsl.kernels.moe_routing import route
-    from kdsl.runtime import launcher
     _, topk_ids = routing(tokens, experts, topk, skew, device)
     topk_ids[1, 0], topk_ids[tokens - 1, topk - 1], topk_ids[tokens // 2, 0] = -1, experts, 1 << 20  # unrouted
     generated = registry.select("moe_fp8", kdsl.BlockFP8(), arch="sm_89").modules["sorted"].generated()
-    launches = route(generated, topk_ids, experts, block_m, None)
-    try:  # route yields its launches, then returns what they write
-        while True:
-            launcher.run(next(launches))
-    except StopIteration as done:
-        rows, block_expert, meta, _, _, slot_rows = done.value
+    routed = run_described(route(generated, topk_ids, experts, block_m, None))
+    rows, block_expert, meta, slot_rows = routed.rows, routed.block_expert, routed.meta, routed.slot_rows
     want_rows, want_blocks, outside, starts = sorted_routing_ref(topk_ids, experts, block_m)
     used = len(want_rows)
     assert meta[:2 + experts].tolist() == [used, outside, *starts]

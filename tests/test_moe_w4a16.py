@@ -13,17 +13,15 @@ import functools
 import pytest
 import torch
 import torch._dynamo.testing
-from conftest import interpreting, wrap_launch
+from conftest import interpreting, run_described, wrap_launch
 from reference import rel_fro_error
 from reference_moe import moe_dense_ref, routing
 
 import kdsl
 import reference_gptq as rg
 from kdsl import registry
-from kdsl.kernels.base import Launch
 from kdsl.kernels.moe_routing import route
 from kdsl.kernels.w4a16 import moe_sorted
-from kdsl.runtime import launcher
 
 MOE = "moe_w4a16__int4_g128__sorted"
 # The kernels round each dequantized weight, h = silu(gate) * up and each slot's down projection to x's dtype (and
@@ -197,18 +195,6 @@ def _sorted_generated():
     return entry.modules[entry.impl].generated()
 
 
-def _run(described):
-    """Run a unit's launch description (a generator's launches too) and return what the generator returns."""
-    if type(described) is Launch:
-        launcher.run(described)
-        return None
-    while True:
-        try:
-            launcher.run(next(described))
-        except StopIteration as stop:
-            return stop.value
-
-
 @pytest.mark.skipif(not interpreting(), reason="calls the generated module's gather kernel on CPU tensors")
 @pytest.mark.parametrize("segments, k", [(2, 256), (1, 200)], ids=["gate-up-2-perms", "k-200-padded"])
 def test_gather_writes_each_sorted_row_in_its_experts_order(segments, k):
@@ -220,14 +206,14 @@ def test_gather_writes_each_sorted_row_in_its_experts_order(segments, k):
     x = torch.randn(tokens, k).half()
     perm = torch.stack([torch.stack([torch.randperm(k) for _ in range(segments)]) for _ in range(experts)])
     perm = perm.to(torch.int32)
-    rows, block_expert, meta, max_rows = _run(route(generated, topk_ids, experts, block_m, None))[:4]
+    rows, block_expert, meta, max_rows = run_described(route(generated, topk_ids, experts, block_m, None))[:4]
     gathered, launch = moe_sorted._gather(generated, x, perm, rows, block_expert, meta, topk, block_m, by_token=True)
-    _run(launch)
+    run_described(launch)
     assert gathered.shape == (segments, max_rows, k)
     h = torch.randn(max_rows, k).half()
     gathered_h, launch = moe_sorted._gather(generated, h, perm, rows, block_expert, meta, topk, block_m,
                                             by_token=False)
-    _run(launch)
+    run_described(launch)
     live = 0
     for p in range(int(meta[0])):
         assignment = int(rows[p])
