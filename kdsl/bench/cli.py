@@ -81,6 +81,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="skip the host time per call (timed after the GPU times of graph-timed cases, it keeps "
                              "the GPU busy for a few hundred more calls): for comparing GPU times with a run "
                              "made without it")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also split each timed implementation's time by GPU kernel (torch.profiler over CUDA-graph "
+                             "replays): the table's per-kernel section and kernels_us in --json")
     parser.add_argument("--plot", metavar="PATH", help="draw a PNG of ratios vs baselines (needs matplotlib)")
     model = parser.add_argument_group("whole layers (--model): kdsl.bench.model")
     model.add_argument("--model", metavar="{" + ",".join(MODEL_PRESETS) + "}|FILE",
@@ -137,6 +140,8 @@ def _outputs_and_gpu(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "kernels", False) and (args.model or getattr(args, "tp", None) is not None):
+        return _fail("--kernels: per-op runs only, not with --model or --tp")
     if getattr(args, "tp", None) is not None:
         return tp_bench.run(args)
     if args.model:
@@ -161,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     results: list[Result] = []
     for i, case in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {case.op} {case.label()} ...", end="", file=sys.stderr, flush=True)
-        case_results = run_case(case, host_time=args.host_time)
+        case_results = run_case(case, host_time=args.host_time, kernels=args.kernels)
         print(" " + _progress(case_results), file=sys.stderr, flush=True)
         results += case_results
 

@@ -26,7 +26,8 @@ JSON document (SCHEMA_VERSION 1); non-finite numbers are written as null:
         "baselines": {"cublas_blockwise": TIMING + {"ratio_eager", "ratio_graph"}, ...}}]}
 
     TIMING = {"eager_ms": float|null, "graph_ms": float|null, "host_us": float|null, "tflops": float|null,
-              "tbps": float|null, "error": str|null, "rel_err": float|null}
+              "tbps": float|null, "error": str|null, "rel_err": float|null,
+              "kernels_us": {kernel name: device µs per call}}   # only with --kernels, largest first
 
 ratio_* = baseline time / kdsl time (> 1: kdsl faster), null where either side has no time.
 """
@@ -195,7 +196,34 @@ def _inexact_baseline_notes(results: list[Result]) -> list[str]:
 
 
 def format_table(results: list[Result]) -> str:
-    return "\n\n".join(format_op_table(op, rs) for op, rs in group_by_op(results).items())
+    tables = "\n\n".join(format_op_table(op, rs) for op, rs in group_by_op(results).items())
+    kernels = format_kernels(results)
+    return tables + ("\n\n" + kernels if kernels else "")
+
+
+KERNEL_LINES = 6  # kernels listed per implementation; the rest are summed into one line
+
+
+def format_kernels(results: list[Result]) -> str:
+    """kdsl bench --kernels: for each result, kdsl's and each baseline's device µs per call by kernel, against the
+    call's timed (CUDA-graph, else eager) time; the difference is what no kernel ran (launch gaps, host)."""
+    lines = []
+    for r in results:
+        timed = [(r.impl, r.kdsl)] + [(name, t) for name, t in r.baselines.items() if t.kernels_us is not None]
+        for name, t in timed:
+            if t.kernels_us is None:
+                continue
+            call_ms = t.graph_ms or t.eager_ms
+            total = sum(t.kernels_us.values())
+            head = f"{r.case.op} {r.case.label()} {name}: kernels {total:.1f} us"
+            lines.append(head + (f" of {call_ms * 1e3:.1f} us per call" if call_ms else ""))
+            items = list(t.kernels_us.items())
+            for kernel, us in items[:KERNEL_LINES]:
+                lines.append(f"    {us:9.2f} us  {kernel[:110]}")
+            rest = items[KERNEL_LINES:]
+            if rest:
+                lines.append(f"    {sum(us for _, us in rest):9.2f} us  ({len(rest)} more kernels)")
+    return ("== per-kernel device time (--kernels) ==\n" + "\n".join(lines)) if lines else ""
 
 
 def summarize(results: list[Result]) -> dict[str, int]:
@@ -209,9 +237,10 @@ def _finite(value: float | None) -> float | None:
 
 
 def _timing_doc(r: Result, t: Timing) -> dict[str, object]:
+    kernels = {} if t.kernels_us is None else {"kernels_us": {k: _finite(us) for k, us in t.kernels_us.items()}}
     return {"eager_ms": _finite(t.eager_ms), "graph_ms": _finite(t.graph_ms), "host_us": _finite(t.host_us),
             "tflops": _finite(r.tflops(t.eager_ms)),
-            "tbps": _finite(r.tbps(t.eager_ms)), "error": t.error, "rel_err": _finite(t.rel_err)}
+            "tbps": _finite(r.tbps(t.eager_ms)), "error": t.error, "rel_err": _finite(t.rel_err), **kernels}
 
 
 def result_doc(r: Result, rows: dict[tuple, Result] | None = None) -> dict[str, object]:

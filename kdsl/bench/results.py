@@ -25,6 +25,8 @@ class Timing:
     host_us: float | None = None  # host time per call, GPU idle, where graph_ms is measured (decode sizes)
     error: str | None = None
     rel_err: float | None = None  # baselines computing the same quantized product report theirs
+    # kdsl bench --kernels: device µs per call of each GPU kernel (kdsl.bench.profile), largest first
+    kernels_us: dict[str, float] | None = None
 
 
 @dataclass

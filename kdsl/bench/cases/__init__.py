@@ -19,12 +19,13 @@ from __future__ import annotations
 import importlib
 import math
 import pkgutil
+import sys
 import zlib
 from types import ModuleType
 
 import torch
 
-from kdsl.bench import timing
+from kdsl.bench import profile, timing
 from kdsl.bench.case import Case
 from kdsl.bench.results import ERROR, OK, ROOFLINE, UNAVAILABLE, WRONG, Result, Timing
 
@@ -55,9 +56,20 @@ def graph_timed(case: Case) -> bool:
     return case.m is not None and (case.m <= timing.GRAPH_MAX_M or every_m)
 
 
-def run_case(case: Case, host_time: bool = True) -> list[Result]:
+def _kernel_times(case: Case, impl: str, fn, calls: int) -> dict[str, float] | None:
+    """kdsl.bench.profile.kernel_times, or None (said on stderr) where the profiler fails: the breakdown is extra."""
+    try:
+        return profile.kernel_times(fn, calls)
+    except Exception as exc:  # noqa: BLE001
+        print(f"\nkdsl bench: no kernel breakdown for {case.op} {case.label()} {impl}: {timing.describe(exc)}",
+              file=sys.stderr)
+        return None
+
+
+def run_case(case: Case, host_time: bool = True, kernels: bool = False) -> list[Result]:
     """All results of one case: one per kdsl implementation, sharing the baseline timings. host_time=False
-    skips the host-time batches (kdsl bench --no-host-time)."""
+    skips the host-time batches (kdsl bench --no-host-time); kernels=True splits every timed implementation's
+    time by GPU kernel (kdsl bench --kernels)."""
     torch.manual_seed(zlib.crc32(f"{case.op} {case.label()}".encode()))  # reproducible, never zeros
     module = CASES[case.op]
     memory_bound = getattr(module, "MEMORY_BOUND", False)
@@ -82,6 +94,8 @@ def run_case(case: Case, host_time: bool = True) -> list[Result]:
             continue
         baselines[name] = timing.per_call(timing.measure(fn, graph, host, setup.calls), setup.calls)
         baselines[name].rel_err = None if math.isnan(err) else err
+        if kernels and baselines[name].error is None:
+            baselines[name].kernels_us = _kernel_times(case, name, fn, setup.calls)
     if setup.roofline_ms is not None:
         baselines[ROOFLINE] = Timing(eager_ms=setup.roofline_ms, graph_ms=setup.roofline_ms if graph else None)
 
@@ -102,6 +116,8 @@ def run_case(case: Case, host_time: bool = True) -> list[Result]:
         result.kdsl = timing.per_call(timing.measure(fn, graph, host, setup.calls), setup.calls)
         if result.kdsl.error and result.status == OK:
             result.status, result.detail = ERROR, result.kdsl.error
+        if kernels and result.kdsl.error is None:
+            result.kdsl.kernels_us = _kernel_times(case, impl, fn, setup.calls)
         results.append(result)
     del setup
     torch.cuda.empty_cache()

@@ -1,0 +1,75 @@
+"""kdsl bench --kernels: a callable's time split by GPU kernel, from torch.profiler's trace.
+
+The callable is captured in a CUDA graph (as do_bench_cudagraph times it) and the graph replayed REPLAYS times under
+the profiler, CUDA activity only; where it cannot be captured, it runs eagerly instead (the same kernels, launched
+one by one). Every kernel, memset and memcpy of the trace is summed by name and divided by the calls made: device
+µs per call. Their sum leaves out the gaps between kernels, so the report gives it beside the timed call.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+
+REPLAYS = 20
+GPU_EVENTS = ("kernel", "gpu_memset", "gpu_memcpy")  # the trace categories that take device time
+
+
+def per_call_totals(events: Iterable[tuple[str, float]], runs: int, calls: int) -> dict[str, float]:
+    """{name: µs per call}, from (name, device µs) events of `runs` runs of a callable that makes `calls` calls each,
+    largest first."""
+    totals: dict[str, float] = {}
+    for name, us in events:
+        totals[name] = totals.get(name, 0.0) + us
+    share = runs * calls
+    return dict(sorted(((name, us / share) for name, us in totals.items()), key=lambda item: -item[1]))
+
+
+def trace_events(trace: dict) -> list[tuple[str, float]]:
+    """(name, duration µs) of each GPU event in a chrome trace (torch.profiler's export_chrome_trace)."""
+    return [(e["name"], float(e["dur"])) for e in trace.get("traceEvents", [])
+            if e.get("cat") in GPU_EVENTS and "dur" in e]
+
+
+def _replayer(fn: Callable[[], object]) -> Callable[[], object]:
+    """A CUDA graph of fn, as a function that replays it; fn itself where capture fails."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(stream):
+            fn()  # warm-up on the capture stream (allocations, launch plans)
+            with torch.cuda.graph(graph, stream=stream):
+                fn()
+    except Exception:  # noqa: BLE001 - not every op can be captured: profile its eager launches
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        return fn
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph.replay
+
+
+def kernel_times(fn: Callable[[], object], calls: int = 1, replays: int = REPLAYS) -> dict[str, float]:
+    """{GPU kernel name: device µs per call} of fn, which makes `calls` calls (weight copies), largest first."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    run = _replayer(fn)
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            run()
+        torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    finally:
+        os.unlink(path)
+    return per_call_totals(trace_events(trace), replays, calls)
