@@ -586,6 +586,12 @@ def test_kernel_breakdown_sums_gpu_events_by_name_per_call():
         {"cat": "kernel", "name": "quant", "dur": 2.0}, {"cat": "ac2g", "name": "flow"}]}
     events = profile.trace_events(trace)
     assert sorted(events) == [("Memset (Device)", 1.0), ("gemm", 30.0), ("gemm", 34.0), ("quant", 2.0), ("quant", 2.0)]
+    # one kernel launched with two grids (a generated kernel serving gate-up and down): a line per grid
+    two = profile.trace_events({"traceEvents": [
+        {"cat": "kernel", "name": "moe", "dur": 5.0, "args": {"grid": [64, 1, 1]}},
+        {"cat": "kernel", "name": "moe", "dur": 3.0, "args": {"grid": [112, 1, 1]}},
+        {"cat": "kernel", "name": "act", "dur": 1.0, "args": {"grid": [8, 1, 1]}}]})
+    assert two == [("moe grid=[64, 1, 1]", 5.0), ("moe grid=[112, 1, 1]", 3.0), ("act", 1.0)]
     # two runs of a callable making two calls (weight copies): per call is a quarter of each total, largest first
     totals = profile.per_call_totals(events, runs=2, calls=2)
     assert list(totals) == ["gemm", "quant", "Memset (Device)"]
@@ -627,6 +633,19 @@ def test_kernels_flag_adds_each_timed_implementations_breakdown(cpu_bench, tmp_p
     seen.clear()
     assert cli.run(parse("--shapes", shapes, "--json", str(out))) == 0
     assert seen == [] and "kernels_us" not in json.loads(out.read_text())["results"][0]["kdsl"]
+
+
+def test_kernel_section_lists_a_cases_shared_baseline_once():
+    case = Case("gptq_gemm", m=1, n=16, k=256)
+    base = {"fp16_matmul": Timing(graph_ms=0.012, kernels_us={"nvjet": 10.0, "splitKreduce": 2.0})}
+    plain = Result(case, "gptq_gemm[prepared]", Timing(graph_ms=0.006, kernels_us={"gemv": 5.5}), base)
+    desc = Result(case, "gptq_gemm[prepared,desc_act]", Timing(graph_ms=0.007, kernels_us={"gemv": 5.4, "gather": 1.4}),
+                  base)
+    text = report.format_kernels([plain, desc])
+    assert text.count("fp16_matmul: kernels 12.0 us of 12.0 us per call") == 1
+    assert "gptq_gemm[prepared,desc_act]: kernels 6.8 us of 7.0 us per call" in text
+    assert text.index("5.40 us  gemv") < text.index("1.40 us  gather")
+    assert report.format_kernels([Result(case, "gptq_gemm", Timing(graph_ms=0.01))]) == ""
 
 
 def test_kernels_flag_is_refused_with_model_or_tp(capsys):

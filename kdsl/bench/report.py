@@ -207,10 +207,13 @@ KERNEL_LINES = 6  # kernels listed per implementation; the rest are summed into 
 def format_kernels(results: list[Result]) -> str:
     """kdsl bench --kernels: for each result, kdsl's and each baseline's device µs per call by kernel, against the
     call's timed (CUDA-graph, else eager) time; the difference is what no kernel ran (launch gaps, host)."""
-    lines = []
+    lines, shown = [], set()
     for r in results:
-        timed = [(r.impl, r.kdsl)] + [(name, t) for name, t in r.baselines.items() if t.kernels_us is not None]
-        for name, t in timed:
+        # a case's baselines are shared by its kdsl rows: each is listed once
+        baselines = [(name, t) for name, t in r.baselines.items()
+                     if t.kernels_us is not None and (r.case, name) not in shown]
+        shown.update((r.case, name) for name, _ in baselines)
+        for name, t in [(r.impl, r.kdsl), *baselines]:
             if t.kernels_us is None:
                 continue
             call_ms = t.graph_ms or t.eager_ms
