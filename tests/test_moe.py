@@ -671,9 +671,10 @@ def test_gpu_moe_matches_reference(experts, hidden, inter, topk, tokens):
     (256, 7168, 2048, 8, 2048),  # DeepSeek-V3: 64 rows per expert
     (32, 2048, 1152, 8, 100),  # 25 rows per expert; I = 1152: an odd count of K blocks in the down GEMM
     (64, 1024, 1152, 4, 2048),  # 128 rows per expert
+    (64, 1152, 1024, 4, 2048),  # 128 rows; H = 1152 = 9 x 128: an odd count of 128-column tiles in the down GEMM
     (32, 1024, 1024, 8, 1024),  # 256 rows per expert
     (16, 1024, 1024, 4, 2048),  # 512 rows per expert: the 128-row tile on two warpgroups
-], ids=["deepseek-v3-t2048", "odd-k-t100", "odd-k-t2048", "rows-256", "rows-512"])
+], ids=["deepseek-v3-t2048", "odd-k-t100", "odd-k-t2048", "h1152-t2048", "rows-256", "rows-512"])
 def test_gpu_moe_gluon_prefill_matches_reference(experts, hidden, inter, topk, tokens):
     """The prefill calls the Gluon unit (moe_fp8/sorted_gluon) serves, against the fp32 per-expert reference."""
     entry = registry.dispatch("moe_fp8", kdsl.BlockFP8(), torch.device("cuda"))
