@@ -3,7 +3,7 @@
 # module: moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90 (moe_fp8/sorted_gluon: Gluon: tokens sorted by expert and quantized per sorted row, TMA-fed gate-up and down GEMMs with the wgmma overlapped with the rescale; GPU only)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_90 .. sm_90
-# digest: ab9b1ff5eeeff6b1 (sha256 of its schemes, variant and templates)
+# digest: e33a5cdd6e90b915 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -424,21 +424,28 @@ def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90(
 # --- 3. h = silu(gate) * up, quantized per row in 1 x ACT_GROUP groups ---------------------------------------------
 
 @triton.jit
-def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90_act(gu_ptr, q_ptr, s_ptr, rows_ptr, meta_ptr, inter, split_stride, stride_gum, stride_qm, stride_sm,
-                   BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, ONE_PER_BLOCK: tl.constexpr,
-                   ROUND_FIRST: tl.constexpr):
+def moe_fp8__e4m3_w128x128_a128_f32__sorted_gluon_sm90_act(gu_ptr, q_ptr, s_ptr, rows_ptr, slot_rows_ptr, meta_ptr, inter, split_stride, stride_gum,
+                   stride_qm, stride_sm, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, ONE_PER_BLOCK: tl.constexpr,
+                   PER_ASSIGNMENT: tl.constexpr, ROUND_FIRST: tl.constexpr):
     """One program: BLOCK_M sorted rows, one ACT_GROUP-wide group of the intermediate size. With SPLIT_K > 1 the
     gate-up GEMM wrote one partial product per slice of K, split_stride apart: they are summed first, in order.
     ONE_PER_BLOCK (no routing kernel ran): each block's one assignment sits in its first row, so nothing is read to
     find the rows and the program takes that row alone (a BLOCK_M-row tile of masked rows cost 4.6 against 3.0 us
     on an H200 at T = 1 even on eight warps); a block whose id is outside [0, E) activates a row the gate-up GEMM
-    never wrote, which the down GEMM, skipping that block, never reads."""
+    never wrote, which the down GEMM, skipping that block, never reads.
+    PER_ASSIGNMENT (decode, after the routing kernels): one program per assignment, its sorted row (slot_rows; -1
+    for an id outside [0, E): nothing done), not per block of mostly padding rows."""
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
     if ONE_PER_BLOCK:
         offs_m = pid_m * BLOCK_M + tl.arange(0, 1)
         computed = True
         live = offs_m >= 0
+    elif PER_ASSIGNMENT:
+        offs_m = tl.load(slot_rows_ptr + pid_m + tl.arange(0, 1))
+        live = offs_m >= 0
+        computed = True
+        offs_m = tl.maximum(offs_m, 0)
     else:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         computed = pid_m * BLOCK_M < tl.load(meta_ptr)

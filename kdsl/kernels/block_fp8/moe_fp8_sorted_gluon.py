@@ -82,8 +82,8 @@ def launch(generated, x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, on_rou
     hq = torch.empty((max_rows, inter), dtype=fp8, device=device)
     hs = torch.empty((max_rows, inter // act_group), dtype=torch.float32, device=device)
     yield Launch(kernels["_act"], (max_blocks, inter // act_group, 1), (
-        gate_up, hq, hs, rows, meta, inter, 0, gate_up.stride(0), hq.stride(0), hs.stride(0),
-    ), dict(BLOCK_M=block_m, SPLIT_K=1, ONE_PER_BLOCK=False, ROUND_FIRST=False, num_warps=4))
+        gate_up, hq, hs, rows, slot_rows, meta, inter, 0, gate_up.stride(0), hq.stride(0), hs.stride(0),
+    ), dict(BLOCK_M=block_m, SPLIT_K=1, ONE_PER_BLOCK=False, PER_ASSIGNMENT=False, ROUND_FIRST=False, num_warps=4))
 
     out = torch.empty((T * topk, H), dtype=y.dtype, device=device)
     h_desc = gluon_descriptor(hq, (block_m, block_k))
