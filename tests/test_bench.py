@@ -648,9 +648,12 @@ def test_kernel_section_lists_a_cases_shared_baseline_once():
     assert report.format_kernels([Result(case, "gptq_gemm", Timing(graph_ms=0.01))]) == ""
 
 
-def test_kernels_flag_is_refused_with_model_or_tp(capsys):
-    assert cli.run(parse("--model", "llama-3-8b", "--kernels")) == 2
-    assert "--kernels: per-op runs only" in capsys.readouterr().err
+def test_kernels_flag_is_refused_with_tp_only(capsys, monkeypatch):
+    assert cli.run(parse("--tp", "2", "--kernels")) == 2
+    assert "--kernels: per-op and --model runs only, not with --tp" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.run(parse("--model", "llama-3-8b", "--kernels")) == 2  # taken, then refused for the missing GPU
+    assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
 # ---- end to end on a GPU ----

@@ -182,3 +182,30 @@ def test_every_mode_is_timed_in_steady_state():
         # Back to back, a compiled call takes the GPU's time (its graph's) or, where its host side is slower, the
         # host's pace: nothing on top of both, as one call from an idle GPU would show.
         assert compile_us < 1.3 * max(graph_us, compile_host_us), (name, timed)
+
+
+def test_a_forwards_kernel_breakdown_and_its_section(monkeypatch, capsys):
+    from kdsl.bench import profile
+
+    seen = []
+
+    def fake_kernel_times(fn, calls=1):
+        seen.append(fn())  # the forward the breakdown profiles: the model on its input
+        return {f"k{i}": float(10 - i) for i in range(10)}
+
+    monkeypatch.setattr(profile, "kernel_times", fake_kernel_times)
+    x = torch.ones(2, 3)
+    assert bench_model.forward_kernels("w4a16", lambda t: t * 2, x) == {f"k{i}": float(10 - i) for i in range(10)}
+    assert torch.equal(seen[0], x * 2)
+    monkeypatch.setattr(profile, "kernel_times", lambda fn, calls=1: (_ for _ in ()).throw(RuntimeError("no CUPTI")))
+    assert bench_model.forward_kernels("fp8", lambda t: t, x) is None
+    assert "fp8: no kernel breakdown (RuntimeError: no CUPTI)" in capsys.readouterr().err
+    rows = [{"model": "w4a16", "m": 1, "mode": "graph", "us": 60.0, "kernels_us": {f"k{i}": float(10 - i)
+                                                                                    for i in range(10)}},
+            {"model": "fp8", "m": 1, "mode": "graph", "us": 50.0, "kernels_us": None},
+            {"model": "fp16", "m": 1, "mode": "eager", "us": 90.0}]
+    text = bench_model.format_model_kernels(rows)
+    assert "w4a16 M=1: kernels 55.0 us of 60.0 us per forward" in text
+    assert "     10.00 us  k0" in text and "      3.00 us  k7" in text and "k8" not in text
+    assert "      3.00 us  (2 more kernels)" in text  # k8 (2.0) and k9 (1.0)
+    assert "fp8" not in text and "fp16" not in text

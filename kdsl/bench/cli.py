@@ -83,7 +83,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "made without it")
     parser.add_argument("--kernels", action="store_true",
                         help="also split each timed implementation's time by GPU kernel (torch.profiler over CUDA-graph "
-                             "replays): the table's per-kernel section and kernels_us in --json")
+                             "replays): the table's per-kernel section and kernels_us in --json; with --model, each "
+                             "model's captured forward")
     parser.add_argument("--plot", metavar="PATH", help="draw a PNG of ratios vs baselines (needs matplotlib)")
     model = parser.add_argument_group("whole layers (--model): kdsl.bench.model")
     model.add_argument("--model", metavar="{" + ",".join(MODEL_PRESETS) + "}|FILE",
@@ -140,8 +141,8 @@ def _outputs_and_gpu(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if getattr(args, "kernels", False) and (args.model or getattr(args, "tp", None) is not None):
-        return _fail("--kernels: per-op runs only, not with --model or --tp")
+    if getattr(args, "kernels", False) and getattr(args, "tp", None) is not None:
+        return _fail("--kernels: per-op and --model runs only, not with --tp")
     if getattr(args, "tp", None) is not None:
         return tp_bench.run(args)
     if args.model:
@@ -205,4 +206,4 @@ def run_model(args: argparse.Namespace) -> int:
     from kdsl.bench.model import run_model_bench
 
     return run_model_bench(args.model, args.m or [*DECODE_M, *PREFILL_M], args.modes, args.variants, args.json,
-                           args.plot, layers=args.layers)
+                           args.plot, layers=args.layers, kernels=args.kernels)

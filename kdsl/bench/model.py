@@ -37,6 +37,10 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from kdsl.bench import profile
+from kdsl.bench.report import kernel_lines
+
+
 @dataclass(frozen=True)
 class MLA:
     """Multi-head latent attention's decode path (DeepSeek-V3): q_lora and kv_lora ranks, the rope part of q and
@@ -390,7 +394,7 @@ def ceilings() -> tuple[float, float, float]:
 
 
 def run_model_bench(spec: str, ms: list[int], modes: list[str], variants: list[str], json_path: str | None,
-                    plot_path: str | None, layers: int | None = None) -> int:
+                    plot_path: str | None, layers: int | None = None, kernels: bool = False) -> int:
     import torch
 
     name, shape = parse_shape(spec)
@@ -448,10 +452,14 @@ def run_model_bench(spec: str, ms: list[int], modes: list[str], variants: list[s
                 print(f"  {model_name:12s} M={m:5d} {mode:8s} "
                       + (f"{us:10.1f} us (host {host_us:.1f} us)" if us else f"failed: {note}"),
                       file=sys.stderr, flush=True)
+                if kernels and mode == "graph" and us:
+                    rows[-1]["kernels_us"] = forward_kernels(model_name, *group[model_name])
     del models
     torch.cuda.empty_cache()
     add_ratios(rows)
     print(format_model_table(rows, name))
+    if kernels:
+        print(format_model_kernels(rows))
     if json_path:
         doc = {"tool": "kdsl bench --model", "preset": name, "shape": asdict(shape),
                "ceilings": {"copy_bytes_per_s": copy_rate, "fp16_flops": fp16_rate, "fp8_flops": fp8_rate},
@@ -498,6 +506,26 @@ def format_model_table(rows: list[dict], name: str) -> str:
             share = f"{r['linears_share']:.0%}" if r.get("linears_share") is not None else "-"
             cells.append(f"{r['us']:11.1f} {speed:>6s} {roof:>5s} {share:>4s}")
         lines.append(f"{model:12s} {m:5d} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def forward_kernels(name: str, model, x) -> dict[str, float] | None:
+    """kdsl bench --model --kernels: the device µs of each GPU kernel in one captured forward of model
+    (kdsl.bench.profile), or None (said on stderr) where the profiler fails."""
+    try:
+        return profile.kernel_times(lambda: model(x))
+    except Exception as error:  # noqa: BLE001 - the breakdown is extra: the run goes on
+        print(f"  {name}: no kernel breakdown ({type(error).__name__}: {str(error).splitlines()[0][:120]})",
+              file=sys.stderr)
+        return None
+
+
+def format_model_kernels(rows: list[dict]) -> str:
+    """Each captured forward's device time by kernel (rows with kernels_us), against the forward's graph time."""
+    lines = ["== per-kernel device time of each captured forward (--kernels) =="]
+    for r in rows:
+        if r.get("kernels_us"):
+            lines += kernel_lines(f"{r['model']} M={r['m']}", r["kernels_us"], r["us"], "forward", most=8)
     return "\n".join(lines)
 
 

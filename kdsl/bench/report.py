@@ -217,16 +217,22 @@ def format_kernels(results: list[Result]) -> str:
             if t.kernels_us is None:
                 continue
             call_ms = t.graph_ms or t.eager_ms
-            total = sum(t.kernels_us.values())
-            head = f"{r.case.op} {r.case.label()} {name}: kernels {total:.1f} us"
-            lines.append(head + (f" of {call_ms * 1e3:.1f} us per call" if call_ms else ""))
-            items = list(t.kernels_us.items())
-            for kernel, us in items[:KERNEL_LINES]:
-                lines.append(f"    {us:9.2f} us  {kernel[:110]}")
-            rest = items[KERNEL_LINES:]
-            if rest:
-                lines.append(f"    {sum(us for _, us in rest):9.2f} us  ({len(rest)} more kernels)")
+            lines += kernel_lines(f"{r.case.op} {r.case.label()} {name}", t.kernels_us,
+                                  None if call_ms is None else call_ms * 1e3, "call")
     return ("== per-kernel device time (--kernels) ==\n" + "\n".join(lines)) if lines else ""
+
+
+def kernel_lines(head: str, kernels_us: dict[str, float], timed_us: float | None, per: str,
+                 most: int = KERNEL_LINES) -> list[str]:
+    """One implementation's breakdown: a head line (the kernels' sum against the timed `per` where there is one),
+    then its `most` largest kernels and the rest summed."""
+    total = sum(kernels_us.values())
+    lines = [f"{head}: kernels {total:.1f} us" + (f" of {timed_us:.1f} us per {per}" if timed_us else "")]
+    items = list(kernels_us.items())
+    lines += [f"    {us:9.2f} us  {kernel[:110]}" for kernel, us in items[:most]]
+    if items[most:]:
+        lines.append(f"    {sum(us for _, us in items[most:]):9.2f} us  ({len(items) - most} more kernels)")
+    return lines
 
 
 def summarize(results: list[Result]) -> dict[str, int]:
