@@ -292,30 +292,13 @@ def variant(name: str, shape: Shape, device: str = "cuda"):
     return model, dtype
 
 
-def _captured(fn, x):
-    """fn(x) captured in a CUDA graph (after warm-up calls on a side stream, as torch's docs do)."""
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn(x)
-    return graph
-
-
 def _runner(model, x, mode: str):
     """A callable that runs one forward of model on x in `mode`: the captured graph's replay, the eager model, or
     the model compiled with torch.compile(mode="reduce-overhead", fullgraph=True)."""
     import torch
 
     if mode == "graph":
-        graph = _captured(model, x)
-        return graph.replay
+        return profile.captured(lambda: model(x)).replay
     if mode == "eager":
         return lambda: model(x)
     compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)

@@ -39,24 +39,31 @@ def trace_events(trace: dict) -> list[tuple[str, float]]:
             for e in events]
 
 
-def _replayer(fn: Callable[[], object]) -> Callable[[], object]:
-    """A CUDA graph of fn, as a function that replays it; fn itself where capture fails."""
+def captured(fn: Callable[[], object]):
+    """fn's launches captured in a CUDA graph, after warm-up calls on a side stream (as torch's docs do)."""
     import torch
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def _replayer(fn: Callable[[], object]) -> Callable[[], object]:
+    """A CUDA graph of fn, as a function that replays it; fn itself where capture fails."""
+    import torch
+
     try:
-        with torch.cuda.stream(stream):
-            fn()  # warm-up on the capture stream (allocations, launch plans)
-            with torch.cuda.graph(graph, stream=stream):
-                fn()
+        return captured(fn).replay
     except Exception:  # noqa: BLE001 - not every op can be captured: profile its eager launches
-        torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         return fn
-    torch.cuda.current_stream().wait_stream(stream)
-    return graph.replay
 
 
 def kernel_times(fn: Callable[[], object], calls: int = 1, replays: int = REPLAYS) -> dict[str, float]:

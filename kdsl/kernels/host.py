@@ -24,6 +24,11 @@ def cdiv(n: int, d: int) -> int:
     return -(-n // d)
 
 
+def next_power_of_two(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1): tl.arange sizes and tiles that cover n."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 _SM_COUNT: dict = {}
 DESCRIBED_SM_COUNT = 132  # the SMs a launch described on meta tensors plans for: an H100's
 

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 
 from kdsl.kernels.base import Launch
-from kdsl.kernels.host import cdiv
+from kdsl.kernels.host import cdiv, next_power_of_two
 
 # Launch shapes of the routing and combine kernels: a few microseconds each at decode.
 # Assignments per program of the routing steps (a call of one chunk runs them in one program): the placing
@@ -17,10 +17,6 @@ ALIGN_CHUNK = 128
 ALIGN_SCAN_STEPS = dict(CHUNKS_PER_STEP=64, STEP=16)  # the scan's tiles: chunks' counts, blocks and rows per step
 ALIGN_SCAN_WARPS = 8  # the scan alone (13 us at T = 4096 on an H200); the one-program kernel keeps four
 COMBINE_COLS = 512  # hidden columns per program of the combine
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def routing_rows(assignments: int, num_experts: int, block_m: int) -> int:
@@ -67,7 +63,7 @@ def route(generated, topk_ids, num_experts: int, block_m: int, on_routed, one_bl
     max_rows = routing_rows(assignments, num_experts, block_m)
     max_blocks = max_rows // block_m
     chunks = cdiv(assignments, ALIGN_CHUNK)
-    experts_pad = max(16, _next_power_of_two(num_experts))
+    experts_pad = max(16, next_power_of_two(num_experts))
     index = torch.empty(max_rows + max_blocks + 2 + experts_pad + assignments + chunks * experts_pad,
                         dtype=torch.int32, device=topk_ids.device)
     rows, block_expert, meta, slot_rows, counts = index.split((max_rows, max_blocks, 2 + experts_pad, assignments,
@@ -77,7 +73,7 @@ def route(generated, topk_ids, num_experts: int, block_m: int, on_routed, one_bl
     scan = dict(BLOCK_M=block_m, EXPERTS_PAD=experts_pad, **ALIGN_SCAN_STEPS, num_warps=ALIGN_SCAN_WARPS)
     if chunks == 1:
         # One program: as many lanes as the assignments need.
-        lanes = max(16, _next_power_of_two(assignments))
+        lanes = max(16, next_power_of_two(assignments))
         yield Launch(generated.kernels["_align"], (1, 1, 1), (
             topk_ids, rows, block_expert, meta, slot_rows, counts, max_blocks, *counted),
             dict(scan, CHUNK=lanes, num_warps=4))

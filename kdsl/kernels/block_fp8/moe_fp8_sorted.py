@@ -17,7 +17,7 @@ from pydantic import Field
 
 from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
 from kdsl.kernels.block_fp8.fp8_gemm_portable import Options as GemmOptions
-from kdsl.kernels.host import cdiv
+from kdsl.kernels.host import cdiv, next_power_of_two
 from kdsl.kernels.moe_routing import combine, one_per_block, route
 
 FUSE_ACT_HELP = ("silu(gate) * up and its 1x128 quantization in the gate-up GEMM's epilogue (block_n = the activation "
@@ -98,7 +98,7 @@ def launch(generated, x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, y, on_rou
     xq = torch.empty((T, H), dtype=fp8, device=device)
     xs = torch.empty((T, H // act_group), dtype=torch.float32, device=device)
     # One token (decode): one row a program on one warp, 1.5 against 3.8 us for the eight-row tile (H200, T = 1).
-    quant_rows = min(QUANT_ROWS, 1 << max(T - 1, 0).bit_length())
+    quant_rows = min(QUANT_ROWS, next_power_of_two(T))
     yield Launch(kernels["_quant"], (cdiv(T, quant_rows), H // act_group, 1), (x, xq, xs, T, H, x.stride(0)),
                  dict(BLOCK_M=quant_rows, ROUND_FIRST=round_first, num_warps=1 if quant_rows == 1 else 2))
 
