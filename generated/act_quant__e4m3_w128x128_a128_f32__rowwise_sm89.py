@@ -3,7 +3,7 @@
 # module: act_quant__e4m3_w128x128_a128_f32__rowwise_sm89 (act_quant/rowwise: per-token, per-group amax scaling to e4m3)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: dab2db5b082437f1 (sha256 of its schemes, variant and templates)
+# digest: 6b6e0a40678bf333 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl

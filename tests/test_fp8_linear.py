@@ -232,10 +232,11 @@ def test_gpu_matches_the_reference(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [64, 512])
+@pytest.mark.parametrize("m", [1, 16, 64, 512])
 def test_gpu_act_quant_fp8_gemm_is_one_plan_with_the_two_ops_results(m):
-    """FP8Linear's path above the fused rows: one launch plan for act_quant and fp8_gemm, recorded on the first call
-    and replayed after, bit for bit with the two ops called apart, on new data too; NaN and inf rows stay NaN."""
+    """FP8Linear's path (above the fused rows, and in CUDA graphs at every M): one launch plan for act_quant and
+    fp8_gemm, recorded on the first call and replayed after, bit for bit with the two ops called apart, on new data
+    too; NaN and inf rows stay NaN."""
     from kdsl.ops.block_fp8 import act_quant_fp8_gemm
 
     cuda = torch.device("cuda")
@@ -250,6 +251,38 @@ def test_gpu_act_quant_fp8_gemm_is_one_plan_with_the_two_ops_results(m):
         kept = [plan for key, plan in registry.plans.items() if key[0] == "act_quant+fp8_gemm"]
         assert len(kept) == 1 and kept[0], call
     assert y[0].isnan().all() and y[-1].isnan().all() and not y[1:-1].isnan().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_gpu_act_quant_fp8_gemm_in_a_cuda_graph_matches_the_two_ops(m):
+    """Captured in a CUDA graph (as a whole-model graph holds FP8Linear at decode), the pair gives the two ops'
+    bits on every replay with new x, over several layers' distinct weights."""
+    from kdsl.ops.block_fp8 import act_quant_fp8_gemm
+
+    cuda = torch.device("cuda")
+    shapes = ((4096, 4096), (2112, 7168), (4096, 4096))
+    layers = [weights(n, k, device=cuda, seed=i) for i, (n, k) in enumerate(shapes)]
+    x = activations((m, 4096), torch.bfloat16, device=cuda)
+
+    def forward():
+        h = act_quant_fp8_gemm(x, *layers[0], 128, torch.bfloat16)
+        h = act_quant_fp8_gemm(torch.cat([h, h[:, :3072]], dim=1), *layers[1], 128, torch.bfloat16)
+        return act_quant_fp8_gemm(torch.cat([h, h[:, :1984]], dim=1), *layers[2], 128, torch.bfloat16)
+
+    def apart():
+        h = kdsl.ops.fp8_gemm(*kdsl.ops.act_quant(x), *layers[0])
+        h = kdsl.ops.fp8_gemm(*kdsl.ops.act_quant(torch.cat([h, h[:, :3072]], dim=1)), *layers[1])
+        return kdsl.ops.fp8_gemm(*kdsl.ops.act_quant(torch.cat([h, h[:, :1984]], dim=1)), *layers[2])
+
+    forward()  # compiled and planned outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = forward()
+    for replay in range(3):
+        x.copy_(activations((m, 4096), torch.bfloat16, device=cuda, seed=2 + replay))
+        graph.replay()
+        assert torch.equal(bits(y), bits(apart()))
 
 
 # --- the module ---------------------------------------------------------------------------------
