@@ -814,7 +814,9 @@ def test_load_serves_exported_launches_through_the_launcher(exported, manifest, 
             ("*bf16", "D"), ("*fp8e4nv", "D"), ("*fp32", "D"), ("i32", "D"), ("i32", "D"), ("i32", "D")]
         assert grid == (4, 2, 1) and threads == 32 * tile["num_warps"]
         assert arguments == [x.data_ptr(), q.data_ptr(), s.data_ptr(), 32, 256, 256] + [0] * spec["hidden"]
-        launcher.run(Launch(kernel, (4, 2), (x, q, s, 1, 256, 256), options))  # M = 1 compiled in: not passed
+        one_row = entry.tile_for(1)  # M = 1 has a tile of its own, and M = 1 compiled in: not passed
+        launcher.run(Launch(kernel, (1, 2), (x, q, s, 1, 256, 256),
+                            dict(options, BLOCK_M=one_row["BLOCK_M"], num_warps=one_row["num_warps"])))
         assert launches[-1][3] == [x.data_ptr(), q.data_ptr(), s.data_ptr(), 256, 256] + [0] * spec["hidden"]
         launcher.run(Launch(kernel, (4, 2), (x, q, s, 32, 256, 256), {**options, "BLOCK_M": 64}))  # never exported
         assert len(jitted) == 1 and len(launches) == 2

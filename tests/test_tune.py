@@ -778,16 +778,19 @@ def test_inline_tiles_are_rewritten_in_place(defs_copy):
     old = path.read_text()
     lo, hi = _variant_line_range(old, index)
     inline = [x for x in old.splitlines(keepends=True)[lo:hi] if x.startswith("tiles = [{")]
-    assert len(inline) == 1, "kernel_defs' act_quant variant is the inline `tiles = [{...}]` case"
+    assert len(inline) == 1, "kernel_defs' act_quant variant is the inline `tiles = [{...}, {...}]` case"
     line = inline[0]
-    tile = Tile(block_m=2 * variant.tiles[0].block_m, num_warps=8 if variant.tiles[0].num_warps != 8 else 4)
-    write.write_tiles(path, "act_quant", "rowwise", "sm_89", [tile], NOTE)
+    one_row, rows = variant.tiles
+    tiles = [Tile(m_max=one_row.m_max, block_m=one_row.block_m, num_warps=2 * one_row.num_warps),
+             Tile(block_m=2 * rows.block_m, num_warps=8 if rows.num_warps != 8 else 4)]
+    write.write_tiles(path, "act_quant", "rowwise", "sm_89", tiles, NOTE)
     new = path.read_text()
     rest = line[line.index("}]") + 2:]  # the line's trailing comment and newline
-    assert new == old.replace(line, f"{NOTE}\ntiles = [{write.inline_table(tile)}]{rest}", 1)
+    array = "[\n" + "".join(f"    {write.inline_table(tile)},\n" for tile in tiles) + "]"
+    assert new == old.replace(line, f"{NOTE}\ntiles = {array}{rest}", 1)
     _changed_lines_within(old, new, lo, hi)
     reloaded = {d.path.name: d for d in load_definitions(defs_copy)}[path.name]
-    assert list(reloaded.definition.variants[index].tiles) == [tile]
+    assert list(reloaded.definition.variants[index].tiles) == tiles
 
 
 MULTILINE = '''\
