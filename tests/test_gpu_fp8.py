@@ -74,7 +74,7 @@ def test_registry_picks_the_right_gemm_kernel():
         assert (entry.min_arch, entry.max_arch) == (90, 90)
 
 
-@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("m", [*MS, 2, 3, 4])  # act_quant's decode tiles: 1, 2 and 4 rows a program
 @pytest.mark.parametrize("k", sorted({k for _, k in SHAPES}))
 def test_act_quant(m, k, launched):
     x = (torch.randn(m, k, device=CUDA) * 2.0).to(torch.bfloat16)

@@ -72,7 +72,8 @@ def random_activations(shape, dtype) -> torch.Tensor:
 # act_quant
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-@pytest.mark.parametrize("shape", [(1, 128), (3, 5, 256), (17, 384), (384,)])
+# Row counts of each tile (1, 2, 4 and 8 rows a program) and with rows left over in the last program.
+@pytest.mark.parametrize("shape", [(1, 128), (2, 256), (3, 128), (4, 256), (3, 5, 256), (17, 384), (384,)])
 def test_act_quant_matches_reference(shape, dtype, launched):
     x = random_activations(shape, dtype)
     q, s = kdsl.ops.act_quant(x)

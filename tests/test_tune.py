@@ -777,17 +777,17 @@ def test_inline_tiles_are_rewritten_in_place(defs_copy):
     path = loaded.path
     old = path.read_text()
     lo, hi = _variant_line_range(old, index)
-    inline = [x for x in old.splitlines(keepends=True)[lo:hi] if x.startswith("tiles = [{")]
-    assert len(inline) == 1, "kernel_defs' act_quant variant is the inline `tiles = [{...}, {...}]` case"
-    line = inline[0]
-    one_row, rows = variant.tiles
-    tiles = [Tile(m_max=one_row.m_max, block_m=one_row.block_m, num_warps=2 * one_row.num_warps),
-             Tile(block_m=2 * rows.block_m, num_warps=8 if rows.num_warps != 8 else 4)]
+    lines = old.splitlines(keepends=True)[lo:hi]
+    first = [i for i, x in enumerate(lines) if x.startswith("tiles = [{")]
+    assert len(first) == 1, "kernel_defs' act_quant variant is the inline `tiles = [{...}, ...]` case"
+    last = next(i for i in range(first[0], len(lines)) if "}]" in lines[i])
+    array_text = "".join(lines[first[0]:last + 1])
+    tiles = [Tile(m_max=t.m_max, block_m=t.block_m, num_warps=2 * t.num_warps) for t in variant.tiles]
     write.write_tiles(path, "act_quant", "rowwise", "sm_89", tiles, NOTE)
     new = path.read_text()
-    rest = line[line.index("}]") + 2:]  # the line's trailing comment and newline
+    rest = lines[last][lines[last].index("}]") + 2:]  # the array's trailing comment and newline
     array = "[\n" + "".join(f"    {write.inline_table(tile)},\n" for tile in tiles) + "]"
-    assert new == old.replace(line, f"{NOTE}\ntiles = {array}{rest}", 1)
+    assert new == old.replace(array_text, f"{NOTE}\ntiles = {array}{rest}", 1)
     _changed_lines_within(old, new, lo, hi)
     reloaded = {d.path.name: d for d in load_definitions(defs_copy)}[path.name]
     assert list(reloaded.definition.variants[index].tiles) == tiles
