@@ -3,10 +3,11 @@
 # module: silu_mul__e4m3_w128x128_a128_f32__rowwise_sm80 (silu_mul/rowwise: silu(gate) * up in fp32, rounded once to the input's dtype)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_80 and up
-# digest: 544c51dfba6d6e55 (sha256 of its schemes, variant and templates)
+# digest: e9d7a9abb5b6864e (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -18,8 +19,16 @@ def _silu_mul(gate, up):
 @triton.jit
 def silu_mul__e4m3_w128x128_a128_f32__rowwise_sm80(
     gu_ptr, h_ptr, M, I, stride_gum, stride_hm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr, RELEASE: tl.constexpr,
 ):
-    """One program: BLOCK_M rows x BLOCK_N columns of h = silu(gate) * up, rounded once to h's dtype."""
+    """One program: BLOCK_M rows x BLOCK_N columns of h = silu(gate) * up, rounded once to h's dtype.
+    RELEASE (sm_90+): the kernel after it may be a programmatic dependent launch (the down GEMM): let it be
+    placed at once; it waits for this kernel before reading h. PDL: this is one of the kernel before it, which
+    writes gate_up: wait for it before reading."""
+    if RELEASE:
+        gdc_launch_dependents()
+    if PDL:
+        gdc_wait()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)

@@ -3,7 +3,7 @@
 # module: silu_mul_quant__e4m3_w128x128_a128_f32__rowwise_sm89 (silu_mul_quant/rowwise: silu(gate) * up in fp32, quantized per token and group to e4m3 (act_quant's rule))
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 1145fc9e4a061abe (sha256 of its schemes, variant and templates)
+# digest: a60fb3e938d0af60 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl

@@ -3,7 +3,7 @@
 # module: w4a16_gemm__int4__gemv_mma_gluon_sm90 (w4a16_gemm/gemv_mma_gluon: W4A16 GEMV for M <= 8 on mma.sync (Gluon): 16 columns per program, its warps splitting K)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_90 .. sm_90
-# digest: c7ea0f094394a50e (sha256 of its schemes, variant and templates)
+# digest: 9353adf7d637ac6c (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl

@@ -225,6 +225,51 @@ def test_prepared_act_order_dependent_launch_waits_for_the_gather(checkpoints, m
         assert err < TOL, f"replay {seed}: rel err {err:.3g} (x read before the kernel writing it or the gather finished?)"
 
 
+@pytest.mark.parametrize("m", [1, 4])
+def test_silu_mul_and_plain_gemm_dependent_launches_wait_for_their_inputs(checkpoints, monkeypatch, m):
+    """A W4A16 MLP's decode chain: silu_mul launched programmatically dependent on the kernel that writes gate_up
+    (its tile's pdl) and releasing the kernel after it at once; the plain GEMM (no act-order) on h launched
+    dependent on silu_mul (its tile's plain_pdl). Inside a CUDA graph replayed with a new source each time, a
+    kernel that read early would see the previous replay's gate_up or h."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launches need sm_90+")
+    inter, n = 4096, 8192
+    ck = checkpoints(inter, n)
+    prepared = kdsl.ops.gptq_prepare(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"], bits=4, group_size=128)
+    gemm = registry.dispatch("w4a16_gemm", prepared.scheme, torch.device("cuda"))
+    act = kdsl.registry.select("silu_mul", arch="sm_90")
+    call = registry.Call(m=m, n=n, contiguous_groups=prepared.contiguous_groups)
+    if not (gemm.tile_for(m, n, call).get("plain_pdl")
+            and act.tile_for(m).get("pdl")):
+        pytest.skip(f"the tiles for M = {m} take no dependent launch")
+    dependent = []
+    for kernel_module in [*gemm.modules.values(), *act.modules.values()]:
+        def spy(original, _name=kernel_module.kernel_name):
+            def launch(*args, **kwargs):
+                dependent.append((_name.split("__")[0], kwargs.get("dependent", False)))
+                return original(*args, **kwargs)
+            return launch
+        wrap_launch(monkeypatch, kernel_module, spy)
+    kdsl.registry.plans.clear()
+    monkeypatch.setattr(kdsl.ops._plan, "RECORD", False)
+    gate_up = torch.zeros(m, 2 * inter, dtype=torch.float16, device="cuda")
+    kdsl.ops.gptq_gemm(kdsl.ops.silu_mul(gate_up), prepared)
+    assert dependent == [("silu_mul", True), ("w4a16_gemm", True)], dependent
+    source = torch.zeros_like(gate_up)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.mul(source, 1, out=gate_up)  # a kernel writing gate_up right before silu_mul
+        y = kdsl.ops.gptq_gemm(kdsl.ops.silu_mul(gate_up), prepared)
+    for seed in range(4):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        source.copy_(torch.randn(m, 2 * inter, generator=gen, device="cuda") * 2)
+        graph.replay()
+        g, u = source.float()[:, :inter], source.float()[:, inter:]
+        h = (g / (1.0 + torch.exp(-g)) * u).half().float()  # silu_mul rounds h once, to gate_up's dtype
+        err = ref.rel_fro_error(y, h @ ck["w"])
+        assert err < TOL, f"replay {seed}: rel err {err:.3g} (gate_up or h read before the kernel writing it finished?)"
+
+
 def test_a_tile_that_refuses_act_order_refuses_a_permutation(checkpoints):
     """The Gluon TMA tile cannot follow perm: launched with one anyway it raises, never an unpermuted product."""
     ck = checkpoints(4096, 4096, g_idx="perm")

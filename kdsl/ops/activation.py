@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from kdsl.kernels.host import dependent_launches
 from kdsl.ops import _checks as check
 from kdsl.ops import _plan, fallback
 from kdsl.ops._examples import empty
@@ -110,8 +111,10 @@ def _silu_mul_impl(gate_up: torch.Tensor) -> torch.Tensor:
         return fallback.silu_mul(gate_up).contiguous()
     entry = registry.dispatch("silu_mul", scheme, gate_up.device)
     rows = _rows(gate_up)
+    tile = entry.tile_for(rows.shape[0])
     with _plan.Recorder(entry.load() if plan is None else None) as rec:
-        entry.launch(rows, h.view(-1, h.shape[-1]), entry.tile_for(rows.shape[0]))
+        entry.launch(rows, h.view(-1, h.shape[-1]), tile,
+                     dependent=tile.get("pdl") is True and dependent_launches(gate_up.device))
     _plan.store(key, rec, (gate_up,), (h,))
     return h
 

@@ -362,7 +362,8 @@ def _w4a16_gemm_impl(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
             kernel_module.run(gather_columns, x2, perm, gathered, tile.get("gather_pdl") is True)
         kernel_module.launch(x2 if gathered is None else gathered, None, prepared.qweight, prepared.zeros,
                              prepared.scales, prepared.groups, prepared.contiguous_groups, y.view(-1, n), tile,
-                             dependent=gathered is not None and tile.get("pdl") is True and dependent_launches(device))
+                             dependent=tile.get("plain_pdl" if gathered is None else "pdl") is True
+                             and dependent_launches(device))
     _plan.store(key, rec, (x, prepared.perm, prepared.qweight, prepared.zeros, prepared.scales, prepared.groups),
                 (y,) if gathered is None else (y, gathered))
     return y

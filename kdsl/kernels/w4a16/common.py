@@ -30,12 +30,18 @@ GATHER_PDL_HELP = ("act-order calls: the gather of x is a programmatic dependent
                    "GPUs only")
 
 
+PLAIN_PDL_HELP = ("calls without act-order: the kernel is a programmatic dependent launch of the kernel before it "
+                  "(whatever wrote x: in a W4A16 MLP, silu_mul, which releases it at once), so its programs are "
+                  "placed while that kernel runs; they wait for it before reading x; sm_90 and later GPUs only")
+
+
 class PdlOptions(StrictModel):
     """Whether act-order calls launch the kernel dependent on the gather before it, and the gather dependent on the
-    kernel before that."""
+    kernel before that; whether plain calls launch it dependent on the kernel before them."""
 
     pdl: bool = Field(False, description=PDL_HELP)
     gather_pdl: bool = Field(False, description=GATHER_PDL_HELP)
+    plain_pdl: bool = Field(False, description=PLAIN_PDL_HELP)
 
 
 class SplitPdlOptions(PdlOptions, SplitOptions):
