@@ -3,7 +3,7 @@
 # module: silu_mul_quant__e4m3_w128x128_a128_f32__rowwise_sm89 (silu_mul_quant/rowwise: silu(gate) * up in fp32, quantized per token and group to e4m3 (act_quant's rule))
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: a60fb3e938d0af60 (sha256 of its schemes, variant and templates)
+# digest: 1ab7811f07470416 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -82,9 +82,11 @@ def silu_mul_quant__e4m3_w128x128_a128_f32__rowwise_sm89(
     cols = pid_g * GROUP + tl.arange(0, GROUP)
     row_ok = rows < M
 
+    # Rows past M read 1.0, not 0.0: their codes are never stored, and quantizing all-zero rows is slow (act_quant's
+    # template says what that measured).
     gate_ptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
-    gate = tl.load(gate_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    up = tl.load(gate_ptrs + I, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptrs, mask=row_ok[:, None], other=1.0).to(tl.float32)
+    up = tl.load(gate_ptrs + I, mask=row_ok[:, None], other=1.0).to(tl.float32)
     q, scale = _quantize_groups(_silu_mul(gate, up), q_ptr.dtype.element_ty, ROUND_FIRST)
 
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=row_ok[:, None])
