@@ -3,7 +3,7 @@
 # module: silu_mul__e4m3_w128x128_a128_f32__rowwise_sm80 (silu_mul/rowwise: silu(gate) * up in fp32, rounded once to the input's dtype)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_80 and up
-# digest: abd6ea139df56246 (sha256 of its schemes, variant and templates)
+# digest: 67444aa87ce6f9c0 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
