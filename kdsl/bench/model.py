@@ -495,12 +495,10 @@ def format_model_table(rows: list[dict], name: str) -> str:
 def forward_kernels(name: str, model, x) -> dict[str, float] | None:
     """kdsl bench --model --kernels: the device µs of each GPU kernel in one captured forward of model
     (kdsl.bench.profile), or None (said on stderr) where the profiler fails."""
-    try:
-        return profile.kernel_times(lambda: model(x))
-    except Exception as error:  # noqa: BLE001 - the breakdown is extra: the run goes on
-        print(f"  {name}: no kernel breakdown ({type(error).__name__}: {str(error).splitlines()[0][:120]})",
-              file=sys.stderr)
-        return None
+    times, why = profile.kernel_times_or_why(lambda: model(x))
+    if why:
+        print(f"  {name}: no kernel breakdown ({why})", file=sys.stderr)
+    return times
 
 
 def format_model_kernels(rows: list[dict]) -> str:

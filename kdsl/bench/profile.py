@@ -89,3 +89,13 @@ def kernel_times(fn: Callable[[], object], calls: int = 1, replays: int = REPLAY
     finally:
         os.unlink(path)
     return per_call_totals(trace_events(trace), replays, calls)
+
+
+def kernel_times_or_why(fn: Callable[[], object], calls: int = 1) -> tuple[dict[str, float] | None, str | None]:
+    """(kernel_times(fn, calls), None), or (None, why) where the profiler fails: a breakdown is extra, so the
+    caller says why on its own progress line and the run goes on."""
+    try:
+        return kernel_times(fn, calls), None
+    except Exception as error:  # noqa: BLE001 - e.g. no CUPTI on this machine
+        first = str(error).strip().splitlines()
+        return None, f"{type(error).__name__}: {first[0][:300] if first else ''}"

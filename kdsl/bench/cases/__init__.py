@@ -57,13 +57,11 @@ def graph_timed(case: Case) -> bool:
 
 
 def _kernel_times(case: Case, impl: str, fn, calls: int) -> dict[str, float] | None:
-    """kdsl.bench.profile.kernel_times, or None (said on stderr) where the profiler fails: the breakdown is extra."""
-    try:
-        return profile.kernel_times(fn, calls)
-    except Exception as exc:  # noqa: BLE001
-        print(f"\nkdsl bench: no kernel breakdown for {case.op} {case.label()} {impl}: {timing.describe(exc)}",
-              file=sys.stderr)
-        return None
+    """fn's breakdown by kernel, or None (said on stderr, past the open progress line) where the profiler fails."""
+    times, why = profile.kernel_times_or_why(fn, calls)
+    if why:
+        print(f"\nkdsl bench: no kernel breakdown for {case.op} {case.label()} {impl}: {why}", file=sys.stderr)
+    return times
 
 
 def run_case(case: Case, host_time: bool = True, kernels: bool = False) -> list[Result]:

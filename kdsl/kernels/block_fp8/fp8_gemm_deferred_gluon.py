@@ -62,7 +62,7 @@ def edge_tiles(M: int, N: int, tile: dict, sms: int) -> tuple[int, int, int]:
     edge = N % bn
     slots = sms * (tile["split_fill"] or SPLIT_FILL)
     if tile["edge_tiles"] and edge and N > edge:
-        edge_n = max(16, 1 << (edge - 1).bit_length())  # 16: a TMA row of bf16 is at least 32 bytes
+        edge_n = max(16, host.next_power_of_two(edge))  # 16: a TMA row of bf16 is at least 32 bytes
         # Edge tiles per spare round, by width. On the H100 a half-width one takes about 0.9 of a whole tile's
         # time (from the kernel's total: 3 whole + 2 edge tiles ran 134 us where 5 rounds ran 139-141), so those
         # programs end late, but before an added round would.

@@ -85,7 +85,7 @@ def gather_columns(generated, x, perm, out, dependent: bool = False):
     perm lookup per element (HAS_PERM, which the AOT C ABI keeps) made the GEMMs' x loads wait on it (H200,
     M = 1-256: 1.4-28x the plain layer's time, against 1.2-1.5x with a gather)."""
     M, K = x.shape
-    k_pow2 = 1 << max(K - 1, 0).bit_length()
+    k_pow2 = host.next_power_of_two(K)
     # Each program reads its whole row and permutes it through shared memory, so a row's columns are split over
     # several programs only where rows alone leave the SMs idle (H200, K = 14336: M = 256 took 14 us in blocks
     # of 1024 columns).

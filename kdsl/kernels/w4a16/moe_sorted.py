@@ -18,7 +18,7 @@ import torch
 
 from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, Launch
 from kdsl.kernels.block_fp8.fp8_gemm_portable import Options
-from kdsl.kernels.host import cdiv
+from kdsl.kernels.host import cdiv, next_power_of_two
 from kdsl.kernels.moe_routing import combine, one_per_block, route
 from kdsl.kernels.w4a16.common import MAGIC, needs_layout
 
@@ -43,7 +43,7 @@ def _gather(generated, src, perm, rows, block_expert, meta, topk: int, block_m: 
     order, one gather kernel launch over all max_rows rows (those past the rows used return)."""
     segments, k = perm.shape[1], perm.shape[2]
     dst = torch.empty((segments, rows.shape[0], k), dtype=src.dtype, device=src.device)
-    k_pad = 1 << (k - 1).bit_length()
+    k_pad = next_power_of_two(k)
     return dst, Launch(generated.kernels["_gather"], (rows.shape[0], 1, 1), (
         src, perm, dst, rows, block_expert, meta, k, topk, src.stride(0), perm.stride(0), perm.stride(1),
         dst.stride(0), dst.stride(1),
