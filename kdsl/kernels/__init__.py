@@ -10,7 +10,7 @@ from kdsl.kernels import block_fp8, gptq, w4a16  # noqa: F401  (families)
 from kdsl.kernels.base import GEMM_KNOBS, KernelImpl, NoOptions
 from kdsl.kernels.block_fp8 import (fp8_bmm_portable, fp8_bmm_tma_sm90, fp8_gemm_deferred_gluon, fp8_gemm_portable,
                                     fp8_gemm_tma_persistent, fp8_grouped_gemm_portable, fp8_linear_portable,
-                                    moe_fp8_sorted, moe_fp8_sorted_gluon, quant, silu_mul)
+                                    moe_fp8_sorted, moe_fp8_sorted_gluon, quant, rms_norm, silu_mul)
 from kdsl.kernels.gptq import checkpoint
 from kdsl.kernels.w4a16 import dequant, gemv, gemv_mma_gluon, mma, moe_sorted, overlap_gluon, planes_mma
 
@@ -19,7 +19,7 @@ BASE_KNOBS = frozenset({"m_max", "num_warps"})
 
 CATALOGUE: tuple[KernelImpl, ...] = (
     quant.ACT_QUANT_ROWWISE, quant.WEIGHT_QUANT_BLOCKWISE, quant.WEIGHT_DEQUANT_BLOCKWISE,
-    silu_mul.SILU_MUL, silu_mul.SILU_MUL_QUANT,
+    silu_mul.SILU_MUL, silu_mul.SILU_MUL_QUANT, rms_norm.RMS_NORM,
     fp8_gemm_portable.IMPL, fp8_gemm_tma_persistent.IMPL, fp8_gemm_deferred_gluon.IMPL,
     fp8_bmm_portable.IMPL, fp8_bmm_tma_sm90.IMPL,
     fp8_linear_portable.IMPL,

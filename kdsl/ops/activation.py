@@ -52,20 +52,10 @@ def _half(gate_up: torch.Tensor) -> int:
     return width // 2
 
 
-def _silu_mul_scheme() -> str:
-    """The scheme of the served silu_mul kernel (it reads none of its fields): the first by name."""
-    found = registry.memo(("silu_mul", "any scheme"), lambda: next(iter(registry.scheme_fields("silu_mul")), None))
-    if found is None:
-        raise registry.SchemeNotServedError(
-            "silu_mul", "any", "silu_mul: no generated kernel serves it (add a silu_mul variant to a definition "
-            "and run `kdsl generate`)")
-    return found
-
-
 def _silu_mul_outputs(gate_up: torch.Tensor) -> tuple[str, torch.Tensor]:
     """silu_mul's checks and its empty output (the fake kernel under torch.compile too)."""
     inter = _half(gate_up)
-    return _silu_mul_scheme(), gate_up.new_empty((*gate_up.shape[:-1], inter))
+    return registry.any_scheme("silu_mul"), gate_up.new_empty((*gate_up.shape[:-1], inter))
 
 
 def _silu_mul_quant_outputs(gate_up: torch.Tensor, group_size: int) -> tuple[str, torch.Tensor, torch.Tensor]:

@@ -144,6 +144,12 @@ def moe_fp8(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, act_group: int, blo
     return y.to(x.dtype)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in fp32, rounded once to x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up in fp32 (gate_up's first half, then its second), rounded once to gate_up's dtype."""
     inter = gate_up.shape[-1] // 2

@@ -193,6 +193,16 @@ def memo(key, compute):
     return cache[key]
 
 
+def any_scheme(op: str) -> str:
+    """The scheme of the served kernels of an op that reads none of its scheme's fields (silu_mul, rms_norm: every
+    kernel belongs to a scheme): the first by name; SchemeNotServedError where no generated kernel serves the op."""
+    found = memo((op, "any scheme"), lambda: next(iter(scheme_fields(op)), None))
+    if found is None:
+        raise SchemeNotServedError(op, "any", f"{op}: no generated kernel serves it (add a {op} variant to a definition "
+                                              "and run `kdsl generate`)")
+    return found
+
+
 def require_scheme(op: str, scheme: str, asked: str) -> None:
     """Refuse a scheme no generated kernel serves, the same way whether kernels or the torch fallback
     would run. `asked` names the arguments that chose the scheme, e.g. "group_size = 64"."""
