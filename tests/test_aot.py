@@ -1046,6 +1046,43 @@ def _w4a16_ci_problems():
                        contiguous_groups=contiguous, x_dtype="f16")
 
 
+def test_an_alternative_only_refused_calls_reach_is_planned_from_those_calls(tmp_path):
+    """A definition's alternative tile (the same m_max as the tile before it) that no representative size reaches,
+    only the calls its predecessor refuses (here groups that change inside a plane tile, which the Gluon GEMV
+    refuses): its specializations take the constexprs those calls take. Planned from every declared value of each
+    run-time constexpr instead, planes_mma got ASM_DEQUANT without UNIFORM_GROUP, which does not compile."""
+    from kdsl.codegen import plan_kernels, render_all, write
+    from kdsl.schema import load_definitions
+
+    defs = tmp_path / "defs"
+    defs.mkdir()
+    text = (Path(__file__).resolve().parents[1] / "kernel_defs" / "w4a16.toml").read_text()
+    anchor = "options = { pdl = true, gather_pdl = true, plain_pdl = true }\n\n# split_k is an upper bound"
+    assert text.count(anchor) == 1  # after the M = 2-8 GEMV tile: its alternative, a planes_mma tile of 8 rows
+    alternative = ("[[variants.tiles]]\nm_max = 8\nblock_m = 16\nblock_n = 128\nblock_k = 128\nsplit_k = 8\n"
+                   "num_warps = 4\nnum_stages = 4\noptions = { split_min_steps = 8 }\n\n")
+    (defs / "w4a16.toml").write_text(text.replace(anchor, anchor.replace("# split_k", alternative + "# split_k")))
+    write(render_all(plan_kernels(load_definitions(defs))), tmp_path / "kernels")
+    kdsl.registry.add_generated(tmp_path / "kernels")
+    try:
+        tiles = kdsl.registry.select("w4a16_gemm", "w4a16.int4.g128", arch="sm_90").tiles
+        [alternative_bucket] = [i for i in range(1, len(tiles)) if tiles[i].m_max == 8 and tiles[i].n_min is None
+                                and tiles[i - 1].params["impl"] == "gemv_mma_gluon"
+                                and tiles[i].params["impl"] == "planes_mma"]
+        result = plan([90], ["w4a16_gemm"], schemes=["w4a16.int4.g128"], generic_only=True,
+                      problems={"w4a16_gemm": _w4a16_ci_problems})
+    finally:
+        kdsl.registry.remove_generated(tmp_path / "kernels")
+    # The calls the GEMV refuses reach the alternative: groups that are not uniform over a plane tile (and, with
+    # uniform groups, a K the GEMV has no cubin for).
+    reached = [s.constexprs for s in result.specs if s.bucket == alternative_bucket]
+    assert any(not runtime["UNIFORM_GROUP"] for runtime in reached), reached
+    for spec in (s for s in result.specs if s.impl == "planes_mma"):
+        runtime = spec.constexprs
+        assert runtime["ASM_DEQUANT"] == runtime["UNIFORM_GROUP"], (spec.name, runtime)
+        assert not runtime["SCALE_AFTER"] or runtime["UNIFORM_GROUP"], (spec.name, runtime)
+
+
 @pytest.fixture(scope="module")
 def exported_w4a16(tmp_path_factory):
     """w4a16_gemm, f16, for sm_80 (mma + gemv) and sm_90 (planes_mma + gemv + the Gluon gemv_mma_gluon and

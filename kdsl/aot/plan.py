@@ -410,8 +410,14 @@ def _enumerate(abi: abis.OpAbi, entry, arch: int, dtypes, generic_only: bool, pr
         reaching = [p for p in problems
                     if route(abi, entry, p) == bucket_index]
         if not reaching:  # no representative size reaches this tile: the problems moved to its M and N bounds
-            reaching = [p for p in _moved(abi, entry, bucket_index, problems)
-                        if route(abi, entry, p) == bucket_index]
+            moved = _moved(abi, entry, bucket_index, problems)
+            reaching = [p for p in moved if route(abi, entry, p) == bucket_index]
+            if not reaching:
+                # A tile only the calls its predecessors refuse reach (an alternative): the moved problems with their
+                # flag arguments varied. Without a problem, every declared value of each run-time constexpr would be
+                # combined with every other (below), values that one call never takes together and that need not
+                # compile (planes_mma's ASM_DEQUANT without UNIFORM_GROUP).
+                reaching = [p for p in _flag_variants(abi, moved) if route(abi, entry, p) == bucket_index]
         for problem in reaching:
             problem_dtypes = {a: problem[a] for a in abi.dtype_choices}
             if problem_dtypes not in combos:
@@ -481,6 +487,14 @@ def _enumerate(abi: abis.OpAbi, entry, arch: int, dtypes, generic_only: bool, pr
                                     params=params, variant=[int(runtime[n]) for n, *_ in launch.runtime_constexprs],
                                     **fixed)
     return list(wanted.values())
+
+
+def _flag_variants(abi: abis.OpAbi, problems: list) -> list:
+    """Each problem with every combination of the op's flag arguments (abi.call_flags)."""
+    variants = problems
+    for argument, choices in (abi.call_flags or {}).items():
+        variants = [{**p, argument: value} for p in variants for value in choices]
+    return variants
 
 
 def _moved(abi: abis.OpAbi, entry, index: int, problems: list) -> list:
