@@ -3,7 +3,7 @@
 # module: rms_norm__e4m3_w128x128_a128_f32__rowwise_sm80 (rms_norm/rowwise: x * rsqrt(mean(x^2) + eps) * weight in fp32, rounded once to x's dtype, whole rows per program)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_80 and up
-# digest: abfa64efca900797 (sha256 of its schemes, variant and templates)
+# digest: d93b3dafa0cbd758 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -12,9 +12,12 @@ import triton.language as tl
 @triton.jit
 def rms_norm__e4m3_w128x128_a128_f32__rowwise_sm80(
     x_ptr, w_ptr, y_ptr, M, H, stride_xm, stride_ym, eps, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+    ROUND_NORMALIZED: tl.constexpr,
 ):
-    """One program: BLOCK_M whole rows of y = x * rsqrt(mean(x^2) + eps) * w, in fp32, rounded once to y's dtype.
-    A row is loaded once and stays in registers (BLOCK_H covers H), so a decode row costs one read of x and w."""
+    """One program: BLOCK_M whole rows of y = x * rsqrt(mean(x^2) + eps) * w, in fp32, rounded once to y's dtype
+    (ROUND_NORMALIZED: x * rsqrt(...) rounded to y's dtype before the weight too, as transformers' Llama-family
+    norms compute it). A row is loaded once and stays in registers (BLOCK_H covers H), so a decode row costs one
+    read of x and w."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     col_ok = cols < H
@@ -22,5 +25,8 @@ def rms_norm__e4m3_w128x128_a128_f32__rowwise_sm80(
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / H + eps)
-    y = x * inv_rms[:, None] * w[None, :]
+    y = x * inv_rms[:, None]
+    if ROUND_NORMALIZED:
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+    y = y * w[None, :]
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from kdsl.nn.convert import _swap
+from kdsl.nn.norm import swap_transformers_norms
 from kdsl.nn.schemes import CheckpointError, LayerFormat, handler_for
 from kdsl.nn.schemes.base import ACT_DTYPES
 from kdsl.parallel import ColumnParallelLinear, ParallelMLP, RowParallelLinear
@@ -389,9 +390,13 @@ def load_quantized(model: nn.Module, path, device=None, *, dtype: torch.dtype | 
     return model
 
 
-def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, **config_kwargs) -> nn.Module:
+def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, fused_norms: bool = True,
+                    **config_kwargs) -> nn.Module:
     """A transformers causal LM built from the checkpoint folder's config.json (AutoModelForCausalLM.from_config:
     nothing is downloaded) in `dtype` on `device`, with every quantized linear loaded by load_quantized.
+
+    fused_norms: transformers' Llama-family RMSNorms (kdsl.nn.norm.TRANSFORMERS_LLAMA_NORMS; several torch kernels each)
+    become kdsl.nn.RMSNorm, one kernel computing the same roundings; other norms stay as they are.
 
     Needs transformers (`pip install kdsl[hf]`). The architecture is built dense first, so `device` must hold
     the unquantized model for a moment; each quantized linear then replaces its dense one."""
@@ -411,4 +416,7 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, *
     # Inference only (kdsl's ops have no backward): parameters that require grad would make every activation
     # require it, and the ops refuse those under grad mode.
     model.eval().requires_grad_(False)
-    return load_quantized(model, folder, device=device, dtype=dtype)
+    load_quantized(model, folder, device=device, dtype=dtype)
+    if fused_norms:
+        swap_transformers_norms(model)
+    return model

@@ -222,6 +222,9 @@ def test_from_pretrained_matches_the_dequantized_model(kind, model_dtype, scale_
     assert all(isinstance(layer.get_submodule(name), expected) for name in LINEARS)
     assert type(model.lm_head) is nn.Linear  # ignored / modules_to_not_convert
     assert model.lm_head.weight.dtype == model.model.norm.weight.dtype == model_dtype
+    # transformers' norms run as kdsl.nn.RMSNorm (fused_norms), with their roundings: the reference keeps its own
+    assert all(type(norm) is kdsl.nn.RMSNorm and norm.round_normalized
+               for norm in (model.model.norm, layer.input_layernorm, layer.post_attention_layernorm))
     for shape in ((1, 8), (2, 20)):  # 8 rows (FP8's fused decode path) and 40 (act_quant + fp8_gemm)
         ids = torch.randint(0, VOCAB, shape)
         out, want = logits(model, ids), logits(reference_model, ids)

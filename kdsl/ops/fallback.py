@@ -144,10 +144,14 @@ def moe_fp8(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, act_group: int, blo
     return y.to(x.dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in fp32, rounded once to x's dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_normalized: bool) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in fp32, rounded once to x's dtype (round_normalized:
+    x * rsqrt(...) rounded to x's dtype before the weight too)."""
     xf = x.float()
-    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    normalized = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    if round_normalized:
+        normalized = normalized.to(x.dtype).float()
+    return (normalized * weight.float()).to(x.dtype)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

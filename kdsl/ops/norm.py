@@ -1,10 +1,11 @@
 """A decoder layer's RMSNorm in one pass:
 
-    rms_norm(x [..., H], weight [H], eps) -> y [..., H] in x's dtype
+    rms_norm(x [..., H], weight [H], eps, round_normalized=False) -> y [..., H] in x's dtype
 
 y = x * rsqrt(mean(x^2 over the last dim) + eps) * weight, computed in fp32 and rounded once, as torch.nn.RMSNorm's
-fused kernel computes it (HF's LlamaRMSNorm rounds the normalized x to x's dtype before the weight: within one
-rounding of it). A row holding NaN or inf comes out NaN or inf as in torch, never a number made up.
+fused kernel computes it; with round_normalized, x * rsqrt(...) is rounded to x's dtype before the weight multiplies
+it, as transformers' Llama-family norms compute `weight * hidden_states.to(input_dtype)` (weight in x's dtype).
+A row holding NaN or inf comes out NaN or inf as in torch, never a number made up.
 The kernel (kernel_defs/rms_norm.toml) runs from sm_80; on CPU tensors Triton's interpreter runs it under
 TRITON_INTERPRET=1, else kdsl/ops/fallback.py's torch code.
 """
@@ -28,16 +29,18 @@ _PLANS = _plan.PLANS
 _device = _plan.current_device
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """y [..., H] = x * rsqrt(mean(x^2) + eps) * weight in x's dtype (bf16, fp16 or fp32), in fp32 and rounded once.
-    weight [H] in any of those dtypes; eps a finite number >= 0. x needs unit stride along its last dim only where it
-    is 2-D (otherwise it is copied as reshape copies). Empty inputs give empty outputs."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, round_normalized: bool = False) -> torch.Tensor:
+    """y [..., H] = x * rsqrt(mean(x^2) + eps) * weight in x's dtype (bf16, fp16 or fp32), in fp32 and rounded once
+    (round_normalized: x * rsqrt(...) rounded to x's dtype first, then times weight and rounded again). weight [H] in
+    any of those dtypes; eps a finite number >= 0. x needs unit stride along its last dim only where it is 2-D
+    (otherwise it is copied as reshape copies). Empty inputs give empty outputs."""
     if torch.compiler.is_compiling():  # one opaque op for Dynamo, as kdsl.ops.act_quant
-        return torch.ops.kdsl.rms_norm(x, weight, eps)
-    return _rms_norm_impl(x, weight, eps)
+        return torch.ops.kdsl.rms_norm(x, weight, eps, round_normalized)
+    return _rms_norm_impl(x, weight, eps, round_normalized)
 
 
-def _rms_norm_outputs(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[str, torch.Tensor]:
+def _rms_norm_outputs(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                      round_normalized: bool) -> tuple[str, torch.Tensor]:
     """rms_norm's checks and its empty output (the fake kernel under torch.compile too)."""
     check.tensor("x", x, FLOAT_INPUTS, min_ndim=1)
     check.tensor("weight", weight, FLOAT_INPUTS, ndim=1)
@@ -48,53 +51,56 @@ def _rms_norm_outputs(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tupl
                          "in registers")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
+    if not isinstance(round_normalized, bool):
+        raise TypeError(f"round_normalized: expected a bool, got {type(round_normalized).__name__}")
     return registry.any_scheme("rms_norm"), x.new_empty(x.shape)
 
 
-def _plan_key(x, weight, eps):
+def _plan_key(x, weight, eps, round_normalized):
     try:  # the launch plan's key (kdsl/ops/_plan.py); not a tensor: the checks word the error
-        return ("rms_norm", type(eps), eps, _device(), type(x), x.shape, x.stride(), x.dtype, x.device,
+        return ("rms_norm", type(eps), eps, type(round_normalized), round_normalized, _device(), type(x), x.shape, x.stride(), x.dtype, x.device,
                 x.data_ptr() & 15, x.requires_grad, type(weight), weight.shape, weight.stride(), weight.dtype,
                 weight.device, weight.data_ptr() & 15, weight.requires_grad)
     except Exception:
         return None
 
 
-def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    key = _plan_key(x, weight, eps)
+def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, round_normalized: bool) -> torch.Tensor:
+    key = _plan_key(x, weight, eps, round_normalized)
     plan = _PLANS.get(key) if key is not None else None
     if plan:
         y = plan(x, weight)  # one output: the tensor itself
         if y is not None:
             return y
-    scheme, y = _rms_norm_outputs(x, weight, eps)
+    scheme, y = _rms_norm_outputs(x, weight, eps, round_normalized)
     if y.numel() == 0:
         return y
     if not check.use_kernels(x.device):
-        return fallback.rms_norm(x, weight, eps).contiguous()
+        return fallback.rms_norm(x, weight, eps, round_normalized).contiguous()
     entry = registry.dispatch("rms_norm", scheme, x.device)
     rows = x if x.dim() == 2 and x.stride(1) == 1 else check.rows(x, x.shape[-1])
     w = weight.contiguous()
     with _plan.Recorder(entry.load() if plan is None else None) as rec:
-        entry.launch(rows, w, y.view(-1, y.shape[-1]), float(eps), entry.tile_for(rows.shape[0]))
+        entry.launch(rows, w, y.view(-1, y.shape[-1]), float(eps), round_normalized, entry.tile_for(rows.shape[0]))
     _plan.store(key, rec, (x, weight), (y,))
     return y
 
 
 # --- torch.ops.kdsl.rms_norm (kdsl.ops.spec)
 
-def _rms_norm_fake(x, weight, eps):
-    return _rms_norm_outputs(x, weight, eps)[1]
+def _rms_norm_fake(x, weight, eps, round_normalized):
+    return _rms_norm_outputs(x, weight, eps, round_normalized)[1]
 
 
 def _rms_norm_example(tile, dtype, device):
-    """Rows of 1000: the program's last columns lie past H."""
+    """Rows of 1000: the program's last columns lie past H; both roundings."""
     rows, width = 64, 1000
-    yield empty(device, rows, width, dtype=dtype), empty(device, width, dtype=dtype), empty(device, rows, width,
-                                                                                        dtype=dtype), 1e-6
+    for round_normalized in (False, True):
+        yield (empty(device, rows, width, dtype=dtype), empty(device, width, dtype=dtype),
+               empty(device, rows, width, dtype=dtype), 1e-6, round_normalized)
 
 
 SPECS = (
-    OpSpec("rms_norm", "(Tensor x, Tensor weight, float eps) -> Tensor", _rms_norm_impl, _rms_norm_fake,
-           example=_rms_norm_example),
+    OpSpec("rms_norm", "(Tensor x, Tensor weight, float eps, bool round_normalized) -> Tensor", _rms_norm_impl,
+           _rms_norm_fake, example=_rms_norm_example),
 )
