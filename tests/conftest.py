@@ -76,6 +76,26 @@ def run_described(described):
             return stop.value
 
 
+def kernel_paths(kernel_prefixes: tuple[str, ...] | None = None, must_launch: bool = False):
+    """A `device` fixture over the three paths an op takes: the generated kernels in Triton's interpreter (CPU
+    tensors), kdsl's torch fallback (interpreter off) and, marked gpu, CUDA. It yields the device to put tensors on;
+    afterwards it checks that the fallback launched nothing, and that on the other paths every launched kernel's
+    name starts with one of kernel_prefixes (None: any) and, with must_launch, that one was."""
+    @pytest.fixture(params=["interpreter", "fallback", pytest.param("cuda", marks=pytest.mark.gpu)])
+    def device(request, monkeypatch, launched):
+        if request.param == "fallback":
+            monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        elif request.param == "interpreter" and not interpreting():
+            pytest.skip("Triton's interpreter is off")
+        yield torch.device("cuda" if request.param == "cuda" else "cpu")
+        if request.param == "fallback":
+            assert launched == [], launched
+        else:
+            assert launched or not must_launch, "no generated kernel ran"
+            assert kernel_prefixes is None or all(name.startswith(kernel_prefixes) for name in launched), launched
+    return device
+
+
 def wrap_launch(monkeypatch, kernel_module, wrapper) -> None:
     """Make entry.launch call wrapper(original) for kernel_module (a kdsl.runtime KernelModule) until the test
     ends: KernelModule.launch hands out the function manifest._LAUNCHES keeps for its module and scheme."""

@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from conftest import interpreting
+from conftest import kernel_paths
 from reference import BLOCK, GROUP, act_quant_ref, expand_block_scales, fp8_gemm_ref, rel_fro_error, weight_quant_ref
 
 import kdsl
@@ -29,15 +29,8 @@ NAN, INF = float("nan"), float("inf")
 NAN_CODE = 0x7F
 
 
-@pytest.fixture(params=["interpreter", "fallback", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request, monkeypatch, launched):
-    """The device to test on; afterwards, checks that the generated kernels ran, or the fallback did."""
-    if request.param == "fallback":
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    elif request.param == "interpreter" and not interpreting():
-        pytest.skip("Triton's interpreter is off")
-    yield torch.device("cuda" if request.param == "cuda" else "cpu")
-    assert bool(launched) == (request.param != "fallback"), launched
+# The generated kernels in the interpreter, the torch fallback, and CUDA: one of them launched, or (fallback) none.
+device = kernel_paths(must_launch=True)
 
 
 def with_specials(shape, specials, device, dtype):

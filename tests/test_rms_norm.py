@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from conftest import interpreting
+from conftest import interpreting, kernel_paths
 
 import kdsl
 
@@ -34,18 +34,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, round_normal
     return normalized * weight.double()
 
 
-@pytest.fixture(params=["interpreter", "fallback", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request, monkeypatch, launched):
-    """The device to test on; afterwards, checks that the generated kernel ran (interpreter, CUDA) or none did."""
-    if request.param == "fallback":
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    elif request.param == "interpreter" and not interpreting():
-        pytest.skip("Triton's interpreter is off")
-    yield torch.device("cuda" if request.param == "cuda" else "cpu")
-    if request.param == "fallback":
-        assert launched == [], launched
-    else:
-        assert all(name.startswith("rms_norm") for name in launched), launched
+# The kernel in the interpreter, the torch fallback, and CUDA; rms_norm's kernel the only one launched.
+device = kernel_paths(("rms_norm",))
 
 
 def hidden_states(shape, dtype, device, seed=0) -> torch.Tensor:

@@ -13,7 +13,7 @@ import re
 
 import pytest
 import torch
-from conftest import interpreting
+from conftest import interpreting, kernel_paths
 from reference import FP8, act_quant_ref
 
 import kdsl
@@ -37,18 +37,8 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return (gate / (1.0 + torch.exp(-gate)) * up).float()
 
 
-@pytest.fixture(params=["interpreter", "fallback", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request, monkeypatch, launched):
-    """The device to test on; afterwards, checks that the generated kernels ran (interpreter, CUDA) or none did."""
-    if request.param == "fallback":
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    elif request.param == "interpreter" and not interpreting():
-        pytest.skip("Triton's interpreter is off")
-    yield torch.device("cuda" if request.param == "cuda" else "cpu")
-    if request.param == "fallback":
-        assert launched == [], launched
-    else:
-        assert all(name.startswith(("silu_mul", "act_quant")) for name in launched), launched
+# The kernels in the interpreter, the torch fallback, and CUDA; only silu_mul's and act_quant's launched.
+device = kernel_paths(("silu_mul", "act_quant"))
 
 
 def activations(shape, dtype, device, seed=0) -> torch.Tensor:
