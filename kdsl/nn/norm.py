@@ -28,7 +28,8 @@ def _qualified_name(module: nn.Module) -> str:
 
 
 def is_transformers_llama_norm(module: nn.Module) -> bool:
-    """Whether module is one of TRANSFORMERS_LLAMA_NORMS (by class, not by shape: a norm of other maths is left alone)."""
+    """Whether module is one of TRANSFORMERS_LLAMA_NORMS (by class, not by its attributes: a norm of other maths is
+    left alone)."""
     return _qualified_name(module) in TRANSFORMERS_LLAMA_NORMS
 
 

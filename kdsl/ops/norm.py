@@ -58,9 +58,10 @@ def _rms_norm_outputs(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def _plan_key(x, weight, eps, round_normalized):
     try:  # the launch plan's key (kdsl/ops/_plan.py); not a tensor: the checks word the error
-        return ("rms_norm", type(eps), eps, type(round_normalized), round_normalized, _device(), type(x), x.shape, x.stride(), x.dtype, x.device,
-                x.data_ptr() & 15, x.requires_grad, type(weight), weight.shape, weight.stride(), weight.dtype,
-                weight.device, weight.data_ptr() & 15, weight.requires_grad)
+        return ("rms_norm", type(eps), eps, type(round_normalized), round_normalized, _device(),
+                type(x), x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, x.requires_grad,
+                type(weight), weight.shape, weight.stride(), weight.dtype, weight.device, weight.data_ptr() & 15,
+                weight.requires_grad)
     except Exception:
         return None
 

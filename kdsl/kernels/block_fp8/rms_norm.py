@@ -23,5 +23,6 @@ def launch_rms_norm(generated, x, weight, y, eps, round_normalized, tile):
 
 RMS_NORM = KernelImpl(
     "block_fp8", "rms_norm", "rowwise", "block_fp8/rms_norm.py.j2", 80, None,
-    "x * rsqrt(mean(x^2) + eps) * weight in fp32, rounded once to x's dtype, whole rows per program",
+    "x * rsqrt(mean(x^2) + eps) * weight in fp32, rounded to x's dtype (once, or also before the weight), "
+    "whole rows per program",
     tile_knobs=frozenset({"block_m"}), launch=launch_rms_norm)
