@@ -235,7 +235,7 @@ def test_transformers_norms_in_a_model_are_swapped():
     with torch.no_grad():
         expected = model(ids).logits.float()
     weight = model.model.norm.weight
-    assert kdsl.nn.norm.swap_transformers_norms(model) == 2 * 2 + 1
+    assert kdsl.nn.swap_transformers_norms(model) == 2 * 2 + 1
     assert type(model.model.norm) is kdsl.nn.RMSNorm and model.model.norm.weight.data_ptr() == weight.data_ptr()
     assert not any(kdsl.nn.norm.is_transformers_llama_norm(m) for m in model.modules())
     with torch.no_grad():
