@@ -395,8 +395,8 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, f
     """A transformers causal LM built from the checkpoint folder's config.json (AutoModelForCausalLM.from_config:
     nothing is downloaded) in `dtype` on `device`, with every quantized linear loaded by load_quantized.
 
-    fused_norms: transformers' Llama-family RMSNorms (kdsl.nn.norm.TRANSFORMERS_LLAMA_NORMS; several torch kernels each)
-    become kdsl.nn.RMSNorm, one kernel computing the same roundings; other norms stay as they are.
+    fused_norms: transformers' Llama-family RMSNorms (kdsl.nn.norm.TRANSFORMERS_LLAMA_NORMS; several torch kernels
+    each) become kdsl.nn.RMSNorm, one kernel computing the same roundings; other norms stay as they are.
 
     Needs transformers (`pip install kdsl[hf]`). The architecture is built dense first, so `device` must hold
     the unquantized model for a moment; each quantized linear then replaces its dense one."""
