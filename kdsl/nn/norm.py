@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from kdsl import ops
+from kdsl.nn.convert import _swap
 
 # transformers' norms whose forward is Llama's: hidden_states in fp32, times rsqrt(mean(hidden_states^2) +
 # variance_epsilon), rounded to the input's dtype, times weight. tests/test_rms_norm.py compares each one that the
@@ -87,9 +88,7 @@ class RMSNorm(nn.Module):
 def swap_transformers_norms(model: nn.Module) -> int:
     """Replace every one of transformers' Llama-family norms inside model (TRANSFORMERS_LLAMA_NORMS) with the
     kdsl.nn.RMSNorm that computes the same thing in one kernel, sharing its weight; returns how many."""
-    names = [name for name, module in model.named_modules() if name and is_transformers_llama_norm(module)]
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child, RMSNorm.from_module(getattr(parent, child)))
-    return len(names)
+    found = [(name, module) for name, module in model.named_modules() if name and is_transformers_llama_norm(module)]
+    for name, module in found:
+        _swap(model, name, RMSNorm.from_module(module))
+    return len(found)

@@ -72,7 +72,10 @@ def out_dtype(name: str, value, allowed: tuple[torch.dtype, ...]) -> torch.dtype
 
 
 def rows(value: torch.Tensor, last: int) -> torch.Tensor:
-    """[..., last] as a 2-D view with unit stride along the last dim (copies only if it must)."""
+    """[..., last] as a 2-D view with unit stride along the last dim (copies only if it must); value itself where it
+    is such rows already (no view to make: host time on every call)."""
+    if value.dim() == 2 and value.shape[1] == last and value.stride(1) == 1:
+        return value
     flat = value.reshape(-1, last)
     return flat if flat.stride(-1) == 1 or flat.numel() == 0 else flat.contiguous()
 

@@ -72,13 +72,6 @@ def _silu_mul_quant_outputs(gate_up: torch.Tensor, group_size: int) -> tuple[str
     return scheme, q, s
 
 
-def _rows(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up as [M, 2I] rows with unit stride along columns: itself where it is one already."""
-    if gate_up.dim() == 2 and gate_up.stride(1) == 1:
-        return gate_up
-    return check.rows(gate_up, gate_up.shape[-1])
-
-
 def _plan_key(op: str, gate_up, *extra):
     try:  # the launch plan's key (kdsl/ops/_plan.py); not a tensor: the checks word the error
         return (op, *extra, _device(), type(gate_up), gate_up.shape, gate_up.stride(), gate_up.dtype,
@@ -100,7 +93,7 @@ def _silu_mul_impl(gate_up: torch.Tensor) -> torch.Tensor:
     if not check.use_kernels(gate_up.device):
         return fallback.silu_mul(gate_up).contiguous()
     entry = registry.dispatch("silu_mul", scheme, gate_up.device)
-    rows = _rows(gate_up)
+    rows = check.rows(gate_up, gate_up.shape[-1])
     tile = entry.tile_for(rows.shape[0])
     with _plan.Recorder(entry.load() if plan is None else None) as rec:
         entry.launch(rows, h.view(-1, h.shape[-1]), tile,
@@ -123,7 +116,7 @@ def _silu_mul_quant_impl(gate_up: torch.Tensor, group_size: int) -> tuple[torch.
         q, s = fallback.silu_mul_quant(gate_up, group_size)
         return q.contiguous(), s.contiguous()
     entry = registry.dispatch("silu_mul_quant", scheme, gate_up.device)
-    rows = _rows(gate_up)
+    rows = check.rows(gate_up, gate_up.shape[-1])
     with _plan.Recorder(entry.load() if plan is None else None) as rec:
         entry.launch(rows, q.view(-1, q.shape[-1]), s.view(-1, s.shape[-1]), entry.tile_for(rows.shape[0]))
     _plan.store(key, rec, (gate_up,), (q, s))

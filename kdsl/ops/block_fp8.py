@@ -439,7 +439,7 @@ def _fp8_linear_impl(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, bias: 
         return y
     if k == 0:
         return y.zero_() if bias is None else y.copy_(bias.expand(y.shape))
-    x2 = x if x.dim() == 2 and x.stride(1) == 1 else check.rows(x, k)  # already [M, K] rows: no views
+    x2 = check.rows(x, k)
     y2 = y if y.dim() == 2 else y.view(-1, n)
     if not check.use_kernels(x.device):
         return y2.copy_(fallback.fp8_linear(x2, w, w_s, bias, group, block_n, block_k, y.dtype)).view(y.shape)

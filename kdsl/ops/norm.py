@@ -79,7 +79,7 @@ def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, round_norm
     if not check.use_kernels(x.device):
         return fallback.rms_norm(x, weight, eps, round_normalized).contiguous()
     entry = registry.dispatch("rms_norm", scheme, x.device)
-    rows = x if x.dim() == 2 and x.stride(1) == 1 else check.rows(x, x.shape[-1])
+    rows = check.rows(x, x.shape[-1])
     w = weight.contiguous()
     with _plan.Recorder(entry.load() if plan is None else None) as rec:
         entry.launch(rows, w, y.view(-1, y.shape[-1]), float(eps), round_normalized, entry.tile_for(rows.shape[0]))
