@@ -114,7 +114,8 @@ MATMULS = {"mm", "addmm", "bmm", "matmul", "linear"}
 @pytest.mark.parametrize("mla", [None, TINY_MLA], ids=["llama-like", "mla"])
 def test_the_glue_model_is_the_forward_without_its_matmuls(mla, monkeypatch):
     """The glue model runs the float model's norms, SiLU * mul and residual adds at the same shapes, and no matmul:
-    its time is what a forward costs besides its linears (and MLA's absorbed BMMs)."""
+    its time is what a forward costs besides its linears (and MLA's absorbed BMMs). (The norms and SiLU * mul are
+    kdsl kernels: under the interpreter no aten op of theirs shows.)"""
     # kdsl.nn.RMSNorm's first call records a launch plan that later calls replay with other aten ops: both models
     # take the ordinary path here, so their ops compare.
     monkeypatch.setattr(kdsl_plan, "RECORD", False)
@@ -124,7 +125,7 @@ def test_the_glue_model_is_the_forward_without_its_matmuls(mla, monkeypatch):
     x = torch.randn(3, 256, dtype=dtype)
     glue_ops, dense_ops = _aten_ops(glue, x), _aten_ops(dense, x)
     assert dense_ops & MATMULS and not glue_ops & MATMULS, (dense_ops, glue_ops)
-    assert {"mul", "add"} <= glue_ops and glue_ops - {"empty", "new_empty"} <= dense_ops
+    assert "add" in glue_ops and glue_ops - {"empty", "new_empty"} <= dense_ops
     with torch.no_grad():
         assert glue(x).shape == dense(x).shape and glue(x).dtype == dtype
     assert bench_model.variant(bench_model.GLUE["fp16"], shape, device="cpu")[1] == torch.float16

@@ -6,7 +6,10 @@ SiLU*mul -> down -> residual add. A preset with multi-head latent attention (Dee
 decode path instead of qkv -> o: q_a and kv_a as one projection (qkv), q_b, the absorbed per-head BMMs (q_nope
 against W_UK into the latent space, then the latent against W_UV; the attention over the latent cache left out)
 and o. The same glue runs for every variant: the norms are kdsl.nn.RMSNorm (one kernel, as serving stacks fuse
-them; torch.nn.RMSNorm's took about 4.3 us a call at decode on an H200, kdsl's about 1.5), the rest torch's ops.
+them; torch.nn.RMSNorm's took about 4.3 us a call at decode on an H200, kdsl's about 1.5), SiLU*mul is
+kdsl.ops.silu_mul, the residual adds torch's. As serving stacks do, the FP8 variant has those two kernels write its
+GEMMs' quantized input (rms_norm_quant, silu_mul_quant: FP8Linear.forward_normed and forward_silu_mul) instead of
+running act_quant after them; its o projection, after the attention, quantizes its own input.
 
   fp16 / bf16    nn.Linear (cuBLAS): the baseline
   w4a16          kdsl.quantize_(model, kdsl.GPTQ(group_size=128)), fp16 activations
@@ -27,7 +30,8 @@ time over the variant's in the same mode and run. The fraction of the roofline i
 over the measured device copy rate (decode) or the linears' FLOPs over the measured dense fp16/fp8 matmul rate
 (prefill), taken in the same run. The linears' share of a forward is 1 - glue / variant, where glue is the same
 forward with every linear (and MLA's absorbed BMMs) replaced by a stand-in that only allocates its output
-(glue-fp16, glue-bf16: timed with the others, same M and mode): what the norms, SiLU * mul and residual adds cost.
+(glue-fp16, glue-bf16: timed with the others, same M and mode): what the norms, SiLU * mul and residual adds cost
+(for FP8, whose norms and SiLU * mul also quantize, a share slightly too high).
 """
 from __future__ import annotations
 
@@ -188,6 +192,25 @@ def _mla_modules():
 NORM_EPS = 1e-5  # Llama's rms_norm_eps
 
 
+def _normed(linear, norm, x):
+    """linear(norm(x)), fused the way serving stacks fuse it where the linear offers that (FP8Linear: the norm
+    quantizes its input, no act_quant launch); every other linear runs after the norm as it is."""
+    forward_normed = getattr(linear, "forward_normed", None)
+    return forward_normed(x, norm) if forward_normed is not None else linear(norm(x))
+
+
+def _silu_mul_into(linear, gate_up):
+    """linear(silu(gate) * up) with the activation one kdsl kernel for every variant: silu_mul, or for FP8Linear
+    silu_mul_quant (its input quantized, no act_quant launch)."""
+    from kdsl import ops
+
+    inter = gate_up.shape[-1] // 2
+    silu_mul_serves = getattr(linear, "silu_mul_serves", None)
+    if silu_mul_serves is not None and silu_mul_serves(inter):
+        return linear.forward_silu_mul(gate_up, gate_up.dtype)
+    return linear(ops.silu_mul(gate_up))
+
+
 def build(shape: Shape, dtype, device: str = "cuda"):
     """The float model of shape: a torch.nn.Module taking x [M, hidden]."""
     import torch
@@ -212,15 +235,14 @@ def build(shape: Shape, dtype, device: str = "cuda"):
             self.down = nn.Linear(shape.inter, shape.hidden, bias=False, dtype=dtype, device=device)
 
         def forward(self, x):
-            q = self.qkv(self.norm1(x))
+            q = _normed(self.qkv, self.norm1, x)
             if mla is not None:  # q_a's part of qkv through q_b (q_a's RMSNorm and the rope left out)
                 attn = self.absorbed(self.q_b(q[:, : mla.q_lora]))
             else:  # attention left out: o reads a slice of qkv's output as wide as its input (tiled when narrower)
                 attn = (q[:, : shape.o_in] if shape.qkv >= shape.o_in
                         else q.repeat(1, -(-shape.o_in // shape.qkv))[:, : shape.o_in])
             x = x + self.o(attn)
-            gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
-            return x + self.down(torch.nn.functional.silu(gate) * up)
+            return x + _silu_mul_into(self.down, _normed(self.gate_up, self.norm2, x))
 
     torch.manual_seed(0)
     model = nn.Sequential(*[Layer() for _ in range(shape.layers)]).eval()

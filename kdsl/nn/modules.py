@@ -126,6 +126,11 @@ class _QuantizedLinear(KeepsQuantizedDtypes):
         writes where it can (a float32 partial), else the activation dtype."""
         raise NotImplementedError
 
+    def forward_normed(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """self(norm(x)), with the norm writing this module's input as its GEMM reads it where a kernel does that
+        (model code that runs a norm straight into a linear calls this: kdsl's model bench does)."""
+        return self(norm(x))
+
 
 class FP8Linear(_QuantizedLinear):
     """Block-FP8 linear layer: per-token activation quantization (act_quant), then fp8_gemm; eager calls of few
@@ -148,6 +153,9 @@ class FP8Linear(_QuantizedLinear):
         if bias is not None and tuple(bias.shape) != (n,):
             raise ValueError(f"bias: expected shape ({n},), got {tuple(bias.shape)}")
         self.fused = _fp8_fused(self.scheme, n, k, blocks)
+        group = self.scheme.act_group  # whether a norm can quantize this module's input (forward_normed)
+        self.norm_quant = k % group == 0 and any(
+            fields.get("act_group") == group for fields in registry.scheme_fields(self.NORM_QUANT_OP).values())
         self.in_features, self.out_features = k, n
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale_inv", weight_scale_inv)
@@ -207,6 +215,18 @@ class FP8Linear(_QuantizedLinear):
     def forward_silu_mul(self, h: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         q, s = ops.silu_mul_quant(h, self.scheme.act_group)
         return self.forward_quantized(q, s, out_dtype)
+
+    NORM_QUANT_OP = "rms_norm_quant"  # a norm's rows quantized in this module's act_group: no act_quant of its own
+
+    def forward_normed(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """A norm with forward_quantized(x, group_size) (kdsl.nn.RMSNorm) quantizes its output for the GEMM itself
+        (rms_norm_quant: one launch, not a norm and an act_quant); any other norm, or a group no kernel serves,
+        runs as self(norm(x)). The codes come from the norm's fp32 rows, not rounded to x's dtype first."""
+        quantized = getattr(norm, "forward_quantized", None)
+        if quantized is None or not self.norm_quant:
+            return self(norm(x))
+        q, s = quantized(x, self.scheme.act_group)
+        return self.forward_quantized(q, s, x.dtype if x.dtype in FLOAT_OUT else torch.bfloat16)
 
     def extra_repr(self) -> str:
         device = self.weight.device

@@ -81,6 +81,14 @@ class RMSNorm(nn.Module):
             return self.weight * normalized
         return ops.rms_norm(x, self.weight, self.eps, self.round_normalized)
 
+    def forward_quantized(self, x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The norm quantized per token in groups of group_size as kdsl.ops.act_quant quantizes (what FP8Linear's
+        forward_quantized takes): one rms_norm_quant launch from the norm's fp32 rows; a round_normalized weight of
+        another dtype than x, as forward applies it, then act_quant."""
+        if self.round_normalized and self.weight.dtype != x.dtype:
+            return ops.act_quant(self(x), group_size)
+        return ops.rms_norm_quant(x, self.weight, self.eps, group_size, self.round_normalized)
+
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}" + (", round_normalized=True" if self.round_normalized else "")
 

@@ -144,14 +144,25 @@ def moe_fp8(x, w13, w13_s, w2, w2_s, topk_weights, topk_ids, act_group: int, blo
     return y.to(x.dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_normalized: bool) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in fp32, rounded once to x's dtype (round_normalized:
-    x * rsqrt(...) rounded to x's dtype before the weight too)."""
+def _rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float, round_normalized: bool) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim in fp32, not yet rounded (round_normalized:
+    x * rsqrt(...) rounded to x's dtype before the weight)."""
     xf = x.float()
     normalized = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     if round_normalized:
         normalized = normalized.to(x.dtype).float()
-    return (normalized * weight.float()).to(x.dtype)
+    return normalized * weight.float()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_normalized: bool) -> torch.Tensor:
+    """The norm in fp32, rounded once to x's dtype."""
+    return _rms_norm_fp32(x, weight, eps, round_normalized).to(x.dtype)
+
+
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int,
+                   round_normalized: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm in fp32, quantized as act_quant quantizes."""
+    return act_quant(_rms_norm_fp32(x, weight, eps, round_normalized), group_size)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

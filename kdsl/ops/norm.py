@@ -1,13 +1,18 @@
 """A decoder layer's RMSNorm in one pass:
 
     rms_norm(x [..., H], weight [H], eps, round_normalized=False) -> y [..., H] in x's dtype
+    rms_norm_quant(x, weight, eps, group_size=128, round_normalized=False)
+        -> (q e4m3 [..., H], s float32 [..., H / group_size])
 
 y = x * rsqrt(mean(x^2 over the last dim) + eps) * weight, computed in fp32 and rounded once, as torch.nn.RMSNorm's
 fused kernel computes it; with round_normalized, x * rsqrt(...) is rounded to x's dtype before the weight multiplies
 it, as transformers' Llama-family norms compute `weight * hidden_states.to(input_dtype)` (weight in x's dtype).
-A row holding NaN or inf comes out NaN or inf as in torch, never a number made up.
-The kernel (kernel_defs/rms_norm.toml) runs from sm_80; on CPU tensors Triton's interpreter runs it under
-TRITON_INTERPRET=1, else kdsl/ops/fallback.py's torch code.
+A row holding NaN or inf comes out NaN or inf as in torch, never a number made up. rms_norm_quant quantizes the
+same fp32 y (not rounded to x's dtype first) per token in groups of group_size as act_quant does: what fp8_gemm takes
+as its A operand, so an FP8 layer after the norm needs no act_quant of its own (a NaN y codes NaN, an inf makes its
+group's scale inf, as act_quant says).
+The kernels (kernel_defs/rms_norm.toml): rms_norm from sm_80, rms_norm_quant from sm_89 (e4m3 stores); on CPU
+tensors Triton's interpreter runs them under TRITON_INTERPRET=1, else kdsl/ops/fallback.py's torch code.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ import torch
 from kdsl.ops import _checks as check
 from kdsl.ops import _plan, fallback
 from kdsl.ops._examples import empty
-from kdsl.ops.block_fp8 import FLOAT_INPUTS
+from kdsl.ops.block_fp8 import FLOAT_INPUTS, FP8, _scheme
 from kdsl.ops.spec import OpSpec
 from kdsl.runtime import registry
 
@@ -39,9 +44,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, round_nor
     return _rms_norm_impl(x, weight, eps, round_normalized)
 
 
-def _rms_norm_outputs(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                      round_normalized: bool) -> tuple[str, torch.Tensor]:
-    """rms_norm's checks and its empty output (the fake kernel under torch.compile too)."""
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, group_size: int = 128,
+                   round_normalized: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm as rms_norm computes it in fp32, quantized as kdsl.ops.act_quant quantizes: (q float8_e4m3fn
+    [..., H], s float32 [..., H / group_size]), H a multiple of group_size. x, weight, eps and round_normalized as
+    rms_norm takes them."""
+    if torch.compiler.is_compiling():
+        return torch.ops.kdsl.rms_norm_quant(x, weight, eps, group_size, round_normalized)
+    return _rms_norm_quant_impl(x, weight, eps, group_size, round_normalized)
+
+
+def _check_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_normalized: bool) -> None:
     check.tensor("x", x, FLOAT_INPUTS, min_ndim=1)
     check.tensor("weight", weight, FLOAT_INPUTS, ndim=1)
     check.shape("weight", weight, (x.shape[-1],), "x's last dimension")
@@ -53,12 +66,32 @@ def _rms_norm_outputs(x: torch.Tensor, weight: torch.Tensor, eps: float,
         raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
     if not isinstance(round_normalized, bool):
         raise TypeError(f"round_normalized: expected a bool, got {type(round_normalized).__name__}")
+
+
+def _rms_norm_outputs(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                      round_normalized: bool) -> tuple[str, torch.Tensor]:
+    """rms_norm's checks and its empty output (the fake kernel under torch.compile too)."""
+    _check_norm(x, weight, eps, round_normalized)
     return registry.any_scheme("rms_norm"), x.new_empty(x.shape)
 
 
-def _plan_key(x, weight, eps, round_normalized):
+def _rms_norm_quant_outputs(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int,
+                            round_normalized: bool) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """rms_norm_quant's checks and its empty outputs (the fake kernel under torch.compile too)."""
+    _check_norm(x, weight, eps, round_normalized)
+    check.positive_power_of_two("group_size", group_size)
+    hidden = x.shape[-1]
+    if hidden % group_size:
+        raise ValueError(f"x: last dimension {hidden} must be a multiple of group_size = {group_size}")
+    scheme = _scheme("rms_norm_quant", "group_size", group_size, "act_group", group_size)
+    q = x.new_empty(x.shape, dtype=FP8)
+    s = x.new_empty((*x.shape[:-1], hidden // group_size), dtype=torch.float32)
+    return scheme, q, s
+
+
+def _plan_key(op, x, weight, eps, round_normalized, *extra):
     try:  # the launch plan's key (kdsl/ops/_plan.py); not a tensor: the checks word the error
-        return ("rms_norm", type(eps), eps, type(round_normalized), round_normalized, _device(),
+        return (op, *extra, type(eps), eps, type(round_normalized), round_normalized, _device(),
                 type(x), x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, x.requires_grad,
                 type(weight), weight.shape, weight.stride(), weight.dtype, weight.device, weight.data_ptr() & 15,
                 weight.requires_grad)
@@ -67,7 +100,7 @@ def _plan_key(x, weight, eps, round_normalized):
 
 
 def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, round_normalized: bool) -> torch.Tensor:
-    key = _plan_key(x, weight, eps, round_normalized)
+    key = _plan_key("rms_norm", x, weight, eps, round_normalized)
     plan = _PLANS.get(key) if key is not None else None
     if plan:
         y = plan(x, weight)  # one output: the tensor itself
@@ -87,7 +120,31 @@ def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, round_norm
     return y
 
 
-# --- torch.ops.kdsl.rms_norm (kdsl.ops.spec)
+def _rms_norm_quant_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int,
+                         round_normalized: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    key = _plan_key("rms_norm_quant", x, weight, eps, round_normalized, type(group_size), group_size)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan:
+        outputs = plan(x, weight)
+        if outputs is not None:
+            return outputs
+    scheme, q, s = _rms_norm_quant_outputs(x, weight, eps, group_size, round_normalized)
+    if q.numel() == 0:
+        return q, s
+    if not check.use_kernels(x.device):
+        q, s = fallback.rms_norm_quant(x, weight, eps, group_size, round_normalized)
+        return q.contiguous(), s.contiguous()
+    entry = registry.dispatch("rms_norm_quant", scheme, x.device)
+    rows = check.rows(x, x.shape[-1])
+    w = weight.contiguous()
+    with _plan.Recorder(entry.load() if plan is None else None) as rec:
+        entry.launch(rows, w, q.view(-1, q.shape[-1]), s.view(-1, s.shape[-1]), float(eps), round_normalized,
+                     entry.tile_for(rows.shape[0]))
+    _plan.store(key, rec, (x, weight), (q, s))
+    return q, s
+
+
+# --- torch.ops.kdsl.rms_norm and rms_norm_quant (kdsl.ops.spec)
 
 def _rms_norm_fake(x, weight, eps, round_normalized):
     return _rms_norm_outputs(x, weight, eps, round_normalized)[1]
@@ -101,7 +158,24 @@ def _rms_norm_example(tile, dtype, device):
                empty(device, rows, width, dtype=dtype), 1e-6, round_normalized)
 
 
+def _rms_norm_quant_fake(x, weight, eps, group_size, round_normalized):
+    _, q, s = _rms_norm_quant_outputs(x, weight, eps, group_size, round_normalized)
+    return q, s
+
+
+def _rms_norm_quant_example(tile, dtype, device):
+    """Rows of 896 (seven groups): the program's last group lies past H; both roundings."""
+    rows, width = 64, 896
+    for round_normalized in (False, True):
+        yield (empty(device, rows, width, dtype=dtype), empty(device, width, dtype=dtype),
+               empty(device, rows, width, dtype=FP8), empty(device, rows, width // 128, dtype=torch.float32), 1e-6,
+               round_normalized)
+
+
 SPECS = (
     OpSpec("rms_norm", "(Tensor x, Tensor weight, float eps, bool round_normalized) -> Tensor", _rms_norm_impl,
            _rms_norm_fake, example=_rms_norm_example),
+    OpSpec("rms_norm_quant",
+           "(Tensor x, Tensor weight, float eps, int group_size, bool round_normalized) -> (Tensor, Tensor)",
+           _rms_norm_quant_impl, _rms_norm_quant_fake, example=_rms_norm_quant_example),
 )

@@ -2,6 +2,11 @@
 rounded once to x's dtype (as torch.nn.RMSNorm's fused kernel computes it), or with x * rsqrt(...) rounded to x's
 dtype before the weight (round_normalized: transformers' Llama-family norms).
 
+rms_norm_quant / rowwise (sm_89+: e4m3 stores) computes the same fp32 rows and quantizes them per token in
+1 x act_group groups as act_quant does (common/act_group_quant.py.j2), instead of rounding them to x's dtype: an FP8
+layer's norm then feeds its fp8_gemm with no act_quant launch between the two (at decode, one of about 1.4 us on an
+H200 for each of a Llama layer's two norms).
+
 Memory-bound: each program holds BLOCK_M whole rows in registers, so x is read once. At decode (a few rows) torch's
 kernel takes about 4.2-4.5 us a call on an H200 where this one takes about 1.5 (rmsnorm_probe_h200.json). It reads
 none of its scheme's fields: generated for the block_fp8 scheme of its definition file only because every kernel has
@@ -21,8 +26,23 @@ def launch_rms_norm(generated, x, weight, y, eps, round_normalized, tile):
                        num_warps=tile["num_warps"]))
 
 
+def launch_rms_norm_quant(generated, x, weight, q, s, eps, round_normalized, tile):
+    """x [M, H] with unit stride along columns, weight [H] contiguous; q [M, H] e4m3 and s [M, H // GROUP] float32,
+    unit stride along columns."""
+    M, H = x.shape
+    grid = (cdiv(M, tile["BLOCK_M"]), 1, 1)
+    return Launch(generated.kernel, grid, (x, weight, q, s, M, H, x.stride(0), q.stride(0), s.stride(0), float(eps)),
+                  dict(BLOCK_M=tile["BLOCK_M"], BLOCK_H=max(next_power_of_two(H), generated.module.GROUP.value),
+                       ROUND_NORMALIZED=bool(round_normalized), ROUND_FIRST=x.device.type == "cpu",
+                       num_warps=tile["num_warps"]))
+
+
 RMS_NORM = KernelImpl(
     "block_fp8", "rms_norm", "rowwise", "block_fp8/rms_norm.py.j2", 80, None,
     "x * rsqrt(mean(x^2) + eps) * weight in fp32, rounded to x's dtype (once, or also before the weight), "
     "whole rows per program",
     tile_knobs=frozenset({"block_m"}), launch=launch_rms_norm)
+RMS_NORM_QUANT = KernelImpl(
+    "block_fp8", "rms_norm_quant", "rowwise", "block_fp8/rms_norm.py.j2", 89, None,
+    "the norm in fp32 as rms_norm computes it, quantized per token and group to e4m3 (act_quant's rule), whole rows "
+    "per program", tile_knobs=frozenset({"block_m"}), launch=launch_rms_norm_quant)
