@@ -3,21 +3,30 @@
 # module: rms_norm__e4m3_w128x128_a128_f32__rowwise_sm80 (rms_norm/rowwise: x * rsqrt(mean(x^2) + eps) * weight in fp32, rounded to x's dtype (once, or also before the weight), whole rows per program)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_80 and up
-# digest: aff12310825f8afd (sha256 of its schemes, variant and templates)
+# digest: d795c550604d0b36 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _normalized(x_ptr, w_ptr, rows, cols, M, H, stride_xm, eps, dtype: tl.constexpr, ROUND_NORMALIZED: tl.constexpr):
-    """Rows of x * rsqrt(mean(x^2) + eps) * w in fp32, not yet rounded (ROUND_NORMALIZED: x * rsqrt(...) rounded
-    to dtype before the weight, as transformers' Llama-family norms compute it). Past H: zeros."""
-    col_ok = cols < H
-    ok = (rows < M)[:, None] & col_ok[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / H + eps)
+def _load_rows(x_ptr, rows, cols, M, H, stride_xm):
+    """x's rows at cols in fp32; zeros past M and H."""
+    ok = (rows < M)[:, None] & (cols < H)[None, :]
+    return tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _inv_rms(x, H, eps):
+    """rsqrt(mean(x^2) + eps) of whole rows (zeros past H add nothing to the sum)."""
+    return tl.rsqrt(tl.sum(x * x, axis=1) / H + eps)
+
+
+@triton.jit
+def _weighted(x, inv_rms, w_ptr, cols, H, dtype: tl.constexpr, ROUND_NORMALIZED: tl.constexpr):
+    """x * inv_rms * w at cols in fp32, not yet rounded (ROUND_NORMALIZED: x * inv_rms rounded to dtype before the
+    weight, as transformers' Llama-family norms compute it)."""
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
     y = x * inv_rms[:, None]
     if ROUND_NORMALIZED:
         y = y.to(dtype).to(tl.float32)
@@ -35,6 +44,7 @@ def rms_norm__e4m3_w128x128_a128_f32__rowwise_sm80(
     read of x and w."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
-    y = _normalized(x_ptr, w_ptr, rows, cols, M, H, stride_xm, eps, y_ptr.dtype.element_ty, ROUND_NORMALIZED)
+    x = _load_rows(x_ptr, rows, cols, M, H, stride_xm)
+    y = _weighted(x, _inv_rms(x, H, eps), w_ptr, cols, H, y_ptr.dtype.element_ty, ROUND_NORMALIZED)
     ok = (rows < M)[:, None] & (cols < H)[None, :]
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)

@@ -10,6 +10,7 @@ boundary: codes may be the neighbouring code, scales a few ulps off.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from reference import FP8, act_quant_ref
 from test_rms_norm import hidden_states, norm_weight, rms_norm_ref
 
 import kdsl
+from kdsl.runtime.registry import any_scheme
 
 pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered:RuntimeWarning")
 
@@ -218,3 +220,46 @@ def test_gpu_model_shapes(m, hidden):
         check_dequantized(q, s, x, weight, 1e-5, False)
         q, s = kdsl.ops.rms_norm_quant(x, weight, 1e-5, round_normalized=True)
         check_dequantized(q, s, x, weight, 1e-5, True)
+
+
+@pytest.mark.parametrize("columns", [128, 256, 1024])
+@pytest.mark.parametrize("where", ["interpreter", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_row_spread_over_programs_gives_the_same_codes(where, columns):
+    """A tile with options.columns (several programs per row, each reading the row whole for its mean square) writes
+    what whole-row programs write, bit for bit: the same sum in the same order, the same groups. (The generated
+    kernel's paths only: the torch fallback has no tiles.)"""
+    if where == "interpreter" and not interpreting():
+        pytest.skip("Triton's interpreter is off")
+    device = torch.device("cpu" if where == "interpreter" else "cuda")
+    x = hidden_states((3, 896), torch.bfloat16, device, seed=13)
+    weight = norm_weight(896, torch.bfloat16, device)
+    entry = kdsl.registry.dispatch("rms_norm_quant", any_scheme("rms_norm_quant"), device)
+    whole = dict(entry.tile_for(3), columns=None)
+    outputs = []
+    for tile in (whole, dict(whole, columns=columns)):
+        q = torch.empty(x.shape, dtype=FP8, device=device)
+        s = torch.empty(3, 7, dtype=torch.float32, device=device)
+        entry.launch(x, weight, q, s, 1e-5, False, tile)
+        outputs.append((q.view(torch.uint8), s))
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+    check_codes(outputs[1][0].view(FP8), outputs[1][1], x, weight, 1e-5)
+
+
+@pytest.mark.parametrize("columns", [96, 64])
+def test_columns_that_split_a_group_are_refused(tmp_path, columns):
+    """options.columns must cover whole act groups in a power of two: the definition is refused naming the field."""
+    from kdsl.schema import DefinitionError, load_definition
+
+    text = (Path(__file__).parents[1] / "kernel_defs" / "rms_norm.toml").read_text()
+    text += f"""
+[[variants]]
+op = "rms_norm_quant"
+impl = "rowwise"
+min_arch = "sm_90"
+tiles = [{{ block_m = 1, num_warps = 4, options = {{ columns = {columns} }} }}]
+"""
+    path = tmp_path / "norms.toml"
+    path.write_text(text)
+    with pytest.raises(DefinitionError, match=rf"norms.toml.*tiles\[0\]\.options\.columns: {columns} is not a power "
+                                              "of two that is a multiple of the act group 128"):
+        load_definition(path)

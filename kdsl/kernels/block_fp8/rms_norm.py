@@ -12,8 +12,28 @@ kernel takes about 4.2-4.5 us a call on an H200 where this one takes about 1.5 (
 none of its scheme's fields: generated for the block_fp8 scheme of its definition file only because every kernel has
 one (as silu_mul).
 """
+from pydantic import Field, PositiveInt
+
 from kdsl.kernels.base import KernelImpl, Launch
 from kdsl.kernels.host import cdiv, next_power_of_two
+from kdsl.strict_model import StrictModel
+
+
+class NormQuantOptions(StrictModel):
+    """How many programs share a row."""
+
+    columns: PositiveInt | None = Field(
+        None, description="columns each program quantizes, a power of two and a multiple of the act group (each "
+                          "program still reads its rows whole for their mean square); omit for whole rows, one "
+                          "program each")
+
+
+def norm_quant_problems(where: str, scheme, variant, tile, options: NormQuantOptions) -> list[str]:
+    columns, group = options.columns, scheme.act_group
+    if columns is not None and (columns & (columns - 1) or columns % group):
+        return [f"{where}.options.columns: {columns} is not a power of two that is a multiple of the act group "
+                f"{group}"]
+    return []
 
 
 def launch_rms_norm(generated, x, weight, y, eps, round_normalized, tile):
@@ -30,9 +50,11 @@ def launch_rms_norm_quant(generated, x, weight, q, s, eps, round_normalized, til
     """x [M, H] with unit stride along columns, weight [H] contiguous; q [M, H] e4m3 and s [M, H // GROUP] float32,
     unit stride along columns."""
     M, H = x.shape
-    grid = (cdiv(M, tile["BLOCK_M"]), 1, 1)
+    block_h = max(next_power_of_two(H), generated.module.GROUP.value)
+    block_c = min(tile["columns"] or block_h, block_h)
+    grid = (cdiv(M, tile["BLOCK_M"]), cdiv(H, block_c), 1)
     return Launch(generated.kernel, grid, (x, weight, q, s, M, H, x.stride(0), q.stride(0), s.stride(0), float(eps)),
-                  dict(BLOCK_M=tile["BLOCK_M"], BLOCK_H=max(next_power_of_two(H), generated.module.GROUP.value),
+                  dict(BLOCK_M=tile["BLOCK_M"], BLOCK_H=block_h, BLOCK_C=block_c,
                        ROUND_NORMALIZED=bool(round_normalized), ROUND_FIRST=x.device.type == "cpu",
                        num_warps=tile["num_warps"]))
 
@@ -45,4 +67,5 @@ RMS_NORM = KernelImpl(
 RMS_NORM_QUANT = KernelImpl(
     "block_fp8", "rms_norm_quant", "rowwise", "block_fp8/rms_norm.py.j2", 89, None,
     "the norm in fp32 as rms_norm computes it, quantized per token and group to e4m3 (act_quant's rule), whole rows "
-    "per program", tile_knobs=frozenset({"block_m"}), launch=launch_rms_norm_quant)
+    "per program, or a row's groups spread over programs", tile_knobs=frozenset({"block_m"}),
+    options=NormQuantOptions, problems=norm_quant_problems, launch=launch_rms_norm_quant)
