@@ -54,6 +54,28 @@ def act_quant_ref(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, to
     return q, s
 
 
+def assert_group_codes(q: torch.Tensor, s: torch.Tensor, values: torch.Tensor, group: int, scale_rtol: float,
+                       off_by_one_share: float) -> None:
+    """q, s (CPU) are act_quant_ref of the float `values` with NaN left out of each group's amax: scales within
+    scale_rtol (infinite ones where the reference's are), codes equal or, on a rounding boundary, the neighbouring code
+    (in at most off_by_one_share of them), NaN codes (byte 0x7F) exactly where the rule puts them: a NaN value, and
+    every inf of a group holding one (inf / inf)."""
+    width = values.shape[-1]
+    assert q.dtype == FP8 and q.shape == values.shape and q.is_contiguous()
+    assert s.dtype == torch.float32 and s.shape == (*values.shape[:-1], width // group) and s.is_contiguous()
+    q_ref, s_ref = act_quant_ref(torch.where(values.isnan(), 0.0, values), group)
+    inf_group = s_ref.isinf()
+    assert torch.equal(s.isinf(), inf_group)
+    torch.testing.assert_close(s[~inf_group], s_ref[~inf_group], rtol=scale_rtol, atol=0)
+    nan = q_ref.float().isnan() | values.isnan()
+    codes = q.view(torch.uint8)
+    assert torch.equal(q.float().isnan(), nan) and (codes[nan] == 0x7F).all()
+    # +0 and -0 are different codes of one value (the interpreter's rounding drops the sign of a zero): by value
+    steps = torch.where(q.float() == q_ref.float(), 0, (codes.int() - q_ref.view(torch.uint8).int()).abs())[~nan]
+    assert (steps <= 1).all(), f"codes more than one step from the reference: {int((steps > 1).sum())}"
+    assert steps.float().mean() <= off_by_one_share, f"{int((steps > 0).sum())} of {steps.numel()} codes off by one"
+
+
 def weight_quant_ref(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] in (bn, bk) blocks. Returns (q e4m3 [N, K], s fp32 [ceil(N/bn), ceil(K/bk)])."""
     bn, bk = block

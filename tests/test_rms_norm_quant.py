@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import interpreting, kernel_paths
-from reference import FP8, act_quant_ref
+from reference import FP8, assert_group_codes
 from test_rms_norm import hidden_states, norm_weight, rms_norm_ref
 
 import kdsl
@@ -25,7 +25,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|overflow) encount
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 RELATIVE_ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2.0 ** -20}
-NAN_CODE = 0x7F
 E4M3_HALF_STEP = 2.0 ** -4  # e4m3 keeps 3 mantissa bits: rounding moves a normal value by at most this, relative
 E4M3_SUBNORMAL_STEP = 2.0 ** -9  # the spacing of e4m3's subnormals, times the scale
 
@@ -37,22 +36,10 @@ device = kernel_paths(("rms_norm", "act_quant", "weight_quant", "fp8_gemm", "fp8
 
 def check_codes(q: torch.Tensor, s: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
                 group: int = 128):
-    """q, s are act_quant_ref of the fp32 norm: scales within a few fp32 ulps, codes equal or (on a rounding
-    boundary) the neighbouring code, NaN codes exactly where the norm is NaN."""
+    """q, s are act_quant_ref of the fp32 norm (reference.assert_group_codes: scales within a few fp32 ulps, codes
+    equal or the neighbouring code, NaN codes exactly where the norm is NaN)."""
     y = rms_norm_ref(x.cpu(), weight.cpu(), eps).float()
-    q, s = q.cpu(), s.cpu()
-    assert q.dtype == FP8 and q.shape == x.shape and q.is_contiguous()
-    assert s.dtype == torch.float32 and s.shape == (*x.shape[:-1], x.shape[-1] // group) and s.is_contiguous()
-    q_ref, s_ref = act_quant_ref(torch.where(y.isnan(), 0.0, y), group)  # amax leaves NaN elements out
-    assert torch.equal(s.isinf(), s_ref.isinf())
-    finite = s_ref.isfinite()
-    torch.testing.assert_close(s[finite], s_ref[finite], rtol=1e-5, atol=0)
-    nan = q_ref.float().isnan() | y.isnan()
-    codes = q.view(torch.uint8)
-    assert torch.equal(q.float().isnan(), nan) and (codes[nan] == NAN_CODE).all()
-    steps = torch.where(q.float() == q_ref.float(), 0, (codes.int() - q_ref.view(torch.uint8).int()).abs())[~nan]
-    assert (steps <= 1).all(), f"codes more than one step from the reference: {int((steps > 1).sum())}"
-    assert steps.float().mean() < 1e-2, f"{int((steps > 0).sum())} of {steps.numel()} codes off by one"
+    assert_group_codes(q.cpu(), s.cpu(), y, group, scale_rtol=1e-5, off_by_one_share=1e-2)
 
 
 def check_dequantized(q, s, x, weight, eps, round_normalized, group: int = 128):

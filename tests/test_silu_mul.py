@@ -14,14 +14,13 @@ import re
 import pytest
 import torch
 from conftest import interpreting, kernel_paths
-from reference import FP8, act_quant_ref
+from reference import FP8, assert_group_codes
 
 import kdsl
 
 pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered:RuntimeWarning")
 
 NAN, INF = float("nan"), float("inf")
-NAN_CODE = 0x7F
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # One unit in the last place of each dtype, relative to the value (bf16: 8 significant bits, fp16: 11).
 # fp32: h itself is a few ulps off on every path
@@ -71,26 +70,13 @@ def check_h(h: torch.Tensor, gate_up: torch.Tensor):
 
 
 def check_quant(q: torch.Tensor, s: torch.Tensor, gate_up: torch.Tensor, group: int = 128):
-    """q, s are act_quant_ref of the reference h: scales within a few fp32 ulps, codes equal or (on a rounding
-    boundary) the neighbouring code, NaN codes (byte 0x7F) exactly where act_quant's rule puts them: a NaN h
-    (left out of its group's amax), and every inf of a group holding one (inf / inf; the rest of it codes 0)."""
+    """q, s are act_quant_ref of the reference h (reference.assert_group_codes: scales within a few fp32 ulps, codes
+    equal or the neighbouring code, NaN codes where act_quant's rule puts them); a group holding an inf codes its
+    finite elements 0."""
     h = silu_mul_ref(gate_up.cpu())
     q, s = q.cpu(), s.cpu()
-    inter = h.shape[-1]
-    assert q.dtype == FP8 and q.shape == h.shape and q.is_contiguous()
-    assert s.dtype == torch.float32 and s.shape == (*h.shape[:-1], inter // group) and s.is_contiguous()
-    q_ref, s_ref = act_quant_ref(torch.where(h.isnan(), 0.0, h), group)  # amax leaves NaN elements out
-    inf_group = s_ref.isinf()
-    assert torch.equal(s.isinf(), inf_group)
-    torch.testing.assert_close(s[~inf_group], s_ref[~inf_group], rtol=1e-6, atol=0)
-    nan = q_ref.float().isnan() | h.isnan()
-    codes = q.view(torch.uint8)
-    assert torch.equal(q.float().isnan(), nan) and (codes[nan] == NAN_CODE).all()
-    # +0 and -0 are different codes of one value (the interpreter's rounding drops the sign of a zero): by value
-    steps = torch.where(q.float() == q_ref.float(), 0, (codes.int() - q_ref.view(torch.uint8).int()).abs())[~nan]
-    assert (steps <= 1).all(), f"codes more than one step from the reference: {int((steps > 1).sum())}"
-    assert steps.float().mean() < 2e-3, f"{int((steps > 0).sum())} of {steps.numel()} codes off by one"
-    element_group = inf_group.repeat_interleave(group, -1)
+    assert_group_codes(q, s, h, group, scale_rtol=1e-6, off_by_one_share=2e-3)
+    element_group = s.isinf().repeat_interleave(group, -1)
     assert q.float()[element_group & h.isfinite()].eq(0).all()
 
 

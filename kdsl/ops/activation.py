@@ -18,7 +18,7 @@ from kdsl.kernels.host import dependent_launches
 from kdsl.ops import _checks as check
 from kdsl.ops import _plan, fallback
 from kdsl.ops._examples import empty
-from kdsl.ops.block_fp8 import FLOAT_INPUTS, FP8, _scheme
+from kdsl.ops.block_fp8 import FLOAT_INPUTS, FP8, _group_quant_outputs
 from kdsl.ops.spec import OpSpec
 from kdsl.runtime import registry
 
@@ -65,11 +65,7 @@ def _silu_mul_quant_outputs(gate_up: torch.Tensor, group_size: int) -> tuple[str
     if inter % group_size:
         raise ValueError(f"gate_up: last dimension 2I = {2 * inter}: I = {inter} must be a multiple of "
                          f"group_size = {group_size}")
-    scheme = _scheme("silu_mul_quant", "group_size", group_size, "act_group", group_size)
-    lead = gate_up.shape[:-1]
-    q = gate_up.new_empty((*lead, inter), dtype=FP8)
-    s = gate_up.new_empty((*lead, inter // group_size), dtype=torch.float32)
-    return scheme, q, s
+    return _group_quant_outputs("silu_mul_quant", gate_up, group_size, inter)
 
 
 def _plan_key(op: str, gate_up, *extra):

@@ -65,11 +65,20 @@ def _act_quant_outputs(x: torch.Tensor, group_size: int) -> tuple[str, torch.Ten
     k = x.shape[-1]
     if k % group_size:
         raise ValueError(f"x: last dimension K = {k} must be a multiple of group_size = {group_size}")
-    scheme = _scheme("act_quant", "group_size", group_size, "act_group", group_size)
+    return _group_quant_outputs("act_quant", x, group_size)
+
+
+def _group_quant_outputs(op: str, x: torch.Tensor, group_size: int,
+                         width: int | None = None) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """The scheme of op that quantizes in groups of group_size (checked by the caller) and op's empty outputs in
+    act_quant's layout for rows of x's leading shape and `width` columns (x's last dimension by default): codes
+    e4m3 [..., width] and scales float32 [..., width / group_size]."""
+    scheme = _scheme(op, "group_size", group_size, "act_group", group_size)
+    width = x.shape[-1] if width is None else width
     # new_empty, and no views where x is already [M, K] rows: on a slow host each torch call costs
     # microseconds, and a launch this short waits for them (docs/kernels.md, host time).
-    q = x.new_empty(x.shape, dtype=FP8)
-    s = x.new_empty((*x.shape[:-1], k // group_size), dtype=torch.float32)
+    q = x.new_empty((*x.shape[:-1], width), dtype=FP8)
+    s = x.new_empty((*x.shape[:-1], width // group_size), dtype=torch.float32)
     return scheme, q, s
 
 

@@ -23,7 +23,7 @@ import torch
 from kdsl.ops import _checks as check
 from kdsl.ops import _plan, fallback
 from kdsl.ops._examples import empty
-from kdsl.ops.block_fp8 import FLOAT_INPUTS, FP8, _scheme
+from kdsl.ops.block_fp8 import FLOAT_INPUTS, FP8, _group_quant_outputs
 from kdsl.ops.spec import OpSpec
 from kdsl.runtime import registry
 
@@ -80,13 +80,9 @@ def _rms_norm_quant_outputs(x: torch.Tensor, weight: torch.Tensor, eps: float, g
     """rms_norm_quant's checks and its empty outputs (the fake kernel under torch.compile too)."""
     _check_norm(x, weight, eps, round_normalized)
     check.positive_power_of_two("group_size", group_size)
-    hidden = x.shape[-1]
-    if hidden % group_size:
-        raise ValueError(f"x: last dimension {hidden} must be a multiple of group_size = {group_size}")
-    scheme = _scheme("rms_norm_quant", "group_size", group_size, "act_group", group_size)
-    q = x.new_empty(x.shape, dtype=FP8)
-    s = x.new_empty((*x.shape[:-1], hidden // group_size), dtype=torch.float32)
-    return scheme, q, s
+    if x.shape[-1] % group_size:
+        raise ValueError(f"x: last dimension {x.shape[-1]} must be a multiple of group_size = {group_size}")
+    return _group_quant_outputs("rms_norm_quant", x, group_size)
 
 
 def _plan_key(op, x, weight, eps, round_normalized, *extra):
