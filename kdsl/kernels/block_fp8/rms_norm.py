@@ -7,13 +7,16 @@ rms_norm_quant / rowwise (sm_89+: e4m3 stores) computes the same fp32 rows and q
 layer's norm then feeds its fp8_gemm with no act_quant launch between the two (at decode, one of about 1.4 us on an
 H200 for each of a Llama layer's two norms).
 
-Memory-bound: each program holds BLOCK_M whole rows in registers, so x is read once. At decode (a few rows) torch's
+Memory-bound: each program holds BLOCK_M whole rows in registers, so x is read once. On sm_90+ rms_norm releases
+the kernel after it at once, as silu_mul does: a W4A16 GEMV launched dependent (plain_pdl) loads its first weights
+while the norm runs. At decode (a few rows) torch's
 kernel takes about 4.2-4.5 us a call on an H200 where this one takes about 1.5 (rmsnorm_probe_h200.json). It reads
 none of its scheme's fields: generated for the block_fp8 scheme of its definition file only because every kernel has
 one (as silu_mul).
 """
 from pydantic import Field, PositiveInt
 
+from kdsl.kernels import host
 from kdsl.kernels.base import KernelImpl, Launch
 from kdsl.kernels.host import cdiv, next_power_of_two
 from kdsl.strict_model import StrictModel
@@ -43,7 +46,7 @@ def launch_rms_norm(generated, x, weight, y, eps, round_normalized, tile):
     grid = (cdiv(M, tile["BLOCK_M"]), 1, 1)
     return Launch(generated.kernel, grid, (x, weight, y, M, H, x.stride(0), y.stride(0), float(eps)),
                   dict(BLOCK_M=tile["BLOCK_M"], BLOCK_H=next_power_of_two(H), ROUND_NORMALIZED=bool(round_normalized),
-                       num_warps=tile["num_warps"]))
+                       RELEASE=host.dependent_launches(x.device), num_warps=tile["num_warps"]))
 
 
 def launch_rms_norm_quant(generated, x, weight, q, s, eps, round_normalized, tile):
