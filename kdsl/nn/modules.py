@@ -217,6 +217,7 @@ class FP8Linear(_QuantizedLinear):
         return self.forward_quantized(q, s, out_dtype)
 
     NORM_QUANT_OP = "rms_norm_quant"  # a norm's rows quantized in this module's act_group: no act_quant of its own
+    norm_quant: bool = False  # set at construction: whether a kernel of NORM_QUANT_OP serves this module's input
 
     def forward_normed(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         """A norm with forward_quantized(x, group_size) (kdsl.nn.RMSNorm) quantizes its output for the GEMM itself
