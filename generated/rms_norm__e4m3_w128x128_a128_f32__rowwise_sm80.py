@@ -3,7 +3,7 @@
 # module: rms_norm__e4m3_w128x128_a128_f32__rowwise_sm80 (rms_norm/rowwise: x * rsqrt(mean(x^2) + eps) * weight in fp32, rounded to x's dtype (once, or also before the weight), whole rows per program)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_80 and up
-# digest: efb9f53ca62fe8a6 (sha256 of its schemes, variant and templates)
+# digest: 55b5dcf101d81600 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
