@@ -153,9 +153,8 @@ class FP8Linear(_QuantizedLinear):
         if bias is not None and tuple(bias.shape) != (n,):
             raise ValueError(f"bias: expected shape ({n},), got {tuple(bias.shape)}")
         self.fused = _fp8_fused(self.scheme, n, k, blocks)
-        group = self.scheme.act_group  # whether a norm can quantize this module's input (forward_normed)
-        self.norm_quant = k % group == 0 and any(
-            fields.get("act_group") == group for fields in registry.scheme_fields(self.NORM_QUANT_OP).values())
+        # whether a norm can quantize this module's input (forward_normed)
+        self.norm_quant = self._quantizes_input(self.NORM_QUANT_OP, k)
         self.in_features, self.out_features = k, n
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale_inv", weight_scale_inv)
@@ -207,10 +206,14 @@ class FP8Linear(_QuantizedLinear):
             return self.forward_quantized(a, a_s, torch.float32)
         return self(x)
 
-    def silu_mul_serves(self, features: int) -> bool:
+    def _quantizes_input(self, op: str, features: int) -> bool:
+        """Whether a kernel of op writes this module's input of `features` columns quantized in its act_group."""
         group = self.scheme.act_group
-        served = any(fields.get("act_group") == group for fields in registry.scheme_fields(self.SILU_MUL_OP).values())
-        return served and features % group == 0
+        return features % group == 0 and any(
+            fields.get("act_group") == group for fields in registry.scheme_fields(op).values())
+
+    def silu_mul_serves(self, features: int) -> bool:
+        return self._quantizes_input(self.SILU_MUL_OP, features)
 
     def forward_silu_mul(self, h: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         q, s = ops.silu_mul_quant(h, self.scheme.act_group)
