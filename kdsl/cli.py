@@ -252,7 +252,7 @@ def _explain(args: argparse.Namespace) -> int:
         m = tokens_per_expert(routing[0] * routing[2], routing[1])
     try:
         arch_number = device_arch() if args.arch is None else args.arch
-        print(explain(args.op, args.scheme, arch=arch_number, m=m, n=args.n, batch=args.batch))
+        print(explain(args.op, args.scheme, arch=arch_number, m=m, n=args.n, batch=args.batch, k=args.k))
         entry = select(args.op, args.scheme, arch=arch_number)
         if routing is not None:
             print(_moe_tiles(entry, *routing, args.n))
@@ -443,6 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
     why.add_argument("--m", type=non_negative_int, help="rows of the problem, to show the tile bucket")
     why.add_argument("--n", type=non_negative_int,
                      help="output columns of the problem, for definitions that tile by N too")
+    why.add_argument("--k", type=int_at_least(1),
+                     help="the reduced size of the problem, for tiles that refuse some K (w4a16_gemm's 16-row GEMV: "
+                          "options.k_max); without it no tile is refused for its K")
     why.add_argument("--batch", type=int_at_least(1), default=1,
                      help="batches of a batched op (fp8_bmm), for tiles that serve few batches (default: 1)")
     why.add_argument("--tokens", type=int_at_least(1), metavar="T",

@@ -1114,14 +1114,14 @@ def test_w4a16_gluon_kernels_are_exported_and_every_call_has_a_cubin(exported_w4
     assert {s["impl"] for s in m90["specializations"]} == {"planes_mma", "gemv", "gemv_mma_gluon", "overlap_gluon"}
     # overlap_gluon: its three Gluon host descriptors (x, the plane words, the pairs) as CUtensorMaps, every tile.
     overlap = [s for s in m90["specializations"] if s["impl"] == "overlap_gluon"]
-    assert {s["bucket"] for s in overlap} == {8, 10, 12, 14, 16}
+    assert {s["bucket"] for s in overlap} == {10, 12, 14, 16, 18}
     assert all([t["param"] for t in s["tma"]] == ["x_desc", "w_desc", "p_desc"] for s in overlap)
     # The Gluon GEMV: one cubin per K the (CI) problems reach on its tiles (none reaches M = 1 with N >= 8192 or
     # 1 < M <= 8: there, those of the problems moved to the tile's bounds),
     # with and without act-order, and the symbol is the Gluon kernel's.
     gluon = [s for s in m90["specializations"] if s["impl"] == "gemv_mma_gluon"]
     assert {(s["bucket"], s["constexprs"]["K"], s["constexprs"]["HAS_PERM"]) for s in gluon} == {
-        (b, 4096, p) for b in (0, 2, 5, 6) for p in (False, True)}
+        (b, 4096, p) for b in (0, 2, 5, 6, 8) for p in (False, True)}
     # The module's kernel serves every group size: the export is specialized on the scheme's GROUP_SIZE constexpr.
     assert {s["symbol"] for s in gluon} == {"w4a16_gemm__int4__gemv_mma_gluon_sm90"}
     assert all(s["constexprs"]["GROUP_SIZE"] == 128 for s in m90["specializations"])
@@ -1263,7 +1263,7 @@ def test_w4a16_dispatcher_matches_the_registry_and_the_generated_launch(exported
     # sm_90: the Gluon GEMV runs calls at M <= 8 with contiguous groups and an exported K; the other calls its
     # tiles serve (act-order's uneven groups, K = 1024, 14336, 256) go to the Triton tile after it.
     if arch == 90:
-        assert routed > 20 and gluon_hits == {0, 2, 5, 6, 8, 10, 12, 14, 16}, (routed, gluon_hits)
+        assert routed > 20 and gluon_hits == {0, 2, 5, 6, 8, 10, 12, 14, 16, 18}, (routed, gluon_hits)
     else:
         assert routed == 0 and not gluon_hits, (routed, gluon_hits)
     if not generic:
@@ -1297,8 +1297,9 @@ def test_w4a16_refusals_and_scratch_reuse(exported_w4a16, tmp_path):
     def line(**changes):
         values = {**good, **changes}
         return "kdsl_gptq_gemm " + " ".join(str(values[a.name]) for a in abis.OPS["w4a16_gemm"].args)
+    wide = dict(N=8192, ldqw=8192, ldz=16384, lds=16384, ldy=8192)
     answers = run(90, [line(N=60), line(K=0), line(contiguous_groups=2), line(ldx=100), line(groups=0),
-                       line(x_dtype=2), line(M=0), line(), line(M=12)])
+                       line(x_dtype=2), line(M=0), line(), line(K=8192, ldx=8192), line(**wide), line(**wide, M=12)])
     assert answers[0] == "error 1 w4a16_gemm: N = 60 and K = 4096 must be multiples of 8"
     assert answers[1] == "error 1 w4a16_gemm: M = 16 and N = 4096 must be >= 0, K = 0 > 0"
     assert answers[2] == "error 1 w4a16_gemm: contiguous_groups = 2 must be 0 or 1"
@@ -1306,9 +1307,13 @@ def test_w4a16_refusals_and_scratch_reuse(exported_w4a16, tmp_path):
     assert answers[4].startswith("error 1 w4a16_gemm: x, qweight, zeros, scales, groups and y must not be NULL")
     assert answers[5] == "error 1 w4a16_gemm: x_dtype = 2 is not one of KDSL_F16, KDSL_BF16"
     assert answers[6] == "ok, nothing launched"
+    # M = 16, K = 4096: the 16-row Gluon GEMV (a program per 16 columns); K = 8192 is above its k_max, which C
+    # refuses as Python does, so the MMA tile after it runs.
+    assert answers[7].split()[1:4] == ["256", "1", "1"], answers[7]
+    assert answers[8].split()[0] != answers[7].split()[0] and answers[8].split()[1] == "32", answers[8]
     # Split launches share the context's scratch: the second one (the same tile and split) reuses the first
     # one's buffers.
-    first, second = (a.split() for a in answers[7:])
+    first, second = (a.split() for a in answers[9:])
     assert int(first[2]) > 1 and first[3 + 7:3 + 9] == second[3 + 7:3 + 9]
     [sm80] = run(80, [line()])
     assert sm80 == "error 2 w4a16_gemm: this library has kernels for sm_90 only; the device is sm_80"

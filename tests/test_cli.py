@@ -110,6 +110,17 @@ def test_explain_batch_shows_the_tile_for_that_many_batches(capsys):
     assert code == 2 and "argument --batch: must be >= 1" in err
 
 
+def test_explain_k_shows_a_tile_refused_for_its_k(capsys):
+    base = ("explain", "w4a16_gemm", "--arch", "sm_90", "--m", "12", "--n", "4096")
+    code, short, _ = run(capsys, *base, "--k", "4096")
+    assert code == 0 and "k=4096" in short and "gemv_mma_gluon" in short.splitlines()[1] and "passed over" not in short
+    code, long_k, _ = run(capsys, *base, "--k", "14336")
+    assert code == 0 and "planes_mma" in long_k.splitlines()[1]
+    assert "(gemv_mma_gluon) passed over at run time" in long_k and "K = 14336" in long_k and "k_max" in long_k
+    code, _, err = run(capsys, *base, "--k", "0")
+    assert code == 2 and "argument --k: must be >= 1" in err
+
+
 @pytest.mark.parametrize("op, scheme, experts, ranges", [
     ("moe_w4a16", "w4a16.int4.g128", 128, ["T <= 128", "128 < T <= 512", "512 < T <= 1024", "T > 1024"]),
     ("moe_fp8", None, 256, ["T <= 128", "128 < T <= 512", "512 < T <= 1024", "1024 < T <= 4096",

@@ -270,9 +270,25 @@ def test_gemv_tiles_refuse_rows_the_mma_gemv_cannot_take(group_size, contiguous,
         assert "at most 8 rows" in entry.refusal_reason(gemv, kdsl.registry.Call(m=9, n=4096))
         assert entry.refusal_reason(gemv, kdsl.registry.Call(m=4, n=4096)) is None
     chosen = entry.tile_for(4, 4096, call)
-    assert chosen == entry.tile_for(16, 4096) and chosen["impl"] == "planes_mma", "the M <= 16 MMA tile takes the rows"
+    assert chosen == entry.tile_for(16, 4096, dataclasses.replace(call, m=16)) and chosen["impl"] == "planes_mma", \
+        "the M <= 16 MMA tile takes the rows"
     one_row = entry.tile_for(1, 4096, dataclasses.replace(call, m=1))
     assert one_row["impl"] == "gemv" and one_row["BLOCK_N"] == 16
+
+
+def test_sixteen_row_gemv_tile_refuses_long_k_and_more_rows():
+    """sm_90's M <= 16 bucket below N = 8192: the mma.sync GEMV with x_rows = 16 up to its k_max; a longer K, or
+    more rows than x_rows, goes to the MMA tile after it."""
+    entry = kdsl.registry.select("w4a16_gemm", "w4a16.int4.g128", arch="sm_90")
+    gemv = entry.tile_for(16, 4096)
+    assert gemv["impl"] == "gemv_mma_gluon" and gemv["x_rows"] == 16 and gemv["k_max"] == 4096
+    assert entry.refusal_reason(gemv, kdsl.registry.Call(m=16, n=4096, k=4096)) is None
+    assert entry.refusal_reason(gemv, kdsl.registry.Call(m=9, n=4096)) is None  # K unknown: nothing to refuse on
+    assert "K = 14336" in entry.refusal_reason(gemv, kdsl.registry.Call(m=16, n=4096, k=14336))
+    assert "at most 16 rows" in entry.refusal_reason(gemv, kdsl.registry.Call(m=17, n=4096, k=4096))
+    long_k = entry.tile_for(12, 4096, kdsl.registry.Call(m=12, n=4096, k=14336))
+    assert long_k["impl"] == "planes_mma" and long_k["BLOCK_M"] == 16
+    assert entry.tile_for(16, 8192)["impl"] == "planes_mma"  # from N = 8192 the MMA tile serves
 
 
 def test_cpu_fallback_without_interpreter(monkeypatch, launched):

@@ -178,6 +178,23 @@ def test_prepared_act_order_and_groups(checkpoints, group_size, g_idx, fmt, m):
     _check_prepared(ck, m, group_size=group_size, fmt=fmt)
 
 
+@pytest.mark.parametrize("m", [9, 12, 16])
+@pytest.mark.parametrize("shape, g_idx, dtype, impl", [
+    ((4096, 4096), "default", torch.float16, "gemv_mma_gluon"),
+    ((4096, 6144), "perm", torch.float16, "gemv_mma_gluon"),
+    ((4096, 4096), "default", torch.bfloat16, "gemv_mma_gluon"),
+    ((14336, 4096), "default", torch.float16, "planes_mma"),  # K above the GEMV tile's k_max
+], ids=lambda v: _shape_id(v) if isinstance(v, tuple) else str(v).removeprefix("torch."))
+def test_prepared_sixteen_row_gemv(checkpoints, launched, shape, g_idx, dtype, impl, m):
+    """M = 9-16 below N = 8192 on sm_90: the mma.sync GEMV with x's 16 rows on two MMAs per dequantized weight
+    fragment (rows past M masked), act-order's gathered x included; K above its k_max takes the MMA tile."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the 16-row GEMV tile is sm_90's")
+    _check_prepared(checkpoints(*shape, g_idx=g_idx, scale_dtype=dtype), m, dtype=dtype)
+    gemms = [name for name in launched if name.startswith("w4a16_gemm")]
+    assert gemms and all(impl in name for name in gemms), gemms
+
+
 @pytest.mark.parametrize("m", [8, 64, 1024])
 @pytest.mark.parametrize("shape", [(14336, 4096), (4096, 14336)], ids=_shape_id)
 def test_prepared_act_order_long_k_and_prefill(checkpoints, shape, m):

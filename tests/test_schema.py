@@ -828,14 +828,20 @@ def test_gemv_mma_gluon_tiles_are_checked(tmp_path):
         tiles = [{ impl = "gemv_mma_gluon", m_max = 1, block_m = 1, block_n = 16, block_k = 256, num_warps = 8 },
                  { impl = "gemv_mma_gluon", m_max = 8, block_m = 1, block_n = 64, block_k = 128, split_k = 4 },
                  { impl = "gemv_mma_gluon", m_max = 16, block_m = 16, block_n = 16, block_k = 128 },
+                 { impl = "gemv_mma_gluon", m_max = 16, block_m = 1, block_n = 16, options = { x_rows = 16, k_max = 4096 } },
+                 { impl = "gemv_mma_gluon", m_max = 32, block_m = 1, block_n = 16, options = { x_rows = 16 } },
+                 { impl = "gemv_mma_gluon", m_max = 64, block_m = 1, block_n = 16, options = { x_rows = 12 } },
                  { block_m = 64, block_n = 64, num_warps = 4 }]
     """
     lines = _load_error(_write(tmp_path, W4A16_SCHEME + variant)).splitlines()
-    assert not _lines_about(lines, 0)  # the shipped kind of tile
+    assert not _lines_about(lines, 0)  # the shipped kinds of tile
+    assert not _lines_about(lines, 3)
     assert any("block_n = 16 (got 64)" in line for line in _lines_about(lines, 1))
     assert any("tiles[1].split_k: w4a16_gemm/gemv_mma_gluon does not implement this knob" in line for line in lines)
     assert any("block_m = 1" in line for line in _lines_about(lines, 2))
-    assert any("m_max <= 8 (got 16)" in line for line in _lines_about(lines, 2))
+    assert any("set m_max <= 8, or options.x_rows = 16" in line for line in _lines_about(lines, 2))
+    assert any("M up to 16; set m_max <= 16 (got 32)" in line for line in _lines_about(lines, 4))
+    assert any("x_rows" in line for line in _lines_about(lines, 5))  # 8 or 16 only
 
 
 def test_gemv_mma_gluon_needs_the_paired_k_planes_layout(tmp_path):

@@ -350,7 +350,7 @@ def _w4a16_gemm_impl(x: torch.Tensor, prepared: W4A16Prepared) -> torch.Tensor:
         return y
     # act_order=False: act-order's x is gathered once by the chosen module's gather kernel (gather_columns), then
     # the tile of plain g_idx runs; the in-kernel perm lookups that act_order facts select are the AOT C ABI's.
-    call = registry.Call(m=m, n=n, device_type=device.type, dtype=check.dtype_name(x2.dtype),
+    call = registry.Call(m=m, n=n, k=k, device_type=device.type, dtype=check.dtype_name(x2.dtype),
                          act_order=False, contiguous_groups=prepared.contiguous_groups,
                          align=check.alignment(x2, prepared.scales))
     tile = entry.tile_for(m, n, call)  # the plan key holds everything the call's facts are made of

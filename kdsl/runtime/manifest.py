@@ -81,6 +81,7 @@ class Call:
 
     m: int
     n: int | None = None
+    k: int | None = None  # the reduced size, where the op has one and a refusal reads it
     device_type: str = "cuda"
     dtype: str = "float16"
     act_order: bool = False

@@ -334,16 +334,17 @@ def _module_label(kernel_module) -> str:
 
 
 def explain(op: str, scheme=None, arch: str | int | None = None, m: int | None = None, n: int | None = None,
-            batch: int = 1) -> str:
+            batch: int = 1, k: int | None = None) -> str:
     """The selection trace as text: every candidate, the verdict on it, and the tile (M, N) picks (for a
-    batched op, for `batch` batches)."""
+    batched op, for `batch` batches; k: the reduced size, for tiles that refuse some K)."""
     arch_number = _arch_number(arch)
     name = _scheme_name(scheme)
     chosen, verdicts = _judge(op, name, arch_number)
     lines = [f"select {op} scheme={name or 'any'} arch={format_arch(arch_number)} m={m if m is not None else 'any'}"
-             + ("" if n is None else f" n={n}") + ("" if batch == 1 else f" batch={batch}")]
+             + ("" if n is None else f" n={n}") + ("" if k is None else f" k={k}")
+             + ("" if batch == 1 else f" batch={batch}")]
     if chosen is not None:
-        passed_over, bucket = _run_time_refusals(chosen, m, n, batch)
+        passed_over, bucket = _run_time_refusals(chosen, m, n, batch, k)
         tile = chosen.tiles[bucket]
         dequant, why_not = dequant_for(chosen, arch_number) if chosen.dequant else (None, "")
         if (dequant is not None and m is not None and m >= chosen.dequant["min_m"]
@@ -391,12 +392,12 @@ def dequant_for(entry: KernelEntry, arch: int) -> tuple[KernelEntry | None, str]
 
 
 def _run_time_refusals(entry: KernelEntry, m: int | None, n: int | None,
-                       batch: int = 1) -> tuple[list[tuple[int, str]], int]:
+                       batch: int = 1, k: int | None = None) -> tuple[list[tuple[int, str]], int]:
     """The tiles serving (M, N) that their modules pass over for a typical GPU call (Call's defaults: fp16,
     no act-order, aligned), with their reasons, and the tile that then runs: what kdsl.ops does at run time."""
     if m is None:
         return [], entry.bucket_index(m, n)
-    call, passed_over = Call(m=m, n=n, batch=batch), []
+    call, passed_over = Call(m=m, n=n, k=k, batch=batch), []
     for index, bucket in enumerate(entry.tiles):
         if bucket.serves(m, n):
             reason = entry.refusal_reason(bucket.params, call)
