@@ -3,7 +3,7 @@
 # module: w4a16_gemm__int4__gemv_mma_gluon_sm90 (w4a16_gemm/gemv_mma_gluon: W4A16 GEMV for M <= 16 on mma.sync (Gluon): 16 columns per program, its warps splitting K)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_90 .. sm_90
-# digest: 48e53dbd16abbacd (sha256 of its schemes, variant and templates)
+# digest: 741555c7ed33a580 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl

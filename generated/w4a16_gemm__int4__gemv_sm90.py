@@ -3,7 +3,7 @@
 # module: w4a16_gemm__int4__gemv_sm90 (w4a16_gemm/gemv: W4A16 GEMV on CUDA cores, one row per program row, weights kept in registers, split-K in-kernel)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_90 .. sm_90
-# digest: 7b212cc45346bd4f (sha256 of its schemes, variant and templates)
+# digest: 7fedc9ad6e570184 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl

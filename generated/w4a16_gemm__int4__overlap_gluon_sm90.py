@@ -3,7 +3,7 @@
 # module: w4a16_gemm__int4__overlap_gluon_sm90 (w4a16_gemm/overlap_gluon: W4A16 GEMM for Hopper (Gluon): TMA ring, block k+1 dequantized while block k's wgmma runs)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_90 .. sm_90
-# digest: 78307d2394c2506a (sha256 of its schemes, variant and templates)
+# digest: a679335c91088ee9 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl

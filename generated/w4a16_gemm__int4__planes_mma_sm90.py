@@ -3,7 +3,7 @@
 # module: w4a16_gemm__int4__planes_mma_sm90 (w4a16_gemm/planes_mma: W4A16 MMA on k_planes words, y^T = w^T x^T with the weights as the register operand, split-K in-kernel)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_90 .. sm_90
-# digest: cbd20331c88eb806 (sha256 of its schemes, variant and templates)
+# digest: 4c19797c639c4df4 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
