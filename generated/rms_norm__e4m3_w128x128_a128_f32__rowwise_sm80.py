@@ -3,7 +3,7 @@
 # module: rms_norm__e4m3_w128x128_a128_f32__rowwise_sm80 (rms_norm/rowwise: x * rsqrt(mean(x^2) + eps) * weight in fp32, rounded to x's dtype (once, or also before the weight), whole rows per program)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_80 and up
-# digest: 55b5dcf101d81600 (sha256 of its schemes, variant and templates)
+# digest: 6223d7436ab2ffb4 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -15,6 +15,39 @@ def _load_rows(x_ptr, rows, cols, M, H, stride_xm):
     """x's rows at cols in fp32; zeros past M and H."""
     ok = (rows < M)[:, None] & (cols < H)[None, :]
     return tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _round_to(x, dtype: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """fp32 x rounded to dtype, to nearest even. Triton's CPU interpreter truncates fp32 to bf16, so there
+    (ROUND_FIRST) x is first rounded onto bf16's grid in integer arithmetic and the cast is exact."""
+    if ROUND_FIRST and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _sum_rows(x_ptr, r_ptr, h_ptr, rows, cols, M, H, stride_xm, stride_rm, stride_hm, STORE: tl.constexpr,
+              ROUND_FIRST: tl.constexpr):
+    """h = x + residual at cols, rounded once to x's dtype as torch adds them, in fp32 (zeros past M and H); STORE:
+    h written out as well (the residual stream the layer carries on)."""
+    ok = (rows < M)[:, None] & (cols < H)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0)
+    r = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=ok, other=0.0)
+    h = _round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype, ROUND_FIRST)
+    if STORE:
+        tl.store(h_ptr + rows[:, None] * stride_hm + cols[None, :], h, mask=ok)
+    return h.to(tl.float32)
+
+
+@triton.jit
+def _norm_input(x_ptr, r_ptr, h_ptr, rows, cols, M, H, stride_xm, stride_rm, stride_hm, RESIDUAL: tl.constexpr,
+                STORE: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """The rows the norm takes, in fp32: x, or (RESIDUAL) x + residual as _sum_rows has it."""
+    if RESIDUAL:
+        return _sum_rows(x_ptr, r_ptr, h_ptr, rows, cols, M, H, stride_xm, stride_rm, stride_hm, STORE, ROUND_FIRST)
+    return _load_rows(x_ptr, rows, cols, M, H, stride_xm)
 
 
 @triton.jit
@@ -36,20 +69,23 @@ def _weighted(x, inv_rms, w_ptr, cols, H, dtype: tl.constexpr, ROUND_NORMALIZED:
 
 @triton.jit
 def rms_norm__e4m3_w128x128_a128_f32__rowwise_sm80(
-    x_ptr, w_ptr, y_ptr, M, H, stride_xm, stride_ym, eps, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-    ROUND_NORMALIZED: tl.constexpr, RELEASE: tl.constexpr,
+    x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, M, H, stride_xm, stride_rm, stride_ym, stride_hm, eps, BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr, ROUND_NORMALIZED: tl.constexpr, RELEASE: tl.constexpr, RESIDUAL: tl.constexpr,
+    ROUND_FIRST: tl.constexpr,
 ):
     """One program: BLOCK_M whole rows of y = x * rsqrt(mean(x^2) + eps) * w, in fp32, rounded once to y's dtype
     (ROUND_NORMALIZED: x * rsqrt(...) rounded to y's dtype before the weight too, as transformers' Llama-family
     norms compute it). A row is loaded once and stays in registers (BLOCK_H covers H), so a decode row costs one
     read of x and w. RELEASE (sm_90+): the GEMM after it may be a programmatic dependent launch (the W4A16 GEMV's
     plain_pdl): let it be placed at once, to load its first weights while this runs; it waits for y before reading
-    it."""
+    it. RESIDUAL: the norm of h = x + residual (rounded once to x's dtype, as torch adds them), h written out too
+    (ROUND_FIRST: in the CPU interpreter, as _round_to says)."""
     if RELEASE:
         gdc_launch_dependents()
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
-    x = _load_rows(x_ptr, rows, cols, M, H, stride_xm)
+    x = _norm_input(x_ptr, r_ptr, h_ptr, rows, cols, M, H, stride_xm, stride_rm, stride_hm, RESIDUAL, True,
+                    ROUND_FIRST)
     y = _weighted(x, _inv_rms(x, H, eps), w_ptr, cols, H, y_ptr.dtype.element_ty, ROUND_NORMALIZED)
     ok = (rows < M)[:, None] & (cols < H)[None, :]
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)

@@ -3,7 +3,7 @@
 # module: rms_norm_quant__e4m3_w128x128_a128_f32__rowwise_sm89 (rms_norm_quant/rowwise: the norm in fp32 as rms_norm computes it, quantized per token and group to e4m3 (act_quant's rule), whole rows per program, or a row's groups spread over programs)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 1830c0c2a5c6a7d2 (sha256 of its schemes, variant and templates)
+# digest: 2821875ba0f4c645 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -73,6 +73,39 @@ def _load_rows(x_ptr, rows, cols, M, H, stride_xm):
 
 
 @triton.jit
+def _round_to(x, dtype: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """fp32 x rounded to dtype, to nearest even. Triton's CPU interpreter truncates fp32 to bf16, so there
+    (ROUND_FIRST) x is first rounded onto bf16's grid in integer arithmetic and the cast is exact."""
+    if ROUND_FIRST and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _sum_rows(x_ptr, r_ptr, h_ptr, rows, cols, M, H, stride_xm, stride_rm, stride_hm, STORE: tl.constexpr,
+              ROUND_FIRST: tl.constexpr):
+    """h = x + residual at cols, rounded once to x's dtype as torch adds them, in fp32 (zeros past M and H); STORE:
+    h written out as well (the residual stream the layer carries on)."""
+    ok = (rows < M)[:, None] & (cols < H)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0)
+    r = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=ok, other=0.0)
+    h = _round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype, ROUND_FIRST)
+    if STORE:
+        tl.store(h_ptr + rows[:, None] * stride_hm + cols[None, :], h, mask=ok)
+    return h.to(tl.float32)
+
+
+@triton.jit
+def _norm_input(x_ptr, r_ptr, h_ptr, rows, cols, M, H, stride_xm, stride_rm, stride_hm, RESIDUAL: tl.constexpr,
+                STORE: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """The rows the norm takes, in fp32: x, or (RESIDUAL) x + residual as _sum_rows has it."""
+    if RESIDUAL:
+        return _sum_rows(x_ptr, r_ptr, h_ptr, rows, cols, M, H, stride_xm, stride_rm, stride_hm, STORE, ROUND_FIRST)
+    return _load_rows(x_ptr, rows, cols, M, H, stride_xm)
+
+
+@triton.jit
 def _inv_rms(x, H, eps):
     """rsqrt(mean(x^2) + eps) of whole rows (zeros past H add nothing to the sum)."""
     return tl.rsqrt(tl.sum(x * x, axis=1) / H + eps)
@@ -91,22 +124,25 @@ def _weighted(x, inv_rms, w_ptr, cols, H, dtype: tl.constexpr, ROUND_NORMALIZED:
 
 @triton.jit
 def rms_norm_quant__e4m3_w128x128_a128_f32__rowwise_sm89(
-    x_ptr, w_ptr, q_ptr, s_ptr, M, H, stride_xm, stride_qm, stride_sm, eps, BLOCK_M: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, ROUND_NORMALIZED: tl.constexpr, ROUND_FIRST: tl.constexpr,
+    x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, h_ptr, M, H, stride_xm, stride_rm, stride_qm, stride_sm, stride_hm, eps,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, ROUND_NORMALIZED: tl.constexpr,
+    ROUND_FIRST: tl.constexpr, RESIDUAL: tl.constexpr,
 ):
     """One program: BLOCK_C columns (program axis 1) of BLOCK_M rows of the norm (as rms_norm computes it, in fp32),
     quantized per GROUP columns as act_quant quantizes (_quantize_groups) instead of rounded to x's dtype: the
     codes and scales the next layer's fp8_gemm reads, with no act_quant launch between the two. Each program reads
     its rows whole for their mean square; BLOCK_C < BLOCK_H spreads a row's groups over several programs (decode:
-    a row is otherwise one SM's work)."""
+    a row is otherwise one SM's work). RESIDUAL: the norm of h = x + residual, each program writing its columns of h."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    x = _load_rows(x_ptr, rows, tl.arange(0, BLOCK_H), M, H, stride_xm)
+    x = _norm_input(x_ptr, r_ptr, h_ptr, rows, tl.arange(0, BLOCK_H), M, H, stride_xm, stride_rm, stride_hm, RESIDUAL,
+                    BLOCK_C == BLOCK_H, ROUND_FIRST)
     inv_rms = _inv_rms(x, H, eps)
     if BLOCK_C == BLOCK_H:
         cols = tl.arange(0, BLOCK_H)
     else:  # this program's columns again, from L1: the whole row was just read
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        x = _load_rows(x_ptr, rows, cols, M, H, stride_xm)
+        x = _norm_input(x_ptr, r_ptr, h_ptr, rows, cols, M, H, stride_xm, stride_rm, stride_hm, RESIDUAL, True,
+                        ROUND_FIRST)
     y = _weighted(x, inv_rms, w_ptr, cols, H, x_ptr.dtype.element_ty, ROUND_NORMALIZED)
     # Groups past H (BLOCK_H is a power of two) and rows past M hold 1.0, not 0.0: never stored, and all-zero groups
     # take the division's slow path (act_quant's template says what that measured).

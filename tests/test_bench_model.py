@@ -33,6 +33,21 @@ def test_the_quantized_layers_follow_the_float_model(name):
     assert err < 0.05, err  # round-to-nearest weights through two residual layers
 
 
+def test_the_decoder_adds_the_residual_stream_twice_a_layer():
+    """The layers carry (delta, residual) and add them in the next norm's kernel (add_rms_norm): the forward is still
+    x + o(attention(norm1(x))), then + down(silu_mul(gate_up(norm2(.)))), layer after layer, written out here."""
+    shape = bench_model.Shape(hidden=256, qkv=384, o_in=256, inter=256, layers=3)
+    model = bench_model.build(shape, torch.float32, device="cpu")
+    x = torch.randn(3, 256)
+    expected = x
+    with torch.no_grad():
+        for layer in model:
+            h = expected + layer.o(layer.qkv(layer.norm1(expected))[:, :256])
+            gate, up = layer.gate_up(layer.norm2(h)).chunk(2, dim=-1)
+            expected = h + layer.down(torch.nn.functional.silu(gate) * up)
+        torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["torchao-fp8", "torchao-int4"])
 def test_a_peer_without_torchao_is_an_import_error(name, monkeypatch):
     """The torchao variants are peers where torchao imports; without it, variant() raises ImportError, which

@@ -6,10 +6,12 @@ SiLU*mul -> down -> residual add. A preset with multi-head latent attention (Dee
 decode path instead of qkv -> o: q_a and kv_a as one projection (qkv), q_b, the absorbed per-head BMMs (q_nope
 against W_UK into the latent space, then the latent against W_UV; the attention over the latent cache left out)
 and o. The same glue runs for every variant: the norms are kdsl.nn.RMSNorm (one kernel, as serving stacks fuse
-them; torch.nn.RMSNorm's took about 4.3 us a call at decode on an H200, kdsl's about 1.5), SiLU*mul is
-kdsl.ops.silu_mul, the residual adds torch's. As serving stacks do, the FP8 variant has those two kernels write its
-GEMMs' quantized input (rms_norm_quant, silu_mul_quant: FP8Linear.forward_normed and forward_silu_mul) instead of
-running act_quant after them; its o projection, after the attention, quantizes its own input.
+them; torch.nn.RMSNorm's took about 4.3 us a call at decode on an H200, kdsl's about 1.5), each residual add runs in
+the norm after it (add_rms_norm: the layer carries the residual stream beside its output, as vLLM's decoder layers
+do; the last layer's output is added once at the end), SiLU*mul is kdsl.ops.silu_mul. As serving stacks do, the FP8
+variant has those kernels write its GEMMs' quantized input (add_rms_norm_quant, rms_norm_quant, silu_mul_quant:
+FP8Linear.forward_add_normed, forward_normed and forward_silu_mul) instead of running act_quant after them; its o
+projection, after the attention, quantizes its own input.
 
   fp16 / bf16    nn.Linear (cuBLAS): the baseline
   w4a16          kdsl.quantize_(model, kdsl.GPTQ(group_size=128)), fp16 activations
@@ -199,6 +201,18 @@ def _normed(linear, norm, x):
     return forward_normed(x, norm) if forward_normed is not None else linear(norm(x))
 
 
+def _add_normed(linear, norm, x, residual):
+    """(linear(norm(h)), h) for h = x + residual, the add and the norm one kernel (add_rms_norm) for every variant;
+    FP8Linear's (add_rms_norm_quant) writes its quantized input as well."""
+    from kdsl.nn.modules import add_then_norm
+
+    forward_add_normed = getattr(linear, "forward_add_normed", None)
+    if forward_add_normed is not None:
+        return forward_add_normed(x, residual, norm)
+    normed, h = add_then_norm(norm, x, residual)
+    return linear(normed), h
+
+
 def _silu_mul_into(linear, gate_up):
     """linear(silu(gate) * up) with the activation one kdsl kernel for every variant: silu_mul, or for FP8Linear
     silu_mul_quant (its input quantized, no act_quant launch)."""
@@ -234,18 +248,31 @@ def build(shape: Shape, dtype, device: str = "cuda"):
             self.gate_up = nn.Linear(shape.hidden, 2 * shape.inter, bias=False, dtype=dtype, device=device)
             self.down = nn.Linear(shape.inter, shape.hidden, bias=False, dtype=dtype, device=device)
 
-        def forward(self, x):
-            q = _normed(self.qkv, self.norm1, x)
+        def forward(self, x, residual):
+            """x + residual is the layer's input (residual None: x alone); returns its output as (the down
+            projection's delta, the residual stream), which the next layer's first norm adds, as serving stacks
+            carry them."""
+            if residual is None:
+                q, residual = _normed(self.qkv, self.norm1, x), x
+            else:
+                q, residual = _add_normed(self.qkv, self.norm1, x, residual)
             if mla is not None:  # q_a's part of qkv through q_b (q_a's RMSNorm and the rope left out)
                 attn = self.absorbed(self.q_b(q[:, : mla.q_lora]))
             else:  # attention left out: o reads a slice of qkv's output as wide as its input (tiled when narrower)
                 attn = (q[:, : shape.o_in] if shape.qkv >= shape.o_in
                         else q.repeat(1, -(-shape.o_in // shape.qkv))[:, : shape.o_in])
-            x = x + self.o(attn)
-            return x + _silu_mul_into(self.down, _normed(self.gate_up, self.norm2, x))
+            gate_up, residual = _add_normed(self.gate_up, self.norm2, self.o(attn), residual)
+            return _silu_mul_into(self.down, gate_up), residual
+
+    class Decoder(nn.Sequential):
+        def forward(self, x):
+            residual = None
+            for layer in self:
+                x, residual = layer(x, residual)
+            return x + residual
 
     torch.manual_seed(0)
-    model = nn.Sequential(*[Layer() for _ in range(shape.layers)]).eval()
+    model = Decoder(*[Layer() for _ in range(shape.layers)]).eval()
     for layer in model:
         for linear in (layer.qkv, getattr(layer, "q_b", None), layer.o, layer.gate_up, layer.down):
             if linear is not None:

@@ -93,7 +93,8 @@ def _llama() -> list[Case]:
     fp8 = _gemms("fp8_gemm", llama8b + llama70b, [1, 16, 64, 128, 512, 4096])
     act = [Case("act_quant", m=m, k=k) for m, k in ((4096, 4096), (4096, 14336), (16384, 8192))]
     norm = [Case(op, m=m, k=k)
-            for op in ("rms_norm", "rms_norm_quant") for k in (4096, 8192) for m in (1, 16, 64, 2048)]
+            for op in ("rms_norm", "rms_norm_quant", "add_rms_norm") for k in (4096, 8192)
+            for m in (1, 16, 64, 2048)]
     deq = [Case("weight_dequant", n=n, k=k) for n, k in ((28672, 4096), (8192, 28672))]
     gptq = _gemms("gptq_gemm", llama8b + [(10240, 8192), (57344, 8192), (8192, 28672)], [1, 16, 64, 256])
     gptq_deq = [Case("gptq_dequant", n=n, k=k) for n, k in ((28672, 4096), (8192, 28672))]

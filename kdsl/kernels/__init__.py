@@ -20,6 +20,7 @@ BASE_KNOBS = frozenset({"m_max", "num_warps"})
 CATALOGUE: tuple[KernelImpl, ...] = (
     quant.ACT_QUANT_ROWWISE, quant.WEIGHT_QUANT_BLOCKWISE, quant.WEIGHT_DEQUANT_BLOCKWISE,
     silu_mul.SILU_MUL, silu_mul.SILU_MUL_QUANT, rms_norm.RMS_NORM, rms_norm.RMS_NORM_QUANT,
+    rms_norm.ADD_RMS_NORM, rms_norm.ADD_RMS_NORM_QUANT,
     fp8_gemm_portable.IMPL, fp8_gemm_tma_persistent.IMPL, fp8_gemm_deferred_gluon.IMPL,
     fp8_bmm_portable.IMPL, fp8_bmm_tma_sm90.IMPL,
     fp8_linear_portable.IMPL,

@@ -82,6 +82,16 @@ def _static_address(tensor: torch.Tensor | None) -> None:
         torch._dynamo.mark_static_address(tensor)
 
 
+def add_then_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(h), h) for h = x + residual: one launch where the norm offers forward_add (kdsl.nn.RMSNorm), else
+    torch's add, then the norm."""
+    forward_add = getattr(norm, "forward_add", None)
+    if forward_add is not None:
+        return forward_add(x, residual)
+    h = x + residual
+    return norm(h), h
+
+
 class KeepsQuantizedDtypes(nn.Module):
     """Keeps its quantized buffers' dtypes through .to(dtype) / .half() / .bfloat16(): those move them to another
     device at most (a cast would silently change what the kernels read); buffers named in FOLLOWS_CAST follow it.
@@ -130,6 +140,13 @@ class _QuantizedLinear(KeepsQuantizedDtypes):
         """self(norm(x)), with the norm writing this module's input as its GEMM reads it where a kernel does that
         (model code that runs a norm straight into a linear calls this: kdsl's model bench does)."""
         return self(norm(x))
+
+    def forward_add_normed(self, x: torch.Tensor, residual: torch.Tensor,
+                           norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(h)), h) for h = x + residual: a decoder layer's residual add, the norm after it and this
+        linear, with the add and the norm in one launch where the norm offers it (kdsl.nn.RMSNorm.forward_add)."""
+        normed, h = add_then_norm(norm, x, residual)
+        return self(normed), h
 
 
 class FP8Linear(_QuantizedLinear):
@@ -231,6 +248,17 @@ class FP8Linear(_QuantizedLinear):
             return self(norm(x))
         q, s = quantized(x, self.scheme.act_group)
         return self.forward_quantized(q, s, x.dtype if x.dtype in FLOAT_OUT else torch.bfloat16)
+
+    def forward_add_normed(self, x: torch.Tensor, residual: torch.Tensor,
+                           norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward_normed of h = x + residual, and h: a norm with forward_add_quantized (kdsl.nn.RMSNorm) adds,
+        normalizes and quantizes for the GEMM in one add_rms_norm_quant launch; any other norm as the base class
+        runs it."""
+        quantized = getattr(norm, "forward_add_quantized", None)
+        if quantized is None or not self.norm_quant:
+            return super().forward_add_normed(x, residual, norm)
+        q, s, h = quantized(x, residual, self.scheme.act_group)
+        return self.forward_quantized(q, s, x.dtype if x.dtype in FLOAT_OUT else torch.bfloat16), h
 
     def extra_repr(self) -> str:
         device = self.weight.device

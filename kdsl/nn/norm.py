@@ -89,6 +89,23 @@ class RMSNorm(nn.Module):
             return ops.act_quant(self(x), group_size)
         return ops.rms_norm_quant(x, self.weight, self.eps, group_size, self.round_normalized)
 
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(h), h) for h = x + residual in x's dtype: a decoder layer's residual add and this norm in one
+        add_rms_norm launch (a round_normalized weight of another dtype than x: the add, then forward)."""
+        if self.round_normalized and self.weight.dtype != x.dtype:
+            h = x + residual
+            return self(h), h
+        return ops.add_rms_norm(x, residual, self.weight, self.eps, self.round_normalized)
+
+    def forward_add_quantized(self, x: torch.Tensor, residual: torch.Tensor,
+                              group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, s, h): forward_quantized of h = x + residual, and h, in one add_rms_norm_quant launch (a
+        round_normalized weight of another dtype than x: the add, then forward_quantized)."""
+        if self.round_normalized and self.weight.dtype != x.dtype:
+            h = x + residual
+            return (*self.forward_quantized(h, group_size), h)
+        return ops.add_rms_norm_quant(x, residual, self.weight, self.eps, group_size, self.round_normalized)
+
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}" + (", round_normalized=True" if self.round_normalized else "")
 

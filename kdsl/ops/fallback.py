@@ -165,6 +165,20 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size
     return act_quant(_rms_norm_fp32(x, weight, eps, round_normalized), group_size)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 round_normalized: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x + residual in x's dtype, then rms_norm of h: (y, h)."""
+    h = x + residual
+    return rms_norm(h, weight, eps, round_normalized), h
+
+
+def add_rms_norm_quant(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int,
+                       round_normalized: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h = x + residual in x's dtype, then rms_norm_quant of h: (q, s, h)."""
+    h = x + residual
+    return (*rms_norm_quant(h, weight, eps, group_size, round_normalized), h)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up in fp32 (gate_up's first half, then its second), rounded once to gate_up's dtype."""
     inter = gate_up.shape[-1] // 2

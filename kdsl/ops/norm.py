@@ -3,6 +3,8 @@
     rms_norm(x [..., H], weight [H], eps, round_normalized=False) -> y [..., H] in x's dtype
     rms_norm_quant(x, weight, eps, group_size=128, round_normalized=False)
         -> (q e4m3 [..., H], s float32 [..., H / group_size])
+    add_rms_norm(x, residual, weight, eps, round_normalized=False) -> (y, h)
+    add_rms_norm_quant(x, residual, weight, eps, group_size=128, round_normalized=False) -> (q, s, h)
 
 y = x * rsqrt(mean(x^2 over the last dim) + eps) * weight, computed in fp32 and rounded once, as torch.nn.RMSNorm's
 fused kernel computes it; with round_normalized, x * rsqrt(...) is rounded to x's dtype before the weight multiplies
@@ -11,8 +13,12 @@ A row holding NaN or inf comes out NaN or inf as in torch, never a number made u
 same fp32 y (not rounded to x's dtype first) per token in groups of group_size as act_quant does: what fp8_gemm takes
 as its A operand, so an FP8 layer after the norm needs no act_quant of its own (a NaN y codes NaN, an inf makes its
 group's scale inf, as act_quant says).
-The kernels (kernel_defs/rms_norm.toml): rms_norm from sm_80, rms_norm_quant from sm_89 (e4m3 stores); on CPU
-tensors Triton's interpreter runs them under TRITON_INTERPRET=1, else kdsl/ops/fallback.py's torch code.
+The add_ ops first add the residual stream, h = x + residual rounded once to x's dtype (what torch's x + residual
+gives), return h and normalize it: a decoder layer's residual add and the next norm in one launch (vLLM's
+fused_add_rms_norm, without writing into its inputs).
+The kernels (kernel_defs/rms_norm.toml): rms_norm and add_rms_norm from sm_80, the _quant ops from sm_89 (e4m3
+stores); on CPU tensors Triton's interpreter runs them under TRITON_INTERPRET=1, else kdsl/ops/fallback.py's torch
+code.
 """
 from __future__ import annotations
 
@@ -54,6 +60,31 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, gro
     return _rms_norm_quant_impl(x, weight, eps, group_size, round_normalized)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                 round_normalized: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, h): h = x + residual in x's dtype (residual: x's shape and dtype), y = rms_norm(h, weight, eps,
+    round_normalized), in one launch. x, weight, eps and round_normalized as rms_norm takes them."""
+    if torch.compiler.is_compiling():
+        return torch.ops.kdsl.add_rms_norm(x, residual, weight, eps, round_normalized)
+    return _add_rms_norm_impl(x, residual, weight, eps, round_normalized)
+
+
+def add_rms_norm_quant(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                       group_size: int = 128,
+                       round_normalized: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, s, h): h = x + residual as add_rms_norm adds them, (q, s) = rms_norm_quant(h, weight, eps, group_size,
+    round_normalized), in one launch."""
+    if torch.compiler.is_compiling():
+        return torch.ops.kdsl.add_rms_norm_quant(x, residual, weight, eps, group_size, round_normalized)
+    return _add_rms_norm_quant_impl(x, residual, weight, eps, group_size, round_normalized)
+
+
+def _check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
+    check.tensor("residual", residual, (x.dtype,))
+    check.shape("residual", residual, tuple(x.shape), "x's shape")
+    check.same_device(x=x, residual=residual)
+
+
 def _check_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_normalized: bool) -> None:
     check.tensor("x", x, FLOAT_INPUTS, min_ndim=1)
     check.tensor("weight", weight, FLOAT_INPUTS, ndim=1)
@@ -85,23 +116,49 @@ def _rms_norm_quant_outputs(x: torch.Tensor, weight: torch.Tensor, eps: float, g
     return _group_quant_outputs("rms_norm_quant", x, group_size)
 
 
-def _plan_key(op, x, weight, eps, round_normalized, *extra):
+def _add_outputs(x, residual, weight, eps, round_normalized):
+    """add_rms_norm's checks and its empty outputs (y, h)."""
+    check.tensor("x", x, FLOAT_INPUTS, min_ndim=1)
+    _check_residual(x, residual)
+    _check_norm(x, weight, eps, round_normalized)
+    return registry.any_scheme("add_rms_norm"), x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+def _add_quant_outputs(x, residual, weight, eps, group_size, round_normalized):
+    """add_rms_norm_quant's checks and its empty outputs (q, s, h)."""
+    check.tensor("x", x, FLOAT_INPUTS, min_ndim=1)
+    _check_residual(x, residual)
+    _check_norm(x, weight, eps, round_normalized)
+    check.positive_power_of_two("group_size", group_size)
+    if x.shape[-1] % group_size:
+        raise ValueError(f"x: last dimension {x.shape[-1]} must be a multiple of group_size = {group_size}")
+    scheme, q, s = _group_quant_outputs("add_rms_norm_quant", x, group_size)
+    return scheme, q, s, x.new_empty(x.shape)
+
+
+def _plan_key(op, x, weight, eps, round_normalized, *extra, residual=None):
     try:  # the launch plan's key (kdsl/ops/_plan.py); not a tensor: the checks word the error
         return (op, *extra, type(eps), eps, type(round_normalized), round_normalized, _device(),
                 type(x), x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, x.requires_grad,
                 type(weight), weight.shape, weight.stride(), weight.dtype, weight.device, weight.data_ptr() & 15,
-                weight.requires_grad)
+                weight.requires_grad) + (() if residual is None else (
+                    type(residual), residual.shape, residual.stride(), residual.dtype, residual.device,
+                    residual.data_ptr() & 15, residual.requires_grad))
     except Exception:
         return None
 
 
+def _replayed(key, *inputs):
+    """(the launch plan stored under key or None, its outputs replayed on inputs or None where it declines)."""
+    plan = _PLANS.get(key) if key is not None else None
+    return plan, (plan(*inputs) if plan else None)
+
+
 def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, round_normalized: bool) -> torch.Tensor:
     key = _plan_key("rms_norm", x, weight, eps, round_normalized)
-    plan = _PLANS.get(key) if key is not None else None
-    if plan:
-        y = plan(x, weight)  # one output: the tensor itself
-        if y is not None:
-            return y
+    plan, y = _replayed(key, x, weight)  # one output: the tensor itself
+    if y is not None:
+        return y
     scheme, y = _rms_norm_outputs(x, weight, eps, round_normalized)
     if y.numel() == 0:
         return y
@@ -119,11 +176,9 @@ def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, round_norm
 def _rms_norm_quant_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int,
                          round_normalized: bool) -> tuple[torch.Tensor, torch.Tensor]:
     key = _plan_key("rms_norm_quant", x, weight, eps, round_normalized, type(group_size), group_size)
-    plan = _PLANS.get(key) if key is not None else None
-    if plan:
-        outputs = plan(x, weight)
-        if outputs is not None:
-            return outputs
+    plan, outputs = _replayed(key, x, weight)
+    if outputs is not None:
+        return outputs
     scheme, q, s = _rms_norm_quant_outputs(x, weight, eps, group_size, round_normalized)
     if q.numel() == 0:
         return q, s
@@ -140,7 +195,53 @@ def _rms_norm_quant_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, grou
     return q, s
 
 
-# --- torch.ops.kdsl.rms_norm and rms_norm_quant (kdsl.ops.spec)
+def _add_rms_norm_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       round_normalized: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    key = _plan_key("add_rms_norm", x, weight, eps, round_normalized, residual=residual)
+    plan, outputs = _replayed(key, x, residual, weight)
+    if outputs is not None:
+        return outputs
+    scheme, y, h = _add_outputs(x, residual, weight, eps, round_normalized)
+    if y.numel() == 0:
+        return y, h
+    if not check.use_kernels(x.device):
+        y, h = fallback.add_rms_norm(x, residual, weight, eps, round_normalized)
+        return y.contiguous(), h.contiguous()
+    entry = registry.dispatch("add_rms_norm", scheme, x.device)
+    rows, r = check.rows(x, x.shape[-1]), check.rows(residual, x.shape[-1])
+    w = weight.contiguous()
+    with _plan.Recorder(entry.load() if plan is None else None) as rec:
+        entry.launch(rows, r, w, y.view(-1, y.shape[-1]), h.view(-1, h.shape[-1]), float(eps), round_normalized,
+                     entry.tile_for(rows.shape[0]))
+    _plan.store(key, rec, (x, residual, weight), (y, h))
+    return y, h
+
+
+def _add_rms_norm_quant_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                             group_size: int,
+                             round_normalized: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    key = _plan_key("add_rms_norm_quant", x, weight, eps, round_normalized, type(group_size), group_size,
+                    residual=residual)
+    plan, outputs = _replayed(key, x, residual, weight)
+    if outputs is not None:
+        return outputs
+    scheme, q, s, h = _add_quant_outputs(x, residual, weight, eps, group_size, round_normalized)
+    if q.numel() == 0:
+        return q, s, h
+    if not check.use_kernels(x.device):
+        q, s, h = fallback.add_rms_norm_quant(x, residual, weight, eps, group_size, round_normalized)
+        return q.contiguous(), s.contiguous(), h.contiguous()
+    entry = registry.dispatch("add_rms_norm_quant", scheme, x.device)
+    rows, r = check.rows(x, x.shape[-1]), check.rows(residual, x.shape[-1])
+    w = weight.contiguous()
+    with _plan.Recorder(entry.load() if plan is None else None) as rec:
+        entry.launch(rows, r, w, q.view(-1, q.shape[-1]), s.view(-1, s.shape[-1]), h.view(-1, h.shape[-1]),
+                     float(eps), round_normalized, entry.tile_for(rows.shape[0]))
+    _plan.store(key, rec, (x, residual, weight), (q, s, h))
+    return q, s, h
+
+
+# --- torch.ops.kdsl.rms_norm, rms_norm_quant and their add_ forms (kdsl.ops.spec)
 
 def _rms_norm_fake(x, weight, eps, round_normalized):
     return _rms_norm_outputs(x, weight, eps, round_normalized)[1]
@@ -168,10 +269,41 @@ def _rms_norm_quant_example(tile, dtype, device):
                round_normalized)
 
 
+def _add_rms_norm_fake(x, residual, weight, eps, round_normalized):
+    _, y, h = _add_outputs(x, residual, weight, eps, round_normalized)
+    return y, h
+
+
+def _add_rms_norm_example(tile, dtype, device):
+    """rms_norm's example with a residual and h."""
+    for x, weight, y, eps, round_normalized in _rms_norm_example(tile, dtype, device):
+        yield x, empty(device, *x.shape, dtype=dtype), weight, y, empty(device, *x.shape, dtype=dtype), eps, \
+            round_normalized
+
+
+def _add_rms_norm_quant_fake(x, residual, weight, eps, group_size, round_normalized):
+    _, q, s, h = _add_quant_outputs(x, residual, weight, eps, group_size, round_normalized)
+    return q, s, h
+
+
+def _add_rms_norm_quant_example(tile, dtype, device):
+    """rms_norm_quant's example with a residual and h."""
+    for x, weight, q, s, eps, round_normalized in _rms_norm_quant_example(tile, dtype, device):
+        yield x, empty(device, *x.shape, dtype=dtype), weight, q, s, empty(device, *x.shape, dtype=dtype), eps, \
+            round_normalized
+
+
 SPECS = (
     OpSpec("rms_norm", "(Tensor x, Tensor weight, float eps, bool round_normalized) -> Tensor", _rms_norm_impl,
            _rms_norm_fake, example=_rms_norm_example),
     OpSpec("rms_norm_quant",
            "(Tensor x, Tensor weight, float eps, int group_size, bool round_normalized) -> (Tensor, Tensor)",
            _rms_norm_quant_impl, _rms_norm_quant_fake, example=_rms_norm_quant_example),
+    OpSpec("add_rms_norm",
+           "(Tensor x, Tensor residual, Tensor weight, float eps, bool round_normalized) -> (Tensor, Tensor)",
+           _add_rms_norm_impl, _add_rms_norm_fake, example=_add_rms_norm_example),
+    OpSpec("add_rms_norm_quant",
+           "(Tensor x, Tensor residual, Tensor weight, float eps, int group_size, bool round_normalized) "
+           "-> (Tensor, Tensor, Tensor)",
+           _add_rms_norm_quant_impl, _add_rms_norm_quant_fake, example=_add_rms_norm_quant_example),
 )
