@@ -154,6 +154,18 @@ def _replayed(key, *inputs):
     return plan, (plan(*inputs) if plan else None)
 
 
+def _launch(op, scheme, key, plan, inputs, weight, outputs, eps, round_normalized, plan_inputs):
+    """op's kernel on the rows of inputs (x, and the residual for the add_ ops) and weight, writing outputs, with the
+    launch plan recorded under key: every norm kernel's launch takes them in this order."""
+    hidden = inputs[0].shape[-1]
+    rows = [check.rows(t, hidden) for t in inputs]
+    entry = registry.dispatch(op, scheme, inputs[0].device)
+    with _plan.Recorder(entry.load() if plan is None else None) as rec:
+        entry.launch(*rows, weight.contiguous(), *[t.view(-1, t.shape[-1]) for t in outputs], float(eps),
+                     round_normalized, entry.tile_for(rows[0].shape[0]))
+    _plan.store(key, rec, plan_inputs, outputs)
+
+
 def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, round_normalized: bool) -> torch.Tensor:
     key = _plan_key("rms_norm", x, weight, eps, round_normalized)
     plan, y = _replayed(key, x, weight)  # one output: the tensor itself
@@ -164,12 +176,7 @@ def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, round_norm
         return y
     if not check.use_kernels(x.device):
         return fallback.rms_norm(x, weight, eps, round_normalized).contiguous()
-    entry = registry.dispatch("rms_norm", scheme, x.device)
-    rows = check.rows(x, x.shape[-1])
-    w = weight.contiguous()
-    with _plan.Recorder(entry.load() if plan is None else None) as rec:
-        entry.launch(rows, w, y.view(-1, y.shape[-1]), float(eps), round_normalized, entry.tile_for(rows.shape[0]))
-    _plan.store(key, rec, (x, weight), (y,))
+    _launch("rms_norm", scheme, key, plan, (x,), weight, (y,), eps, round_normalized, (x, weight))
     return y
 
 
@@ -185,13 +192,7 @@ def _rms_norm_quant_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, grou
     if not check.use_kernels(x.device):
         q, s = fallback.rms_norm_quant(x, weight, eps, group_size, round_normalized)
         return q.contiguous(), s.contiguous()
-    entry = registry.dispatch("rms_norm_quant", scheme, x.device)
-    rows = check.rows(x, x.shape[-1])
-    w = weight.contiguous()
-    with _plan.Recorder(entry.load() if plan is None else None) as rec:
-        entry.launch(rows, w, q.view(-1, q.shape[-1]), s.view(-1, s.shape[-1]), float(eps), round_normalized,
-                     entry.tile_for(rows.shape[0]))
-    _plan.store(key, rec, (x, weight), (q, s))
+    _launch("rms_norm_quant", scheme, key, plan, (x,), weight, (q, s), eps, round_normalized, (x, weight))
     return q, s
 
 
@@ -207,13 +208,8 @@ def _add_rms_norm_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if not check.use_kernels(x.device):
         y, h = fallback.add_rms_norm(x, residual, weight, eps, round_normalized)
         return y.contiguous(), h.contiguous()
-    entry = registry.dispatch("add_rms_norm", scheme, x.device)
-    rows, r = check.rows(x, x.shape[-1]), check.rows(residual, x.shape[-1])
-    w = weight.contiguous()
-    with _plan.Recorder(entry.load() if plan is None else None) as rec:
-        entry.launch(rows, r, w, y.view(-1, y.shape[-1]), h.view(-1, h.shape[-1]), float(eps), round_normalized,
-                     entry.tile_for(rows.shape[0]))
-    _plan.store(key, rec, (x, residual, weight), (y, h))
+    _launch("add_rms_norm", scheme, key, plan, (x, residual), weight, (y, h), eps, round_normalized,
+            (x, residual, weight))
     return y, h
 
 
@@ -231,13 +227,8 @@ def _add_rms_norm_quant_impl(x: torch.Tensor, residual: torch.Tensor, weight: to
     if not check.use_kernels(x.device):
         q, s, h = fallback.add_rms_norm_quant(x, residual, weight, eps, group_size, round_normalized)
         return q.contiguous(), s.contiguous(), h.contiguous()
-    entry = registry.dispatch("add_rms_norm_quant", scheme, x.device)
-    rows, r = check.rows(x, x.shape[-1]), check.rows(residual, x.shape[-1])
-    w = weight.contiguous()
-    with _plan.Recorder(entry.load() if plan is None else None) as rec:
-        entry.launch(rows, r, w, q.view(-1, q.shape[-1]), s.view(-1, s.shape[-1]), h.view(-1, h.shape[-1]),
-                     float(eps), round_normalized, entry.tile_for(rows.shape[0]))
-    _plan.store(key, rec, (x, residual, weight), (q, s, h))
+    _launch("add_rms_norm_quant", scheme, key, plan, (x, residual), weight, (q, s, h), eps, round_normalized,
+            (x, residual, weight))
     return q, s, h
 
 
