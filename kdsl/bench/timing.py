@@ -87,6 +87,12 @@ def fp8_weight_reference(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return q.float() * expand_blocks(s, *q.shape)
 
 
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in float64."""
+    xd = x.double()
+    return xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + eps) * weight.double()
+
+
 def fp8_gemm_reference(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor) -> torch.Tensor:
     return (a.float() * a_s.repeat_interleave(GROUP, 1)) @ fp8_weight_reference(b, b_s).T
 

@@ -92,6 +92,11 @@ def add_then_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> t
     return norm(h), h
 
 
+def _gemm_out_dtype(x: torch.Tensor) -> torch.dtype:
+    """What FP8Linear's GEMM writes for input x: x's dtype where fp8_gemm writes it, else bf16."""
+    return x.dtype if x.dtype in FLOAT_OUT else torch.bfloat16
+
+
 class KeepsQuantizedDtypes(nn.Module):
     """Keeps its quantized buffers' dtypes through .to(dtype) / .half() / .bfloat16(): those move them to another
     device at most (a cast would silently change what the kernels read); buffers named in FOLLOWS_CAST follow it.
@@ -186,7 +191,7 @@ class FP8Linear(_QuantizedLinear):
         return cls(q, s, bias, scheme)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out_dtype = x.dtype if x.dtype in FLOAT_OUT else torch.bfloat16
+        out_dtype = _gemm_out_dtype(x)
         few = x.dim() > 0 and x.numel() <= FUSED_MAX_ROWS * x.shape[-1]
         if self.fused and few and not torch.compiler.is_compiling() and not (
                 x.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -247,7 +252,7 @@ class FP8Linear(_QuantizedLinear):
         if quantized is None or not self.norm_quant:
             return self(norm(x))
         q, s = quantized(x, self.scheme.act_group)
-        return self.forward_quantized(q, s, x.dtype if x.dtype in FLOAT_OUT else torch.bfloat16)
+        return self.forward_quantized(q, s, _gemm_out_dtype(x))
 
     def forward_add_normed(self, x: torch.Tensor, residual: torch.Tensor,
                            norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,7 +263,7 @@ class FP8Linear(_QuantizedLinear):
         if quantized is None or not self.norm_quant:
             return super().forward_add_normed(x, residual, norm)
         q, s, h = quantized(x, residual, self.scheme.act_group)
-        return self.forward_quantized(q, s, x.dtype if x.dtype in FLOAT_OUT else torch.bfloat16), h
+        return self.forward_quantized(q, s, _gemm_out_dtype(x)), h
 
     def extra_repr(self) -> str:
         device = self.weight.device

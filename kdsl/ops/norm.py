@@ -99,41 +99,37 @@ def _check_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_normali
         raise TypeError(f"round_normalized: expected a bool, got {type(round_normalized).__name__}")
 
 
-def _rms_norm_outputs(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                      round_normalized: bool) -> tuple[str, torch.Tensor]:
-    """rms_norm's checks and its empty output (the fake kernel under torch.compile too)."""
+def _rms_norm_outputs(x: torch.Tensor, weight: torch.Tensor, eps: float, round_normalized: bool,
+                      op: str = "rms_norm") -> tuple[str, torch.Tensor]:
+    """rms_norm's checks and its empty output (the fake kernel under torch.compile too); op: whose scheme."""
     _check_norm(x, weight, eps, round_normalized)
-    return registry.any_scheme("rms_norm"), x.new_empty(x.shape)
+    return registry.any_scheme(op), x.new_empty(x.shape)
 
 
 def _rms_norm_quant_outputs(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int,
-                            round_normalized: bool) -> tuple[str, torch.Tensor, torch.Tensor]:
-    """rms_norm_quant's checks and its empty outputs (the fake kernel under torch.compile too)."""
+                            round_normalized: bool,
+                            op: str = "rms_norm_quant") -> tuple[str, torch.Tensor, torch.Tensor]:
+    """rms_norm_quant's checks and its empty outputs (the fake kernel under torch.compile too); op: whose scheme."""
     _check_norm(x, weight, eps, round_normalized)
     check.positive_power_of_two("group_size", group_size)
     if x.shape[-1] % group_size:
         raise ValueError(f"x: last dimension {x.shape[-1]} must be a multiple of group_size = {group_size}")
-    return _group_quant_outputs("rms_norm_quant", x, group_size)
+    return _group_quant_outputs(op, x, group_size)
 
 
 def _add_outputs(x, residual, weight, eps, round_normalized):
-    """add_rms_norm's checks and its empty outputs (y, h)."""
+    """add_rms_norm's checks and its empty outputs (y, h): rms_norm's, and the residual's."""
     check.tensor("x", x, FLOAT_INPUTS, min_ndim=1)
     _check_residual(x, residual)
-    _check_norm(x, weight, eps, round_normalized)
-    return registry.any_scheme("add_rms_norm"), x.new_empty(x.shape), x.new_empty(x.shape)
+    return (*_rms_norm_outputs(x, weight, eps, round_normalized, "add_rms_norm"), x.new_empty(x.shape))
 
 
 def _add_quant_outputs(x, residual, weight, eps, group_size, round_normalized):
-    """add_rms_norm_quant's checks and its empty outputs (q, s, h)."""
+    """add_rms_norm_quant's checks and its empty outputs (q, s, h): rms_norm_quant's, and the residual's."""
     check.tensor("x", x, FLOAT_INPUTS, min_ndim=1)
     _check_residual(x, residual)
-    _check_norm(x, weight, eps, round_normalized)
-    check.positive_power_of_two("group_size", group_size)
-    if x.shape[-1] % group_size:
-        raise ValueError(f"x: last dimension {x.shape[-1]} must be a multiple of group_size = {group_size}")
-    scheme, q, s = _group_quant_outputs("add_rms_norm_quant", x, group_size)
-    return scheme, q, s, x.new_empty(x.shape)
+    return (*_rms_norm_quant_outputs(x, weight, eps, group_size, round_normalized, "add_rms_norm_quant"),
+            x.new_empty(x.shape))
 
 
 def _plan_key(op, x, weight, eps, round_normalized, *extra, residual=None):

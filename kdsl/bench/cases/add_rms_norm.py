@@ -40,8 +40,7 @@ def setup(case: Case) -> timing.CaseSetup:
     residual = torch.randn(m, k, device=timing.DEVICE, dtype=torch.bfloat16)
     weight = (1.0 + 0.1 * torch.randn(k, device=timing.DEVICE)).to(torch.bfloat16)
     h_ref = x + residual
-    hd = h_ref.double()
-    ref = hd * torch.rsqrt(hd.square().mean(-1, keepdim=True) + EPS) * weight.double()
+    ref = timing.rms_norm_reference(h_ref, weight, EPS)
     bytes_moved = 4 * m * k * 2 + 2 * k  # x and residual in, y and h out
     return timing.CaseSetup(
         kdsl={"add_rms_norm": lambda: fused(x, residual, weight, EPS)},

@@ -24,8 +24,7 @@ def setup(case: Case) -> timing.CaseSetup:
     m, k = case.m, case.k
     x = torch.randn(m, k, device=timing.DEVICE, dtype=torch.bfloat16)
     weight = (1.0 + 0.1 * torch.randn(k, device=timing.DEVICE)).to(torch.bfloat16)
-    xd = x.double()
-    ref = xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + EPS) * weight.double()
+    ref = timing.rms_norm_reference(x, weight, EPS)
     bytes_moved = 2 * m * k * 2 + 2 * k
     return timing.CaseSetup(
         kdsl={"rms_norm": lambda: norm(x, weight, EPS)},

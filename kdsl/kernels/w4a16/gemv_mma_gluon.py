@@ -54,10 +54,9 @@ def refusal(generated, tile, call):
     plane_tile_k = generated.module.PLANE_TILE_K.value
     if not call.contiguous_groups or generated.constexprs["GROUP_SIZE"] % plane_tile_k:
         return f"a group changes inside a {plane_tile_k}-row plane tile, which the GEMV scales as one"
-    x_rows = tile.get("x_rows", 8)
-    if call.m > x_rows:
-        return f"M = {call.m}: this tile's GEMV takes at most {x_rows} rows (options.x_rows)"
-    k_max = tile.get("k_max")
+    if call.m > tile["x_rows"]:
+        return f"M = {call.m}: this tile's GEMV takes at most {tile['x_rows']} rows (options.x_rows)"
+    k_max = tile["k_max"]
     if k_max is not None and call.k is not None and call.k > k_max:
         return f"K = {call.k}: this tile's GEMV serves K up to {k_max} (options.k_max)"
     if call.device_type != "cuda":
