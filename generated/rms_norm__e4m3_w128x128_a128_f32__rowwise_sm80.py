@@ -3,11 +3,11 @@
 # module: rms_norm__e4m3_w128x128_a128_f32__rowwise_sm80 (rms_norm/rowwise: x * rsqrt(mean(x^2) + eps) * weight in fp32, rounded to x's dtype (once, or also before the weight), whole rows per program)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_80 and up
-# digest: 6223d7436ab2ffb4 (sha256 of its schemes, variant and templates)
+# digest: 45cf191521ece850 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -70,18 +70,21 @@ def _weighted(x, inv_rms, w_ptr, cols, H, dtype: tl.constexpr, ROUND_NORMALIZED:
 @triton.jit
 def rms_norm__e4m3_w128x128_a128_f32__rowwise_sm80(
     x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, M, H, stride_xm, stride_rm, stride_ym, stride_hm, eps, BLOCK_M: tl.constexpr,
-    BLOCK_H: tl.constexpr, ROUND_NORMALIZED: tl.constexpr, RELEASE: tl.constexpr, RESIDUAL: tl.constexpr,
-    ROUND_FIRST: tl.constexpr,
+    BLOCK_H: tl.constexpr, ROUND_NORMALIZED: tl.constexpr, RELEASE: tl.constexpr, PDL: tl.constexpr,
+    RESIDUAL: tl.constexpr, ROUND_FIRST: tl.constexpr,
 ):
     """One program: BLOCK_M whole rows of y = x * rsqrt(mean(x^2) + eps) * w, in fp32, rounded once to y's dtype
     (ROUND_NORMALIZED: x * rsqrt(...) rounded to y's dtype before the weight too, as transformers' Llama-family
     norms compute it). A row is loaded once and stays in registers (BLOCK_H covers H), so a decode row costs one
     read of x and w. RELEASE (sm_90+): the GEMM after it may be a programmatic dependent launch (the W4A16 GEMV's
     plain_pdl): let it be placed at once, to load its first weights while this runs; it waits for y before reading
-    it. RESIDUAL: the norm of h = x + residual (rounded once to x's dtype, as torch adds them), h written out too
+    it. PDL (sm_90+): this is a dependent launch of the kernel before it, placed while that one's last programs
+    run: wait for it before reading or writing anything. RESIDUAL: the norm of h = x + residual (rounded once to x's dtype, as torch adds them), h written out too
     (ROUND_FIRST: in the CPU interpreter, as _round_to says)."""
     if RELEASE:
         gdc_launch_dependents()
+    if PDL:
+        gdc_wait()
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     x = _norm_input(x_ptr, r_ptr, h_ptr, rows, cols, M, H, stride_xm, stride_rm, stride_hm, RESIDUAL, True,

@@ -3,7 +3,7 @@
 # module: w4a16_gemm__int4__gemv_mma_gluon_sm90 (w4a16_gemm/gemv_mma_gluon: W4A16 GEMV for M <= 16 on mma.sync (Gluon): 16 columns per program, its warps splitting K)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_90 .. sm_90
-# digest: 741555c7ed33a580 (sha256 of its schemes, variant and templates)
+# digest: 014b58be47780461 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -404,12 +404,15 @@ def w4a16_gemm__int4__gemv_mma_gluon_sm90(
     x_ptr, perm_ptr, w_ptr, p_ptr, y_ptr,
     M, N, stride_xm, stride_pg, stride_ym,
     K: gl.constexpr, CHUNK_TILES: gl.constexpr, HAS_PERM: gl.constexpr, GROUP_SIZE: gl.constexpr,
-    X_ROWS: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
+    X_ROWS: gl.constexpr, PDL: gl.constexpr, RELEASE: gl.constexpr, num_warps: gl.constexpr,
 ):
     """y[M, N] = x[M, perm] @ w for M <= X_ROWS (8 or 16), 16 columns per program. K is a compile-time size:
     each warp's run of whole chunks is unrolled, so the next chunk's loads are in flight during this one's MMAs.
     PDL (a programmatic dependent launch after the kernel that writes x, act-order's gather): the first
-    chunk's weights are requested before the program waits for x."""
+    chunk's weights are requested before the program waits for x. RELEASE (sm_90+): the next kernel may launch at
+    once; one launched dependent (a norm, silu_mul, the next GEMV) is placed while this one's last programs run."""
+    if RELEASE:
+        gdc_launch_dependents()
     K_TILES: gl.constexpr = (K + PLANE_TILE_K - 1) // PLANE_TILE_K
     CHUNKS: gl.constexpr = ((K_TILES + num_warps - 1) // num_warps + CHUNK_TILES - 1) // CHUNK_TILES
     TILES_PER_WARP: gl.constexpr = CHUNKS * CHUNK_TILES

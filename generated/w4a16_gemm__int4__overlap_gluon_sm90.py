@@ -3,7 +3,7 @@
 # module: w4a16_gemm__int4__overlap_gluon_sm90 (w4a16_gemm/overlap_gluon: W4A16 GEMM for Hopper (Gluon): TMA ring, block k+1 dequantized while block k's wgmma runs)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_90 .. sm_90
-# digest: a679335c91088ee9 (sha256 of its schemes, variant and templates)
+# digest: 1333a01baf68374d (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -414,13 +414,16 @@ def w4a16_gemm__int4__overlap_gluon_sm90(
     x_desc, w_desc, p_desc, y_ptr, ws_ptr, count_ptr,
     M, N, K, stride_ym,
     GROUP_M: gl.constexpr, SPLIT_K: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
-    GROUP_SIZE: gl.constexpr, PDL: gl.constexpr,
+    GROUP_SIZE: gl.constexpr, PDL: gl.constexpr, RELEASE: gl.constexpr,
 ):
     """y[M, N] = x @ w in BLOCK_M x BLOCK_N tiles, as y^T = w^T x^T: the dequantized weights are the
     wgmma's register operand (one warpgroup per 64 columns), x^T its shared-memory one. SPLIT_K programs
     share each tile, each taking one contiguous run of K blocks; each K block lies in one group.
     PDL (a programmatic dependent launch after the kernel that writes x, act-order's gather): the first
-    blocks' weights are requested before the program waits for x."""
+    blocks' weights are requested before the program waits for x. RELEASE (sm_90+): the next kernel may launch
+    at once (a dependent one waits for this one before reading)."""
+    if RELEASE:
+        gdc_launch_dependents()
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]

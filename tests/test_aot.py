@@ -418,7 +418,8 @@ def _recording_module(entry, path=None):
     """A generated module imported apart (the entry's own, or `path`), and `calls`: module.launch(*args) appends
     (grid, params, options) of each launch its implementation's unit describes (kdsl.kernels.base.KernelImpl.launch),
     launching nothing; the SM count and split-K scratch faked (132 SMs, as the C probe's driver says; scratch at
-    recognizable addresses)."""
+    recognizable addresses), and dependent launches on (an sm_90 device: kernels that release their dependents do,
+    as their sm_90 export does)."""
     path = Path(path or entry.module_path)
     spec = importlib.util.spec_from_file_location(f"aot_record_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
@@ -434,14 +435,14 @@ def _recording_module(entry, path=None):
     generated = Generated(module, path.stem, entry.constexprs, abis.scheme_values(entry))
 
     def launch(*args):
-        saved = host.sm_count, host.scratch_buffers
-        host.sm_count, host.scratch_buffers = (lambda device: 132), scratch
+        saved = host.sm_count, host.scratch_buffers, host.dependent_launches
+        host.sm_count, host.scratch_buffers, host.dependent_launches = (lambda device: 132), scratch, lambda device: True
         try:
             described = unit.launch(generated, *args)
             for one in [described] if isinstance(described, Launch) else described:
                 calls.append((tuple(one.grid) + (1,) * (3 - len(one.grid)), one.params, one.constexprs))
         finally:
-            host.sm_count, host.scratch_buffers = saved
+            host.sm_count, host.scratch_buffers, host.dependent_launches = saved
     return types.SimpleNamespace(launch=launch), calls
 
 

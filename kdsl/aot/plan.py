@@ -475,6 +475,8 @@ def _enumerate(abi: abis.OpAbi, entry, arch: int, dtypes, generic_only: bool, pr
             # The scheme's numbers (GROUP_SIZE, ...) are constexprs of the kernels of every scheme sharing the module:
             # an exported kernel is specialized per scheme.
             constexprs = {**launch.constexprs(tile, scheme), **getattr(entry, "constexprs", {}), **runtime}
+            if launch.releases:  # griddepcontrol: sm_90 and later (as kdsl.kernels.host.dependent_launches)
+                constexprs["RELEASE"] = arch >= 90
             if launch.dtype_constexprs:
                 constexprs.update(launch.dtype_constexprs(dtype_choice))
             fixed = dict(constexprs=constexprs, options=launch.options(tile))

@@ -104,6 +104,12 @@ class ImplLaunch:
     # Calls the kernel would compute wrongly, which Python refuses even where a caller launches the unit directly:
     # ((condition expression, ValueError message), ...).
     raises: tuple = ()
+    # The kernel takes a RELEASE constexpr (False in `constexprs`) under which its programs let the next kernel on
+    # the stream launch at once (griddepcontrol.launch_dependents): a kernel launched dependent after it (one that
+    # waits for it, gdc_wait, before reading anything) is placed while this one's last programs run. True where
+    # the device can launch dependents: sm_90 and later (Python: kdsl.kernels.host.dependent_launches; the
+    # exporter: the specialization's arch).
+    releases: bool = False
 
 
 SPLIT = "split"  # ImplLaunch.runtime_constexprs: the values of a K split (see there)

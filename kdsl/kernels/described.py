@@ -9,7 +9,8 @@ Python has added here, the same way for every unit:
 - descriptors are Triton's host TMA descriptors (Gluon's, with the block's default shared layout, for a Gluon kernel);
 - split-K scratch comes from kdsl.kernels.host's buffers, kept per kernel and device;
 - under Triton's interpreter (tensors on the CPU) there is no SM count, `interpreted` constexprs replace the GPU's,
-  and a PDL kernel launches as an ordinary one; on the GPU a PDL kernel gets its launch attribute;
+  and a PDL kernel launches as an ordinary one; on the GPU a PDL kernel gets its launch attribute, and a kernel
+  that releases its dependents (ImplLaunch.releases) does so on sm_90+;
 - a call the kernel would compute wrongly (ImplLaunch.raises) raises ValueError.
 
 The expressions are filled with a tile's and the scheme's numbers and compiled once per (description, module,
@@ -150,6 +151,8 @@ def evaluate(description: ImplLaunch, generated, values: dict, tile: dict) -> La
             if condition(values):
                 raise ValueError(message)
         constexprs = bound.constexprs.copy()
+        if description.releases:
+            constexprs["RELEASE"] = host.dependent_launches(device)
         for name, compute, kind in bound.runtime:
             value = compute(values)
             constexprs[name] = bool(value) if type(kind) is tuple and type(kind[0]) is bool else value

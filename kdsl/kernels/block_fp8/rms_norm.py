@@ -11,7 +11,8 @@ Memory-bound: each program holds BLOCK_M whole rows in registers, so x is read o
 kernel takes about 4.2-4.5 us a call on an H200 where this one takes about 1.5 (rmsnorm_probe_h200.json). On sm_90+
 rms_norm releases the kernel after it at once, as silu_mul does: a W4A16 GEMV launched dependent (plain_pdl) loads
 its first weights while the norm runs (Llama-3-8B W4A16 layers at M = 1: 219 -> 212 us,
-model_llama8b_w4a16_norm_release_ab_h200.json). rms_norm reads none of its scheme's fields: generated for the
+model_llama8b_w4a16_norm_release_ab_h200.json); and it is itself a dependent launch of the kernel before it, placed
+while that kernel (a W4A16 GEMM, which releases its dependents) runs its last programs (docs/kernels.md). rms_norm reads none of its scheme's fields: generated for the
 block_fp8 scheme of its definition file only because every kernel has one (as silu_mul).
 
 add_rms_norm and add_rms_norm_quant (the same kernels with RESIDUAL) first add the residual stream, h = x + residual
@@ -47,11 +48,14 @@ def _norm(generated, x, residual, weight, y, h, eps, round_normalized, tile):
     M, H = x.shape
     r, h = (x, y) if residual is None else (residual, h)  # unread and unwritten without RESIDUAL
     grid = (cdiv(M, tile["BLOCK_M"]), 1, 1)
+    # sm_90+: placed as the kernel before it (a W4A16 GEMV, which releases its dependents) runs its last programs,
+    # and releasing the GEMV after it at once: the norm's launch, and that GEMV's, overlap the GEMV before.
+    pdl = host.dependent_launches(x.device)
     return Launch(generated.kernel, grid, (x, r, weight, y, h, M, H, x.stride(0), r.stride(0), y.stride(0),
                                            h.stride(0), float(eps)),
                   dict(BLOCK_M=tile["BLOCK_M"], BLOCK_H=next_power_of_two(H), ROUND_NORMALIZED=bool(round_normalized),
-                       RELEASE=host.dependent_launches(x.device), RESIDUAL=residual is not None,
-                       ROUND_FIRST=x.device.type == "cpu", num_warps=tile["num_warps"]))
+                       RELEASE=pdl, PDL=pdl, RESIDUAL=residual is not None, ROUND_FIRST=x.device.type == "cpu",
+                       num_warps=tile["num_warps"], **({"launch_pdl": True} if pdl else {})))
 
 
 def _norm_quant(generated, x, residual, weight, q, s, h, eps, round_normalized, tile):

@@ -142,7 +142,7 @@ def _c_magic(dtypes):
     return {"MAGIC_BITS": bits, "MAGIC_BIAS": bias}
 
 
-def mma_c_launch(params, runtime, extra, interpreted):
+def mma_c_launch(params, runtime, extra, interpreted, releases: bool = False):
     return ImplLaunch(
         params=params, pointer_types=C_POINTERS,
         grid=(C_TILES, "split", "1"),
@@ -153,7 +153,8 @@ def mma_c_launch(params, runtime, extra, interpreted):
         kernel="{module}", runtime_constexprs=(("HAS_PERM", "nonzero(perm)", (False, True)), *runtime,
                                                ("SPLIT_K", C_SPLIT_FOR, SPLIT)),
         dtype_constexprs=_c_magic, values=w4a16_values, interpreted={"FP32_MATH": True, **interpreted},
-        scratch=("ws_ptr", "count_ptr", f"{C_TILES} * split * {{BLOCK_M}} * {{BLOCK_N}}", C_TILES), scratch_alias="y")
+        scratch=("ws_ptr", "count_ptr", f"{C_TILES} * split * {{BLOCK_M}} * {{BLOCK_N}}", C_TILES), scratch_alias="y",
+        releases=releases)
 
 
 def gemv_c_launch(params, runtime, extra):

@@ -78,7 +78,7 @@ C_LAUNCH = ImplLaunch(
                    "y_ptr": "dtype:x_dtype"},
     grid=("cdiv(N, 16)", "1", "1"),
     # num_warps is a parameter of the Gluon kernel as well as the launch option.
-    constexprs=lambda tile, scheme: {"CHUNK_TILES": tile["BLOCK_K"] // 128, "X_ROWS": tile["x_rows"], "PDL": False,
+    constexprs=lambda tile, scheme: {"CHUNK_TILES": tile["BLOCK_K"] // 128, "X_ROWS": tile["x_rows"], "PDL": False, "RELEASE": False,
                                      "num_warps": tile["num_warps"]},
     options=lambda tile: {"num_warps": tile["num_warps"]},
     kernel="{module}",
@@ -86,6 +86,7 @@ C_LAUNCH = ImplLaunch(
     refuses=f"(1 - {C_PLANE_UNIFORM}) + (K > {{k_max}}) * ({{k_max}} > 0)",
     values=w4a16_values,
     views={"p_ptr": "i32"},
+    releases=True,
 )
 
 

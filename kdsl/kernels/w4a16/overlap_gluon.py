@@ -55,7 +55,8 @@ C_LAUNCH = ImplLaunch(
     },
     grid=(C_TILES, "split", "1"),
     constexprs=lambda tile, scheme: {"GROUP_M": tile["GROUP_M"], "NUM_STAGES": tile["num_stages"],
-                                     "num_warps": tile["num_warps"], "PDL": False},
+                                     "num_warps": tile["num_warps"], "PDL": False,
+                                     "RELEASE": False},
     options=lambda tile: {"num_warps": tile["num_warps"]},
     kernel="{module}",
     runtime_constexprs=(("SPLIT_K", C_SPLIT_FOR, SPLIT),),
@@ -71,6 +72,7 @@ C_LAUNCH = ImplLaunch(
     raises=(("nonzero(perm)", "perm: w4a16_gemm/overlap_gluon takes no act-order permutation; gather x's columns "
                               "first (gather_columns) or take a tile that does not refuse act-order calls"),),
     values=w4a16_values,
+    releases=True,
 )
 
 

@@ -24,8 +24,8 @@ C_LAUNCH = mma_c_launch(
      # Decode tiles: the MMA is small and the unpacking dominates, so the scale moves onto the fp32 partial of each
      # K tile (H200, M = 16, vs fp16: 1.08/1.97/2.13/2.27 -> 1.20/2.21/2.52/2.49). From 64 rows up the extra wait
      # on every K tile's MMA costs more (M = 64: 1.20 -> 0.97).
-     ("SCALE_AFTER", f"{C_PLANE_UNIFORM} * ({{BLOCK_M}} <= 16)", (False, True))), {"PDL": False},
-    {"ASM_DEQUANT": False, "SCALE_AFTER": False})
+     ("SCALE_AFTER", f"{C_PLANE_UNIFORM} * ({{BLOCK_M}} <= 16)", (False, True))), {"PDL": False, "RELEASE": False},
+    {"ASM_DEQUANT": False, "SCALE_AFTER": False}, releases=True)
 
 
 IMPL = KernelImpl(
