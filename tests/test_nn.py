@@ -635,3 +635,36 @@ def test_an_eager_fused_call_first_warms_the_path_a_captured_graph_records(monke
         graph.replay()
     torch.cuda.synchronize()
     assert fp8_ref.rel_fro_error(y, want) < 2e-2  # fused and unfused differ in split-K order and rounding only
+
+
+@pytest.mark.gpu
+def test_a_compiled_model_keeps_split_k_scratch_out_of_its_cuda_graph():
+    """torch.compile(mode="reduce-overhead") runs the compiled graph once to warm it up in its own memory pool,
+    then records it: fp8_gemm's split-K scratch (decode, four 4096-wide layers) is allocated in that warm-up
+    outside the pool and kept, so the recorded graph launches no zeroing of it, and a replay is only the
+    layers' kernels (before: an int32 fill per GEMM in every replay)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kdsl.kernels import host
+
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[kdsl.nn.FP8Linear.from_float(nn.Linear(4096, 4096, bias=False, dtype=torch.bfloat16,
+                                                                     device="cuda")) for _ in range(4)])
+    x = torch.randn(1, 4096, dtype=torch.bfloat16, device="cuda")
+    host.SPLITK_SCRATCH.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(layers, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for _ in range(3):  # warm-up, record, replay
+            y = compiled(x.clone()).clone()
+        assert host.SPLITK_SCRATCH, "the split-K scratch was not kept"
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            compiled(x.clone())
+            torch.cuda.synchronize()
+        want = x
+        for layer in layers:  # the kernels the compiled graph runs (eager few-row calls take fp8_linear)
+            want = layer._unfused(want, torch.bfloat16)
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert sum("fp8_gemm" in k for k in kernels) == 4, kernels
+    assert not [k for k in kernels if "fill" in k.lower() or "memset" in k.lower()], kernels
+    assert fp8_ref.rel_fro_error(y, want) < 1e-2

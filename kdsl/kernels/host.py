@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 
 import torch
 
@@ -97,16 +98,50 @@ def scratch_buffers(kernel, device, need: int, tiles: int):
     Launches that share a kernel and a device must not run concurrently on different streams.
     """
     workspace, counters = SPLITK_SCRATCH.get((kernel, device), (None, None))
-    grown = False
-    if workspace is None or workspace.numel() < need:
-        workspace, grown = torch.empty(need, dtype=torch.float32, device=device), True
-    if counters is None or counters.numel() < tiles:
-        counters, grown = torch.zeros(tiles, dtype=torch.int32, device=device), True
-    # Buffers allocated into a CUDA graph's memory pool belong to that graph (inside a capture the zeroing is
-    # recorded for the replays, not run now); eager launches keep (or later grow) their own.
-    if grown and not (device.type == "cuda" and _allocating_to_graph_pool(device)):
-        SPLITK_SCRATCH[(kernel, device)] = (workspace, counters)
+    if workspace is not None and workspace.numel() >= need and counters.numel() >= tiles:
+        return workspace, counters
+    need = max(need, 0 if workspace is None else workspace.numel())
+    tiles = max(tiles, 0 if counters is None else counters.numel())
+    to_graph_pool = device.type == "cuda" and _allocating_to_graph_pool(device)
+    if not to_graph_pool:
+        workspace, counters = _new_scratch(device, need, tiles)
+    elif not torch.cuda.is_current_stream_capturing():
+        # torch.compile's CUDA graph trees warming a graph up: their pool takes this thread's allocations and
+        # refuses buffers that outlive the call. A helper thread's go to the ordinary pool, so the buffers are kept
+        # and the graph recorded next finds them: zeroed once here, not by a memset in every replay (an FP8 Llama
+        # layer's four split-K GEMMs recorded three a layer).
+        workspace, counters = _on_helper_thread(_new_scratch, device, need, tiles)
+    else:
+        # Inside a capture (no warm-up run before it): the buffers belong to that graph, and their zeroing is
+        # recorded for its replays, not run now.
+        return _new_scratch(device, need, tiles)
+    SPLITK_SCRATCH[(kernel, device)] = (workspace, counters)
     return workspace, counters
+
+
+def _new_scratch(device, need: int, tiles: int):
+    return torch.empty(need, dtype=torch.float32, device=device), torch.zeros(tiles, dtype=torch.int32, device=device)
+
+
+def _on_helper_thread(make, device, *args):
+    """make(device, *args) run on a helper thread (allocations there go to the ordinary pool), its work on the
+    device finished before this returns."""
+    result: dict = {}
+
+    def run():
+        try:
+            with torch.cuda.device(device):
+                result["value"] = make(device, *args)
+                torch.cuda.current_stream(device).synchronize()
+        except BaseException as error:  # noqa: BLE001 - raised again on the caller's thread
+            result["error"] = error
+
+    helper = threading.Thread(target=run, name="kdsl-scratch")
+    helper.start()
+    helper.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 def _allocating_to_graph_pool(device) -> bool:
