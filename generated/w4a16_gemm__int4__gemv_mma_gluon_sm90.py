@@ -3,7 +3,7 @@
 # module: w4a16_gemm__int4__gemv_mma_gluon_sm90 (w4a16_gemm/gemv_mma_gluon: W4A16 GEMV for M <= 16 on mma.sync (Gluon): 16 columns per program, its warps splitting K)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_90 .. sm_90
-# digest: 014b58be47780461 (sha256 of its schemes, variant and templates)
+# digest: 8ffc90a0766b384c (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -410,8 +410,10 @@ def w4a16_gemm__int4__gemv_mma_gluon_sm90(
     each warp's run of whole chunks is unrolled, so the next chunk's loads are in flight during this one's MMAs.
     PDL (a programmatic dependent launch after the kernel that writes x, act-order's gather): the first
     chunk's weights are requested before the program waits for x. RELEASE (sm_90+): the next kernel may launch at
-    once; one launched dependent (a norm, silu_mul, the next GEMV) is placed while this one's last programs run."""
-    if RELEASE:
+    once; one launched dependent (a norm, silu_mul, the next GEMV) is placed while this one's last programs run.
+    Not with act-order (HAS_PERM): there the next layer's gather is the early start, and chains of releasing
+    GEMMs and gathers measured slower (docs/kernels.md)."""
+    if RELEASE and not HAS_PERM:
         gdc_launch_dependents()
     K_TILES: gl.constexpr = (K + PLANE_TILE_K - 1) // PLANE_TILE_K
     CHUNKS: gl.constexpr = ((K_TILES + num_warps - 1) // num_warps + CHUNK_TILES - 1) // CHUNK_TILES
