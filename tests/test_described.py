@@ -111,6 +111,52 @@ def test_a_pdl_tile_gets_its_launch_attribute_off_the_interpreter_only(monkeypat
     assert cpu.constexprs["PDL"] is False and "launch_pdl" not in cpu.constexprs
 
 
+def test_a_releasing_kernel_releases_where_the_device_can_launch_dependents(monkeypatch):
+    """The sm_90 W4A16 GEMMs' descriptions say `releases`: Python sets their RELEASE constexpr where the device can
+    launch dependents (sm_90+; not the interpreter, not a device that cannot), the exporter by the spec's arch."""
+    from kdsl.aot import plan as aot_plan
+    from kdsl.kernels import host
+
+    entry, tile = _w4a16_entry("gemv_mma_gluon")
+    with monkeypatch.context() as sm90:
+        sm90.setattr(host, "dependent_launches", lambda device: True)
+        assert _launch(entry, tile, _w4a16_call(1, 4096, 4096, "meta")).constexprs["RELEASE"] is True
+    with monkeypatch.context() as older:
+        older.setattr(host, "dependent_launches", lambda device: False)
+        assert _launch(entry, tile, _w4a16_call(1, 4096, 4096, "meta")).constexprs["RELEASE"] is False
+
+    releasing = {"gemv_mma_gluon", "planes_mma", "overlap_gluon"}
+    exported = aot_plan.plan([90], ops=["w4a16_gemm"], dtypes=["f16"], generic_only=True)
+    specs = [spec for spec in exported.specs if spec.impl in releasing]
+    assert {spec.impl for spec in specs} == releasing
+    assert all(spec.constexprs["RELEASE"] is True for spec in specs)
+    others = [spec for spec in exported.specs if spec.impl not in releasing]
+    assert others and all("RELEASE" not in spec.constexprs for spec in others)
+
+
+def test_rms_norm_is_a_dependent_launch_that_releases_on_sm90(monkeypatch):
+    """rms_norm / add_rms_norm wait for the kernel before them and release the one after where the device can
+    launch dependents, and launch as ordinary kernels elsewhere (the interpreter)."""
+    from kdsl.kernels import host
+    from kdsl.kernels.block_fp8.rms_norm import launch_add_rms_norm
+
+    entry = registry.select("add_rms_norm", arch=90)
+    generated = entry.modules[entry.impl].generated() if hasattr(entry, "modules") else entry.generated()
+
+    def launch(device):
+        x = torch.empty(2, 4096, dtype=torch.bfloat16, device=device)
+        return launch_add_rms_norm(generated, x, torch.empty_like(x), torch.empty(4096, dtype=torch.bfloat16,
+                                   device=device), torch.empty_like(x), torch.empty_like(x), 1e-5, False,
+                                   entry.tile_for(2))
+
+    with monkeypatch.context() as sm90:
+        sm90.setattr(host, "dependent_launches", lambda device: True)
+        gpu = launch("meta").constexprs
+    assert gpu["PDL"] is True and gpu["RELEASE"] is True and gpu["launch_pdl"] is True
+    cpu = launch("cpu").constexprs
+    assert cpu["PDL"] is False and cpu["RELEASE"] is False and "launch_pdl" not in cpu
+
+
 def test_a_value_the_description_names_but_the_call_lacks_is_named():
     """A description naming an argument its op's `values` does not give fails naming it and the module, not with
     a bare KeyError from deep inside the evaluation."""
