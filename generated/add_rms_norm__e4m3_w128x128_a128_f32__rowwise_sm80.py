@@ -3,7 +3,7 @@
 # module: add_rms_norm__e4m3_w128x128_a128_f32__rowwise_sm80 (add_rms_norm/rowwise: h = x + residual (rounded to x's dtype), then rms_norm's rows of h; h written out too, whole rows per program)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_80 and up
-# digest: a4de9b770374061a (sha256 of its schemes, variant and templates)
+# digest: 01a28fb54b71009a (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -79,8 +79,8 @@ def add_rms_norm__e4m3_w128x128_a128_f32__rowwise_sm80(
     read of x and w. RELEASE (sm_90+): the GEMM after it may be a programmatic dependent launch (the W4A16 GEMV's
     plain_pdl): let it be placed at once, to load its first weights while this runs; it waits for y before reading
     it. PDL (sm_90+): this is a dependent launch of the kernel before it, placed while that one's last programs
-    run: wait for it before reading or writing anything. RESIDUAL: the norm of h = x + residual (rounded once to x's dtype, as torch adds them), h written out too
-    (ROUND_FIRST: in the CPU interpreter, as _round_to says)."""
+    run: wait for it before reading or writing anything. RESIDUAL: the norm of h = x + residual (rounded once to
+    x's dtype, as torch adds them), h written out too (ROUND_FIRST: in the CPU interpreter, as _round_to says)."""
     if RELEASE:
         gdc_launch_dependents()
     if PDL:

@@ -3,7 +3,7 @@
 # module: add_rms_norm_quant__e4m3_w128x128_a128_f32__rowwise_sm89 (add_rms_norm_quant/rowwise: h = x + residual (rounded to x's dtype), then rms_norm_quant's codes of h; h written out too)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: d133c5df910f0a58 (sha256 of its schemes, variant and templates)
+# digest: 8dc1cf0985c07ba3 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl

@@ -3,7 +3,7 @@
 # module: rms_norm__e4m3_w128x128_a128_f32__rowwise_sm80 (rms_norm/rowwise: x * rsqrt(mean(x^2) + eps) * weight in fp32, rounded to x's dtype (once, or also before the weight), whole rows per program)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_80 and up
-# digest: 45cf191521ece850 (sha256 of its schemes, variant and templates)
+# digest: d8b282c3794c9cfd (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -79,8 +79,8 @@ def rms_norm__e4m3_w128x128_a128_f32__rowwise_sm80(
     read of x and w. RELEASE (sm_90+): the GEMM after it may be a programmatic dependent launch (the W4A16 GEMV's
     plain_pdl): let it be placed at once, to load its first weights while this runs; it waits for y before reading
     it. PDL (sm_90+): this is a dependent launch of the kernel before it, placed while that one's last programs
-    run: wait for it before reading or writing anything. RESIDUAL: the norm of h = x + residual (rounded once to x's dtype, as torch adds them), h written out too
-    (ROUND_FIRST: in the CPU interpreter, as _round_to says)."""
+    run: wait for it before reading or writing anything. RESIDUAL: the norm of h = x + residual (rounded once to
+    x's dtype, as torch adds them), h written out too (ROUND_FIRST: in the CPU interpreter, as _round_to says)."""
     if RELEASE:
         gdc_launch_dependents()
     if PDL:

@@ -3,7 +3,7 @@
 # module: rms_norm_quant__e4m3_w128x128_a128_f32__rowwise_sm89 (rms_norm_quant/rowwise: the norm in fp32 as rms_norm computes it, quantized per token and group to e4m3 (act_quant's rule), whole rows per program, or a row's groups spread over programs)
 # schemes: block_fp8.e4m3.w128x128.a128.f32
 # arch: sm_89 and up
-# digest: 646bc4ee5d67e86a (sha256 of its schemes, variant and templates)
+# digest: bd03bd2b0dce0095 (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl

@@ -3,7 +3,7 @@
 # module: w4a16_gemm__int4__planes_mma_sm90 (w4a16_gemm/planes_mma: W4A16 MMA on k_planes words, y^T = w^T x^T with the weights as the register operand, split-K in-kernel)
 # schemes: w4a16.int4.g128, w4a16.int4.g64, w4a16.int4.g32, w4a16.int4.gall (their GROUP_SIZE: constexpr arguments)
 # arch: sm_90 .. sm_90
-# digest: f91dad1265a20906 (sha256 of its schemes, variant and templates)
+# digest: 87194566b77a81ba (sha256 of its schemes, variant and templates)
 import torch
 import triton
 import triton.language as tl
@@ -430,8 +430,8 @@ def w4a16_gemm__int4__planes_mma_sm90(
     """y[M, N] = x[M, perm] @ w[K, N] on k_planes weights; SPLIT_K programs share each output tile, each
     taking one contiguous run of K tiles. PDL (a programmatic dependent launch after the kernel that writes x,
     act-order's gather): the program is placed while that kernel runs and waits for it before any load.
-    RELEASE (sm_90+): the next kernel may launch at once (a dependent one waits for this one before reading); not
-    with act-order (HAS_PERM), as in the Gluon GEMV."""
+    RELEASE (sm_90+): the next kernel may launch at once (a dependent one waits for this one before reading);
+    not with act-order (HAS_PERM), as in the Gluon GEMV."""
     if RELEASE and not HAS_PERM:
         gdc_launch_dependents()
     tile_id, offs_m, offs_n, rows, cols, first, last = _program_tile(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K)

@@ -436,7 +436,8 @@ def _recording_module(entry, path=None):
 
     def launch(*args):
         saved = host.sm_count, host.scratch_buffers, host.dependent_launches
-        host.sm_count, host.scratch_buffers, host.dependent_launches = (lambda device: 132), scratch, lambda device: True
+        host.sm_count, host.scratch_buffers = (lambda device: 132), scratch
+        host.dependent_launches = lambda device: True
         try:
             described = unit.launch(generated, *args)
             for one in [described] if isinstance(described, Launch) else described:

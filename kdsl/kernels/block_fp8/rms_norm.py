@@ -12,8 +12,9 @@ kernel takes about 4.2-4.5 us a call on an H200 where this one takes about 1.5 (
 rms_norm releases the kernel after it at once, as silu_mul does: a W4A16 GEMV launched dependent (plain_pdl) loads
 its first weights while the norm runs (Llama-3-8B W4A16 layers at M = 1: 219 -> 212 us,
 model_llama8b_w4a16_norm_release_ab_h200.json); and it is itself a dependent launch of the kernel before it, placed
-while that kernel (a W4A16 GEMM, which releases its dependents) runs its last programs (docs/kernels.md). rms_norm reads none of its scheme's fields: generated for the
-block_fp8 scheme of its definition file only because every kernel has one (as silu_mul).
+while that kernel (a W4A16 GEMM, which releases its dependents) runs its last programs (docs/kernels.md). rms_norm
+reads none of its scheme's fields: generated for the block_fp8 scheme of its definition file only because every
+kernel has one (as silu_mul).
 
 add_rms_norm and add_rms_norm_quant (the same kernels with RESIDUAL) first add the residual stream, h = x + residual
 rounded to x's dtype as torch adds them, write h, and normalize it: a decoder layer's residual add and the next

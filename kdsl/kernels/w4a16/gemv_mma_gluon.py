@@ -78,8 +78,8 @@ C_LAUNCH = ImplLaunch(
                    "y_ptr": "dtype:x_dtype"},
     grid=("cdiv(N, 16)", "1", "1"),
     # num_warps is a parameter of the Gluon kernel as well as the launch option.
-    constexprs=lambda tile, scheme: {"CHUNK_TILES": tile["BLOCK_K"] // 128, "X_ROWS": tile["x_rows"], "PDL": False, "RELEASE": False,
-                                     "num_warps": tile["num_warps"]},
+    constexprs=lambda tile, scheme: {"CHUNK_TILES": tile["BLOCK_K"] // 128, "X_ROWS": tile["x_rows"], "PDL": False,
+                                     "RELEASE": False, "num_warps": tile["num_warps"]},
     options=lambda tile: {"num_warps": tile["num_warps"]},
     kernel="{module}",
     runtime_constexprs=(("K", "K", EXACT), ("HAS_PERM", "nonzero(perm)", (False, True))),
