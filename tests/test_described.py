@@ -141,7 +141,7 @@ def test_rms_norm_is_a_dependent_launch_that_releases_on_sm90(monkeypatch):
     from kdsl.kernels.block_fp8.rms_norm import launch_add_rms_norm
 
     entry = registry.select("add_rms_norm", arch=90)
-    generated = entry.modules[entry.impl].generated() if hasattr(entry, "modules") else entry.generated()
+    generated = entry.modules[entry.impl].generated()
 
     def launch(device):
         x = torch.empty(2, 4096, dtype=torch.bfloat16, device=device)
