@@ -23,7 +23,7 @@ norm in one launch, as serving stacks fuse them (vLLM's fused_add_rms_norm).
 from pydantic import Field, PositiveInt
 
 from kdsl.kernels import host
-from kdsl.kernels.base import KernelImpl, Launch
+from kdsl.kernels.base import KernelImpl, Launch, dependent
 from kdsl.kernels.host import cdiv, next_power_of_two
 from kdsl.strict_model import StrictModel
 
@@ -52,11 +52,12 @@ def _norm(generated, x, residual, weight, y, h, eps, round_normalized, tile):
     # sm_90+: placed as the kernel before it (a W4A16 GEMV, which releases its dependents) runs its last programs,
     # and releasing the GEMV after it at once: the norm's launch, and that GEMV's, overlap the GEMV before.
     pdl = host.dependent_launches(x.device)
-    return Launch(generated.kernel, grid, (x, r, weight, y, h, M, H, x.stride(0), r.stride(0), y.stride(0),
-                                           h.stride(0), float(eps)),
-                  dict(BLOCK_M=tile["BLOCK_M"], BLOCK_H=next_power_of_two(H), ROUND_NORMALIZED=bool(round_normalized),
-                       RELEASE=pdl, PDL=pdl, RESIDUAL=residual is not None, ROUND_FIRST=x.device.type == "cpu",
-                       num_warps=tile["num_warps"], **({"launch_pdl": True} if pdl else {})))
+    launch = Launch(generated.kernel, grid, (x, r, weight, y, h, M, H, x.stride(0), r.stride(0), y.stride(0),
+                                             h.stride(0), float(eps)),
+                    dict(BLOCK_M=tile["BLOCK_M"], BLOCK_H=next_power_of_two(H), ROUND_NORMALIZED=bool(round_normalized),
+                         RELEASE=pdl, PDL=False, RESIDUAL=residual is not None, ROUND_FIRST=x.device.type == "cpu",
+                         num_warps=tile["num_warps"]))
+    return dependent(launch) if pdl else launch
 
 
 def _norm_quant(generated, x, residual, weight, q, s, h, eps, round_normalized, tile):
